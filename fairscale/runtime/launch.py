@@ -1,0 +1,213 @@
+"""Run a function on N ranks: forked CPU processes on a laptop, or the ranks torchrun launched.
+
+Usage::
+
+    import fairscale
+
+    def train(rank, world_size, steps):
+        ...                       # torch.distributed is initialized here
+        return loss
+
+    losses = fairscale.launch(train, devices=4, args=(3,))   # one result per rank
+
+Outside torchrun, ranks are forked from the calling process (fork context), so they inherit
+everything the parent built: a captured graph, a plan, a model. Forking 8 ranks takes 2–3 s,
+where spawn takes 13–35 s. Each rank runs with one intra-op thread.
+
+If a rank raises or dies, the launcher kills the others and raises :class:`RankFailedError`
+with every failed rank's traceback, after at most ``grace_s`` seconds; nothing hangs. Inside
+torchrun (``RANK``/``WORLD_SIZE`` set), ``launch`` runs ``fn`` once in this process on the
+launched rank and returns a one-element list.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["launch", "RankFailedError", "init_distributed", "under_torchrun"]
+
+
+class RankFailedError(RuntimeError):
+    """One or more ranks failed; ``failures`` maps rank -> traceback text."""
+
+    def __init__(self, failures: dict[int, str], world_size: int) -> None:
+        self.failures = dict(failures)  # in order of arrival: the first is usually the root cause
+        first = next(iter(failures))
+        ranks = ", ".join(str(r) for r in failures)
+        detail = "\n".join(f"--- rank {r} ---\n{t.rstrip()}" for r, t in failures.items())
+        super().__init__(f"rank {first} failed first (failed: {ranks} of {world_size}); "
+                         f"the other ranks were stopped.\n{detail}")
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no orphan rank keeps waiting."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def init_distributed(*, rank: int, world_size: int, init_method: str, backend: str | None = None,
+                     timeout_s: float = 120.0) -> None:
+    """Initialize the default process group (gloo on CPU, NCCL when CUDA is present)."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: Sequence[Any],
+               kwargs: dict[str, Any], conn: Any, backend: str | None, timeout_s: float, threads: int) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      FAIRSCALE_LAUNCHED="1")
+    try:
+        init_distributed(rank=rank, world_size=world_size, init_method=init_method, backend=backend,
+                         timeout_s=timeout_s)
+        result = fn(rank, world_size, *args, **kwargs)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent, then we exit
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown after a sent result must not mask it
+                pass
+    conn.close()
+    os._exit(0)
+
+
+def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+           backend: str | None = None, timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
+           grace_s: float = 5.0, threads_per_rank: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``devices`` ranks and return their results.
+
+    Args:
+        fn: the per-rank function; torch.distributed is initialized when it runs.
+        devices: number of ranks to fork (ignored under torchrun, which fixes the world).
+        args, kwargs: extra arguments; with fork they are inherited, not pickled.
+        backend: ``gloo`` or ``nccl``; default NCCL when CUDA is available, else gloo.
+        timeout_s: wall-clock limit for the whole run.
+        collective_timeout_s: a collective that waits longer than this fails on its rank.
+        grace_s: after the first failure, how long the others get to report before being killed.
+        threads_per_rank: intra-op threads per rank.
+    """
+    kwargs = dict(kwargs or {})
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if not dist.is_initialized():
+            init_distributed(rank=rank, world_size=world, init_method="env://", backend=backend,
+                             timeout_s=collective_timeout_s)
+        return [fn(rank, world, *args, **kwargs)]
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+
+    ctx = mp.get_context("fork")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs, conns = [], []
+    for rank in range(devices):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, name=f"fairscale-rank{rank}",
+                        args=(fn, rank, devices, init_method, args, kwargs, child_end, backend,
+                              collective_timeout_s, threads_per_rank))
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns.append(parent_end)
+    return _collect(procs, conns, timeout_s=timeout_s, grace_s=grace_s)
+
+
+def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float, grace_s: float) -> list[Any]:
+    n = len(procs)
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}  # insertion order = order of arrival: the root cause comes first
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    while len(results) + len(failures) < n:
+        now = time.monotonic()
+        if now > deadline:
+            for r in range(n):
+                if r not in results and r not in failures:
+                    failures[r] = f"still running after the launch timeout of {timeout_s:.0f} s"
+            break
+        if first_failure is not None and now > first_failure + grace_s:
+            for r in range(n):
+                if r not in results and r not in failures:
+                    failures[r] = "stopped by the launcher after another rank failed"
+            break
+        progressed = False
+        for r, (p, c) in enumerate(zip(procs, conns)):
+            if r in results or r in failures:
+                continue
+            if c.poll():
+                try:
+                    status, payload = c.recv()
+                except EOFError:
+                    status, payload = "error", None
+                if status == "ok":
+                    results[r] = payload
+                else:
+                    failures[r] = payload or _death_text(p)
+                    first_failure = first_failure or time.monotonic()
+                progressed = True
+            elif not p.is_alive():
+                if c.poll():  # result arrived between the two checks
+                    continue
+                failures[r] = _death_text(p)
+                first_failure = first_failure or time.monotonic()
+                progressed = True
+        if not progressed:
+            time.sleep(0.005)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+    for c in conns:
+        c.close()
+    # A rank that died silently is the likeliest root cause: the others then fail on a closed socket.
+    silent = {r: t for r, t in failures.items() if t.endswith("without reporting a result")}
+    real = silent | {r: t for r, t in failures.items() if not t.startswith("stopped by the launcher")}
+    if failures:
+        raise RankFailedError(real or failures, n)
+    return [results[r] for r in range(n)]
+
+
+def _death_text(p: Any) -> str:
+    p.join(timeout=0.1)
+    code = p.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"process died from signal {name} without reporting a result"
+    return f"process exited with code {code} without reporting a result"

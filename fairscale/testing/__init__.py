@@ -1,0 +1,1 @@
+"""Test and benchmark helpers: model families and single-process reference training (internal)."""

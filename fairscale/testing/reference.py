@@ -1,0 +1,58 @@
+"""Single-process reference training: the numbers every parallel configuration must reproduce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fairscale.testing.models import Case
+from planner.capture import LossModule
+
+__all__ = ["Trajectory", "train_reference", "compare"]
+
+
+@dataclass
+class Trajectory:
+    losses: list[float] = field(default_factory=list)
+    """Loss of each step (before its optimizer update)."""
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    """state_dict after the last step (detached clones)."""
+
+
+def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:
+    """The optimizer every exactness test uses: Adam, lr 1e-2 (large enough that 3 steps move weights)."""
+    return torch.optim.Adam(params, lr=lr)
+
+
+def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: int = 8,
+                    lr: float = 1e-2) -> Trajectory:
+    """Train ``build()``'s model for ``steps`` Adam steps on the full global batch, in one process."""
+    case = build()
+    wrapped = LossModule(case.model, case.loss_fn)
+    opt = make_optimizer(case.model.parameters(), lr)
+    out = Trajectory()
+    for step in range(steps):
+        batch = case.make_batch(step, global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = wrapped(*batch)
+        loss.backward()
+        opt.step()
+        out.losses.append(loss.item())
+    out.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+    return out
+
+
+def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Assert ``got`` reproduces ``ref``: losses within ``rtol`` relative, parameters within ``atol``."""
+    assert len(ref.losses) == len(got.losses), (ref.losses, got.losses)
+    for i, (a, b) in enumerate(zip(ref.losses, got.losses)):
+        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {i}: loss {b!r} != reference {a!r}"
+    missing = sorted(set(ref.params) - set(got.params))
+    assert not missing, f"parameters missing from the parallel run: {missing[:5]}"
+    for k, v in ref.params.items():
+        w = got.params[k]
+        assert w.shape == v.shape, f"{k}: shape {tuple(w.shape)} != {tuple(v.shape)}"
+        err = (w.float() - v.float()).abs().max().item() if v.numel() else 0.0
+        assert err <= atol, f"{k}: max abs diff {err:.3e} > {atol:.0e}"

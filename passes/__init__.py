@@ -1,0 +1,1 @@
+"""Graph passes: a captured GraphModule and a Plan in, per-rank GraphModules out."""

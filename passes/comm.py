@@ -1,0 +1,318 @@
+"""Collective calls that the passes insert into per-rank graphs, and the counter of what they move.
+
+Graphs refer to process groups by **axis name** (``"dp"``, ``"tp"``, ``"pp"``, or any name a
+runtime registers), so a printed rank graph reads ``tp_all_reduce(x, 'tp')``. The runtime binds
+names to real groups with :func:`set_group` before it runs a graph. An unbound name, or a name
+bound to ``None``, is a group of size 1 on which every collective is the identity.
+
+Autograd pairing (Megatron-LM, Shoeybi et al. 2019, section 3; sequence parallelism,
+Korthikanti et al. 2022, section 4.2.2)::
+
+    forward                      backward
+    copy_to_group    identity     all-reduce        ("f" in Megatron)
+    reduce_from_group all-reduce  identity          ("g")
+    gather_from_group all-gather  keep own chunk
+    scatter_to_group  keep chunk  all-gather
+    gather_seq        all-gather  reduce-scatter    (sequence parallel entry)
+    reduce_scatter_seq reduce-scatter all-gather    (sequence parallel exit)
+
+Every collective records the bytes it moves per rank in :data:`COUNTER`, using the ring-algorithm
+volume (what NCCL reports as bus bytes): all-reduce 2(n-1)/n·B, all-gather and reduce-scatter
+(n-1)/n·B of the full tensor, all-to-all (n-1)/n·B, point-to-point B.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: dict[str, Any] = {}
+
+
+def set_group(axis: str, group: Any) -> None:
+    """Bind ``axis`` to a process group (``None`` = size 1)."""
+    _GROUPS[axis] = group
+
+
+def clear_groups() -> None:
+    _GROUPS.clear()
+
+
+def get_group(axis: str) -> Any:
+    return _GROUPS.get(axis)
+
+
+def group_size(axis: str) -> int:
+    group = _GROUPS.get(axis)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(axis: str) -> int:
+    group = _GROUPS.get(axis)
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ------------------------------------------------------------------------------------------------
+# the byte counter
+
+
+@dataclass
+class CommCounter:
+    """Bytes each collective kind moved on this rank, by the ring-algorithm volume.
+
+    ``bytes[kind]`` is the per-rank wire volume, ``payload[kind]`` the tensor bytes handed to the
+    collective, ``calls[kind]`` the number of calls. Keys are ``"<kind>:<axis>"``.
+    """
+
+    bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    payload: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, axis: str, payload: int, wire: float) -> None:
+        key = f"{kind}:{axis}"
+        self.bytes[key] += wire
+        self.payload[key] += payload
+        self.calls[key] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.payload.clear()
+        self.calls.clear()
+
+    def total_bytes(self) -> float:
+        return float(sum(self.bytes.values()))
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {
+            k: {"bytes": self.bytes[k], "payload": self.payload[k], "calls": self.calls[k]}
+            for k in sorted(self.bytes)
+        }
+
+    def summary(self) -> str:
+        rows = [f"{'collective':<28}{'calls':>8}{'MiB moved':>14}"]
+        for key, row in self.snapshot().items():
+            rows.append(f"{key:<28}{int(row['calls']):>8}{row['bytes'] / 2**20:>14.3f}")
+        rows.append(f"{'total':<28}{'':>8}{self.total_bytes() / 2**20:>14.3f}")
+        return "\n".join(rows)
+
+
+COUNTER = CommCounter()
+"""The process-wide counter every collective in this module records into."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def ring_bytes(kind: str, nbytes: int, n: int) -> float:
+    """Per-rank wire bytes of one collective on ``n`` ranks over a tensor of ``nbytes``.
+
+    ``nbytes`` is the full (unsharded) tensor for all-gather and reduce-scatter. Source: the ring
+    algorithms in Thakur et al. 2005, "Optimization of Collective Communication Operations in MPICH".
+    """
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    if kind in ("send", "recv", "broadcast"):
+        return float(nbytes)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# plain collectives (no autograd), each recording into COUNTER
+
+
+def all_reduce_(t: torch.Tensor, axis: str, *, op: Any = None, async_op: bool = False) -> Any:
+    """In-place sum (or ``op``) all-reduce over ``axis``. Returns a Work if ``async_op``."""
+    n = group_size(axis)
+    if n == 1:
+        return None
+    COUNTER.record("all_reduce", axis, _nbytes(t), ring_bytes("all_reduce", _nbytes(t), n))
+    return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=get_group(axis), async_op=async_op)
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
+    """Gather equal 1-D-contiguous shards into ``out`` (``out.numel() == n * shard.numel()``)."""
+    n = group_size(axis)
+    if n == 1:
+        out.copy_(shard.reshape(out.shape))
+        return None
+    COUNTER.record("all_gather", axis, _nbytes(out), ring_bytes("all_gather", _nbytes(out), n))
+    return dist.all_gather_single(out, shard, group=get_group(axis), async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
+    """Sum ``full`` over ranks and keep this rank's contiguous 1/n of it in ``out``."""
+    n = group_size(axis)
+    if n == 1:
+        out.copy_(full.reshape(out.shape))
+        return None
+    COUNTER.record("reduce_scatter", axis, _nbytes(full), ring_bytes("reduce_scatter", _nbytes(full), n))
+    return dist.reduce_scatter_single(out, full, group=get_group(axis), async_op=async_op)
+
+
+def broadcast_(t: torch.Tensor, axis: str, *, src_rank: int = 0) -> None:
+    """Broadcast from the axis-local rank ``src_rank``."""
+    n = group_size(axis)
+    if n == 1:
+        return
+    group = get_group(axis)
+    COUNTER.record("broadcast", axis, _nbytes(t), ring_bytes("broadcast", _nbytes(t), n))
+    dist.broadcast(t, src=dist.get_global_rank(group, src_rank), group=group)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, axis: str, *,
+                      out_splits: Sequence[int] | None = None, in_splits: Sequence[int] | None = None) -> None:
+    n = group_size(axis)
+    if n == 1:
+        out.copy_(inp)
+        return
+    COUNTER.record("all_to_all", axis, _nbytes(inp), ring_bytes("all_to_all", _nbytes(inp), n))
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=get_group(axis))
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd-paired collectives (what the passes insert)
+
+
+def _gather_dim(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = group_size(axis)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_flat(out, moved, axis)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split_dim(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = group_size(axis)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} ranks of axis {axis!r}")
+    return x.chunk(n, dim=dim)[group_rank(axis)].contiguous()
+
+
+def _reduce_scatter_dim(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = group_size(axis)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} ranks of {axis!r}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_flat(out, moved, axis)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    if group_size(axis) == 1:
+        return x
+    out = x.contiguous().clone()
+    all_reduce_(out, axis)
+    return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _split_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _reduce_scatter_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+def copy_to_group(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity in forward, all-reduce of the gradient in backward."""
+    return _CopyToGroup.apply(x, axis)
+
+
+def reduce_from_group(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """All-reduce (sum) in forward, identity in backward."""
+    return _ReduceFromGroup.apply(x, axis)
+
+
+def gather_from_group(x: torch.Tensor, axis: str, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim`` in forward; keep this rank's chunk of the gradient in backward."""
+    return _GatherFromGroup.apply(x, axis, dim)
+
+
+def scatter_to_group(x: torch.Tensor, axis: str, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk along ``dim`` in forward; all-gather the gradient in backward."""
+    return _ScatterToGroup.apply(x, axis, dim)
+
+
+def gather_seq(x: torch.Tensor, axis: str, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel entry: all-gather along ``dim`` forward, reduce-scatter backward."""
+    return _GatherSeq.apply(x, axis, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, axis: str, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel exit: reduce-scatter along ``dim`` forward, all-gather backward."""
+    return _ReduceScatterSeq.apply(x, axis, dim)

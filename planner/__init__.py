@@ -1,0 +1,1 @@
+"""The planner: pure functions from a captured model and a cluster to a Plan. No process groups."""

@@ -1,0 +1,117 @@
+"""The captured-model IR that the planner reads and the passes rewrite.
+
+Glossary (used everywhere in fairscale, planner and passes):
+
+* **axis**: a mesh axis, one of ``pp`` (pipeline), ``dp`` (data parallel), ``tp`` (tensor parallel).
+* **dim**: a tensor dimension.
+* **layer**: a group of graph nodes owned by one module path (``model.layers.3``); the unit the
+  planner cuts stages between and the unit FSDP and recompute act on.
+* **block**: a set of layers that repeat with the same structure (``model.layers.*``).
+* **stage**: a contiguous run of layers placed on one pipeline rank.
+* **unit**: an FSDP unit, a set of parameters gathered and freed together.
+* **microbatch**: one slice of the batch that flows through the pipeline.
+
+``capture`` (``planner.capture``) produces a :class:`ModelGraph`. Each node of ``ModelGraph.gm``
+carries the ``node.meta`` keys below; passes read them and add their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+# node.meta keys written by planner.capture
+META_VAL = "val"
+"""FakeTensor (or tuple of them) of the node's output. Written by torch.export / capture."""
+META_MODULE = "fs_module"
+"""str: path of the innermost module that owns the node, relative to the user's model ('' = root)."""
+META_LAYER = "fs_layer"
+"""str: name of the :class:`Layer` the node belongs to (every non-placeholder, non-output node has one)."""
+META_FLOPS_FWD = "fs_flops_fwd"
+"""int: forward FLOPs of the node, as torch.utils.flop_counter counts them."""
+META_FLOPS_BWD = "fs_flops_bwd"
+"""int: backward FLOPs of the node (only the gradients autograd actually computes)."""
+META_SAVED_BYTES = "fs_saved_bytes"
+"""int: bytes of tensors the node saves for backward that no other node already saved (deduplicated)."""
+META_PARAM = "fs_param"
+"""str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
+
+
+@dataclass(kw_only=True)
+class Layer:
+    """Facts about one layer, aggregated from its nodes. Units: bytes and FLOPs per step of the captured batch."""
+
+    name: str
+    """Module path of the layer in the user's model, e.g. ``model.layers.3``."""
+    index: int
+    """Position in execution order (0 = first layer to run)."""
+    block: str | None = None
+    """Key of the repeated block this layer belongs to (``model.layers.*``), or None if unique."""
+    nodes: list[str] = field(default_factory=list)
+    """Names of the graph nodes owned by the layer, in topological order."""
+    params: list[str] = field(default_factory=list)
+    """State-dict keys of the parameters the layer uses (a tied parameter is listed by every user)."""
+    param_count: int = 0
+    """Number of parameter elements owned by the layer (a tied parameter counts in its first user)."""
+    param_bytes: int = 0
+    """Bytes of those parameters in their captured dtype."""
+    flops_fwd: int = 0
+    """Forward FLOPs for the captured batch."""
+    flops_bwd: int = 0
+    """Backward FLOPs for the captured batch."""
+    saved_bytes: int = 0
+    """Activation bytes saved for backward by the layer's nodes for the captured batch."""
+    output_bytes: int = 0
+    """Bytes of the values the layer produces that later layers consume (what a stage cut after it sends)."""
+    input_bytes: int = 0
+    """Bytes of the activations entering the layer; what a fully recomputed layer keeps for backward."""
+    attention: dict[str, int] | None = None
+    """For layers that hold attention: ``{"heads": h, "kv_heads": k, "head_dim": d}``, else None."""
+
+
+@dataclass(kw_only=True)
+class ModelGraph:
+    """A captured model: the executable graph, its per-layer facts, and what identifies the model."""
+
+    gm: torch.fx.GraphModule
+    """Flat graph: placeholders are the flattened example inputs, the single output is the loss
+    (or the model output when no loss was captured). Parameters are get_attr nodes."""
+    layers: list[Layer]
+    """Layers in execution order."""
+    model_class: str
+    """Class name of the user's model, e.g. ``LlamaForCausalLM``."""
+    fingerprint: str
+    """Stable hash of the parameter names and shapes; a plan records it to refuse another model."""
+    num_parameters: int
+    """Number of parameter elements (tied parameters counted once)."""
+    param_shapes: dict[str, tuple[int, ...]]
+    """State-dict key -> shape, for every parameter."""
+    param_dtypes: dict[str, str]
+    """State-dict key -> dtype name (``float32``)."""
+    modules: dict[str, str]
+    """Every module path in the user's model -> its class name (for validating plan globs)."""
+    blocks: dict[str, list[str]] = field(default_factory=dict)
+    """Repeated block key -> its layer names in order."""
+    tied: list[list[str]] = field(default_factory=list)
+    """Groups of state-dict keys that share one tensor (e.g. GPT-2's wte and lm_head)."""
+    input_names: list[str] = field(default_factory=list)
+    """Names of the graph placeholders, in call order."""
+    batch_size: int = 1
+    """Batch size of the example inputs, dim 0; per-layer facts scale linearly with it."""
+    tracer: str = "export"
+    """Which tracer produced ``gm``: ``export`` or ``fx``."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts (capture time, sequence length) for reports."""
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer named {name!r}; layers are {[l.name for l in self.layers]}")
+
+    @property
+    def flops_per_step(self) -> int:
+        """Forward + backward FLOPs of one step on the captured batch."""
+        return sum(l.flops_fwd + l.flops_bwd for l in self.layers)
