@@ -1,0 +1,83 @@
+"""The pp × dp × tp device mesh of a plan, and the binding of its axes to process groups.
+
+Rank order puts tp innermost, then dp, then pp, so tensor-parallel groups are consecutive ranks
+(inside one node) and pipeline neighbours are ``dp × tp`` ranks apart::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+    pp=2, dp=2, tp=2:   stage 0: [0 1] [2 3]     stage 1: [4 5] [6 7]
+                               tp↔      dp↕
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from passes import comm
+
+__all__ = ["RankMesh", "build_mesh"]
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """A pp × dp × tp mesh seen from one rank."""
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        """(pp_index, dp_index, tp_index) of ``rank`` (default: this rank)."""
+        r = self.rank if rank is None else rank
+        return r // (self.dp * self.tp), (r // self.tp) % self.dp, r % self.tp
+
+    def rank_of(self, pp_index: int, dp_index: int, tp_index: int) -> int:
+        return (pp_index * self.dp + dp_index) * self.tp + tp_index
+
+    @property
+    def pp_index(self) -> int:
+        return self.coords()[0]
+
+    @property
+    def dp_index(self) -> int:
+        return self.coords()[1]
+
+    @property
+    def tp_index(self) -> int:
+        return self.coords()[2]
+
+    def stage_peer(self, pp_index: int) -> int:
+        """Global rank holding stage ``pp_index`` with this rank's dp and tp coordinates."""
+        _, d, t = self.coords()
+        return self.rank_of(pp_index, d, t)
+
+
+def build_mesh(pp: int, dp: int, tp: int, *, device_type: str | None = None) -> tuple[RankMesh, DeviceMesh]:
+    """Create the DeviceMesh for pp × dp × tp on the current world and bind ``comm`` axes to it.
+
+    Every rank must call this (it creates process groups). Size-1 axes are bound to ``None``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs torch.distributed initialized; run under fairscale.launch or torchrun")
+    world = dist.get_world_size()
+    if pp * dp * tp != world:
+        raise ValueError(f"mesh pp({pp}) × dp({dp}) × tp({tp}) = {pp * dp * tp}, but the world has {world} ranks")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
+    sizes: dict[str, Any] = {"pp": pp, "dp": dp, "tp": tp}
+    for axis in AXES:
+        comm.set_group(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)
+    return RankMesh(pp, dp, tp, dist.get_rank()), device_mesh
