@@ -51,6 +51,9 @@ class ModelRef:
     """Hash of parameter names and shapes; a plan for another model is refused."""
     parameters: int = 0
     """Number of parameters, for the reader."""
+    factory: str = ""
+    """Importable factory (``pkg.module:function``) the plan was made from, if known; lets
+    ``fairscale validate plan.json`` and ``fairscale report plan.json`` rebuild the model."""
 
 
 @dataclass(kw_only=True)
@@ -223,5 +226,7 @@ class PlanError(ValueError):
 
     def __init__(self, problems: list[str], *, source: str = "plan") -> None:
         self.problems = list(problems)
+        self.source = source
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source} has {len(self.problems)} problem(s):\n{lines}")
+        n = len(self.problems)
+        super().__init__(f"{source} has {n} problem{'' if n == 1 else 's'}:\n{lines}")
