@@ -1,0 +1,64 @@
+"""The verifier run before and after the pass pipeline.
+
+It checks what every pass promises to keep true, and names the node when something is off:
+
+* the graph lints (``gm.graph.lint()``) and every get_attr resolves;
+* every parameter of the module has a provenance record (``passes.layout.ParamLayout``), so the
+  runtime can rebuild the user's state_dict;
+* every collective call names an axis that the runtime binds (a string such as ``"tp"``).
+
+node.meta read: ``fs_param`` (capture). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from passes import comm
+from passes.layout import layout_of
+
+__all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
+
+COLLECTIVES = {comm.copy_to_group, comm.reduce_from_group, comm.gather_from_group, comm.scatter_to_group,
+               comm.gather_seq, comm.reduce_scatter_seq}
+"""Autograd-paired collectives whose second argument is the axis name."""
+
+
+class VerifyError(RuntimeError):
+    """A rewritten graph broke an invariant; the message quotes the node."""
+
+
+def verify_pass(gm: torch.fx.GraphModule, *, where: str = "") -> torch.fx.GraphModule:
+    """Check ``gm``'s invariants; returns ``gm`` unchanged, or raises VerifyError listing every problem."""
+    problems: list[str] = []
+    try:
+        gm.graph.lint()
+    except Exception as exc:  # noqa: BLE001 - reported with the others
+        problems.append(f"graph does not lint: {exc}")
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                _resolve(gm, str(node.target))
+            except AttributeError:
+                problems.append(f"{node.format_node()}: get_attr target {node.target!r} does not exist")
+        elif node.op == "call_function" and node.target in COLLECTIVES:
+            axis = node.args[1] if len(node.args) > 1 else node.kwargs.get("axis")
+            if not isinstance(axis, str):
+                problems.append(f"{node.format_node()}: collective axis must be an axis name, got {axis!r}")
+    layout = layout_of(gm)
+    recorded = set(layout.keys) | set(layout.flat)
+    for name, _ in gm.named_parameters(remove_duplicate=False):
+        if name not in recorded:
+            problems.append(f"parameter {name!r} has no provenance in gm.meta['fs_layout']")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise VerifyError(f"graph verification failed{' ' + where if where else ''}:\n{lines}")
+    return gm
+
+
+def _resolve(gm: torch.nn.Module, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
