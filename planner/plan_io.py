@@ -125,7 +125,9 @@ def _read_dataclass(cls: type, data: Any, path: str, problems: list[str]) -> Any
 
 def closest(word: str, allowed: Sequence[str], *, cutoff: float = 0.6) -> str | None:
     """The allowed word most like ``word`` (difflib ratio; ties go to the longer common prefix)."""
-    close = difflib.get_close_matches(word, allowed, n=5, cutoff=cutoff)
+    lower = {a.lower(): a for a in allowed}
+    word = word.lower()  # "1F1B" is one letter case away from "1f1b", not two letters
+    close = difflib.get_close_matches(word, list(lower), n=5, cutoff=cutoff)
     if not close:
         return None
 
@@ -133,7 +135,7 @@ def closest(word: str, allowed: Sequence[str], *, cutoff: float = 0.6) -> str | 
         prefix = next((i for i, (a, b) in enumerate(zip(word, option)) if a != b), min(len(word), len(option)))
         return difflib.SequenceMatcher(None, word, option).ratio(), prefix
 
-    return max(close, key=score)
+    return lower[max(close, key=score)]
 
 
 def _unknown_key(path: str, key: str, allowed: list[str]) -> str:
