@@ -1,0 +1,338 @@
+"""Tensor and sequence parallelism as a rewrite of one rank's graph (Megatron-LM style).
+
+Usage::
+
+    from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+    plan.tensor_parallel.rules = {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise",
+                                  "layers.*.self_attn.o_proj": "rowwise",
+                                  "layers.*.mlp.[gate_proj,up_proj]": "colwise",
+                                  "layers.*.mlp.down_proj": "rowwise",
+                                  "embed_tokens": "vocab_embedding", "lm_head": "vocab_loss"}
+    rank_gm = shard_tensor_parallel_pass(graph.gm, plan, tp_index=r, tp_size=2)
+    loss = rank_gm(input_ids, labels)      # same loss on every tp rank; backward gives local grads
+
+Args:
+    gm: a captured graph (``planner.capture``) or a pipeline stage of one. Placeholders may be any
+        stage inputs (taken as replicated); outputs are returned replicated.
+    plan: ``plan.tensor_parallel.rules`` maps module selectors to styles; the first rule whose
+        selector matches a node's module applies. ``plan.tensor_parallel.sequence_parallel``.
+    tp_index, tp_size: this rank's position on the tp axis and its size (``plan.mesh.tp``).
+    axis: the comm axis name the inserted collectives use.
+
+Styles (per module; the module's linear/addmm/mm/matmul/embedding nodes are sharded):
+
+* ``colwise``: weight split on output features; the output stays sharded on its last dim.
+  A fused output that is later split into equal blocks (GPT-2 ``c_attn`` q|k|v, gate|up) is
+  sharded block by block (``TensorShard.parts``).
+* ``colwise_gather``: colwise, then the output is all-gathered.
+* ``rowwise``: weight split on input features; the output is a partial sum, reduced where it is
+  consumed (all-reduce, or reduce-scatter under sequence parallelism); the bias is added once.
+* ``vocab_embedding``: embedding table split on the vocab (masked lookup, then reduction).
+* ``vocab_loss``: colwise LM head whose sharded logits must reach ``cross_entropy`` (or
+  ``log_softmax`` + ``nll_loss``), which is rewritten to a vocab-parallel cross-entropy.
+* ``expert``: MoE expert weights split on the expert dim (``transformers::grouped_mm_fallback``);
+  each rank runs the tokens routed to its experts and the combine is reduced.
+* ``replicate``: keep the module's parameters whole.
+
+Everything between follows from placement propagation (``passes.tp_rules``): views of heads are
+rewritten to local sizes (``view(b, t, h, d)`` -> ``view(b, t, h/tp, d)``), attention runs on the
+local heads, and collectives are inserted only where a consumer needs another placement. With
+sequence parallelism (Korthikanti et al. 2022) the partial sums become reduce-scatters along the
+sequence (dim 1), norm/dropout/residual regions run on sequence shards, and the all-gather in
+front of a column-parallel block is ``gather_seq`` (reduce-scatter in backward). A node that cannot
+be sharded correctly raises :class:`TPShardError` quoting ``node.format_node()``.
+
+node.meta keys read: ``val`` (shapes), ``fs_module`` (rule matching), ``fs_param`` (user keys).
+node.meta keys written (on the returned graph): ``fs_tp`` (placement of every value: ``R``,
+``S(d)``, ``P``), ``fs_tp_comm`` (on inserted collectives: why), ``fs_tp_style`` (the style that
+applied to a node), ``fs_tp_fallback`` (ops run replicated for lack of a rule), ``val`` (rank-local
+fake tensor) and ``fs_tp_global_shape``. gm.meta written: ``fs_layout`` (a
+:class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp``
+(a summary: sizes, sharded keys, inserted collectives by kind).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from passes import comm
+from passes.layout import META_LAYOUT, ParamLayout, TensorShard
+from passes.tp_placement import Placement, R, S
+from passes.tp_rewrite import META_TP, Rewriter, TPShardError, fmt
+from passes.tp_rules import VIEWS, rule_for
+from planner.plan import TP_STYLES, Plan
+from planner.selectors import parse_selector
+
+__all__ = ["shard_tensor_parallel_pass", "TPShardError", "COLLECTIVES", "collective_counts"]
+
+aten = torch.ops.aten
+META_STYLE = "fs_tp_style"
+META_SUMMARY = "fs_tp"
+
+COLLECTIVES = {
+    comm.copy_to_group: "copy_to_group", comm.reduce_from_group: "reduce_from_group",
+    comm.gather_from_group: "gather_from_group", comm.scatter_to_group: "scatter_to_group",
+    comm.gather_seq: "gather_seq", comm.reduce_scatter_seq: "reduce_scatter_seq",
+}
+"""Autograd-paired collective functions the pass inserts, by name."""
+
+# (weight arg position, bias arg position, column dim, row dim) of the weight for each matmul kind
+_MATMULS: dict[Any, tuple[int, int | None, int, int]] = {
+    aten.linear.default: (1, 2, 0, 1), aten.addmm.default: (2, 0, 1, 0),
+    aten.mm.default: (1, None, 1, 0), aten.matmul.default: (1, None, 1, 0),
+}
+_PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten._to_copy.default}
+
+
+def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many of each tp collective (and vocab-parallel loss) a rank graph calls."""
+    from passes import tp_ops
+
+    named = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
+             tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",
+             tp_ops.expert_grouped_mm: "expert_grouped_mm"}
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in named:
+            counts[named[node.target]] += 1
+    return dict(counts)
+
+
+def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: int,
+                               axis: str = "tp", seq_dim: int = 1) -> torch.fx.GraphModule:
+    """Rewrite ``gm`` into the graph of tp rank ``tp_index`` of ``tp_size`` (see the module docstring)."""
+    if plan.mesh.tp != tp_size:
+        raise TPShardError(f"plan.mesh.tp is {plan.mesh.tp} but tp_size={tp_size} was given")
+    if not 0 <= tp_index < tp_size:
+        raise TPShardError(f"tp_index={tp_index} is outside [0, {tp_size})")
+    tpp = plan.tensor_parallel
+    rules = []
+    for text, style in tpp.rules.items():
+        if style not in TP_STYLES:
+            raise TPShardError(f"tensor_parallel rule {text!r}: unknown style {style!r}; choose from {TP_STYLES}")
+        rules.append((text, parse_selector(text), style))
+    if tp_size == 1:
+        rules, sp = [], False
+    else:
+        sp = tpp.sequence_parallel
+    params, styles = _plan_params(gm, rules, tp_size)
+    rw = Rewriter(gm, tp=tp_size, index=tp_index, axis=axis, sequence_parallel=sp, seq_dim=seq_dim,
+                  params=params, styles=styles)
+    rw.graph._codegen = copy.deepcopy(gm.graph._codegen)
+    for node in gm.graph.nodes:
+        rw.cur = node
+        rw.grad[node] = rw.compute_grad(node)
+        if node.op == "placeholder":
+            new = rw.graph.placeholder(str(node.target), type_expr=node.type,
+                                       default_value=node.args[0] if node.args else inspect.Signature.empty)
+            new.meta = dict(node.meta)
+            place: Any = R if rw.is_tensor(node) else None
+        elif node.op == "get_attr":
+            new = rw.graph.get_attr(str(node.target))
+            new.meta = dict(node.meta)
+            place = params.get(str(node.target), R) if rw.is_tensor(node) else None
+            if isinstance(place, Placement) and place.is_s:
+                rw.set_local_val(new, node, place)
+        elif node.op == "call_function":
+            new, place = rule_for(node.target)(rw, node)
+        elif node.op == "output":
+            want = {a: R for a in node.all_input_nodes if rw.is_tensor(a)}
+            rw.graph.output(rw.map_args(node.args[0], want, R), type_expr=node.type)
+            continue
+        else:
+            raise TPShardError(f"{fmt(node)}: {node.op} nodes are not supported; capture with planner.capture")
+        if isinstance(place, Placement):
+            new.meta[META_TP] = str(place)
+        if node in styles:
+            new.meta[META_STYLE] = styles[node]
+        rw.env[node], rw.place[node] = new, place
+    _fuse_gather_copy(rw.graph)
+    rw.graph.lint()
+    return _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
+
+
+# ------------------------------------------------------------------------------------------ parameters
+
+
+def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
+                 tp: int) -> tuple[dict[str, Placement], dict[Node, str]]:
+    """Placement of every parameter the rules shard, and the style of every matched node."""
+    claims: dict[str, list[tuple[Placement, Node, str]]] = {}
+    styles: dict[Node, str] = {}
+    matched_without_param: dict[str, Node] = {}
+    used_rules: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        path = node.meta.get("fs_module", "")
+        hit = next(((text, style) for text, sel, style in rules if path and sel.matches(path)), None)
+        if hit is None:
+            continue
+        text, style = hit
+        styles[node] = style
+        for target, place in _claims_of(gm, node, style, tp):
+            claims.setdefault(target, []).append((place, node, text))
+            used_rules.add(text)
+        matched_without_param.setdefault(text, node)
+    for text, node in matched_without_param.items():
+        if text not in used_rules and styles[node] != "replicate":
+            raise TPShardError(f"tensor_parallel rule {text!r} ({styles[node]}) matches module "
+                               f"{node.meta.get('fs_module')!r}, which has no linear/embedding/expert parameter "
+                               f"to shard (first node: {fmt(node)}); name the projection modules instead")
+    params: dict[str, Placement] = {}
+    for target, uses in claims.items():
+        first = uses[0]
+        for place, node, text in uses[1:]:
+            if place != first[0]:
+                raise TPShardError(
+                    f"parameter {target} is used by {fmt(first[1])} as {first[0]} (rule {first[2]!r}) and by "
+                    f"{fmt(node)} as {place} (rule {text!r}); tied parameters need one placement")
+        place, node, text = first
+        if place.is_s:
+            shape = list(_attr(gm, target).shape)
+            if shape[place.dim] % (tp * place.parts):
+                raise TPShardError(
+                    f"cannot shard {target} (rule {text!r}, used by {fmt(node)}): dim {place.dim} has size "
+                    f"{shape[place.dim]}, which does not divide by tp={tp}" +
+                    (f" × {place.parts} fused blocks" if place.parts > 1 else ""))
+            params[target] = place
+    return params, styles
+
+
+def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> list[tuple[str, Placement]]:
+    params = [a for a in node.all_input_nodes if a.op == "get_attr" and "fs_param" in a.meta]
+    if not params:
+        return []
+    if style == "replicate":
+        return [(str(a.target), R) for a in params]
+    if style == "expert":
+        return [(str(a.target), S(0)) for a in params if _attr(gm, str(a.target)).dim() >= 3]
+    t = node.target
+    if t in _MATMULS:
+        wpos, bpos, col, row = _MATMULS[t]
+        w = node.args[wpos] if len(node.args) > wpos else None
+        b = node.args[bpos] if bpos is not None and len(node.args) > bpos else None
+        if not (isinstance(w, Node) and w in params and _attr(gm, str(w.target)).dim() == 2):
+            return []
+        if style in ("colwise", "colwise_gather", "vocab_loss"):
+            parts = _infer_parts(node)
+            out = [(str(w.target), S(col, parts))]
+            if isinstance(b, Node) and b in params:
+                out.append((str(b.target), S(0, parts)))
+            return out
+        if style == "rowwise":
+            out = [(str(w.target), S(row))]
+            if isinstance(b, Node) and b in params:
+                out.append((str(b.target), R))
+            return out
+        raise TPShardError(f"style {style!r} does not apply to the matmul {fmt(node)}; use colwise, "
+                           "colwise_gather, rowwise, vocab_loss or replicate")
+    if t == aten.embedding.default:
+        w = node.args[0]
+        if style in ("vocab_embedding", "rowwise"):
+            return [(str(w.target), S(0))]
+        if style == "colwise":
+            return [(str(w.target), S(1))]
+        raise TPShardError(f"style {style!r} does not apply to the embedding {fmt(node)}; use vocab_embedding, "
+                           "colwise or replicate")
+    return []
+
+
+def _infer_parts(node: Node) -> int:
+    """Number of equal blocks a colwise output is split into downstream (fused q|k|v -> 3), else 1."""
+    cur = node
+    while True:
+        users = [u for u in cur.users if "_assert_tensor_metadata" not in str(u.target)]
+        if len(users) != 1:
+            return 1
+        (user,) = users
+        if user.target in _PASSTHROUGH:
+            cur = user
+            continue
+        val = cur.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return 1
+        last = val.dim() - 1
+        if user.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            if dim % val.dim() != last:
+                return 1
+            sizes = {int(v.shape[last]) for v in user.meta.get("val", [])}
+            count = len(user.meta.get("val", []))
+            return count if len(sizes) == 1 and count > 1 else 1
+        return 1
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ------------------------------------------------------------------------------------------ assembly
+
+
+def _fuse_gather_copy(graph: torch.fx.Graph) -> None:
+    """``gather_from_group -> (views) -> copy_to_group`` with no other users is ``gather_seq``:
+    all-gather forward, and in backward split∘all-reduce = one reduce-scatter (Korthikanti et al.
+    2022, section 4.2.2). Views are linear, so the all-reduce commutes with them."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not comm.gather_from_group:
+            continue
+        cur = node
+        while len(cur.users) == 1:
+            (user,) = cur.users
+            if user.target in _PASSTHROUGH and user.args[0] is cur:
+                cur = user
+                continue
+            break
+        if len(cur.users) != 1:
+            continue
+        (copy_node,) = cur.users
+        if copy_node.target is not comm.copy_to_group:
+            continue
+        node.target = comm.gather_seq
+        node.meta["fs_tp_comm"] = node.meta.get("fs_tp_comm", "") + " (fused with copy_to_group)"
+        copy_node.replace_all_uses_with(cur)
+        graph.erase_node(copy_node)
+
+
+def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Placement], *, tp_index: int,
+                  tp_size: int, axis: str, sp: bool) -> torch.fx.GraphModule:
+    root: dict[str, Any] = {}
+    old = gm.meta.get(META_LAYOUT)
+    layout = ParamLayout(keys=dict(old.keys), tp=dict(old.tp), flat=dict(old.flat)) if old else ParamLayout()
+    sharded: dict[str, str] = {}
+    for node in rw.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        value = _attr(gm, target)
+        key = node.meta.get("fs_param")
+        if key is not None and old is None:
+            layout.keys[target] = key
+        place = params.get(target)
+        if place is not None and place.is_s:
+            key = layout.keys.get(target, key or target)
+            shard = TensorShard(key=key, global_shape=tuple(value.shape), dim=place.dim, index=tp_index,
+                                count=tp_size, parts=place.parts, axis=axis)
+            local = shard.slice(value.detach())
+            value = torch.nn.Parameter(local, requires_grad=value.requires_grad) \
+                if isinstance(value, torch.nn.Parameter) else local
+            layout.tp[key] = shard
+            sharded[key] = str(place)
+        root[target] = value
+    out = torch.fx.GraphModule(root, rw.graph, class_name=type(gm).__name__)
+    out.meta = dict(gm.meta)
+    out.meta[META_LAYOUT] = layout
+    out.meta[META_SUMMARY] = {"tp_size": tp_size, "tp_index": tp_index, "axis": axis, "sequence_parallel": sp,
+                              "sharded": sharded, "collectives": collective_counts(out)}
+    return out

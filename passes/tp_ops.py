@@ -1,0 +1,113 @@
+"""Tensor-parallel compute ops that ``shard_tensor_parallel_pass`` calls from rank graphs.
+
+Each is a plain function of tensors and constants, so a printed rank graph reads, e.g.,
+``vocab_parallel_cross_entropy(to_16, reshape_9, 'tp', 64, -100, 1)``. The collectives they run
+record into :data:`passes.comm.COUNTER` like every other collective.
+
+* :func:`vocab_parallel_embedding` - lookup in a vocab-sharded table: ids outside this rank's range
+  read row 0 and are zeroed, so the output is a partial sum (Megatron-LM,
+  ``VocabParallelEmbedding``; Shoeybi et al. 2019). No communication; the pass inserts the
+  all-reduce (or the reduce-scatter under sequence parallelism).
+* :func:`vocab_parallel_cross_entropy` - cross-entropy of vocab-sharded logits without gathering
+  them: an all-reduce(max) of [N] and one all-reduce(sum) of [2, N] (sum of exp and target logit).
+  Megatron-LM ``_VocabParallelCrossEntropy`` (which uses three all-reduces; the two sums are fused
+  here).
+* :func:`expert_grouped_mm` - the expert-parallel form of ``transformers::grouped_mm_fallback``:
+  rows are sorted by expert, and this rank multiplies only the rows of its own experts, leaving
+  zeros elsewhere (a disjoint partial sum).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from passes import comm
+
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm"]
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int,
+                             padding_idx: int = -1) -> torch.Tensor:
+    """Rows ``ids`` of the full table whose rows ``[vocab_start, vocab_start + weight.shape[0])``
+    this rank holds; ids outside that range give zeros. ``padding_idx`` is the global padding
+    row (its gradient stays zero, as in ``nn.Embedding``)."""
+    rows = weight.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + rows)
+    local = (ids - vocab_start).masked_fill(outside, 0)
+    local_pad = padding_idx - vocab_start if 0 <= padding_idx - vocab_start < rows else -1
+    out = torch.ops.aten.embedding.default(weight, local, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
+                ignore_index: int, reduction: int) -> torch.Tensor:
+        x = logits.float()
+        gmax = x.max(dim=-1).values
+        comm.all_reduce_(gmax, axis, op=dist.ReduceOp.MAX)
+        shifted = x - gmax.unsqueeze(-1)
+        exp = shifted.exp()
+        rows = x.shape[-1]
+        inside = (target >= vocab_start) & (target < vocab_start + rows)
+        local_t = (target - vocab_start).masked_fill(~inside, 0)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), picked])
+        comm.all_reduce_(sums, axis)
+        sum_exp, target_logit = sums[0], sums[1]
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_t, inside, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == 0:
+            return loss.to(logits.dtype)
+        total = loss.sum()
+        return (total / count if reduction == 1 else total).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, local_t, inside, valid, count = ctx.saved_tensors
+        g = softmax
+        hit = torch.zeros_like(g).scatter_(-1, local_t.unsqueeze(-1), inside.unsqueeze(-1).to(g.dtype))
+        g = (g - hit) * valid.unsqueeze(-1).to(g.dtype)
+        if ctx.reduction == 0:
+            g = g * grad.unsqueeze(-1)
+        elif ctx.reduction == 1:
+            g = g * (grad / count)
+        else:
+            g = g * grad
+        return g.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
+                                 ignore_index: int = -100, reduction: int = 1) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target)`` from this rank's vocab columns ``logits`` [N, V/tp].
+
+    ``reduction`` uses aten's codes: 0 none, 1 mean (over targets != ignore_index), 2 sum.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"vocab_parallel_cross_entropy takes [N, V/tp] logits, got shape {tuple(logits.shape)}")
+    return _VocabParallelCE.apply(logits, target, axis, vocab_start, ignore_index, reduction)
+
+
+def expert_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_start: int) -> torch.Tensor:
+    """``grouped_mm_fallback(x, full_weight, offsets)`` restricted to this rank's experts.
+
+    ``x`` [T, K] rows are sorted by expert; ``offsets`` [E] is the running end row of each expert;
+    ``weight`` [E/tp, K, N] holds experts ``[expert_start, expert_start + E/tp)``. Rows of other
+    experts come out as zeros.
+    """
+    local = weight.shape[0]
+    lo = int(offsets[expert_start - 1]) if expert_start > 0 else 0
+    hi = int(offsets[expert_start + local - 1])
+    # always call the op, even on zero rows, so the local experts get a (zero) gradient like the
+    # single-process run and the optimizer updates them the same way
+    part = torch.ops.transformers.grouped_mm_fallback.default(
+        x[lo:hi], weight, (offsets[expert_start:expert_start + local] - lo).to(offsets.dtype))
+    n = weight.shape[-1]
+    return torch.cat([x.new_zeros((lo, n)), part, x.new_zeros((x.shape[0] - hi, n))], dim=0)

@@ -1,0 +1,609 @@
+"""Per-op sharding rules of ``shard_tensor_parallel_pass``: which placements an aten op can compute
+on, what placement its output has, and how its constant arguments change for local shapes.
+
+Every rule takes the :class:`~passes.tp_rewrite.Rewriter` and the old node, emits the new node(s)
+and returns ``(new_node, placement)``. An op without a rule runs on replicated inputs (shards are
+gathered, partial sums reduced), which is always correct; a sharded *parameter* reaching such an
+op is an error instead, since gathering a weight every step would silently undo the plan.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.fx import Node
+
+from passes import tp_ops
+from passes.tp_placement import PD, Placement, P, R, S, local_shape, map_view_dim
+from passes.tp_rewrite import Rewriter, TPShardError, fmt
+
+aten = torch.ops.aten
+Rule = Callable[[Rewriter, Node], tuple[Node, Any]]
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def _ops(*names: str) -> set[Any]:
+    out: set[Any] = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(aten, packet, None)
+        if op is None:
+            continue
+        if overload:
+            if hasattr(op, overload):
+                out.add(getattr(op, overload))
+        else:
+            out.update(getattr(op, o) for o in op.overloads())
+    return out
+
+
+ELEMENTWISE = _ops(
+    "add", "sub", "rsub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "silu",
+    "gelu", "relu", "erf", "abs", "clamp", "where", "masked_fill", "to", "_to_copy", "clone", "contiguous",
+    "alias", "detach", "dropout", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "logical_not",
+    "bitwise_not", "type_as", "reciprocal", "square", "softplus", "leaky_relu", "hardtanh", "add_", "mul_",
+    "div_", "sub_", "floor_divide", "sin", "cos", "exp2", "log1p", "expm1", "lerp", "fill", "zeros_like",
+    "ones_like", "empty_like", "full_like", "maximum", "minimum", "float_power", "sign")
+# elementwise ops through which a partial sum stays a partial sum (linear in one partial input)
+P_UNARY = _ops("neg", "to", "_to_copy", "clone", "contiguous", "alias", "detach")
+P_SCALE = _ops("mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "mul_.Tensor", "div_.Tensor")
+# f(0) == 0: safe on disjoint partial sums (each element lives on one rank, zeros elsewhere)
+P_ZERO_PRESERVING = _ops("silu", "gelu", "relu", "tanh", "mul.Tensor")
+VIEWS = _ops("view", "reshape", "_unsafe_view")
+NOT_OUTPUT = _ops("_assert_tensor_metadata")
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _nd(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def _gather_all(rw: Rewriter, node: Node) -> dict[Node, Placement]:
+    for a in rw.tensor_inputs(node):
+        if a.op == "get_attr" and not rw.p(a).is_r:
+            raise TPShardError(
+                f"{fmt(node)} uses the tensor-parallel-sharded parameter {a.target} ({rw.p(a)}), but the pass "
+                f"has no sharding rule for {node.target}; mark its module 'replicate' in the plan")
+    return {a: R for a in rw.tensor_inputs(node)}
+
+
+def _resolve_partials(rw: Rewriter, node: Node) -> dict[Node, Placement]:
+    return {a: rw.resolve_target(a) for a in rw.tensor_inputs(node) if rw.p(a).is_p}
+
+
+def _placed(rw: Rewriter, a: Node, want: dict[Node, Placement]) -> Placement:
+    return want.get(a, rw.p(a))
+
+
+def fallback(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """Any op: replicated inputs, replicated output(s)."""
+    v = rw.val(node)
+    out: Any = [R] * len(v) if isinstance(v, (tuple, list)) else R
+    new = rw.finish(node, _gather_all(rw, node), out)
+    new.meta["fs_tp_fallback"] = True
+    return new, out
+
+
+# ------------------------------------------------------------------------------------------ elementwise
+
+
+def elementwise(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    ins = rw.tensor_inputs(node)
+    places = [rw.p(a) for a in ins]
+    inplace = str(node.target).split(".")[-2].endswith("_") if "." in str(node.target) else False
+    if any(p.is_p for p in places):
+        out_p = _partial_elementwise(node, ins, places)
+        if out_p is not None:
+            return rw.finish(node, {}, out_p), out_p
+    want = _resolve_partials(rw, node)
+    out_nd = rw.ndim(node) if rw.is_tensor(node) else 0
+    out_shape = rw.shape(node) if rw.is_tensor(node) else []
+    chosen: Placement | None = None
+    for a in ins:
+        pl = _placed(rw, a, want)
+        if pl.is_s:
+            chosen = S(pl.dim + out_nd - rw.ndim(a), pl.parts)
+            break
+    if chosen is None:
+        return rw.finish(node, want, R), R
+    for a in ins:
+        pl = _placed(rw, a, want)
+        shift = out_nd - rw.ndim(a)
+        local_dim = chosen.dim - shift
+        if pl.is_s:
+            if S(pl.dim + shift, pl.parts) != chosen:
+                want[a] = S(local_dim) if local_dim >= 0 else R
+        elif local_dim >= 0 and rw.shape(a)[local_dim] != 1:
+            if chosen.parts != 1:
+                raise TPShardError(f"{fmt(node)} combines the fused shard {chosen} with the full tensor {fmt(a)}")
+            want[a] = S(local_dim)
+    if inplace and ins and want.get(ins[0], rw.p(ins[0])) != rw.p(ins[0]):
+        raise TPShardError(f"in-place {fmt(node)} would need its input converted from {rw.p(ins[0])}")
+    del out_shape
+    return rw.finish(node, want, chosen), chosen
+
+
+def _partial_elementwise(node: Node, ins: list[Node], places: list[Placement]) -> Placement | None:
+    parts = [p for p in places if p.is_p]
+    others = [p for p in places if not p.is_p]
+    disjoint = all(p.disjoint for p in parts)
+    if node.target in P_UNARY and len(places) == 1:
+        return places[0]
+    if len(parts) == 1 and all(o.is_r for o in others):
+        if node.target in P_SCALE and (node.target not in _ops("div.Tensor", "div_.Tensor") or places[0].is_p):
+            return parts[0]
+        if disjoint and node.target in P_ZERO_PRESERVING and len(places) == 1:
+            return PD
+    if disjoint and len(parts) == len(places) and node.target in P_ZERO_PRESERVING:
+        return PD
+    return None
+
+
+def assert_meta(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    return rw.finish(node, {}, None), None
+
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+def view(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x = node.args[0]
+    px = rw.p(x)
+    out_shape = rw.shape(node)
+    if px.is_r or px.is_p:
+        return rw.finish(node, {}, px), px
+    k, why = map_view_dim(rw.shape(x), out_shape, px.dim, rw.tp, px.parts)
+    if k is None:
+        if "does not divide by tp" in why or px.parts != 1 and "fused" in why:
+            raise TPShardError(f"cannot shard {fmt(node)}: {why} (input {fmt(x)} is {px}). "
+                               "With attention, the number of (key/value) heads must divide by tp")
+        return rw.finish(node, {x: R}, R), R
+    out = S(k, px.parts)
+    return rw.finish(node, {}, out, args=(x, local_shape(out_shape, out, rw.tp), *node.args[2:])), out
+
+
+def expand(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x = node.args[0]
+    px = rw.p(x)
+    if not px.is_s:
+        return rw.finish(node, {}, px), px
+    out = S(px.dim + rw.ndim(node) - rw.ndim(x), px.parts)
+    return rw.finish(node, {}, out, args=(x, local_shape(rw.shape(node), out, rw.tp), *node.args[2:])), out
+
+
+def _dim_map(rw: Rewriter, node: Node) -> Callable[[int], int | None]:
+    """Old dim of the input -> dim of the output for pure dim-permuting/inserting ops."""
+    x, t = node.args[0], node.target
+    n_in = rw.ndim(x)
+    if t == aten.transpose.int:
+        a, b = _nd(node.args[1], n_in), _nd(node.args[2], n_in)
+        return lambda d: b if d == a else a if d == b else d
+    if t == aten.permute.default:
+        perm = [_nd(d, n_in) for d in node.args[1]]
+        return lambda d: perm.index(d)
+    if t == aten.t.default:
+        return lambda d: 1 - d if n_in == 2 else d
+    if t == aten.unsqueeze.default:
+        u = _nd(node.args[1], n_in + 1)
+        return lambda d: d + 1 if d >= u else d
+    if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(rw.shape(x)) if s == 1]
+        dims = [_nd(d, n_in) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+        dims = [d for d in dims if rw.shape(x)[d] == 1]
+        return lambda d: None if d in dims else d - sum(1 for q in dims if q < d)
+    raise KeyError(t)
+
+
+def dim_op(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x = node.args[0]
+    px = rw.p(x)
+    if not px.is_s:
+        return rw.finish(node, {}, px), px
+    d = _dim_map(rw, node)(px.dim)
+    out = R if d is None else S(d, px.parts)
+    return rw.finish(node, {} if d is not None else {x: R}, out), out
+
+
+def slice_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """slice.Tensor / select.int: fine unless they cut the sharded dim."""
+    x = node.args[0]
+    px = rw.p(x)
+    n_in = rw.ndim(x)
+    dim = _nd(node.args[1] if len(node.args) > 1 else 0, n_in)
+    if px.is_p and node.target == aten.slice.Tensor:
+        return rw.finish(node, {}, px), px
+    if not px.is_s:
+        want = _resolve_partials(rw, node)
+        want = {a: R for a in want}
+        return rw.finish(node, want, R), R
+    if dim == px.dim:
+        whole = node.target == aten.slice.Tensor and rw.shape(node)[dim] == rw.shape(x)[dim]
+        if not whole:
+            return rw.finish(node, {x: R}, R), R
+        out = px
+        end = local_shape(rw.shape(x), px, rw.tp)[dim]
+        return rw.finish(node, {}, out, args=(x, dim, 0, end, *node.args[4:])), out
+    if node.target == aten.select.int:
+        out = S(px.dim - (1 if dim < px.dim else 0), px.parts)
+    else:
+        out = px
+    return rw.finish(node, {}, out), out
+
+
+def split(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """split.Tensor / split_with_sizes / chunk: along another dim, or into the fused blocks."""
+    x = node.args[0]
+    px = rw.p(x)
+    count = len(rw.val(node))
+    n_in = rw.ndim(x)
+    default_dim = 0
+    dim = _nd(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim), n_in)
+    if px.is_p:
+        return rw.finish(node, {}, [px] * count), [px] * count
+    if not px.is_s:
+        want = {x: R} if not px.is_r else {}
+        return rw.finish(node, want, [R] * count), [R] * count
+    if dim != px.dim:
+        return rw.finish(node, {}, [px] * count), [px] * count
+    sizes = [int(v.shape[dim]) for v in rw.val(node)]
+    if px.parts == count and len(set(sizes)) == 1:
+        out = [S(dim)] * count
+        local = sizes[0] // rw.tp
+        if node.target == aten.chunk.default:
+            args: tuple[Any, ...] = (x, count, dim)
+        elif node.target == aten.split_with_sizes.default:
+            args = (x, [local] * count, dim)
+        else:
+            args = (x, local, dim)
+        return rw.finish(node, {}, out, args=args, kwargs={}), out
+    if px.parts != 1:
+        raise TPShardError(f"cannot shard {fmt(node)}: it splits the fused dim {dim} ({px.parts} blocks) into "
+                           f"{sizes}")
+    return rw.finish(node, {x: R}, [R] * count), [R] * count
+
+
+def cat(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    tensors = node.args[0]
+    dim = _nd(node.args[1] if len(node.args) > 1 else 0, rw.ndim(node))
+    places = [rw.p(t) for t in tensors]
+    first = next((p for p in places if p.is_s and p.dim != dim and p.parts == 1), None)
+    if all(p.is_p for p in places):
+        return rw.finish(node, {}, P), P
+    if first is None:
+        want = {t: R for t in tensors}
+        return rw.finish(node, want, R), R
+    want = {t: first for t in tensors}
+    return rw.finish(node, want, first), first
+
+
+def getitem(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    src, i = node.args
+    places = rw.place.get(src)
+    out = places[i] if isinstance(places, list) else R
+    new = rw.emit(operator.getitem, (rw.env[src], i), place=out)
+    rw.set_local_val(new, node, out)
+    return new, out
+
+
+# ------------------------------------------------------------------------------------------ reductions
+
+
+def _dims_arg(node: Node, n: int, pos: int = 1) -> list[int]:
+    dims = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim")
+    if dims is None:
+        return list(range(n))
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return [_nd(d, n) for d in dims] or list(range(n))
+
+
+def reduction(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """sum/mean/amax over dims (keepdim at arg 2)."""
+    x = node.args[0]
+    px = rw.p(x)
+    n = rw.ndim(x)
+    dims = _dims_arg(node, n)
+    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    is_sum = node.target == aten.sum.dim_IntList
+    if px.is_p:
+        if is_sum:
+            return rw.finish(node, {}, P), P
+        px = rw.resolve_target(x)
+        want = {x: px}
+    else:
+        want = {}
+    if not px.is_s or px.parts != 1:
+        want[x] = R
+        return rw.finish(node, want, R), R
+    if px.dim in dims:
+        if is_sum:
+            return rw.finish(node, want, P), P
+        want[x] = R
+        return rw.finish(node, want, R), R
+    d = px.dim if keep else px.dim - sum(1 for q in dims if q < px.dim)
+    return rw.finish(node, want, S(d)), S(d)
+
+
+def softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x = node.args[0]
+    want = _resolve_partials(rw, node)
+    px = want.get(x, rw.p(x))
+    dim = _nd(node.args[1], rw.ndim(x))
+    if px.is_s and px.parts == 1 and px.dim != dim:
+        return rw.finish(node, want, px), px
+    want[x] = R
+    return rw.finish(node, want, R), R
+
+
+def layer_norm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x = node.args[0]
+    want = _resolve_partials(rw, node)
+    px = want.get(x, rw.p(x))
+    normalized = len(node.args[1])
+    for a in rw.tensor_inputs(node)[1:]:
+        if not rw.p(a).is_r:
+            raise TPShardError(f"{fmt(node)}: norm weight {fmt(a)} is sharded ({rw.p(a)}); keep norms replicated")
+    if px.is_s and px.parts == 1 and px.dim < rw.ndim(x) - normalized:
+        return rw.finish(node, want, px), px
+    want[x] = R
+    return rw.finish(node, want, R), R
+
+
+# ------------------------------------------------------------------------------------------ matmuls
+
+
+def _colwise_output(rw: Rewriter, node: Node, new: Node, out: Placement) -> tuple[Node, Any]:
+    style = rw.styles.get(node)
+    if style == "colwise_gather":
+        rw.env[node], rw.place[node] = new, out
+        gathered = rw.get(node, R)
+        del rw.conv[(node, R)]
+        return gathered, R
+    return new, out
+
+
+def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """aten.linear (weight [out, in]) and addmm/mm/matmul with a 2-D parameter (weight [in, out])."""
+    t = node.target
+    if t == aten.linear.default:
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else None
+        col_dim, row_dim = 0, 1
+    elif t == aten.addmm.default:
+        b, x, w = node.args[0], node.args[1], node.args[2]
+        col_dim, row_dim = 1, 0
+    else:
+        x, w = node.args[0], node.args[1]
+        b = None
+        col_dim, row_dim = 1, 0
+    if not isinstance(w, Node) or rw.ndim(w) != 2 or (t == aten.matmul.default and w.op != "get_attr"):
+        return batched_matmul(rw, node)
+    if t == aten.addmm.default and (node.kwargs or len(node.args) > 3):
+        raise TPShardError(f"{fmt(node)}: addmm with beta/alpha is not supported by the tensor-parallel pass")
+    pw = rw.p(w)
+    last = rw.ndim(x) - 1
+    if pw.is_r:
+        want = _resolve_partials(rw, node)
+        px = want.get(x, rw.p(x))
+        if px.is_s and px.dim != last and px.parts == 1:
+            return rw.finish(node, want, px), px
+        want[x] = R
+        return rw.finish(node, want, R), R
+    if pw.is_s and pw.dim == col_dim:
+        out = S(rw.ndim(node) - 1, pw.parts)
+        want = {x: R}
+        if b is not None and rw.p(b) != S(0, pw.parts):
+            raise TPShardError(f"{fmt(node)}: bias {fmt(b)} is {rw.p(b)}, expected S(0) like the colwise weight")
+        new = rw.finish(node, want, out)
+        if rw.styles.get(node) == "vocab_loss":
+            rw.strict[node] = node
+        return _colwise_output(rw, node, new, out)
+    if pw.is_s and pw.dim == row_dim:
+        if pw.parts != 1:
+            raise TPShardError(f"{fmt(node)}: a row-parallel weight cannot be fused ({pw})")
+        want = {x: S(last)}
+        if t == aten.addmm.default:
+            mm = rw.finish(node, want, P, target=aten.mm.default, args=(x, w))
+        else:
+            mm = rw.finish(node, want, P, args=(x, w) if b is not None else None)
+        if b is None:
+            return mm, P
+        return _add_bias(rw, node, mm, b)
+    raise TPShardError(f"{fmt(node)}: weight {fmt(w)} is {pw}, which is neither column- nor row-parallel")
+
+
+def _add_bias(rw: Rewriter, node: Node, mm: Node, b: Node) -> tuple[Node, Any]:
+    """Row-parallel output plus a replicated bias. The bias is added after the reduction (Megatron);
+    under sequence parallelism a 2-D output cannot be sequence-sharded, so the bias is added on tp
+    rank 0 only before the reduce-scatter (its gradient is all-reduced, as sequence parallelism
+    needs for every replicated parameter anyway)."""
+    target = rw.resolve_target(node)
+    if rw.sp and target.is_r:
+        scale = 1.0 if rw.index == 0 else 0.0
+        bias = rw.copied(rw.env[b], b) if rw.grad.get(b, False) else rw.env[b]
+        scaled = rw.emit(aten.mul.Tensor, (bias, scale), place=R)
+        out = rw.emit(aten.add.Tensor, (mm, scaled), place=P)
+        rw.set_local_val(out, node, P)
+        return out, P
+    rw.env[node], rw.place[node] = mm, P
+    reduced = rw.get(node, target)
+    del rw.conv[(node, target)]
+    bias = rw.env[b]
+    if not target.is_r and rw.grad.get(b, False):
+        bias = rw.copied(bias, b)
+    out = rw.emit(aten.add.Tensor, (reduced, bias), place=target)
+    rw.set_local_val(out, node, target)
+    return out, target
+
+
+def batched_matmul(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """Activation x activation matmul/bmm: both sharded on the same batch dim, else replicated."""
+    a, b = node.args[0], node.args[1]
+    want = _resolve_partials(rw, node)
+    pa, pb = want.get(a, rw.p(a)), want.get(b, rw.p(b))
+    if pa.is_s and pa == pb and pa.parts == 1 and pa.dim < rw.ndim(a) - 2 and rw.ndim(a) == rw.ndim(b):
+        return rw.finish(node, want, pa), pa
+    return rw.finish(node, {a: R, b: R}, R), R
+
+
+# ------------------------------------------------------------------------------------------ model ops
+
+
+def embedding(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    w, ids = node.args[0], node.args[1]
+    pw = rw.p(w)
+    if len(node.args) > 3 and (node.args[3] or (len(node.args) > 4 and node.args[4])):
+        if not pw.is_r:
+            raise TPShardError(f"{fmt(node)}: scale_grad_by_freq/sparse embeddings cannot be vocab-sharded")
+    if pw.is_r:
+        want = {ids: R} if not rw.p(ids).is_r else {}
+        return rw.finish(node, want, R), R
+    if pw == S(0):
+        padding = int(node.args[2]) if len(node.args) > 2 else -1
+        start = rw.index * (rw.shape(w)[0] // rw.tp)
+        new = rw.finish(node, {ids: R}, P, target=tp_ops.vocab_parallel_embedding, args=(w, ids, start, padding),
+                        kwargs={})
+        return new, P
+    if pw == S(1):
+        out = S(rw.ndim(node) - 1)
+        return rw.finish(node, {ids: R}, out), out
+    raise TPShardError(f"{fmt(node)}: embedding weight is {pw}")
+
+
+def cross_entropy(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    x, target = node.args[0], node.args[1]
+    args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    weight, reduction, ignore, smoothing = args[2], args[3], args[4], args[5]
+    for k, v in node.kwargs.items():
+        if k == "weight":
+            weight = v
+        elif k == "reduction":
+            reduction = v
+        elif k == "ignore_index":
+            ignore = v
+        elif k == "label_smoothing":
+            smoothing = v
+    px = rw.p(x)
+    if px.is_s and px.dim == 1 and px.parts == 1 and rw.ndim(x) == 2:
+        if weight is not None or smoothing:
+            raise TPShardError(f"{fmt(node)}: vocab-parallel cross-entropy supports no class weights and no "
+                               "label smoothing; replicate the LM head (or use 'colwise_gather') instead")
+        return _vocab_ce(rw, node, x, target, int(ignore), int(reduction))
+    return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
+
+
+def _vocab_ce(rw: Rewriter, node: Node, logits: Node, target: Node, ignore: int, reduction: int) -> tuple[Node, Any]:
+    start = rw.index * (rw.shape(logits)[1] // rw.tp)
+    new = rw.finish(node, {target: R}, R, target=tp_ops.vocab_parallel_cross_entropy,
+                    args=(logits, target, rw.axis, start, ignore, reduction), kwargs={})
+    return new, R
+
+
+def log_softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """log_softmax over a vocab-sharded dim feeding only nll_loss: fused into vocab-parallel CE."""
+    x = node.args[0]
+    px = rw.p(x)
+    dim = _nd(node.args[1], rw.ndim(x))
+    nll = [u for u in node.users if str(u.target).startswith("aten.nll_loss")]
+    if px.is_s and px.dim == dim == 1 and px.parts == 1 and rw.ndim(x) == 2 and node.users and \
+            len(nll) == len(node.users) and all(u.args[0] is node for u in nll):
+        rw.place[node] = ("log_softmax", x)
+        return rw.env[x], ("log_softmax", x)
+    return softmax(rw, node)
+
+
+def nll_loss(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    src = node.args[0]
+    marker = rw.place.get(src)
+    if isinstance(marker, tuple) and marker[0] == "log_softmax":
+        args = list(node.args) + [None, 1, -100][len(node.args) - 2:]
+        if args[2] is not None:
+            raise TPShardError(f"{fmt(node)}: vocab-parallel nll_loss supports no class weights")
+        return _vocab_ce(rw, node, marker[1], node.args[1], int(args[4]), int(args[3]))
+    return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
+
+
+def sdpa(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    q, k, v = node.args[:3]
+    want = _resolve_partials(rw, node)
+    heads = [want.get(t, rw.p(t)) for t in (q, k, v)]
+    if any(h.is_s and h.dim == 1 and h.parts == 1 for h in heads):
+        out = S(1)
+        for t in (q, k, v):
+            want[t] = out
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, Node):
+            pm = want.get(mask, rw.p(mask))
+            mshape = rw.shape(mask)
+            aligned = len(mshape) - 3  # the mask broadcasts against [b, h, t, s]
+            if aligned >= 0 and mshape[aligned] != 1:
+                want[mask] = S(aligned)
+            elif not pm.is_r:
+                want[mask] = R
+        return rw.finish(node, want, out), out
+    return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
+
+
+def grouped_mm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """transformers::grouped_mm_fallback(x [T, K] sorted by expert, w [E, K, N], offsets [E])."""
+    x, w, offs = node.args[:3]
+    pw = rw.p(w)
+    if pw.is_r:
+        return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
+    if pw != S(0):
+        raise TPShardError(f"{fmt(node)}: expert weights must be sharded along the expert dim 0, got {pw}")
+    px = rw.p(x)
+    want: dict[Node, Placement] = {offs: R}
+    if not (px.is_r or (px.is_p and px.disjoint)):
+        want[x] = R
+    start = rw.index * (rw.shape(w)[0] // rw.tp)
+    new = rw.finish(node, want, PD, target=tp_ops.expert_grouped_mm, args=(x, w, offs, start))
+    return new, PD
+
+
+def index(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """x[idx] with index tensors on leading dims: partial sums stay partial, later-dim shards stay."""
+    x, idx = node.args[0], node.args[1]
+    px = rw.p(x)
+    tensors = [i for i in idx if isinstance(i, Node)]
+    if any(not rw.p(i).is_r for i in tensors):
+        return rw.finish(node, _gather_all(rw, node), R), R
+    if px.is_p and len(idx) >= 1 and all(isinstance(i, Node) for i in idx):
+        return rw.finish(node, {}, px), px
+    if px.is_s and len(idx) == 1 and px.dim >= 1 and isinstance(idx[0], Node):
+        out = S(px.dim - 1 + rw.ndim(idx[0]), px.parts)
+        return rw.finish(node, {}, out), out
+    return rw.finish(node, _gather_all(rw, node), R), R
+
+
+RULES: dict[Any, Rule] = {}
+for _op in ELEMENTWISE:
+    RULES[_op] = elementwise
+for _op in VIEWS | _ops("flatten.using_ints"):
+    RULES[_op] = view
+for _op in _ops("transpose.int", "permute", "t", "unsqueeze", "squeeze"):
+    RULES[_op] = dim_op
+for _op in NOT_OUTPUT:
+    RULES[_op] = assert_meta
+RULES.update({
+    aten.expand.default: expand, aten.slice.Tensor: slice_like, aten.select.int: slice_like,
+    aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
+    aten.cat.default: cat, operator.getitem: getitem,
+    aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
+    aten.softmax.int: softmax, aten._softmax.default: softmax, aten.layer_norm.default: layer_norm,
+    aten.log_softmax.int: log_softmax, aten._log_softmax.default: log_softmax,
+    aten.linear.default: linear_like, aten.addmm.default: linear_like, aten.mm.default: linear_like,
+    aten.matmul.default: linear_like, aten.bmm.default: batched_matmul,
+    aten.embedding.default: embedding, aten.cross_entropy_loss.default: cross_entropy,
+    aten.nll_loss.default: nll_loss, aten.nll_loss_forward.default: nll_loss, aten.nll_loss_nd.default: nll_loss,
+    aten.scaled_dot_product_attention.default: sdpa, aten.index.Tensor: index,
+})
+# Hugging Face registers its MoE op when transformers' MoE integration is imported; match by name
+NAMED_RULES: dict[str, Rule] = {"transformers.grouped_mm_fallback.default": grouped_mm}
+
+
+def rule_for(target: Any) -> Rule:
+    return RULES.get(target) or NAMED_RULES.get(str(target), fallback)
