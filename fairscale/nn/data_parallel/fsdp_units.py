@@ -1,0 +1,95 @@
+"""The sharded units of one FullyShardedDataParallel instance, built on the compiler's FSDP ops.
+
+A *unit* is one flat parameter: a :class:`passes.dp_ops.FSDPUnit` whose ``flat`` is this rank's
+padded 1/n shard (the tensor the optimizer updates), plus the :class:`FlatGroup` that says which
+module attributes its members are bound to. The collective pairing is the compiler pass's own
+(``passes.dp_ops.fsdp_unshard``): all-gather in forward, reduce-scatter (sum, then divide by n)
+into ``flat.grad`` in backward, which also frees the gathered buffer. What this module adds:
+
+* :func:`pre_backward`: an identity on a forward's outputs whose backward gathers the units again
+  before any backward op that reads them runs; its forward frees them when resharding after forward.
+  (``passes.dp_ops.fsdp_reshard`` does this for one unit and always frees; an FSDP instance has
+  one to a few units, and ``reshard_after_forward=False`` must keep them.)
+* :func:`gather_full`: the full-precision gather that ``summon_full_params`` and the state-dict
+  methods use (the forward gather is in the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from fairscale.nn.misc.flatten_params_wrapper import FlatGroup
+from passes import comm
+from passes.dp_ops import FSDPUnit
+from passes.layout import FlatShard
+
+__all__ = ["Unit", "pre_backward", "gather_full"]
+
+
+@dataclass
+class Unit:
+    """One flat parameter of an FSDP instance."""
+
+    op: FSDPUnit
+    """The runtime unit: ``op.flat`` is the shard parameter, ``op.full`` the gathered buffer."""
+    group: FlatGroup
+    """Members, and where each is bound in the user's modules."""
+    layout: FlatShard
+    """Sharding math: members in flat order, numel, padded size, this rank's index of count."""
+    flat_name: str | None
+    """Name of the flat parameter on the FlattenParamsWrapper, or None when the parameter keeps its
+    own name (``flatten_parameters=False``)."""
+
+    @property
+    def flat(self) -> torch.nn.Parameter:
+        return self.op.flat
+
+    def shard_range(self) -> tuple[int, int]:
+        s = self.layout.shard_numel
+        return self.layout.index * s, (self.layout.index + 1) * s
+
+
+def shard_of(full: torch.Tensor, n: int, rank: int) -> tuple[torch.Tensor, int]:
+    """This rank's contiguous 1/n of ``full`` (flattened, zero-padded to a multiple of n), and the padded size."""
+    flat = full.reshape(-1)
+    padded = -(-flat.numel() // n) * n if flat.numel() else n
+    s = padded // n
+    out = torch.zeros(s, dtype=flat.dtype, device=flat.device)
+    lo, hi = rank * s, min((rank + 1) * s, flat.numel())
+    if hi > lo:
+        out[:hi - lo].copy_(flat[lo:hi])
+    return out, padded
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, units: list[FSDPUnit], free: bool, *xs: torch.Tensor) -> Any:
+        ctx.units = units
+        if free:
+            for u in units:
+                u.free()
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        for u in ctx.units:
+            u.gather()  # no-op when still gathered from the current shard
+        return (None, None) + grads
+
+
+def pre_backward(units: Sequence[FSDPUnit], free: bool, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Identity on ``tensors`` (a forward's outputs that require grad); frees ``units`` now if
+    ``free``; in backward, gathers them again before the forward's own backward ops run."""
+    return _PreBackward.apply(list(units), free, *tensors)
+
+
+@torch.no_grad()
+def gather_full(unit: Unit) -> torch.Tensor:
+    """All-gather the unit's shard in its own (master) dtype; returns the padded full flat tensor."""
+    flat = unit.flat.detach()
+    full = torch.empty(unit.layout.padded, dtype=flat.dtype, device=flat.device)
+    comm.all_gather_flat(full, flat, unit.op.axis)
+    return full
