@@ -1,0 +1,171 @@
+"""A small data-parallel runner (pp = tp = 1): capture → data-parallel pass → optimizer → steps.
+
+Usage (inside ``fairscale.launch`` or torchrun)::
+
+    graph = capture(model, example_batch, loss_fn=loss_fn)     # once, before forking
+    plan = Plan(data_parallel=DataParallel(kind="fsdp", units="layers.*"))
+
+    def train(rank, world):
+        runner = DataParallelRunner.build(graph, plan, torch.optim.Adam, lr=1e-3)
+        for step in range(steps):
+            loss = runner.train_step(global_batch(step))        # this rank takes its slice
+        print(runner.comm_summary())                           # bytes each collective moved
+        return runner.full_state_dict()                        # rank 0: the user's state_dict
+
+Every rank takes a contiguous ``1/dp`` slice of the global batch along dim 0, so the loss and
+the update equal single-process training on the global batch (for losses that are means over
+equally sized slices). The pipeline/tensor-parallel engine reuses the pass and the optimizer; this
+runner is the dp-only path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from fairscale.runtime import state as _state
+from fairscale.runtime.optim import DataParallelOptimizer
+from passes import comm
+from passes.shard_data_parallel import META_DP, DataParallelInfo, no_sync, shard_data_parallel_pass
+from planner.graph import ModelGraph
+from planner.plan import DataParallel, Plan
+
+__all__ = ["DataParallelRunner", "local_slice", "memory_bytes"]
+
+
+def local_slice(batch: Sequence[Any], index: int, count: int) -> tuple[Any, ...]:
+    """This rank's contiguous slice (dim 0) of every tensor in ``batch``."""
+    out = []
+    for t in batch:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            if t.shape[0] % count:
+                raise ValueError(f"the global batch has {t.shape[0]} rows, which does not divide over "
+                                 f"{count} data-parallel ranks; use a batch size that is a multiple of {count}")
+            per = t.shape[0] // count
+            out.append(t[index * per:(index + 1) * per])
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def memory_bytes(gm: torch.fx.GraphModule, optimizer: DataParallelOptimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters (incl. fp32 master shards and gathered FSDP buffers
+    still allocated), gradients, and per-element optimizer states (scalar step counters excluded)."""
+    info: DataParallelInfo = gm.meta[META_DP]
+    seen: set[int] = set()
+    params = grads = 0
+    for p in gm.parameters():
+        storage = p.untyped_storage()
+        if storage.data_ptr() not in seen or storage.nbytes() == 0:
+            seen.add(storage.data_ptr())
+            params += storage.nbytes()
+        if p.grad is not None:
+            grads += p.grad.numel() * p.grad.element_size()
+    for u in info.units:
+        params += u.full.untyped_storage().nbytes()
+    for b in info.buckets:
+        if b.flat is not None and b.flat.untyped_storage().data_ptr() not in seen:
+            params += b.flat.untyped_storage().nbytes()
+    for holder in [*info.units, *info.buckets]:
+        if holder.acc is not None:
+            grads += holder.acc.numel() * holder.acc.element_size()
+    states = 0
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # per-element state, not step counters
+                    states += v.numel() * v.element_size()
+    return {"params": params, "grads": grads, "optimizer": states}
+
+
+@dataclass
+class DataParallelRunner:
+    """One rank's compiled graph, its optimizer, and the step loop."""
+
+    gm: torch.fx.GraphModule
+    optimizer: DataParallelOptimizer
+    graph: ModelGraph | None
+    dp_index: int
+    dp_size: int
+
+    @classmethod
+    def build(cls, graph: ModelGraph | torch.fx.GraphModule, plan: Plan | DataParallel,
+              optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *, axis: str = "dp",
+              **optimizer_kwargs: Any) -> DataParallelRunner:
+        """Bind the dp axis to the whole world, run the pass for this rank, make the optimizer."""
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallelRunner.build needs torch.distributed initialized; run it under "
+                               "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
+        if isinstance(plan, Plan) and (plan.mesh.pp, plan.mesh.tp) != (1, 1):
+            raise ValueError(f"DataParallelRunner runs pp=tp=1 plans; this plan has mesh pp={plan.mesh.pp}, "
+                             f"tp={plan.mesh.tp}: use the full engine (fairscale.parallelize)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if comm.get_group(axis) is None or comm.group_size(axis) != world:
+            comm.set_group(axis, dist.group.WORLD if world > 1 else None)
+        gm = graph.gm if isinstance(graph, ModelGraph) else graph
+        rank_gm = shard_data_parallel_pass(gm, plan, dp_index=rank, dp_size=world, axis=axis)
+        opt = DataParallelOptimizer(rank_gm, optimizer_cls, **optimizer_kwargs)
+        return cls(gm=rank_gm, optimizer=opt, graph=graph if isinstance(graph, ModelGraph) else None,
+                   dp_index=rank, dp_size=world)
+
+    def train_step(self, global_batch: Sequence[Any], *, microbatches: int = 1, clip_norm: float | None = None,
+                   local: bool = False) -> float:
+        """Forward, backward and optimizer step on this rank's slice of ``global_batch``
+        (or on ``global_batch`` itself when ``local=True``). Returns the mean loss over the global batch.
+
+        With ``microbatches > 1`` the slice is cut again; gradients accumulate under ``no_sync`` and
+        are reduced once, on the last microbatch.
+        """
+        mine = tuple(global_batch) if local else local_slice(global_batch, self.dp_index, self.dp_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(microbatches):
+            part = local_slice(mine, m, microbatches) if microbatches > 1 else mine
+            ctx = no_sync() if m < microbatches - 1 else _null()
+            with ctx:
+                loss = self.gm(*part)
+                (loss / microbatches).backward()
+            total += loss.detach().float().item() / microbatches
+        if clip_norm is not None:
+            self.optimizer.clip_grad_norm_(clip_norm)
+        self.optimizer.step()
+        return self._mean(total)
+
+    def _mean(self, value: float) -> float:
+        """Mean of a per-rank scalar over dp ranks (a reporting all-reduce, not counted as model traffic)."""
+        if self.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=comm.get_group(self.optimizer.info.axis))
+        return float(t.item() / self.dp_size)
+
+    # -- reports and state ------------------------------------------------------------------------
+
+    def comm_summary(self) -> str:
+        """Table of bytes each collective moved on this rank since the counter was last reset."""
+        return comm.COUNTER.summary()
+
+    def memory(self) -> dict[str, int]:
+        return memory_bytes(self.gm, self.optimizer)
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        aliases = self.graph.tied if self.graph is not None else ()
+        return _state.full_state_dict(self.gm, aliases=aliases, rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _state.load_full_state_dict(self.gm, state)
+        for b in self.optimizer.info.buckets:
+            if b.shard is not None:
+                b.gather_params()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -1,0 +1,278 @@
+"""State dicts of rank graphs in the user's keys: full (gathered on rank 0) and sharded.
+
+Usage::
+
+    full = full_state_dict(rank_gm, aliases=graph.tied)        # rank 0: {key: tensor}; others: {}
+    load_full_state_dict(rank_gm, full)                        # every rank passes the same dict
+    shard = sharded_state_dict(rank_gm, dp_mesh)               # {key: DTensor Shard(0) on dp}
+    load_sharded_state_dict(rank_gm, shard)
+
+The sharded form stores every parameter as a DTensor sharded along dim 0 over the dp mesh
+(``torch.chunk`` layout), whatever kind produced it, so a checkpoint written by FSDP on 4 ranks
+loads into DDP or FSDP on 2 (``fairscale.runtime.checkpoint``), and PyTorch FSDP2 uses the same
+layout. Optimizer state is stored the same way under ``optim.<key>.<state name>``.
+
+Limits: tensor-parallel slices are gathered over ``tp`` in the full state dict; the sharded form
+covers dp only (a tp > 1 checkpoint needs 2-D placements; the engine's checkpoint adds them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from passes import comm
+from passes.dp_graph import resolve
+from passes.layout import META_LAYOUT, ParamLayout
+from passes.shard_data_parallel import META_DP, DataParallelInfo
+
+__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
+           "local_tensors"]
+
+
+def _layout(gm: torch.fx.GraphModule) -> ParamLayout:
+    layout = gm.meta.get(META_LAYOUT)
+    if layout is None:
+        raise ValueError("the GraphModule has no parameter layout (gm.meta['fs_layout']); build it with "
+                         "planner.capture and the passes")
+    return layout
+
+
+def _gather_flat(shard: torch.Tensor, padded: int, axis: str) -> torch.Tensor:
+    full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_flat(full, shard.detach().contiguous(), axis)
+    return full
+
+
+def _zero_full(gm: torch.fx.GraphModule, info: DataParallelInfo, states: dict[int, torch.Tensor] | None = None,
+               ) -> dict[str, torch.Tensor]:
+    """key -> full tensor from the zero buckets' master shards (or from ``states``: id(shard) -> tensor
+    of shard shape, e.g. an optimizer moment)."""
+    out: dict[str, torch.Tensor] = {}
+    for b in info.buckets:
+        if b.shard is None:
+            continue
+        src = b.shard if states is None else states.get(id(b.shard))
+        if src is None:
+            continue
+        full = _gather_flat(src, b.padded, info.axis)
+        start = 0
+        for key, shape in zip(b.keys, b.shapes):
+            out[key] = full[start:start + shape.numel()].view(shape).clone()
+            start += shape.numel()
+    return out
+
+
+def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every user key this rank can produce, as full (dp-unsharded) tensors; collective (call on
+    every rank of the dp axis). Tensor-parallel slices stay local here."""
+    layout = _layout(gm)
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    out: dict[str, torch.Tensor] = {}
+    for attr, key in layout.keys.items():
+        try:
+            out[key] = resolve(gm, attr).detach()
+        except AttributeError:
+            continue
+    if info is not None and info.kind in ("zero1", "zero2"):
+        out.update(_zero_full(gm, info))  # fp32 master values, even when replicas are bf16
+    for attr, flat in layout.flat.items():
+        shard = resolve(gm, attr)
+        full = _gather_flat(shard, flat.padded, flat.axis)
+        for key, t in flat.split(full[:flat.numel]).items():
+            out[key] = t.clone()
+    return out
+
+
+def _gather_tp(key: str, t: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    spec = layout.tp.get(key)
+    if spec is None or comm.group_size(spec.axis) == 1:
+        return t
+    pieces = [torch.empty_like(t) for _ in range(spec.count)]
+    dist.all_gather(pieces, t.contiguous(), group=comm.get_group(spec.axis))
+    return spec.assemble(pieces)
+
+
+def full_state_dict(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]] = (),
+                    rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The user's full state_dict, gathered. Collective: every rank calls it.
+
+    Args:
+        aliases: groups of tied keys (``ModelGraph.tied``); every key of a group gets the tensor.
+        rank0_only: only global rank 0 returns tensors (others get ``{}``).
+        cpu: move tensors to the CPU.
+    """
+    layout = _layout(gm)
+    out = {k: _gather_tp(k, v, layout) for k, v in local_tensors(gm).items()}
+    for group in aliases:
+        group = list(group)
+        have = next((k for k in group if k in out), None)
+        if have is not None:
+            for k in group:
+                out.setdefault(k, out[have])
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return {k: (v.cpu() if cpu else v).clone() for k, v in out.items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor]) -> None:
+    """Copy a full state_dict (user keys; every rank passes it) into this rank's tensors."""
+    layout = _layout(gm)
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+
+    def local(key: str, full: torch.Tensor) -> torch.Tensor:
+        spec = layout.tp.get(key)
+        return spec.slice(full) if spec is not None else full
+
+    missing = [k for k in _keys(gm) if k not in state]
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} key(s) this rank holds, e.g. {missing[:5]}")
+    for attr, key in layout.keys.items():
+        try:
+            t = resolve(gm, attr)
+        except AttributeError:
+            continue
+        t.copy_(local(key, state[key]))
+    if info is not None:
+        for b in info.buckets:
+            if b.shard is None:
+                continue
+            flat = torch.zeros(b.padded, dtype=b.shard.dtype)
+            start = 0
+            for key, shape in zip(b.keys, b.shapes):
+                flat[start:start + shape.numel()] = local(key, state[key]).reshape(-1)
+                start += shape.numel()
+            lo, hi = b.shard_range
+            b.shard.copy_(flat[lo:hi])
+    for attr, flat_spec in layout.flat.items():
+        shard = resolve(gm, attr)
+        full = torch.zeros(flat_spec.padded, dtype=shard.dtype)
+        for (key, start, n) in flat_spec.offsets():
+            full[start:start + n] = local(key, state[key]).reshape(-1)
+        per = flat_spec.shard_numel
+        shard.copy_(full[flat_spec.index * per:(flat_spec.index + 1) * per])
+    for unit in (info.units if info is not None else []):
+        unit.free()
+
+
+def _keys(gm: torch.fx.GraphModule) -> list[str]:
+    layout = _layout(gm)
+    keys = list(layout.keys.values())
+    for flat in layout.flat.values():
+        keys += [k for k, _ in flat.members]
+    return keys
+
+
+def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's ``torch.chunk`` piece of ``full`` along dim 0, as a DTensor Shard(0) on ``mesh``."""
+    return DTensor.from_local(_chunk0(full, mesh), mesh, [Shard(0)], run_check=False,
+                              shape=full.shape, stride=full.contiguous().stride())
+
+
+def _chunk0(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    n, i = mesh.size(), mesh.get_local_rank()
+    if full.dim() == 0:
+        return full.clone()
+    per = -(-full.shape[0] // n)
+    return full[min(i * per, full.shape[0]):min((i + 1) * per, full.shape[0])].clone()
+
+
+def sharded_state_dict(gm: torch.fx.GraphModule, mesh: DeviceMesh, *, optimizer: Any = None) -> dict[str, Any]:
+    """Parameters (and ``optimizer`` state, if given) as DTensors sharded on dim 0 over ``mesh``
+    (the dp mesh). Collective. Scalars and 0-d tensors (Adam's ``step``) are stored replicated."""
+    state: dict[str, Any] = {}
+    for key, full in local_tensors(gm).items():
+        state[key] = _to_dtensor(full, mesh) if full.dim() > 0 else full.clone()
+    if optimizer is not None:
+        state.update(_optim_state(gm, optimizer, mesh))
+    return state
+
+
+@torch.no_grad()
+def load_sharded_state_dict(gm: torch.fx.GraphModule, state: dict[str, Any], *, optimizer: Any = None) -> None:
+    """Inverse of :func:`sharded_state_dict` (DTensors may come from another dp size)."""
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
+    load_full_state_dict(gm, {k: v for k, v in full.items() if not k.startswith("optim.")})
+    if optimizer is not None:
+        _load_optim_state(gm, optimizer, full)
+
+
+# -- optimizer state in user keys -----------------------------------------------------------------
+
+
+def _optim_targets(gm: torch.fx.GraphModule, optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[str, torch.Size]], int, int]]:
+    """(optimizer param, [(key, shape)], padded, shard offset) for each tensor the optimizer steps."""
+    layout = _layout(gm)
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    out = []
+    if info is not None and info.kind in ("zero1", "zero2"):
+        for b in info.buckets:
+            if b.shard is not None:
+                out.append((b.shard, list(zip(b.keys, b.shapes)), b.padded, 0))
+    elif info is not None and info.kind == "fsdp":
+        for attr, flat in layout.flat.items():
+            out.append((resolve(gm, attr), [(k, torch.Size(s)) for k, s in flat.members], flat.padded, 0))
+    else:
+        by_id = {id(resolve(gm, a)): k for a, k in layout.keys.items() if _is_param(gm, a)}
+        for p in optimizer.params:
+            out.append((p, [(by_id[id(p)], p.shape)], -1, 0))
+    return out
+
+
+def _is_param(gm: torch.fx.GraphModule, attr: str) -> bool:
+    try:
+        return isinstance(resolve(gm, attr), torch.nn.Parameter)
+    except AttributeError:
+        return False
+
+
+def _optim_state(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    axis = gm.meta[META_DP].axis if META_DP in gm.meta else "dp"
+    for p, members, padded, _ in _optim_targets(gm, optimizer):
+        st = optimizer.state.get(p, {})
+        for name, value in st.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
+                for key, _ in members:
+                    out[f"optim.{key}.{name}"] = value.clone() if isinstance(value, torch.Tensor) else \
+                        torch.tensor(value)
+                continue
+            full = _gather_flat(value, padded, axis) if padded > 0 else value.reshape(-1)
+            start = 0
+            for key, shape in members:
+                out[f"optim.{key}.{name}"] = _to_dtensor(full[start:start + shape.numel()].view(shape), mesh)
+                start += shape.numel()
+    out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return out
+
+
+def _load_optim_state(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, Any]) -> None:
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    n, i = (info.dp_size, info.dp_index) if info is not None else (1, 0)
+    for p, members, padded, _ in _optim_targets(gm, optimizer):
+        names = {k.rsplit(".", 1)[1] for k in full if k.startswith(f"optim.{members[0][0]}.")}
+        st: dict[str, Any] = {}
+        for name in names:
+            first = full[f"optim.{members[0][0]}.{name}"]
+            if first.dim() == 0:  # scalar state (Adam's step): the same for every member
+                st[name] = first.clone()
+                continue
+            flat = torch.cat([full[f"optim.{k}.{name}"].reshape(-1) for k, _ in members])
+            if padded > 0:
+                flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+                per = padded // n
+                st[name] = flat[i * per:(i + 1) * per].clone().to(p.dtype)
+            else:
+                st[name] = flat.view(p.shape).clone().to(p.dtype)
+        if st:
+            optimizer.state[p] = st
+    groups = full.get("optim.param_groups")
+    if groups:
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k in g})

@@ -1,0 +1,208 @@
+"""The FSDP (ZeRO-3) rewrite behind ``shard_data_parallel_pass`` for ``kind="fsdp"``.
+
+Units: every module path selected by ``data_parallel.units`` is a unit; a parameter belongs to the
+innermost selected module that contains it, and the rest form the root unit. Each unit becomes one
+:class:`passes.layout.FlatShard`: members flattened in order of first use, zero-padded to a
+multiple of ``n``; this rank keeps elements ``[i·padded/n, (i+1)·padded/n)`` as an fp32 parameter.
+
+Per unit ``u`` the graph gets (worked picture for two block units and a root)::
+
+    root = fsdp_unshard(self.fsdp_unit_0, self.fsdp_unit_0.flat)    # wte, wpe, ln_f ...
+    b0   = fsdp_unshard(self.fsdp_unit_1, ...)    # forward prefetches unit 2 here
+    ... block 0 ...
+    h    = fsdp_reshard(self.fsdp_unit_1, h)      # frees unit 1; backward re-gathers it
+    b1   = fsdp_unshard(self.fsdp_unit_2, ...)
+    ... block 1 ...
+    h    = fsdp_reshard(self.fsdp_unit_2, h)
+    ... ln_f, lm_head (root stays gathered: it is needed first in backward)
+
+The reshard point of a unit is right after the last node reading any of its parameters or a view
+of them; every floating-point value live across that point that depends on the batch or on the
+unit passes through ``fsdp_reshard``, so autograd runs its backward (the re-gather) before any
+backward op of the unit, and the unit's own backward ends in ``fsdp_unshard``'s backward
+(reduce-scatter, then free). The root unit is not resharded after forward (as PyTorch FSDP2).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx
+from torch import nn
+
+from passes import dp_ops
+from passes.dp_graph import ParamUse, cast_io, common_dtype, find_params, fresh_layout, is_alias_op, positions, rebuild, \
+    replace_param_uses
+from passes.dp_ops import FSDPUnit
+from passes.layout import FlatShard
+from planner.plan import DataParallel
+
+__all__ = ["rewrite_fsdp", "assign_units"]
+
+
+def assign_units(keys: list[str], selector: str) -> dict[str, str]:
+    """user key -> unit name (a selected module path, or ``""`` for the root unit)."""
+    if not selector.strip():
+        return {k: "" for k in keys}
+    from planner.selectors import parse_selector
+
+    sel = parse_selector(selector)
+    out: dict[str, str] = {}
+    for key in keys:
+        parts = key.split(".")
+        owner = ""
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            if sel.matches(prefix):
+                owner = prefix
+                break
+        out[key] = owner
+    if all(v == "" for v in out.values()):
+        raise ValueError(f"data_parallel.units = {selector!r} selects no module holding parameters; "
+                         f"parameters are e.g. {keys[:4]}")
+    return out
+
+
+def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> torch.fx.GraphModule:
+    from passes.shard_data_parallel import META_DP, DataParallelInfo
+
+    layout = fresh_layout(gm)
+    graph = copy.deepcopy(gm.graph)
+    params = find_params(gm, graph, layout)
+    info = DataParallelInfo(kind="fsdp", axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg)
+    objects: dict[str, object] = {}
+    for use in params:
+        if not use.tensor.requires_grad:
+            objects[use.attr] = nn.Parameter(use.tensor.detach().clone(), requires_grad=False)
+            info.replicated[use.attr] = use.key
+            layout.keys[use.attr] = use.key
+    trainable = [u for u in params if u.tensor.requires_grad]
+    owner = assign_units([u.key for u in trainable], cfg.units)
+    groups: dict[str, list[ParamUse]] = {}
+    for use in trainable:  # in order of first use, so units come out in forward order
+        groups.setdefault(owner[use.key], []).append(use)
+    pos = positions(graph)
+    member_nodes: dict[int, list[torch.fx.Node]] = {}
+    for i, (name, members) in enumerate(groups.items()):
+        shapes = [u.tensor.shape for u in members]
+        numel = sum(s.numel() for s in shapes)
+        padded = -(-numel // dp_size) * dp_size
+        per = padded // dp_size
+        master = common_dtype([u.tensor for u in members], f"FSDP unit {name or '<root>'!r}")
+        flat = torch.zeros(per, dtype=master)
+        _fill_shard(flat, [u.tensor.detach() for u in members], dp_index * per)
+        reshard = cfg.reshard_after_forward and name != ""
+        unit = FSDPUnit(index=i, name=name, keys=[u.key for u in members], shapes=list(shapes), n=dp_size,
+                        rank=dp_index, axis=axis, param_dtype=param_dtype or master,
+                        reduce_dtype=reduce_dtype or master, flat=flat,
+                        reshard=reshard, prefetch=cfg.prefetch, offload=cfg.offload)
+        handle = f"fsdp_unit_{i}"
+        objects[handle] = unit
+        info.units.append(unit)
+        for u in members:
+            layout.keys.pop(u.attr, None)
+        layout.flat[f"{handle}.flat"] = FlatShard(members=[(u.key, tuple(u.tensor.shape)) for u in members],
+                                                  numel=numel, padded=padded, index=dp_index, count=dp_size,
+                                                  axis=axis)
+        first = min((user for u in members for n in u.nodes for user in n.users), key=lambda x: pos[x])
+        with graph.inserting_before(first):
+            h = graph.get_attr(handle)
+            f = graph.get_attr(f"{handle}.flat")
+            call = graph.call_function(dp_ops.fsdp_unshard, (h, f))
+            outs = [graph.call_function(operator.getitem, (call, j)) for j in range(len(members))]
+        for u, out in zip(members, outs):
+            replace_param_uses(graph, u, out, keep={call})
+        member_nodes[i] = outs
+    for prev, nxt in zip(info.units, info.units[1:]):
+        prev.next_fwd = nxt
+    resharding = [u for u in info.units if u.reshard]
+    for earlier, later in zip(resharding, resharding[1:]):
+        later.prev_bwd = earlier
+    for unit in resharding:
+        if not _insert_reshard(graph, unit, member_nodes[unit.index]):
+            unit.reshard = False  # its last use is the graph's last computation: nothing to free early
+            if unit.prev_bwd is not None or any(u.prev_bwd is unit for u in resharding):
+                _unlink(resharding, unit)
+    if param_dtype is not None:
+        cast_io(graph, param_dtype)
+    result = rebuild(gm, graph, objects, layout)
+    result.meta[META_DP] = info
+    return result
+
+
+def _unlink(resharding: list[FSDPUnit], unit: FSDPUnit) -> None:
+    for other in resharding:
+        if other.prev_bwd is unit:
+            other.prev_bwd = unit.prev_bwd
+    unit.prev_bwd = None
+
+
+def _fill_shard(shard: torch.Tensor, tensors: list[torch.Tensor], lo: int) -> None:
+    """Copy elements ``[lo, lo + shard.numel())`` of the concatenation of ``tensors`` into ``shard``."""
+    hi = lo + shard.numel()
+    start = 0
+    for t in tensors:
+        n = t.numel()
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            shard[a - lo:b - lo] = t.reshape(-1)[a - start:b - start].to(shard.dtype)
+        start += n
+
+
+def _insert_reshard(graph: torch.fx.Graph, unit: FSDPUnit, views: list[torch.fx.Node]) -> bool:
+    """Insert ``fsdp_reshard`` after the unit's last use; False if nothing runs after it."""
+    pos = positions(graph)
+    aliases: set[torch.fx.Node] = set(views)
+    for node in graph.nodes:  # graph order is topological, so one sweep closes the alias set
+        if node not in aliases and is_alias_op(node, aliases):
+            aliases.add(node)
+    readers = [u for a in aliases for u in a.users] + list(aliases)
+    end = max(readers, key=lambda n: pos[n])
+    # a multi-output node (native_layer_norm) is read through getitems: the cut goes after them
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if pos[node] > pos[end]:
+                break
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                continue
+            for user in node.users:
+                if user.target is operator.getitem and pos[user] > pos[end]:
+                    end, changed = user, True
+    later = [n for n in graph.nodes if pos[n] > pos[end] and n.op not in ("output", "get_attr")]
+    if not later:
+        return False
+    # values that depend on the batch or on this unit; parameters of other units carry no ordering
+    dependent: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or node in aliases or \
+                any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    live = []
+    for node in graph.nodes:
+        if pos[node] > pos[end]:
+            break
+        if node not in dependent or node in aliases:
+            continue
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        if any(pos[u] > pos[end] for u in node.users):
+            live.append(node)
+    with graph.inserting_after(end):
+        h = graph.get_attr(f"fsdp_unit_{unit.index}")
+    with graph.inserting_after(h):
+        call = graph.call_function(dp_ops.fsdp_reshard, (h, *live))
+    prev = call
+    for j, node in enumerate(live):
+        with graph.inserting_after(prev):
+            out = graph.call_function(operator.getitem, (call, j))
+        out.meta["val"] = node.meta.get("val")
+        prev = out
+        cut = pos[end]
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u in pos and pos[u] > cut)
+    return True

@@ -1,0 +1,168 @@
+"""Graph helpers shared by the data-parallel rewrites: parameter discovery, node order, rebuilding
+a GraphModule that owns fresh tensors, and input/output dtype casts for mixed precision."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+
+from passes.layout import META_LAYOUT, ParamLayout, layout_of
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ParamUse:
+    """One parameter of the graph and the get_attr nodes that read it."""
+
+    attr: str
+    """Attribute path in the source GraphModule (the first one, if several alias it)."""
+    key: str
+    """The user's state_dict key."""
+    tensor: nn.Parameter
+    nodes: list[torch.fx.Node] = field(default_factory=list)
+    first_use: int = 0
+    """Position (in graph order) of the first node that reads the parameter."""
+
+
+def dtype_of(name: str, what: str) -> torch.dtype | None:
+    """The low-precision dtype named, or None for ``fp32``: full precision, i.e. the model's own
+    dtype (fp32, or fp64 for a double-precision model)."""
+    if name not in DTYPES:
+        raise ValueError(f"data_parallel.{what} = {name!r}; choose one of {sorted(DTYPES)}")
+    return None if name == "fp32" else DTYPES[name]
+
+
+def common_dtype(tensors: list[torch.Tensor], what: str) -> torch.dtype:
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) != 1:
+        raise ValueError(f"{what} mixes parameter dtypes {dtypes}; flat shards need one dtype: give those "
+                         "parameters their own units (data_parallel.units) or cast the model to one dtype")
+    return tensors[0].dtype
+
+
+def resolve(gm: torch.nn.Module, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLayout) -> list[ParamUse]:
+    """Parameters read by ``graph`` (nodes of the copy), grouped by tensor identity (tied
+    parameters are one entry), ordered by first use."""
+    pos = positions(graph)
+    by_id: dict[int, ParamUse] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = resolve(gm, str(node.target))
+        if not isinstance(obj, nn.Parameter):
+            continue
+        use = by_id.get(id(obj))
+        if use is None:
+            key = layout.keys.get(str(node.target), node.meta.get("fs_param", str(node.target)))
+            use = by_id[id(obj)] = ParamUse(attr=str(node.target), key=key, tensor=obj)
+        use.nodes.append(node)
+    out = []
+    for use in by_id.values():
+        users = [u for n in use.nodes for u in n.users]
+        if not users:
+            continue  # read by nothing: no gradient, nothing to sync
+        use.first_use = min(pos[u] for u in users)
+        out.append(use)
+    out.sort(key=lambda u: u.first_use)
+    return out
+
+
+def replace_param_uses(graph: torch.fx.Graph, use: ParamUse, value: torch.fx.Node,
+                       keep: set[torch.fx.Node]) -> None:
+    """Point every reader of ``use`` (except the nodes in ``keep``) at ``value``."""
+    for node in use.nodes:
+        node.replace_all_uses_with(value, delete_user_cb=lambda u: u not in keep)
+
+
+def set_attr(root: nn.Module, target: str, value: object) -> None:
+    *prefix, name = target.split(".")
+    mod = root
+    for part in prefix:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Module):
+        mod.add_module(name, value)
+    elif isinstance(value, nn.Parameter):
+        mod.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        mod.register_buffer(name, value)
+    else:
+        setattr(mod, name, value)
+
+
+def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str, object],
+            layout: ParamLayout) -> torch.fx.GraphModule:
+    """A new GraphModule running ``graph`` whose get_attr targets come from ``objects`` first and
+    from ``src`` otherwise (shared, e.g. buffers and constants)."""
+    root = nn.Module()
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            owned = any(target.startswith(k + ".") for k in objects if isinstance(objects[k], nn.Module))
+            if target not in objects and not owned:
+                objects[target] = resolve(src, target)
+    for target, obj in objects.items():
+        set_attr(root, target, obj)
+    graph.eliminate_dead_code()
+    graph.lint()
+    out = torch.fx.GraphModule(root, graph, class_name=type(src).__name__)
+    out.meta = copy.copy(src.meta)
+    out.meta[META_LAYOUT] = layout
+    return out
+
+
+def fresh_layout(gm: torch.fx.GraphModule) -> ParamLayout:
+    src = layout_of(gm)
+    return ParamLayout(keys=dict(src.keys), tp=dict(src.tp), flat=dict(src.flat))
+
+
+def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
+    """Mixed precision: cast floating-point inputs to ``dtype``; cast a scalar output (a loss)
+    back to fp32. Pipeline stages that return activations keep them in ``dtype``."""
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
+            with graph.inserting_after(node):
+                cast = graph.call_method("to", (node, dtype))
+            node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+    out = next(n for n in graph.nodes if n.op == "output")
+    res = out.args[0]
+    val = res.meta.get("val") if isinstance(res, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+        with graph.inserting_before(out):
+            cast = graph.call_method("float", (res,))
+        out.args = (cast,)
+
+
+def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:
+    """Whether ``node``'s output may share storage with one of its inputs in ``aliases``."""
+    if not any(isinstance(a, torch.fx.Node) and a in aliases for a in node.all_input_nodes):
+        return False
+    if node.op != "call_function":
+        return True  # conservative
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True  # unknown function: assume it may return a view
+    return any(r.alias_info is not None for r in schema.returns)

@@ -1,0 +1,292 @@
+"""Runtime ops that ``shard_data_parallel_pass`` inserts into rank graphs, paired with autograd.
+
+Each op is a plain function the rewritten graph calls, taking a *handle* (an ``nn.Module`` the pass
+registers on the GraphModule, reached by a ``get_attr`` node) plus tensors::
+
+    bucket = self.dp_bucket_0
+    p = dp_bucket(bucket, shard, w1, w2)        # forward: identity (or cast); backward: all-reduce
+                                                 #   (ddp/zero1) or reduce-scatter (zero2) the bucket
+    unit = self.fsdp_unit_1
+    w = fsdp_unshard(unit, flat)                 # forward: all-gather; backward: reduce-scatter
+    h = fsdp_reshard(unit, h1, h2)               # forward: identity + free the gathered storage;
+                                                 #   backward: all-gather again before the unit's backward
+
+Gradients reach parameters only through autograd's return values (never by writing ``.grad``),
+so ``zero_grad(set_to_none=True)`` is always safe: AccumulateGrad assigns or adds as usual.
+
+Averaging over ``n`` data-parallel ranks is post-division: sum in ``reduce_dtype``, then divide by
+``n`` (one rounding in fp32; PyTorch DDP does the same by default).
+
+Gradient accumulation: inside :func:`no_sync` every op adds its local gradient into a full-size
+accumulation buffer and returns nothing; the first backward outside ``no_sync`` reduces
+``buffer + gradient`` once (PyTorch DDP's ``no_sync`` semantics; for zero2 and fsdp this costs a
+full-size buffer for the duration of the accumulation, as PyTorch FSDP's ``no_sync`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from passes import comm
+
+__all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled"]
+
+_SYNC = [True]
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Defer gradient reduction: backward passes inside accumulate locally; the next backward
+    outside reduces the accumulated total once. Nestable; applies to every data-parallel graph of
+    this process (all pipeline stages of a rank accumulate the same microbatches)."""
+    prev = _SYNC[0]
+    _SYNC[0] = False
+    try:
+        yield
+    finally:
+        _SYNC[0] = prev
+
+
+def sync_enabled() -> bool:
+    return _SYNC[0]
+
+
+def _flat_grads(grads: tuple[torch.Tensor | None, ...], shapes: list[torch.Size], padded: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Concatenate member gradients (None = zero, unused member) into one padded flat tensor."""
+    flat = torch.zeros(padded, dtype=dtype, device=device)
+    start = 0
+    for g, shape in zip(grads, shapes):
+        n = shape.numel()
+        if g is not None:
+            flat[start:start + n].copy_(g.reshape(-1))
+        start += n
+    return flat
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP / ZeRO-1 / ZeRO-2 buckets
+
+
+class DDPBucket(nn.Module):
+    """A gradient bucket of replicated parameters (ddp, zero1, zero2).
+
+    For zero1/zero2 it owns ``shard``: the fp32 master copy of this rank's 1/n slice of the
+    bucket's flat parameters, the tensor the sharded optimizer updates.
+    """
+
+    def __init__(self, *, kind: str, index: int, keys: list[str], shapes: list[torch.Size], n: int, rank: int,
+                 axis: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype, shard: torch.Tensor | None) -> None:
+        super().__init__()
+        self.kind, self.index, self.keys, self.shapes = kind, index, keys, shapes
+        self.n, self.rank, self.axis = n, rank, axis
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.numel = sum(s.numel() for s in shapes)
+        # ddp all-reduces the exact bucket; sharded kinds pad to a multiple of n for equal shards
+        self.padded = self.numel if kind == "ddp" else -(-self.numel // n) * n
+        self.acc: torch.Tensor | None = None
+        """Local gradient accumulated under :func:`no_sync` (full size, reduce dtype)."""
+        self.shard = nn.Parameter(shard) if shard is not None else None
+        self.flat: torch.Tensor | None = None
+        """zero1/zero2: replicated flat storage the parameters are views of (set by the pass)."""
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, index={self.index}, params={len(self.keys)}, numel={self.numel}, n={self.n}"
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        s = self.padded // self.n
+        return self.rank * s, (self.rank + 1) * s
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """zero1/zero2: all-gather the updated master shards into the replicated parameters."""
+        assert self.shard is not None and self.flat is not None
+        comm.all_gather_flat(self.flat, self.shard.detach().to(self.param_dtype), self.axis)
+
+
+class _Bucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> Any:
+        ctx.bucket = bucket
+        ctx.dtypes = [p.dtype for p in params]
+        ctx.device = params[0].device
+        outs = tuple(p.view_as(p) if p.dtype == bucket.param_dtype else p.to(bucket.param_dtype) for p in params)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        b: DDPBucket = ctx.bucket
+        flat = _flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
+        nones = (None,) * len(grads)
+        if not sync_enabled():
+            b.acc = flat if b.acc is None else b.acc.add_(flat)
+            return (None, None) + nones
+        if b.acc is not None:
+            flat.add_(b.acc)
+            b.acc = None
+        lo, hi = b.shard_range
+        if b.kind == "zero2":
+            out = torch.empty(hi - lo, dtype=b.reduce_dtype, device=ctx.device)
+            comm.reduce_scatter_flat(out, flat, b.axis)
+            return (None, out.div_(b.n).to(b.shard.dtype)) + nones
+        comm.all_reduce_(flat, b.axis)
+        flat.div_(b.n)
+        param_grads = []
+        start = 0
+        for shape, dtype in zip(b.shapes, ctx.dtypes):
+            n = shape.numel()
+            param_grads.append(flat[start:start + n].view(shape).to(dtype))
+            start += n
+        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.kind == "zero1" else None
+        return (None, shard_grad) + tuple(param_grads)
+
+
+def dp_bucket(bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity (or cast to ``param_dtype``) in forward; in backward, reduce the bucket's gradients:
+    all-reduce for ddp/zero1 (averaged grads to every parameter, and for zero1 this rank's slice to
+    ``shard``), reduce-scatter for zero2 (only the slice, to ``shard``)."""
+    return _Bucket.apply(bucket, shard, *params)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP units
+
+
+class FSDPUnit(nn.Module):
+    """One FSDP unit: ``flat`` holds this rank's 1/n of the unit's flattened, padded parameters
+    (fp32 master); ``full`` is the gathered buffer in ``param_dtype`` whose storage is freed
+    between uses."""
+
+    def __init__(self, *, index: int, name: str, keys: list[str], shapes: list[torch.Size], n: int, rank: int,
+                 axis: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype, flat: torch.Tensor,
+                 reshard: bool, prefetch: bool, offload: bool) -> None:
+        super().__init__()
+        self.index, self.name, self.keys, self.shapes = index, name, keys, shapes
+        self.n, self.rank, self.axis = n, rank, axis
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reshard, self.prefetch, self.offload = reshard, prefetch, offload
+        self.numel = sum(s.numel() for s in shapes)
+        self.padded = flat.numel() * n
+        self.flat = nn.Parameter(flat)
+        self.compute_device = torch.device("cuda", torch.cuda.current_device()) \
+            if offload and torch.cuda.is_available() else flat.device
+        self.full = torch.empty(self.padded, dtype=param_dtype, device=self.compute_device)
+        self.full.untyped_storage().resize_(0)
+        self.acc: torch.Tensor | None = None
+        self.pending: Any = None
+        """(Work, shard version) of an in-flight prefetch all-gather."""
+        self.gathered_version: int | None = None
+        """``flat._version`` the gathered buffer was made from; None when freed."""
+        self.next_fwd: FSDPUnit | None = None
+        self.prev_bwd: FSDPUnit | None = None
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name!r}, params={len(self.keys)}, numel={self.numel}, padded={self.padded}, n={self.n}, "
+                f"reshard={self.reshard}")
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def _alloc(self) -> None:
+        if not self.is_gathered:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+
+    def free(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+        self.full.untyped_storage().resize_(0)
+        self.gathered_version = None
+
+    def _shard_for_comm(self) -> torch.Tensor:
+        return self.flat.detach().to(device=self.compute_device, dtype=self.param_dtype)
+
+    def start_gather(self) -> None:
+        """Issue an asynchronous all-gather (prefetch) unless the buffer is current or in flight."""
+        version = self.flat._version
+        if self.pending is not None or (self.is_gathered and self.gathered_version == version):
+            return
+        self._alloc()
+        shard = self._shard_for_comm()
+        # .data: collectives write in place; autograd must not see a version bump on saved views
+        work = comm.all_gather_flat(self.full.data, shard, self.axis, async_op=True)
+        self.pending = (work, version, shard)
+
+    def gather(self) -> None:
+        """Make ``full`` hold the current parameters (waiting on a prefetch if one is in flight)."""
+        version = self.flat._version
+        if self.pending is not None:
+            work, v, _ = self.pending
+            if work is not None:
+                work.wait()
+            self.pending = None
+            self.gathered_version = v
+        if self.is_gathered and self.gathered_version == version:
+            return
+        self._alloc()
+        comm.all_gather_flat(self.full.data, self._shard_for_comm(), self.axis)
+        self.gathered_version = version
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
+        ctx.unit = unit
+        unit.gather()
+        if unit.prefetch and unit.next_fwd is not None:
+            unit.next_fwd.start_gather()
+        outs, start = [], 0
+        for shape in unit.shapes:
+            n = shape.numel()
+            outs.append(unit.full[start:start + n].view(shape))
+            start += n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        u: FSDPUnit = ctx.unit
+        flat = _flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
+        u.free()  # every backward op that read the gathered parameters has run
+        if not sync_enabled():
+            u.acc = flat if u.acc is None else u.acc.add_(flat)
+            return None, None
+        if u.acc is not None:
+            flat.add_(u.acc)
+            u.acc = None
+        out = torch.empty(u.padded // u.n, dtype=u.reduce_dtype, device=u.compute_device)
+        comm.reduce_scatter_flat(out, flat, u.axis)
+        return None, out.div_(u.n).to(device=u.flat.device, dtype=u.flat.dtype)
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, unit: FSDPUnit, *xs: torch.Tensor) -> Any:
+        ctx.unit = unit
+        unit.free()
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        u: FSDPUnit = ctx.unit
+        u.gather()
+        if u.prefetch and u.prev_bwd is not None:
+            u.prev_bwd.start_gather()
+        return (None,) + grads
+
+
+def fsdp_unshard(unit: FSDPUnit, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """All-gather the unit's flat shard and return its members as views of the gathered buffer
+    (in ``param_dtype``); in backward, reduce-scatter their gradients into ``flat``'s gradient."""
+    return _Unshard.apply(unit, flat)
+
+
+def fsdp_reshard(unit: FSDPUnit, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity on the values live after the unit's last use; forward frees the unit's gathered
+    storage, backward gathers it again before any of the unit's backward ops runs."""
+    return _Reshard.apply(unit, *xs)

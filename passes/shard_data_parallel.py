@@ -1,0 +1,193 @@
+"""Data parallelism as a graph rewrite: DDP, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3) on the ``dp`` axis.
+
+Usage::
+
+    from passes.shard_data_parallel import shard_data_parallel_pass, no_sync
+    rank_gm = shard_data_parallel_pass(graph.gm, plan, dp_index=r, dp_size=n)
+    loss = rank_gm(*my_slice_of_the_batch); loss.backward()
+    print(rank_gm.code)      # dp_bucket(...) / fsdp_unshard(...) / fsdp_reshard(...) calls are visible
+
+The input GraphModule is left intact: the result owns fresh copies of the parameters (replicated
+kinds) or only this rank's flat shards (fsdp), so one captured graph can be compiled many times.
+Inputs may be any GraphModule: capture's (batch in, loss out), a pipeline stage (arbitrary
+placeholders, tuple output), or one the tensor-parallel pass already rewrote (its local slices are
+what gets bucketed or flattened; ``layout.tp`` is carried over).
+
+What each kind inserts (``n`` = dp size; volumes per rank per step, ``M`` = parameter bytes)::
+
+    kind   forward                 backward                          optimizer step        volume
+    ddp    dp_bucket: identity     all-reduce bucket, / n            local                 2(n-1)/n·M
+    zero1  dp_bucket: identity     all-reduce bucket, / n            1/n shard, all-gather 3(n-1)/n·M
+    zero2  dp_bucket: identity     reduce-scatter bucket, / n        1/n shard, all-gather 2(n-1)/n·M
+    fsdp   fsdp_unshard: gather    reduce-scatter unit, / n          1/n shard (no comm)   3(n-1)/n·M
+           fsdp_reshard: free      gather again (reshard units)                            (2 without reshard)
+
+zero1 follows FairScale's OSS (full averaged gradients on every rank, optimizer state sharded);
+zero2 keeps only 1/n of the gradients (ShardedDDP / DeepSpeed stage 2). Buckets and units are
+padded to a multiple of ``n`` elements so every rank's shard has the same size.
+
+``node.meta`` read: ``fs_param`` (get_attr: user key), ``val`` (placeholders and compute nodes:
+dtype/shape, for casts and liveness). ``gm.meta`` read and written: ``fs_layout``
+(:class:`passes.layout.ParamLayout`); written: ``fs_dp`` (:class:`DataParallelInfo`).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+
+from passes import dp_ops
+from passes.dp_graph import (ParamUse, cast_io, common_dtype, dtype_of, find_params, fresh_layout, positions, rebuild,
+                             replace_param_uses)
+from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
+from passes.layout import FlatShard, ParamLayout
+from planner.plan import DP_KINDS, DataParallel, Plan
+
+__all__ = ["shard_data_parallel_pass", "no_sync", "DataParallelInfo", "META_DP"]
+
+META_DP = "fs_dp"
+"""gm.meta key holding the rank's :class:`DataParallelInfo`."""
+
+
+@dataclass
+class DataParallelInfo:
+    """What the data-parallel pass did, for the optimizer, state dicts and reports."""
+
+    kind: str
+    """ddp, zero1, zero2 or fsdp."""
+    axis: str
+    dp_index: int
+    dp_size: int
+    config: DataParallel
+    buckets: list[DDPBucket] = field(default_factory=list)
+    """ddp/zero: gradient buckets in backward (reduction) order."""
+    units: list[FSDPUnit] = field(default_factory=list)
+    """fsdp: units in forward order."""
+    replicated: dict[str, str] = field(default_factory=dict)
+    """attr -> user key of parameters kept whole on every rank (all of them for ddp/zero; frozen
+    ones for fsdp)."""
+
+    def sharded_params(self) -> list[nn.Parameter]:
+        """The tensors a sharded optimizer steps (zero: bucket shards; fsdp: unit flats)."""
+        if self.kind == "fsdp":
+            return [u.flat for u in self.units]
+        if self.kind in ("zero1", "zero2"):
+            return [b.shard for b in self.buckets if b.shard is not None]
+        return []
+
+
+def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel, *, dp_index: int, dp_size: int,
+                             axis: str = "dp") -> torch.fx.GraphModule:
+    """Rewrite ``gm`` for rank ``dp_index`` of ``dp_size`` data-parallel ranks per ``plan.data_parallel``.
+
+    Args:
+        gm: a captured or already-rewritten GraphModule (left unchanged).
+        plan: the Plan, or just its ``DataParallel`` section.
+        dp_index, dp_size: this rank's position on the dp axis and the axis size.
+        axis: the comm axis name collectives use (bound with ``passes.comm.set_group``).
+    """
+    cfg = plan.data_parallel if isinstance(plan, Plan) else plan
+    if cfg.kind not in DP_KINDS:
+        raise ValueError(f"data_parallel.kind = {cfg.kind!r}; choose one of {list(DP_KINDS)}")
+    if not 0 <= dp_index < dp_size:
+        raise ValueError(f"dp_index {dp_index} is outside [0, dp_size={dp_size})")
+    if cfg.offload and cfg.kind == "ddp":
+        raise ValueError("data_parallel.offload needs kind zero1, zero2 or fsdp (ddp keeps every state "
+                         "replicated on the device); change kind or set offload=false")
+    param_dtype = dtype_of(cfg.param_dtype, "param_dtype")
+    reduce_dtype = dtype_of(cfg.reduce_dtype, "reduce_dtype")
+    if cfg.kind == "fsdp":
+        from passes.dp_fsdp import rewrite_fsdp
+
+        return rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
+                            reduce_dtype=reduce_dtype)
+    return _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
+                            reduce_dtype=reduce_dtype)
+
+
+def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]]:
+    """Group trainable parameters into buckets in reverse order of first use (the order their
+    gradients become ready in backward), each up to ``bucket_bytes`` (PyTorch DDP's policy)."""
+    out: list[list[ParamUse]] = []
+    size = 0.0
+    for use in reversed(params):
+        nbytes = use.tensor.numel() * use.tensor.element_size()
+        if not out or (size + nbytes > bucket_bytes and out[-1]) or out[-1][0].tensor.dtype != use.tensor.dtype:
+            out.append([])
+            size = 0.0
+        out[-1].append(use)
+        size += nbytes
+    return out
+
+
+def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
+                     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> torch.fx.GraphModule:
+    if cfg.bucket_mb <= 0:
+        raise ValueError(f"data_parallel.bucket_mb = {cfg.bucket_mb}; it must be > 0")
+    layout = fresh_layout(gm)
+    graph = copy.deepcopy(gm.graph)
+    params = find_params(gm, graph, layout)
+    info = DataParallelInfo(kind=cfg.kind, axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg)
+    objects: dict[str, object] = {}
+    sharded = cfg.kind in ("zero1", "zero2")
+    trainable = [u for u in params if u.tensor.requires_grad]
+    for use in params:
+        if not use.tensor.requires_grad:
+            objects[use.attr] = nn.Parameter(use.tensor.detach().clone(), requires_grad=False)
+            info.replicated[use.attr] = use.key
+    pos = positions(graph)
+    for i, bucket_params in enumerate(_buckets(trainable, cfg.bucket_mb * 2**20)):
+        shapes = [u.tensor.shape for u in bucket_params]
+        numel = sum(s.numel() for s in shapes)
+        padded = -(-numel // dp_size) * dp_size
+        master = common_dtype([u.tensor for u in bucket_params], f"bucket {i}")
+        full = torch.zeros(padded, dtype=master)
+        start = 0
+        for u in bucket_params:
+            full[start:start + u.tensor.numel()] = u.tensor.detach().reshape(-1)
+            start += u.tensor.numel()
+        shard = None
+        if sharded:
+            s = padded // dp_size
+            shard = full[dp_index * s:(dp_index + 1) * s].clone()
+        bucket = DDPBucket(kind=cfg.kind, index=i, keys=[u.key for u in bucket_params], shapes=list(shapes),
+                           n=dp_size, rank=dp_index, axis=axis, param_dtype=param_dtype or master,
+                           reduce_dtype=reduce_dtype or master, shard=shard)
+        # replicated parameters: zero kinds keep them (in param_dtype) as views of one flat buffer
+        # that the post-step all-gather writes into; ddp keeps independent fp32 copies
+        if sharded:
+            bucket.flat = full.to(bucket.param_dtype)
+            start = 0
+            for u in bucket_params:
+                n = u.tensor.numel()
+                view = bucket.flat[start:start + n].view(u.tensor.shape)
+                objects[u.attr] = nn.Parameter(view, requires_grad=cfg.kind == "zero1")
+                start += n
+        else:
+            for u in bucket_params:
+                objects[u.attr] = nn.Parameter(u.tensor.detach().clone(), requires_grad=True)
+        for u in bucket_params:
+            info.replicated[u.attr] = u.key
+        handle_name = f"dp_bucket_{i}"
+        objects[handle_name] = bucket
+        info.buckets.append(bucket)
+        first = min((user for u in bucket_params for n in u.nodes for user in n.users), key=lambda x: pos[x])
+        with graph.inserting_before(first):
+            h = graph.get_attr(handle_name)
+            s_node = graph.get_attr(f"{handle_name}.shard") if sharded else None
+            call = graph.call_function(dp_ops.dp_bucket, (h, s_node, *[u.nodes[0] for u in bucket_params]))
+            outs = [graph.call_function(operator.getitem, (call, j)) for j in range(len(bucket_params))]
+        for u, out in zip(bucket_params, outs):
+            replace_param_uses(graph, u, out, keep={call})
+    if param_dtype is not None:
+        cast_io(graph, param_dtype)
+    result = rebuild(gm, graph, objects, layout)
+    for attr in info.replicated:
+        layout.keys.setdefault(attr, info.replicated[attr])
+    result.meta[META_DP] = info
+    return result
