@@ -7,7 +7,7 @@ A plan names modules by path, with globs and ranges (see ``planner.selectors``):
       "model": {"class": "LlamaForCausalLM", "fingerprint": "3f2a…", "parameters": 6738415616},
       "cluster": {"preset": "h100-sxm", "nodes": 1},
       "mesh": {"pp": 2, "dp": 2, "tp": 2},
-      "schedule": {"kind": "1f1b", "microbatches": 8, "virtual_stages": 1},
+      "schedule": {"kind": "1f1b", "microbatches": 8, "virtual_stages": 1, "global_batch": 64},
       "stages": [{"layers": "embed_tokens, layers.[0-15]"}, {"layers": "layers.[16-31], norm, lm_head"}],
       "tensor_parallel": {"rules": {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise",
                                     "layers.*.self_attn.o_proj": "rowwise"},
@@ -82,6 +82,9 @@ class Schedule:
     """Microbatches per step; the global batch must divide by dp × microbatches."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved only; 1 otherwise)."""
+    global_batch: int = 0
+    """Samples per optimizer step the plan was made for (0: not recorded). It must split into
+    dp × microbatches equal microbatches; re-costing a loaded plan uses it."""
 
 
 @dataclass(kw_only=True)

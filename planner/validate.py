@@ -16,6 +16,8 @@ Usage::
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Sequence
 
 from planner.graph import ModelGraph
@@ -164,6 +166,14 @@ def _check_schedule(plan: Plan, problems: list[str]) -> None:
             f"schedule.microbatches: 1f1b with pp({pp}) needs at least {pp} microbatches, got {s.microbatches}: "
             f"its warm-up sends one microbatch into each of the {pp} stages before the first backward, so with "
             f'fewer the pipeline never fills; use {pp} or more, or kind "gpipe"')
+    if s.global_batch < 0:
+        problems.append(f"schedule.global_batch: expected a positive number of samples (or 0: not recorded), "
+                        f"got {s.global_batch}")
+    elif s.global_batch and plan.mesh.dp >= 1 and s.global_batch % (plan.mesh.dp * s.microbatches):
+        parts = plan.mesh.dp * s.microbatches
+        problems.append(f"schedule.global_batch: {s.global_batch} samples do not split into dp({plan.mesh.dp}) × "
+                        f"microbatches({s.microbatches}) = {parts} equal microbatches ({s.global_batch} % {parts} = "
+                        f"{s.global_batch % parts})")
     if s.kind == "interleaved" and s.microbatches % pp:
         problems.append(
             f"schedule.microbatches: interleaved runs microbatches in rounds of pp({pp}) "
@@ -375,6 +385,10 @@ def _check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[
         _check_heads(plan, graph, parsed, problems)
 
 
+_ATTENTION = re.compile(r"Attention")
+"""Class names of attention modules (LlamaAttention, GPT2Attention, nn.MultiheadAttention, ours)."""
+
+
 def _check_heads(plan: Plan, graph: ModelGraph, parsed: list[tuple[str, Selector, str]],
                  problems: list[str]) -> None:
     tp = plan.mesh.tp
@@ -384,6 +398,10 @@ def _check_heads(plan: Plan, graph: ModelGraph, parsed: list[tuple[str, Selector
         if not att:
             continue
         inside = [m for m in graph.modules if m == layer.name or m.startswith(layer.name + ".")]
+        # Only sharding inside the attention module splits heads (an MLP-only rule does not).
+        roots = [m for m in inside if _ATTENTION.search(graph.modules[m])]
+        if roots:
+            inside = [m for m in inside if any(m == r or m.startswith(r + ".") for r in roots)]
         if not any(style != "replicate" and sel.select(inside) for _, sel, style in parsed):
             continue
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Callable
 
 import pytest
@@ -12,6 +13,7 @@ from fairscale.testing.models import build
 from planner.capture import capture
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel
+from planner.selectors import format_layers
 from planner.validate import device_count, validate_plan
 
 ATTENTION = {"heads": 4, "kv_heads": 2, "head_dim": 16}
@@ -34,7 +36,12 @@ def llama() -> ModelGraph:
 
 @pytest.fixture(scope="module")
 def gpt2() -> ModelGraph:
-    return _capture("gpt2")
+    """GPT-2 with 2 blocks (heads 4, hidden 64); its Conv1D weights are (in, out)."""
+    graph = _capture("gpt2")
+    heads = {"heads": 4, "kv_heads": 4, "head_dim": 16}
+    layers = [dataclasses.replace(l, attention=l.attention or (heads if l.name.startswith("transformer.h.") else None))
+              for l in graph.layers]
+    return dataclasses.replace(graph, layers=layers)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +49,23 @@ def mixtral() -> ModelGraph:
     return _capture("mixtral")
 
 
+def names(graph: ModelGraph) -> list[str]:
+    return [layer.name for layer in graph.layers]
+
+
+def halves(graph: ModelGraph) -> tuple[str, str]:
+    """Stage selectors cutting the model before model.layers.2 (whatever glue layers capture makes)."""
+    cut = names(graph).index("model.layers.2")
+    return format_layers(names(graph)[:cut]), format_layers(names(graph)[cut:])
+
+
 def good_plan(graph: ModelGraph) -> Plan:
+    first, second = halves(graph)
     return Plan(
         model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint, parameters=graph.num_parameters),
         mesh=Mesh(pp=2, dp=2, tp=2),
         schedule=Schedule(kind="1f1b", microbatches=4),
-        stages=[Stage(layers="model.embed_tokens, model.rotary_emb, model.layers.[0-1]"),
-                Stage(layers="model.layers.[2-3], model.norm, lm_head")],
+        stages=[Stage(layers=first), Stage(layers=second)],
         tensor_parallel=TensorParallel(rules={
             "layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.self_attn.o_proj": "rowwise",
             "layers.*.mlp.[gate_proj,up_proj]": "colwise", "layers.*.mlp.down_proj": "rowwise",
@@ -56,6 +73,12 @@ def good_plan(graph: ModelGraph) -> Plan:
         data_parallel=DataParallel(kind="fsdp", units="layers.*", param_dtype="bf16"),
         recompute={"layers.[0-1]": "full", "layers.[2-3]": "selective"},
     )
+
+
+def parse(text: str) -> list[str]:
+    from planner.selectors import parse_selector
+
+    return [p.text for p in parse_selector(text).patterns]
 
 
 def problems(plan: Plan, graph: ModelGraph | None, devices: int | None = 8, cluster: object = None) -> list[str]:
@@ -110,7 +133,7 @@ def test_non_positive_degrees(llama: ModelGraph) -> None:
 
 def test_selector_that_matches_nothing_suggests_a_fix(llama: ModelGraph) -> None:
     def change(p: Plan) -> None:
-        p.stages[1].layers = "layerz.[2-3], model.norm, lm_head"
+        p.stages[1].layers = halves(llama)[1].replace("model.layers.[2-3]", "layerz.[2-3]")
 
     assert problems(edit(llama, change), llama) == [
         'stages[1].layers: "layerz.[2-3]" matches no layer; did you mean "layers.[2-3]"?',
@@ -118,30 +141,31 @@ def test_selector_that_matches_nothing_suggests_a_fix(llama: ModelGraph) -> None
 
 
 def test_selector_without_a_close_spelling_lists_the_layers(llama: ModelGraph) -> None:
-    plan = edit(llama, lambda p: setattr(p.stages[1], "layers", "model.layers.[2-3], model.norm, lm_head, qqq"))
-    assert problems(plan, llama) == [
-        'stages[1].layers: "qqq" matches no layer (layers are: model.embed_tokens, model.rotary_emb, model.layers.*, '
-        "model.norm, lm_head)"]
+    plan = edit(llama, lambda p: setattr(p.stages[1], "layers", halves(llama)[1] + ", qqq"))
+    outline = ", ".join(dict.fromkeys(re.sub(r"\.\d+", ".*", n) for n in names(llama)))
+    assert outline.startswith("model.embed_tokens") and "model.layers.*, model.norm, lm_head" in outline
+    assert problems(plan, llama) == [f'stages[1].layers: "qqq" matches no layer (layers are: {outline})']
 
 
 def test_stage_naming_a_module_inside_a_layer(llama: ModelGraph) -> None:
-    plan = edit(llama, lambda p: setattr(p.stages[1], "layers", "model.layers.[2-3], model.norm, lm_head, "
-                                                                  "layers.3.mlp"))
+    plan = edit(llama, lambda p: setattr(p.stages[1], "layers", halves(llama)[1] + ", layers.3.mlp"))
     assert problems(plan, llama) == [
         'stages[1].layers: "layers.3.mlp" matches no layer but modules inside one (model.layers.3.mlp); name whole '
-        "layers: model.embed_tokens, model.rotary_emb, model.layers.[0-3], model.norm, lm_head"]
+        f"layers: {format_layers(names(llama))}"]
 
 
 def test_stages_overlap_gap_and_order(llama: ModelGraph) -> None:
     def overlap(p: Plan) -> None:
-        p.stages[1].layers = "model.layers.[1-3], model.norm, lm_head"
+        p.stages[1].layers = "model.layers.1, " + halves(llama)[1]
 
     assert problems(edit(llama, overlap), llama) == [
         "stages: model.layers.1 is in stages[0] and stages[1]; each layer must be in exactly one stage"]
 
     def gap(p: Plan) -> None:
-        p.stages = [Stage(layers="model.embed_tokens, model.rotary_emb, model.layers.0, model.layers.2"),
+        p.stages = [Stage(layers="model.embed_tokens, model.layers.0, model.layers.2"),
                     Stage(layers="model.layers.1, model.layers.3, model.norm, lm_head")]
+        glue = [n for n in names(llama) if n not in parse(p.stages[0].layers + ", " + p.stages[1].layers)]
+        p.stages[0].layers += "".join(f", {n}" for n in glue)  # any glue layers capture adds go first
 
     assert problems(edit(llama, gap), llama) == [
         "stages[0].layers: not contiguous: it holds model.embed_tokens to model.layers.2 but not model.layers.1 in "
@@ -152,14 +176,15 @@ def test_stages_overlap_gap_and_order(llama: ModelGraph) -> None:
     def swapped(p: Plan) -> None:
         p.stages = p.stages[::-1]
 
+    last = len(llama.layers) - 1
     assert problems(edit(llama, swapped), llama) == [
         "stages[1]: runs before stages[0]: its first layer model.embed_tokens is layer 0, but stages[0] ends at "
-        "layer 7 (lm_head); list stages in execution order"]
+        f"layer {last} (lm_head); list stages in execution order"]
 
 
 def test_stage_count_must_be_pp_times_virtual_stages(llama: ModelGraph) -> None:
     def three(p: Plan) -> None:
-        p.stages = [Stage(layers="model.embed_tokens, model.rotary_emb, model.layers.0"),
+        p.stages = [Stage(layers=halves(llama)[0].replace("model.layers.[0-1]", "model.layers.0")),
                     Stage(layers="model.layers.[1-2]"), Stage(layers="model.layers.3, model.norm, lm_head")]
 
     assert problems(edit(llama, three), llama) == [
@@ -167,7 +192,7 @@ def test_stage_count_must_be_pp_times_virtual_stages(llama: ModelGraph) -> None:
     assert problems(edit(llama, lambda p: setattr(p, "stages", [])), llama) == [
         "stages: empty (one stage holding every layer), but pp(2) × virtual_stages(1) = 2 stages are needed"]
     empty = edit(llama, lambda p: setattr(p.stages[0], "layers", " "))
-    assert problems(empty, llama) == ['stages[0].layers: empty; write a selector, e.g. "model.embed_tokens"']
+    assert problems(empty, llama) == [f'stages[0].layers: empty; write a selector, e.g. "{names(llama)[0]}"']
 
 
 def test_tp_must_divide_sharded_dimensions(llama: ModelGraph) -> None:
@@ -264,7 +289,7 @@ def test_schedule_rules(llama: ModelGraph) -> None:
 
     def virtual(p: Plan) -> None:
         p.schedule.virtual_stages = 2
-        p.stages = [Stage(layers="model.embed_tokens, model.rotary_emb, model.layers.0"),
+        p.stages = [Stage(layers=halves(llama)[0].replace("model.layers.[0-1]", "model.layers.0")),
                     Stage(layers="model.layers.1"), Stage(layers="model.layers.2"),
                     Stage(layers="model.layers.3, model.norm, lm_head")]
 
@@ -338,7 +363,7 @@ def test_recompute_selectors_and_conflicts(llama: ModelGraph) -> None:
 
 def test_selector_syntax_errors_are_reported_with_their_path(llama: ModelGraph) -> None:
     def change(p: Plan) -> None:
-        p.stages[0].layers = "model.embed_tokens, layers.[0-1"
+        p.stages[0].layers = "model.embed_tokens, layers.[0-1"  # the rest of the stage does not matter
         p.recompute = {"layers.[3-1]": "full"}
 
     assert problems(edit(llama, change), llama) == [
@@ -350,7 +375,7 @@ def test_everything_wrong_at_once(llama: ModelGraph) -> None:
     def change(p: Plan) -> None:
         p.mesh.dp = 3
         p.schedule.microbatches = 1
-        p.stages[1].layers = "layerz.[2-3], model.norm, lm_head"
+        p.stages[1].layers = halves(llama)[1].replace("model.layers.[2-3]", "layerz.[2-3]")
         p.data_parallel.kind = "ddp"
 
     got = problems(edit(llama, change), llama)
@@ -373,6 +398,22 @@ def test_without_a_graph_only_model_free_checks_run() -> None:
 def test_plan_for_one_device_with_no_stages(llama: ModelGraph) -> None:
     validate_plan(Plan(), llama, None, devices=1)
     validate_plan(Plan(mesh=Mesh(dp=8)), llama, None, devices=8)
-    plan = copy.deepcopy(good_plan(llama))
-    plan.stages[0].layers = "model.embed_tokens, model.rotary_emb, model.layers.[0-1]"  # unchanged text
-    validate_plan(plan, llama, {"devices": 8})
+    validate_plan(copy.deepcopy(good_plan(llama)), llama, {"devices": 8})
+
+
+def test_global_batch_must_split_into_equal_microbatches(llama: ModelGraph) -> None:
+    plan = edit(llama, lambda p: setattr(p.schedule, "global_batch", 12))
+    assert problems(plan, llama) == [
+        "schedule.global_batch: 12 samples do not split into dp(2) × microbatches(4) = 8 equal microbatches "
+        "(12 % 8 = 4)"]
+    validate_plan(edit(llama, lambda p: setattr(p.schedule, "global_batch", 16)), llama, None, devices=8)
+    negative = edit(llama, lambda p: setattr(p.schedule, "global_batch", -1))
+    assert problems(negative, llama) == [
+        "schedule.global_batch: expected a positive number of samples (or 0: not recorded), got -1"]
+
+
+def test_heads_only_matter_when_attention_is_sharded(gpt2: ModelGraph) -> None:
+    attn = Plan(mesh=Mesh(tp=8), tensor_parallel=TensorParallel(rules={"h.*.attn.c_attn": "colwise"}))
+    assert problems(attn, gpt2, devices=8) == [
+        "mesh.tp: tp(8) does not divide the attention heads of transformer.h.[0-1] (heads 4 % 8 = 4, kv_heads "
+        "4 % 8 = 4); each tp rank must hold whole heads, so use a tp that divides both"]
