@@ -1,0 +1,283 @@
+"""Single-process Pipe (GPipe): equals the Sequential, skip connections, balance helpers, errors;
+and data-parallel ranks each running a Pipe train exactly like one process."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fairscale
+from fairscale.nn.pipe import BalanceError, Pipe
+from fairscale.nn.pipe.balance import balance_by_size, balance_by_time
+from fairscale.nn.pipe.balance.blockpartition import solve
+from fairscale.nn.pipe.skip import Namespace, pop, skippable, stash
+from fairscale.testing.models import build
+from fairscale.testing.reference import Trajectory, compare, train_reference
+from planner.capture import LossModule
+
+
+def _seq(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+CONFIGS = [([5], 1, "never"), ([2, 3], 2, "except_last"), ([1, 2, 2], 3, "always"), ([2, 2, 1], 4, "except_last"),
+           ([1, 1, 1, 1, 1], 5, "always"), ([3, 2], 3, "never")]
+
+
+@pytest.mark.parametrize("balance,chunks,ckpt", CONFIGS)
+def test_output_and_gradients_equal_sequential(balance, chunks, ckpt) -> None:
+    ref = _seq()
+    pipe = Pipe(copy.deepcopy(ref), balance, chunks=chunks, checkpoint=ckpt)
+    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(pipe(x), ref(x), rtol=0, atol=1e-6)
+    (pipe(x) ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert pipe.balance == balance and len(pipe.partitions) == len(balance) and len(pipe) == 5
+
+
+def test_checkpointing_saves_activations() -> None:
+    """'always' keeps only partition boundaries alive, 'never' keeps every saved activation."""
+    def saved_bytes(mode: str) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        pipe = Pipe(_seq(), [2, 3], chunks=2, checkpoint=mode)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pipe(torch.randn(64, 6, requires_grad=True))
+        return total
+
+    assert saved_bytes("always") < saved_bytes("never") / 2
+
+
+def test_tuple_inputs_and_outputs() -> None:
+    class Two(nn.Module):
+        def forward(self, ab: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ab
+            return a + b, a * b
+
+    class Sum(nn.Module):
+        def forward(self, ab: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ab
+            return a.sum(-1, keepdim=True), b
+
+    seq = nn.Sequential(Two(), Sum())
+    a, b = torch.randn(6, 3), torch.randn(6, 3)
+    got = Pipe(seq, [1, 1], chunks=3)((a, b))
+    want = seq((a, b))
+    assert isinstance(got, tuple) and len(got) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# ---------------------------------------------------------------------------------------------- skips
+
+@skippable(stash=["skip"])
+class StashLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        yield stash("skip", x)
+        return self.lin(x)
+
+
+@skippable(pop=["skip"])
+class PopLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        skip = yield pop("skip")
+        return self.lin(x) * skip
+
+
+def _skip_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(StashLayer(), nn.Tanh(), nn.Linear(4, 4), PopLayer())
+
+
+def _dense_skip(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    s, t, lin, p = model
+    h = lin(t(s.module.lin(x)))
+    return p.module.lin(h) * x
+
+
+@pytest.mark.parametrize("ckpt", ["never", "except_last", "always"])
+def test_skip_connection_across_partitions(ckpt: str) -> None:
+    model = _skip_model()
+    x = torch.randn(8, 4, requires_grad=True)
+    ref = copy.deepcopy(model)
+    xr = x.detach().clone().requires_grad_()
+    pipe = Pipe(model, [1, 2, 1], chunks=4, checkpoint=ckpt)
+    out = pipe(x)
+    want = _dense_skip(ref, xr)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)  # gradient flows through the skip
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_skippable_sequential_runs_without_pipe() -> None:
+    model = _skip_model()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), _dense_skip(model, x))
+
+
+def test_namespaces_isolate_repeated_names() -> None:
+    ns1, ns2 = Namespace(), Namespace()
+    torch.manual_seed(0)
+    model = nn.Sequential(StashLayer().isolate(ns1), StashLayer().isolate(ns2),
+                          PopLayer().isolate(ns2), PopLayer().isolate(ns1))
+    x = torch.randn(4, 4)
+    s1, s2, p2, p1 = model
+    h1 = s1.module.lin(x)
+    h2 = s2.module.lin(h1)
+    want = p1.module.lin(p2.module.lin(h2) * h1) * x
+    torch.testing.assert_close(Pipe(model, [2, 2], chunks=2)(x), want)
+
+
+def test_unmatched_skips_are_listed() -> None:
+    with pytest.raises(TypeError, match="'skip' is stashed but not popped"):
+        Pipe(nn.Sequential(StashLayer(), nn.Tanh()), [1, 1])
+    with pytest.raises(TypeError, match="'skip' is popped before it is stashed"):
+        Pipe(nn.Sequential(PopLayer(), StashLayer()), [1, 1])
+    with pytest.raises(TypeError, match="redeclared as stashable but not isolated"):
+        Pipe(nn.Sequential(StashLayer(), StashLayer(), PopLayer()), [1, 2])
+
+
+def test_undeclared_stash_raises() -> None:
+    @skippable(stash=["a"])
+    class Bad(nn.Module):
+        def forward(self, x):
+            yield stash("b", x)
+            return x
+
+    with pytest.raises(RuntimeError, match="'b' has not been declared as stashable"):
+        Bad()(torch.zeros(1))
+
+
+# ---------------------------------------------------------------------------------------------- batch norm
+
+def test_deferred_batch_norm_tracks_the_whole_mini_batch() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+    pipe = Pipe(copy.deepcopy(ref), [2, 1], chunks=4, deferred_batch_norm=True, checkpoint="always")
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        pipe(x).sum().backward()
+        ref(x)
+    bn_ref, bn = ref[1], pipe[1]
+    torch.testing.assert_close(bn.running_mean, bn_ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, bn_ref.running_var, rtol=1e-5, atol=1e-6)
+    assert int(bn.num_batches_tracked) == 2
+    pipe.eval(), ref.eval()
+    torch.testing.assert_close(pipe(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- balance
+
+def test_blockpartition_by_hand() -> None:
+    assert solve([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert solve([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert solve([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [[0, 1, 2, 3, 4], [5, 6], [7, 8]]  # max 17 (15, 13, 17)
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        solve([1, 1], 3)
+
+
+def test_balance_by_size_isolates_the_big_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 512), nn.Linear(512, 512), nn.Linear(512, 8), nn.Linear(8, 8))
+    balance = balance_by_size(3, model, torch.randn(4, 8), chunks=2)
+    assert sum(balance) == 5 and len(balance) == 3
+    assert balance[1] == 1  # the 512x512 layer sits alone
+    Pipe(model, balance, chunks=2)(torch.randn(4, 8))
+
+
+def test_balance_by_time_gives_a_valid_balance() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 256), nn.Linear(256, 256), nn.Linear(256, 8))
+    balance = balance_by_time(2, model, torch.randn(32, 8), timeout=0.05)
+    assert sum(balance) == 4 and len(balance) == 2 and min(balance) >= 1
+    assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients behind
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    (dict(balance=None), ValueError, "balance is required"),
+    (dict(balance=[2, 2]), BalanceError, r"module and sum of balance have different length \(module: 5, sum of balance: 4\)"),
+    (dict(balance=[5, 0]), BalanceError, "all balance numbers must be positive integer"),
+    (dict(balance=[5], chunks=0), ValueError, "number of chunks must be positive integer"),
+    (dict(balance=[5], checkpoint="sometimes"), ValueError, "checkpoint is not one of"),
+    (dict(balance=[2, 3], devices=["cpu"]), BalanceError, r"too few devices \(devices: 1, partitions: 2\)|too few devices"),
+])
+def test_argument_errors(kwargs, exc, text) -> None:
+    with pytest.raises(exc, match=text):
+        Pipe(_seq(), **kwargs)
+
+
+def test_non_sequential_and_cuda_without_gpu() -> None:
+    with pytest.raises(TypeError, match="module must be nn.Sequential"):
+        Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            Pipe(_seq(), [5], devices=["cuda:0"])
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+BATCH, STEPS = 8, 3
+
+
+def _pack(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _rank_pipe(rank: int, world: int) -> bytes:
+    out = {}
+    for name, balance, chunks, ckpt in (("a", [2, 2], 2, "except_last"), ("b", [1, 1, 1, 1], 1, "always")):
+        case = build("mlp")
+        case.model.layers = Pipe(case.model.layers, balance, chunks=chunks, checkpoint=ckpt)
+        wrapped = LossModule(case.model, case.loss_fn)
+        opt = torch.optim.Adam(case.model.parameters(), lr=1e-2)
+        traj, per = Trajectory(), BATCH // world
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = wrapped(*(t[rank * per:(rank + 1) * per] for t in case.make_batch(step, BATCH)))
+            loss.backward()
+            for p in case.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+            opt.step()
+            g = loss.detach().clone()
+            dist.all_reduce(g)
+            traj.losses.append(g.item() / world)
+        # Pipe keeps the layers themselves, so the Sequential's own keys read back unchanged
+        traj.params = {f"layers.{k}": v.clone() for k, v in nn.Sequential(*case.model.layers).state_dict().items()}
+        out[name] = traj
+    return _pack(out)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_pipes_train_like_single_process(world: int) -> None:
+    ref = train_reference(lambda: build("mlp"), steps=STEPS, global_batch=BATCH)
+    for r in fairscale.launch(_rank_pipe, devices=world):
+        got = torch.load(io.BytesIO(r), weights_only=False)
+        compare(ref, got["a"])
+        compare(ref, got["b"])
