@@ -1,0 +1,264 @@
+"""The cluster model: what devices the planner plans for, and how fast they compute and talk.
+
+Usage::
+
+    from planner.cluster import Cluster
+    c = Cluster.preset("a100-80gb", nodes=128)      # 1024 GPUs, DGX A100 nodes
+    c = Cluster.detect()                            # local GPUs, or CPU ranks when there are none
+    c = Cluster.cpu(4)                              # 4 gloo ranks on this machine
+    Cluster.from_dict(c.to_dict()) == c             # a plan records the cluster it was made for
+
+Units everywhere: bytes, seconds, FLOP/s, bytes/s. Bandwidths are per device and per direction
+(what one rank can push into a link while every other rank does the same), which is the
+``busbw`` that nccl-tests reports and what the alpha-beta collective formulas in
+``planner.cost_comm`` expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB"]
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(kw_only=True, frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks that real kernels reach. A small set of constants, not fitted per model.
+
+    Defaults and their reasoning (A100/H100 era, cuBLAS + NCCL):
+
+    * ``matmul`` 0.62: large fp16/bf16 GEMMs in a full training step of a GPT layer reach ~60-65%
+      of peak once kernel launches, the attention batched-GEMMs and the fp32 softmax/loss pieces
+      are averaged in; Megatron-LM reports a single 12288-wide GPT layer at 62% of A100 peak
+      inside its end-to-end runs (Narayanan et al. 2021, §5.1 text: "…for a model with 1 trillion
+      parameters … 52% of peak… ; the GEMMs themselves …"). Raw cuBLAS GEMMs reach ~80%.
+    * ``memory`` 0.7: elementwise/normalization kernels reach ~70% of HBM bandwidth (STREAM-like
+      kernels on A100 reach 1.3-1.5 of 2.0 TB/s).
+    * ``network`` 0.8: NCCL ring bus bandwidth reaches ~80% of the link rate (nccl-tests all_reduce
+      busbw ~230-240 GB/s on A100 NVLink3 out of 300 GB/s; ~20-23 GB/s on 200 Gb/s HDR IB).
+    """
+
+    matmul: float = 0.62
+    """Fraction of peak FLOP/s for the FLOPs the capture counts (GEMMs, attention)."""
+    memory: float = 0.7
+    """Fraction of HBM bandwidth for memory-bound (elementwise, normalization) work."""
+    network: float = 0.8
+    """Fraction of link bandwidth that collectives reach (bus bandwidth / link rate)."""
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    """Devices, their peaks, and the two-level fabric (inside a node, between nodes)."""
+
+    name: str
+    """Preset name (``a100-80gb``), ``cpu`` or ``detected``."""
+    device: str
+    """Device model, e.g. ``NVIDIA A100-SXM4-80GB``."""
+    nodes: int
+    """Number of nodes."""
+    devices_per_node: int
+    """Devices (GPUs, or CPU ranks) per node."""
+    memory_bytes: int
+    """Memory per device, bytes (what the device reports, before the allocator's reserve)."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per compute dtype: keys fp32, tf32, bf16, fp16."""
+    hbm_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra_bandwidth: float
+    """Per-device, per-direction bandwidth between devices of one node (NVLink, PCIe, shared memory), bytes/s."""
+    intra_latency: float
+    """Latency of one message inside a node, seconds (the alpha of the alpha-beta model)."""
+    inter_bandwidth: float
+    """Per-device, per-direction bandwidth between nodes (each GPU's share of the node's NICs), bytes/s."""
+    inter_latency: float
+    """Latency of one message between nodes, seconds."""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    """Achievable fractions of the peaks above."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.nodes < 1 or self.devices_per_node < 1:
+            problems.append(f"nodes ({self.nodes}) and devices_per_node ({self.devices_per_node}) must be >= 1")
+        for key in ("fp32", "bf16", "fp16"):
+            if self.peak_flops.get(key, 0.0) <= 0:
+                problems.append(f"peak_flops[{key!r}] must be > 0 (got {self.peak_flops.get(key)})")
+        for key in ("memory_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
+            if getattr(self, key) <= 0:
+                problems.append(f"{key} must be > 0 (got {getattr(self, key)})")
+        if problems:
+            raise ValueError("invalid Cluster: " + "; ".join(problems))
+
+    @property
+    def devices(self) -> int:
+        """Total number of devices."""
+        return self.nodes * self.devices_per_node
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` (fp32, tf32, bf16, fp16)."""
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise ValueError(f"cluster {self.name!r} has no peak for dtype {dtype!r}; "
+                             f"it knows {sorted(self.peak_flops)}") from None
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of the slowest link a group of ``span`` consecutive
+        devices crosses: inside a node when the span fits in one node, else between nodes."""
+        if span <= self.devices_per_node:
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        return dataclasses.replace(self, nodes=nodes)
+
+    # --- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, *, nodes: int = 1) -> Cluster:
+        """A named system (``a100-40gb``, ``a100-80gb``, ``h100-sxm-80gb``, ``h200``) with ``nodes`` nodes."""
+        key = name.lower().replace("_", "-")
+        key = _ALIASES.get(key, key)
+        if key not in PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        return dataclasses.replace(PRESETS[key], nodes=nodes)
+
+    @classmethod
+    def cpu(cls, ranks: int, *, memory_bytes: int | None = None) -> Cluster:
+        """``ranks`` gloo ranks on this machine (one node). Memory is the host's RAM split evenly.
+
+        The CPU peaks are rough (a few tens of GFLOP/s per core with AVX2 FMA, a few GB/s for gloo
+        over shared memory); they only need to rank plans sensibly for the CPU demo.
+        """
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        host = memory_bytes if memory_bytes is not None else _host_memory() // ranks
+        cores = max(1, (os.cpu_count() or 1))
+        per_rank = 50e9 * max(1.0, cores / ranks)
+        return cls(name="cpu", device="cpu", nodes=1, devices_per_node=ranks, memory_bytes=host,
+                   peak_flops={"fp32": per_rank, "tf32": per_rank, "bf16": per_rank / 2, "fp16": per_rank / 4},
+                   hbm_bandwidth=10e9, intra_bandwidth=2e9, intra_latency=20e-6,
+                   inter_bandwidth=1e9, inter_latency=50e-6)
+
+    @classmethod
+    def detect(cls) -> Cluster:
+        """The local machine: its CUDA GPUs (count, model, memory, NVLink or PCIe), else CPU ranks.
+
+        Peaks come from the matching preset when the GPU model is known (A100, H100, H200);
+        an unknown GPU gets A100-80GB peaks scaled by nothing, and its name says so.
+        """
+        import torch  # local: the rest of the planner never needs torch.cuda
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return cls.cpu(max(1, os.cpu_count() or 1))
+        count = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        model = str(props.name)
+        base = PRESETS[_preset_for(model)]
+        nvlink = _has_nvlink()
+        intra = base.intra_bandwidth if nvlink else 25e9  # PCIe 4.0 x16: 32 GB/s raw, ~25 GB/s achievable
+        return dataclasses.replace(base, name="detected", device=model, nodes=1, devices_per_node=count,
+                                   memory_bytes=int(props.total_memory), intra_bandwidth=intra)
+
+    # --- serialization -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["efficiency"] = self.efficiency.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """Inverse of :meth:`to_dict`. A dict holding only ``preset`` (and ``nodes``) names a preset."""
+        data = dict(data)
+        if set(data) <= {"preset", "nodes"} and "preset" in data:
+            return cls.preset(str(data["preset"]), nodes=int(data.get("nodes", 1)))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in data and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if unknown or missing:
+            raise ValueError(f"cannot read cluster: unknown keys {unknown}, missing keys {missing}")
+        eff = data.pop("efficiency", None)
+        data["peak_flops"] = {str(k): float(v) for k, v in data["peak_flops"].items()}
+        return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
+
+
+def _host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def _has_nvlink() -> bool:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return bool(pynvml.nvmlDeviceGetNvLinkState(handle, 0))
+    except Exception:  # noqa: BLE001 - no NVML or no NVLink: assume PCIe
+        return False
+
+
+def _preset_for(device_name: str) -> str:
+    n = device_name.upper()
+    if "H200" in n:
+        return "h200"
+    if "H100" in n:
+        return "h100-sxm-80gb"
+    if "A100" in n and "40" in n:
+        return "a100-40gb"
+    return "a100-80gb"
+
+
+# --- presets ------------------------------------------------------------------------------------
+# A100 SXM4 (NVIDIA A100 Tensor Core GPU datasheet, 2021): FP32 19.5 TFLOP/s, TF32 156, BF16/FP16
+#   312 (dense; 624 with sparsity); HBM2 1,555 GB/s (40GB) / HBM2e 2,039 GB/s (80GB); NVLink 3
+#   600 GB/s total per GPU = 300 GB/s per direction. DGX A100 node: 8 GPUs, 8 x 200 Gb/s HDR
+#   InfiniBand compute NICs (DGX A100 user guide) = 25 GB/s per GPU per direction.
+# H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet): FP32 67 TFLOP/s, TF32 494.7, BF16/FP16 989.4
+#   (dense; 1,979 with sparsity); HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction.
+#   DGX H100: 8 GPUs, 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU per direction.
+# H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): same compute as H100 SXM, 141 GB HBM3e at
+#   4.8 TB/s, NVLink 900 GB/s; DGX H200 keeps 8 x 400 Gb/s NDR.
+# Memory sizes are what nvidia-smi reports (MiB): A100-40GB 40960, A100-80GB 81920,
+#   H100-SXM-80GB 81559, H200 143771.
+# Latencies: ~5 us per NVLink hop and ~10 us per InfiniBand hop are NCCL's small-message floors.
+
+_A100 = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+_H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}
+
+PRESETS: dict[str, Cluster] = {
+    "a100-40gb": Cluster(name="a100-40gb", device="NVIDIA A100-SXM4-40GB", nodes=1, devices_per_node=8,
+                         memory_bytes=40960 * MiB, peak_flops=_A100, hbm_bandwidth=1555e9,
+                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6),
+    "a100-80gb": Cluster(name="a100-80gb", device="NVIDIA A100-SXM4-80GB", nodes=1, devices_per_node=8,
+                         memory_bytes=81920 * MiB, peak_flops=_A100, hbm_bandwidth=2039e9,
+                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6),
+    "h100-sxm-80gb": Cluster(name="h100-sxm-80gb", device="NVIDIA H100 80GB HBM3", nodes=1, devices_per_node=8,
+                             memory_bytes=81559 * MiB, peak_flops=_H100, hbm_bandwidth=3350e9,
+                             intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6),
+    "h200": Cluster(name="h200", device="NVIDIA H200", nodes=1, devices_per_node=8,
+                    memory_bytes=143771 * MiB, peak_flops=_H100, hbm_bandwidth=4800e9,
+                    intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6),
+}
+
+_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100": "h100-sxm-80gb",
+            "h100-sxm": "h100-sxm-80gb", "h100-80gb": "h100-sxm-80gb", "h200-sxm": "h200", "h200-141gb": "h200"}

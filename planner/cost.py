@@ -1,0 +1,247 @@
+"""Per-layer compute and memory costs for one choice of tp degree, microbatch size and dtype.
+
+``LayerFacts`` are read once from a :class:`planner.graph.ModelGraph` (per sample, with the
+tensor-parallel facts of the chosen rules); :func:`layer_costs` turns them into seconds and bytes
+per microbatch on one rank. ``planner.search`` adds stages, schedules and data parallelism.
+
+Units: seconds, bytes, FLOPs, FLOP/s, parameter elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.cluster import Cluster
+from planner.cost_comm import all_reduce_time, all_reduce_volume
+from planner.cost_memory import DTYPE_BYTES
+from planner.graph import ModelGraph
+from planner.selectors import parse_selector
+
+__all__ = ["CostOptions", "TPInfo", "LayerFacts", "LayerCost", "compute_time", "layer_facts", "layer_costs",
+           "ATTENTION_REPLICATED_INPUTS"]
+
+ATTENTION_REPLICATED_INPUTS = 5.0
+"""Activations a tensor-parallel transformer block keeps unsharded, in multiples of its input.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Eq. 2)
+count ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer in fp16 without sequence parallelism:
+the 10·sbh part (layer-norm inputs, dropout outputs and masks) is replicated on every tp rank,
+which is 5× the 2·sbh bytes of the layer's input. Other tensor-parallel layers keep 1× their input.
+"""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostOptions:
+    """What the runtime being costed overlaps, and how much memory it leaves to the plan."""
+
+    usable_memory_fraction: float = 0.92
+    """Share of device memory the plan may use; the rest goes to the CUDA context, allocator
+    fragmentation and library workspaces (~5-8% on 80 GB parts)."""
+    overlap_dp: bool = True
+    """Gradient reduction (DDP buckets, ZeRO reduce-scatter) runs during the last microbatch's backward."""
+    overlap_fsdp: bool = True
+    """FSDP all-gathers and reduce-scatters run under compute (needs prefetch)."""
+    overlap_tp: bool = False
+    """Tensor-parallel collectives overlap compute (they do not in eager Megatron-style TP)."""
+    overlap_p2p: bool = False
+    """Pipeline sends/receives overlap compute."""
+    optimizer: str = "adam"
+    """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
+
+    @classmethod
+    def megatron2021(cls) -> CostOptions:
+        """The runtime of Narayanan et al. 2021: no DP/TP/P2P overlap (gradient all-reduce after
+        the pipeline flush, blocking p2p), Adam."""
+        return cls(overlap_dp=False, overlap_fsdp=False, overlap_tp=False, overlap_p2p=False)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TPInfo:
+    """What tensor parallelism does to one layer under the chosen rules."""
+
+    sharded: bool = False
+    """Some module of the layer is split over tp; its FLOPs are divided by tp."""
+    param_count: int = 0
+    """Parameter elements (owned by the layer) inside split modules; divided by tp."""
+    allreduce_fwd: int = 0
+    """Forward all-reduces of the layer's activation width (one per rowwise module or vocab embedding)."""
+    allreduce_bwd: int = 0
+    """Backward all-reduces of the input gradient (one per group of colwise modules sharing an input)."""
+    heads: int = 0
+    """Attention heads (0 if none); tp must divide heads and kv_heads."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); equal to heads otherwise."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerFacts:
+    """One layer's facts per sample (batch element), in the dtype it was captured in."""
+
+    name: str
+    """Layer name (module path)."""
+    index: int
+    """Position in execution order."""
+    block: str | None
+    """Repeated-block key, or None."""
+    flops_fwd: float
+    """Forward FLOPs per sample."""
+    flops_bwd: float
+    """Backward FLOPs per sample."""
+    saved: float
+    """Bytes saved for backward per sample."""
+    input: float
+    """Bytes of the layer's input per sample (kept when the layer is fully recomputed)."""
+    output: float
+    """Bytes of the layer's output per sample (sent when a stage ends after it)."""
+    params: int
+    """Parameter elements the layer owns."""
+    tied: tuple[tuple[int, int], ...] = ()
+    """(owner layer index, elements) for tied parameters the layer uses but another layer owns:
+    a stage holding this layer without its owner keeps its own copy."""
+    tp: TPInfo = field(default_factory=TPInfo)
+    """Tensor-parallel facts under the chosen rules."""
+    attention: bool = False
+    """Holds attention (selects the replicated-activation factor under tp)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerCost:
+    """One layer on one rank for one microbatch."""
+
+    fwd: float
+    """Forward seconds, including exposed tensor-parallel collectives."""
+    bwd: float
+    """Backward seconds, including exposed tensor-parallel collectives."""
+    act: float
+    """Activation bytes kept for backward without recompute."""
+    act_recompute: float
+    """Activation bytes kept when the layer is fully recomputed (its input)."""
+    params: float
+    """Parameter elements on the rank (after the tp split)."""
+    tp_bytes: float
+    """Bytes this rank sends in tensor-parallel collectives (forward + backward, no recompute)."""
+    tp_bytes_recompute: float
+    """Extra bytes sent when the forward is recomputed."""
+    output: float
+    """Bytes of the output a stage ending here sends (per rank)."""
+    tp_s: float = 0.0
+    """Exposed tensor-parallel seconds inside ``fwd`` + ``bwd``."""
+
+
+def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
+                 matmul_efficiency: float, memory_efficiency: float) -> float:
+    """Roofline time of a layer, seconds: ``flops/(peak·e_mm) + traffic/(bw·e_mem)``.
+
+    The roofline (Williams, Waterman & Patterson 2009) bounds each kernel by
+    max(FLOPs/peak, bytes/bandwidth). A layer runs its kernels one after another: the FLOPs that
+    capture counts are GEMM/attention FLOPs, compute-bound at these sizes; the elementwise and
+    normalization kernels do ~no counted FLOPs and are memory-bound. Taking the max per kernel
+    class and adding the classes gives this sum. Example: 1e12 FLOPs at 312e12·0.5 plus 1e9 bytes
+    at 2e12·0.5 = 6.41 ms + 1 ms = 7.41 ms.
+    """
+    return flops / (peak_flops * matmul_efficiency) + traffic_bytes / (hbm_bandwidth * memory_efficiency)
+
+
+def _module_params(graph: ModelGraph) -> dict[str, int]:
+    """Module path -> parameter elements directly owned by it (``path.weight``, ``path.bias``)."""
+    out: dict[str, int] = {}
+    for key, shape in graph.param_shapes.items():
+        mod = key.rpartition(".")[0]
+        out[mod] = out.get(mod, 0) + math.prod(shape)
+    return out
+
+
+def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]:
+    """Per-sample facts of every layer, with what ``tp_rules`` (selector -> style) does to each."""
+    batch = max(1, graph.batch_size)
+    rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
+    owned = _module_params(graph)
+    first_user: dict[str, int] = {}
+    for layer in graph.layers:
+        for key in layer.params:
+            first_user.setdefault(key, layer.index)
+    modules = sorted(graph.modules)
+    out: list[LayerFacts] = []
+    for layer in graph.layers:
+        prefix = layer.name + "."
+        inside = [m for m in modules if m == layer.name or m.startswith(prefix)]
+        styles = {m: style for m in inside for sel, style in rules if sel.matches(m)}
+        info = _tp_info(styles, owned, layer.attention, layer.param_count)
+        tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in layer.params
+                     if k in graph.param_shapes and first_user[k] < layer.index)
+        out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
+                              flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
+                              saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
+                              output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
+                              tp=info, attention=layer.attention is not None))
+    return out
+
+
+def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str, int] | None,
+             layer_params: int) -> TPInfo:
+    if not styles:
+        return TPInfo()
+    rowwise = sum(1 for s in styles.values() if s in ("rowwise", "vocab_embedding"))
+    col_parents = {m.rpartition(".")[0] for m, s in styles.items() if s in ("colwise", "colwise_gather",
+                                                                          "vocab_loss", "expert")}
+    heads = attention.get("heads", 0) if attention else 0
+    # a tied weight is owned by its first user, so a split module may own fewer elements than it holds
+    split = min(layer_params, sum(owned.get(m, 0) for m in styles))
+    return TPInfo(sharded=True, param_count=split,
+                  allreduce_fwd=rowwise, allreduce_bwd=len(col_parents), heads=heads,
+                  kv_heads=attention.get("kv_heads", heads) if attention else 0)
+
+
+def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: int, compute_dtype: str,
+                captured_dtype: str = "fp32", sequence_parallel: bool = False,
+                options: CostOptions = CostOptions()) -> list[LayerCost]:
+    """Seconds and bytes of each layer for one microbatch of ``micro`` samples on one rank.
+
+    Activation bytes scale from the captured dtype to ``compute_dtype``. Under tp a sharded layer
+    divides its FLOPs and its sharded parameters by tp, keeps ``ATTENTION_REPLICATED_INPUTS`` (or
+    1) × its input unsharded unless ``sequence_parallel``, and adds its all-reduces of the
+    activation width (ring, within the tp group's node).
+
+    Memory-bound traffic: a forward writes each saved tensor once and its elementwise kernels read
+    about as much, so forward traffic ≈ the saved bytes; backward reads them and writes the
+    gradients, ≈ 2× (an estimate; it is the second term of :func:`compute_time`).
+    """
+    eff = cluster.efficiency
+    scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
+    peak = cluster.flops(compute_dtype)
+    bw, lat = cluster.link(tp)
+    bw *= eff.network
+    out: list[LayerCost] = []
+    for f in facts:
+        sharded = f.tp.sharded and tp > 1
+        div = tp if sharded else 1
+        saved = f.saved * micro * scale
+        inp = f.input * micro * scale
+        if sharded and not sequence_parallel:
+            rep = min(saved, (ATTENTION_REPLICATED_INPUTS if f.attention else 1.0) * inp)
+            act = rep + (saved - rep) / tp
+            kept = inp
+        else:
+            act = saved / div
+            kept = inp / div
+        # rowwise / vocab-embedding outputs are all-reduced forward; colwise input grads backward
+        out_b = f.output * micro * scale
+        t_f, v_f = (all_reduce_time(out_b, tp, bandwidth=bw, latency=lat), all_reduce_volume(out_b, tp)) \
+            if sharded else (0.0, 0.0)
+        t_b, v_b = (all_reduce_time(inp, tp, bandwidth=bw, latency=lat), all_reduce_volume(inp, tp)) \
+            if sharded else (0.0, 0.0)
+        exposed = 0.0 if options.overlap_tp else 1.0
+        fwd = compute_time(f.flops_fwd * micro / div, act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        bwd = compute_time(f.flops_bwd * micro / div, 2 * act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        n_fwd = f.tp.allreduce_fwd if sharded else 0
+        n_bwd = f.tp.allreduce_bwd if sharded else 0
+        params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
+        output = f.output * micro * scale / (tp if sharded and sequence_parallel else 1)
+        out.append(LayerCost(fwd=fwd + exposed * n_fwd * t_f, bwd=bwd + exposed * n_bwd * t_b, act=act,
+                             act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
+                             tp_bytes_recompute=n_fwd * v_f, output=output,
+                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b)))
+    return out

@@ -1,0 +1,91 @@
+"""Find a plan: pp × dp × tp mesh, stage cuts, TP rules, data parallelism, recompute, schedule.
+
+Usage::
+
+    from planner.cluster import Cluster
+    from planner.search import search, cost_plan
+    result = search(graph, Cluster.preset("a100-80gb", nodes=4), global_batch=512,
+                    constraints={"mesh": {"tp": 8}})
+    print(result.table())          # best plan + runners-up and why each lost
+    plan = result.plan             # a planner.plan.Plan with predicted filled in
+    cost_plan(plan, graph, cluster, global_batch=512).predicted   # re-cost a (hand-edited) plan
+
+Seams with the rest of fairscale:
+
+* ``tp_rules`` (selector -> style) is the tensor-parallel candidate set, given as data because
+  the planner must not import ``passes`` (where the pattern detector lives). Without it the
+  planner uses :func:`planner.search.tp.default_tp_rules`. A constraint
+  ``{"tensor_parallel": {"rules": ...}}`` overrides both.
+* ``options`` (:class:`planner.cost.CostOptions`) says what the runtime overlaps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from planner.cluster import Cluster
+from planner.cost import CostOptions
+from planner.graph import ModelGraph
+from planner.plan import Plan, PlanError
+from planner.search.core import fixed_cuts, fixed_recompute, make_context, run_search
+from planner.search.evaluate import Breakdown, Config, evaluate
+from planner.search.result import Candidate, NoFeasiblePlan, SearchResult
+from planner.search.tp import default_tp_rules
+
+__all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "default_tp_rules"]
+
+
+def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: dict[str, Any] | Plan | None = None,
+           top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
+           tp_rules: dict[str, str] | None = None, options: CostOptions | None = None) -> SearchResult:
+    """Best plan for ``graph`` on ``cluster`` at ``global_batch`` samples per step, plus ``top_k``
+    runners-up (one per mesh shape).
+
+    Args:
+        constraints: a partial plan (dict in the plan's JSON shape) whose fields are kept; the
+            search fills in the rest. See ``planner.search.space``.
+        progress: called as ``progress(done, total, best_step_time_or_None)`` while searching.
+        tp_rules: tensor-parallel candidates (selector -> style); default: :func:`default_tp_rules`.
+        options: runtime overlap model and memory reserve.
+
+    Raises:
+        NoFeasiblePlan: nothing fits; the message gives the smallest shortfall and what would help.
+        PlanError: the constraints are malformed or contradict each other.
+    """
+    return run_search(graph, cluster, global_batch=global_batch, constraints=constraints, top_k=top_k,
+                      progress=progress, tp_rules=tp_rules, options=options)
+
+
+def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int,
+              options: CostOptions | None = None, validate: bool = True) -> Breakdown:
+    """Predicted cost of a complete (for example hand-edited) plan, through the same model the
+    search uses. ``breakdown.predicted`` is the :class:`planner.plan.Predicted` to store in it;
+    ``breakdown.fits`` says whether it fits in memory."""
+    if validate:
+        plan.validate(graph, cluster)
+    ctx = make_context(graph, cluster, global_batch=global_batch, rules=plan.tensor_parallel.rules, options=options)
+    mesh, sched, dp = plan.mesh, plan.schedule, plan.data_parallel
+    if mesh.size != cluster.devices:
+        raise PlanError([f"mesh: pp({mesh.pp}) × dp({mesh.dp}) × tp({mesh.tp}) = {mesh.size}, but the cluster has "
+                         f"{cluster.devices} devices"], source="plan")
+    if dp.offload:
+        raise PlanError(["data_parallel.offload: true is not modeled by the cost model yet; the plan cannot be "
+                         "costed (set it to false to cost the rest)"], source="plan")
+    stages = mesh.pp * sched.virtual_stages
+    cuts = fixed_cuts(ctx, [s.layers for s in plan.stages]) if plan.stages else (0, len(ctx.facts))
+    if len(cuts) - 1 != stages:
+        raise PlanError([f"stages: {len(cuts) - 1} given, but pp({mesh.pp}) × virtual_stages({sched.virtual_stages})"
+                         f" = {stages} are needed"], source="plan")
+    rec = fixed_recompute(ctx, plan.recompute) if plan.recompute else frozenset()
+    units = None
+    if dp.kind == "fsdp" and dp.units:
+        from planner.selectors import parse_selector
+
+        sel = parse_selector(dp.units)
+        units = frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+    cfg = Config(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, microbatches=sched.microbatches, kind=sched.kind,
+                 v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
+                 sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,
+                 bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, units=units)
+    return evaluate(ctx, cfg)
+

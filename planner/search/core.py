@@ -1,0 +1,414 @@
+"""The search: enumerate configurations, bound them, cut stages for the promising ones, cost them.
+
+Order of work (all deterministic):
+
+1. Enumerate every (mesh pp×dp×tp, microbatches, schedule, data-parallel kind, sequence
+   parallelism) that the constraints allow; tp divides the node and the attention heads.
+2. Give each a lower bound on its step time (perfectly balanced stages, no recompute) and a lower
+   bound on its memory (model states split evenly, everything recomputed). Memory-infeasible ones
+   are dropped; the rest are visited in order of their bound.
+3. Branch and bound: a configuration whose bound cannot beat the current ``top_k + 1`` best
+   meshes (or its own mesh's best) is skipped; the first such bound ends the search.
+4. Visited ones get stages from ``planner.search.partition``, recompute from
+   ``evaluate.choose_recompute``, and their exact cost from ``evaluate.evaluate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+from planner.cluster import Cluster
+from planner.cost import CostOptions, LayerCost, layer_facts
+from planner.cost_comm import all_gather_time, all_reduce_time
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.graph import ModelGraph
+from planner.plan import PlanError
+from planner.schedule_cost import in_flight
+from planner.search.evaluate import (Breakdown, Config, Context, choose_recompute, evaluate, fsdp_buffer_terms,
+                                     stage_cuts_even)
+from planner.search.partition import SegmentModel, partition
+from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
+from planner.search.space import Fixed, divisors, parse_constraints
+from planner.search.tp import default_tp_rules, tp_degrees_allowed
+from planner.selectors import parse_selector
+
+__all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute"]
+
+Progress = Callable[[int, int, "float | None"], None]
+_KIND_ORDER = {"1f1b": 0, "interleaved": 1, "gpipe": 2}
+_DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+_VIRTUAL = (2, 4, 8)
+
+
+def captured_dtype(graph: ModelGraph) -> str:
+    """The dtype most parameters were captured in (activations are assumed to match)."""
+    counts: dict[str, int] = {}
+    for dt in graph.param_dtypes.values():
+        counts[dt] = counts.get(dt, 0) + 1
+    name = max(sorted(counts), key=lambda k: counts[k]) if counts else "float32"
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "fp32")
+
+
+def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rules: dict[str, str],
+                 options: CostOptions | None) -> Context:
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    facts = layer_facts(graph, rules)
+    return Context(facts, cluster, global_batch=global_batch, options=options or CostOptions(),
+                   captured_dtype=captured_dtype(graph))
+
+
+def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
+    """Stage selectors -> boundaries; each stage must be a contiguous run following the previous one."""
+    names = [f.name for f in ctx.facts]
+    cuts = [0]
+    problems = []
+    for k, text in enumerate(stages):
+        sel = parse_selector(text)
+        idx = [i for i, n in enumerate(names) if sel.matches(n)]
+        if not idx:
+            problems.append(f'stages[{k}].layers: "{text}" matches no layer')
+            continue
+        if idx[0] != cuts[-1] or idx[-1] - idx[0] + 1 != len(idx):
+            problems.append(f'stages[{k}].layers: "{text}" must be the contiguous run of layers starting at layer '
+                            f'{cuts[-1]} ({names[cuts[-1]] if cuts[-1] < len(names) else "end"})')
+            continue
+        cuts.append(idx[-1] + 1)
+    if not problems and cuts[-1] != len(names):
+        problems.append(f"stages: the stages end at layer {cuts[-1]}, but the model has {len(names)} layers")
+    if problems:
+        raise PlanError(problems, source="constraints")
+    return tuple(cuts)
+
+
+def fixed_recompute(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
+    """Recompute selectors -> indices of fully recomputed layers (a later ``none`` wins)."""
+    names = [f.name for f in ctx.facts]
+    chosen: set[int] = set()
+    for text, kind in recompute.items():
+        sel = parse_selector(text)
+        idx = {i for i, n in enumerate(names) if sel.matches(n)}
+        if not idx and kind == "full":
+            raise PlanError([f'recompute["{text}"]: matches no whole layer; the cost model recomputes whole layers '
+                             f"({names[0]} … {names[-1]})"], source="constraints")
+        chosen = chosen | idx if kind == "full" else chosen - idx
+    return frozenset(chosen)
+
+
+class _Totals:
+    """Sums over one layer-cost list, for the lower bounds."""
+
+    def __init__(self, costs: list[LayerCost], rec: frozenset[int] | None) -> None:
+        if rec is not None:  # a fixed recompute set: fold it in, nothing more to recompute
+            costs = _apply_recompute(costs, rec)
+        self.time = sum(c.fwd + c.bwd for c in costs)
+        self.max_layer = max(c.fwd + c.bwd for c in costs)
+        self.params = sum(c.params for c in costs)
+        self.act = sum(c.act for c in costs)
+        self.min_act = sum(min(c.act, c.act_recompute) for c in costs)
+        self.rec_time = sum(c.fwd for c in costs if c.act > c.act_recompute)
+        freed = self.act - self.min_act
+        self.rho = self.rec_time / freed if freed > 0 else 0.0
+        self._costs = costs
+        self._buffers: dict[tuple[str, bool, bool, int], tuple[float, float]] = {}
+
+    def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float]:
+        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp)
+        if key not in self._buffers:
+            self._buffers[key] = fsdp_buffer_terms(ctx, cfg, self._costs)
+        return self._buffers[key]
+
+
+def fluid_bottleneck(tot: _Totals, flights: list[float], per_param: float, cap: float) -> float:
+    """Lower estimate of the slowest rank's microbatch time when memory forces recompute.
+
+    Relaxation: rank r takes a fraction x_r of the model (fractions, not whole layers; the model
+    treated as uniform), so it holds ``x_r·(s·P + f_r·A)`` bytes (s = state bytes per parameter,
+    f_r microbatches in flight) and must free the excess by recomputing at ``rho`` seconds per
+    byte: ``t_r = x_r·T + rho·max(0, x_r·(s·P + f_r·A) - cap)/f_r``, at most everything. The
+    smallest t with Σ_r x_r(t) >= 1 bounds the bottleneck from below for uniform layers. Ranks are
+    grouped by in-flight count (rounded down to a power of two, which only loosens the bound).
+    Returns inf when even full recompute cannot fit the model."""
+    groups: dict[float, int] = {}
+    for f in flights:
+        key = float(2 ** int(math.log2(f))) if f >= 1 else f
+        groups[key] = groups.get(key, 0) + 1
+    T, P, A, A_min, rho = tot.time, tot.params, tot.act, tot.min_act, tot.rho
+    rows = []
+    for f, n in groups.items():
+        full = per_param * P + f * A_min
+        x_max = cap / full if full > 0 else math.inf
+        mem = per_param * P + f * A
+        x_free = cap / mem if mem > 0 else math.inf
+        rows.append((n, f, x_max, x_free, mem))
+    if sum(n * x_max for n, _, x_max, _, _ in rows) < 1.0:
+        return math.inf
+
+    def share(t: float) -> float:
+        total = 0.0
+        for n, f, x_max, x_free, mem in rows:
+            x = t / T if T > 0 else math.inf
+            if x > x_free:
+                x = (t + rho * cap / f) / (T + rho * mem / f)
+            total += n * min(x, x_max)
+        return total
+
+    lo, hi = T / len(flights), T + tot.rec_time
+    if share(hi) < 1.0:
+        return math.inf
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if share(mid) >= 1.0:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-4 * hi:
+            break
+    return lo
+
+
+def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
+               top_k: int = 3, progress: Progress | None = None, tp_rules: dict[str, str] | None = None,
+               options: CostOptions | None = None) -> SearchResult:
+    start = time.perf_counter()
+    fixed = parse_constraints(constraints)  # type: ignore[arg-type]
+    rules = fixed.tp_rules if fixed.tp_rules is not None else (
+        tp_rules if tp_rules is not None else default_tp_rules(graph))
+    ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)
+    cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
+    rec = fixed_recompute(ctx, fixed.recompute) if fixed.recompute is not None else None
+    units = _units(ctx, fixed.units)
+    cands, notes = _enumerate(graph, ctx, fixed, rules, cuts, rec)
+    if not cands:
+        raise PlanError(["no configuration satisfies the constraints: " + "; ".join(notes or ["(none enumerated)"])],
+                        source="search")
+    totals: dict[tuple[int, int, str, bool], _Totals] = {}
+    bounded: list[tuple[float, tuple[object, ...], Config, float]] = []
+    mem_fail: list[tuple[float, Config]] = []
+    for cfg in cands:
+        key = (cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+        if key not in totals:
+            totals[key] = _Totals(ctx.costs(*key), rec)
+        lb, mem_lb = _bounds(ctx, cfg, totals[key])
+        if mem_lb > ctx.cap or math.isinf(lb):
+            mem_fail.append((mem_lb - ctx.cap, cfg))
+            continue
+        order = (_KIND_ORDER[cfg.kind], _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
+                 cfg.pp, cfg.tp)
+        bounded.append((lb, order, cfg, mem_lb))
+    bounded.sort(key=lambda x: (x[0], x[1]))
+    keep = top_k + 1
+    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = {}
+    closest: Breakdown | None = None
+    evaluated = 0
+    total = len(cands)
+    for n, (lb, order, cfg, _) in enumerate(bounded):
+        times = sorted(v[0] for v in best.values())
+        threshold = times[keep - 1] if len(times) >= keep else float("inf")
+        if lb >= threshold:
+            break
+        mesh = (cfg.pp, cfg.dp, cfg.tp)
+        if mesh in best and lb >= best[mesh][0]:
+            continue
+        if progress is not None and n % 64 == 0:
+            progress(n, len(bounded), times[0] if times else None)
+        evaluated += 1
+        b = _cost(ctx, cfg, cuts, rec)
+        if b is None:
+            continue
+        if not b.fits:
+            if closest is None or b.shortfall < closest.shortfall:
+                closest = b
+            continue
+        if mesh not in best or (b.step_time_s, order) < best[mesh][:2]:
+            best[mesh] = (b.step_time_s, order, b)
+    if progress is not None:
+        progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
+    if not best:
+        closest = _closest(ctx, mem_fail, closest, cuts, rec)
+        fixes = _fixed_notes(fixed)
+        msg, short = infeasible_message(ctx, closest, total_params=graph.num_parameters,
+                                        param_dtype=fixed.param_dtype or "fp32", fixed_notes=fixes)
+        raise NoFeasiblePlan(msg, shortfall_bytes=short)
+    ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
+    win = ranked[0][2]
+    out = []
+    for t, _, b in ranked:
+        assert b.config is not None
+        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules, units=fixed.units)
+        out.append(Candidate(plan=plan, breakdown=b, reason="" if b is win else loss_reason(b, win)))
+    return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
+                        elapsed_s=time.perf_counter() - start)
+
+
+def _units(ctx: Context, text: str | None) -> frozenset[int] | None:
+    if not text:
+        return None
+    sel = parse_selector(text)
+    return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+
+
+def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> Breakdown | None:
+    """Cut, choose recompute, cost. None when no cut fits (the segment model says so)."""
+    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+    if cuts is None:
+        model = SegmentModel(ctx, cfg, _apply_recompute(costs, rec) if rec is not None else costs)
+        bottleneck, found = partition(model)
+        if not found:
+            return None
+        cuts = found
+    cfg = dataclasses.replace(cfg, cuts=cuts)
+    cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
+    return evaluate(ctx, cfg)
+
+
+def _apply_recompute(costs: list[LayerCost], rec: frozenset[int]) -> list[LayerCost]:
+    """Costs with a fixed recompute set folded in, and no further recompute possible."""
+    out = []
+    for i, c in enumerate(costs):
+        if i in rec:
+            c = dataclasses.replace(c, bwd=c.bwd + c.fwd, act=c.act_recompute)
+        out.append(dataclasses.replace(c, act_recompute=c.act))
+    return out
+
+
+def _closest(ctx: Context, mem_fail: list[tuple[float, Config]], closest: Breakdown | None,
+             cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> Breakdown | None:
+    """Exact shortfall of the configurations whose memory bound failed by the least."""
+    L = len(ctx.facts)
+    for _, cfg in sorted(mem_fail, key=lambda x: x[0])[:8]:
+        stages = cfg.pp * cfg.v
+        if stages > L:
+            continue
+        c = dataclasses.replace(cfg, cuts=cuts or stage_cuts_even(L, stages))
+        costs = ctx.costs(c.tp, ctx.micro(c), c.param_dtype, c.sp)
+        all_rec = frozenset(i for i, x in enumerate(costs) if x.act > x.act_recompute)
+        b = evaluate(ctx, dataclasses.replace(c, recompute=rec if rec is not None else all_rec))
+        if closest is None or b.shortfall < closest.shortfall:
+            closest = b
+    return closest
+
+
+def _fixed_notes(fixed: Fixed) -> list[str]:
+    notes = []
+    if fixed.recompute is not None:
+        notes.append("let the planner recompute (the constraints fix the recompute map)")
+    if fixed.dp_kind is not None and fixed.dp_kind != "fsdp":
+        notes.append(f'shard states with data_parallel.kind "fsdp" (the constraints fix "{fixed.dp_kind}")')
+    if fixed.tp is not None or fixed.pp is not None:
+        notes.append("let the planner choose mesh.tp / mesh.pp (the constraints fix them)")
+    return notes
+
+
+def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
+    """(lower bound on step time, lower bound on the fullest rank's memory)."""
+    pp, m, v = cfg.pp, cfg.microbatches, cfg.v
+    per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                  optimizer=ctx.options.optimizer)
+    params = tot.params / pp
+    extra, fixed_bytes = tot.buffers(ctx, cfg)
+    mem_lb = (per_param + extra) * params + tot.min_act / pp + fixed_bytes
+    flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
+    t = max(tot.max_layer, fluid_bottleneck(tot, flights, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
+    c = ctx.cluster
+    if cfg.dp_kind == "fsdp" and cfg.dp > 1:  # per-microbatch gathers and reduce-scatters of the rank's share
+        bw, lat = c.link(cfg.tp * cfg.dp)
+        bw *= c.efficiency.network
+        comm = ((2 if cfg.reshard else 1) * all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp,
+                                                             bandwidth=bw, latency=lat)
+                + all_gather_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
+        t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
+    if math.isinf(t):
+        return t, max(mem_lb, ctx.cap * 1.0000001)
+    pipe = m * t + (pp - 1) * t / v if cfg.kind == "interleaved" else (m - 1 + pp) * t
+    tail = 2 * per_param * params / (c.hbm_bandwidth * c.efficiency.memory)
+    bw, lat = c.link(cfg.tp * cfg.dp)
+    bw *= c.efficiency.network
+    if cfg.dp > 1 and not ctx.options.overlap_dp:
+        if cfg.dp_kind == "ddp":
+            tail += all_reduce_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat)
+    if cfg.dp > 1 and cfg.dp_kind in ("zero1", "zero2"):
+        tail += all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
+    return pipe + tail, mem_lb
+
+
+# The fluid bound ignores the discreteness of layers; give it 2% more memory than the cap so that
+# a heterogeneous mix (embedding, head) cannot make it overshoot the true optimum.
+_FLUID_SLACK = 1.02
+
+
+def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: dict[str, str],
+               cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> tuple[list[Config], list[str]]:
+    c = ctx.cluster
+    N, L, B = c.devices, len(ctx.facts), ctx.global_batch
+    notes: list[str] = []
+    allowed_tp = [t for t in tp_degrees_allowed(graph, rules, min(c.devices_per_node, N))
+                  if N % t == 0 and c.devices_per_node % t == 0]
+    if fixed.tp is not None and fixed.tp not in allowed_tp:
+        raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} (tp must "
+                         f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "
+                         "and every split weight dimension, and needs tensor_parallel rules)"], source="constraints")
+    dtype = fixed.param_dtype or "fp32"
+    out: list[Config] = []
+    for tp in ([fixed.tp] if fixed.tp else allowed_tp):
+        for pp in divisors(N // tp):
+            dp = N // (tp * pp)
+            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > L:
+                continue
+            if B % dp:
+                notes.append(f"dp={dp} does not divide the global batch {B}")
+                continue
+            per = B // dp
+            ms = divisors(per) if fixed.microbatches is None else (
+                [fixed.microbatches] if per % fixed.microbatches == 0 else [])
+            if not ms:
+                notes.append(f"microbatches={fixed.microbatches} does not divide the per-replica batch {per} (dp={dp})")
+            for m in ms:
+                for kind, v in _schedules(pp, m, L, fixed, cuts):
+                    for dp_kind, reshard in _dp_kinds(dp, fixed):
+                        for sp in ([False, True] if tp > 1 else [False]):
+                            if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
+                                continue
+                            out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v, dp_kind=dp_kind,
+                                              reshard=reshard, sp=sp, param_dtype=dtype,
+                                              reduce_dtype=fixed.reduce_dtype or "fp32",
+                                              prefetch=True if fixed.prefetch is None else fixed.prefetch,
+                                              bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units)))
+    if fixed.pp and fixed.pp > L:
+        notes.append(f"pp={fixed.pp} is more than the {L} layers")
+    return out, notes
+
+
+def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:
+    stages = len(cuts) - 1 if cuts else None
+    if pp == 1:
+        opts = [("1f1b", 1)] if fixed.kind in (None, "1f1b") else ([(fixed.kind, 1)] if fixed.kind == "gpipe" else [])
+    else:
+        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for
+        opts = [("1f1b", 1)] + ([("gpipe", 1)] if fixed.kind == "gpipe" else [])
+        if m % pp == 0:
+            vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
+            opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
+        if fixed.kind is not None:
+            opts = [o for o in opts if o[0] == fixed.kind]
+    if fixed.virtual_stages is not None:
+        opts = [o for o in opts if o[1] == fixed.virtual_stages]
+    if stages is not None:
+        opts = [o for o in opts if pp * o[1] == stages]
+    return opts
+
+
+def _dp_kinds(dp: int, fixed: Fixed) -> list[tuple[str, bool]]:
+    if dp == 1:
+        opts = [("ddp", True)] if fixed.dp_kind is None else [(fixed.dp_kind, True)]
+    else:
+        opts = [("ddp", True), ("zero1", True), ("zero2", True), ("fsdp", True), ("fsdp", False)]
+        if fixed.dp_kind is not None:
+            opts = [o for o in opts if o[0] == fixed.dp_kind]
+    if fixed.reshard is not None:
+        opts = [(k, fixed.reshard if k == "fsdp" else r) for k, r in opts]
+        opts = list(dict.fromkeys(opts))
+    return opts

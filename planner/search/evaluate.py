@@ -1,0 +1,340 @@
+"""Exact cost of one fully specified configuration: stages, schedule, data parallelism, recompute.
+
+:func:`evaluate` is the single place a step time is assembled; the search's fast paths only
+decide which configurations reach it, and :func:`planner.search.cost_plan` re-costs a
+hand-edited plan through it too, so a plan's ``predicted`` numbers always come from here.
+
+Step time (seconds) = pipeline time of the per-rank microbatch times (``planner.schedule_cost``)
++ the slowest rank's exposed gradient synchronization and optimizer step after the flush.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.cluster import Cluster
+from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
+from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume, p2p_time,
+                               reduce_scatter_time)
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes, unshard_buffer_bytes
+from planner.plan import Predicted
+from planner.schedule_cost import in_flight, pipeline_time
+
+__all__ = ["Config", "Breakdown", "Context", "evaluate", "choose_recompute"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """One point of the search space (everything a Plan fixes, in index form)."""
+
+    pp: int
+    """Pipeline ranks."""
+    dp: int
+    """Data-parallel degree."""
+    tp: int
+    """Tensor-parallel degree."""
+    microbatches: int
+    """Microbatches per step."""
+    kind: str = "1f1b"
+    """Schedule: gpipe, 1f1b or interleaved."""
+    v: int = 1
+    """Chunks per pipeline rank (interleaved)."""
+    dp_kind: str = "ddp"
+    """ddp, zero1, zero2 or fsdp."""
+    reshard: bool = True
+    """FSDP reshard_after_forward."""
+    prefetch: bool = True
+    """FSDP prefetch of the next unit."""
+    sp: bool = False
+    """Sequence parallelism on the tp axis."""
+    param_dtype: str = "fp32"
+    """Compute dtype of parameters and activations."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in."""
+    bucket_mb: float = 25.0
+    """DDP/ZeRO gradient bucket, MiB (the last bucket cannot overlap)."""
+    cuts: tuple[int, ...] = ()
+    """Stage boundaries as layer indices: 0 = c_0 < c_1 < … < c_{pp·v} = L."""
+    recompute: frozenset[int] = frozenset()
+    """Indices of fully recomputed layers."""
+    units: frozenset[int] | None = None
+    """FSDP: indices of layers that are units of their own (None: every repeated-block layer)."""
+
+
+@dataclass(kw_only=True)
+class Breakdown:
+    """Predicted cost of a configuration. Seconds, bytes, FLOP/s."""
+
+    step_time_s: float
+    """One optimizer step."""
+    pipeline_s: float
+    """First forward to last backward."""
+    bubble: float
+    """Idle share of the pipeline time."""
+    rank_times_s: list[float]
+    """Per pipeline rank: one microbatch's forward + backward (+ recompute, TP, p2p, FSDP exposed)."""
+    compute_s: float
+    """Slowest rank's pure compute per step (no recompute, no communication)."""
+    recompute_s: float
+    """Slowest rank's recompute time per step."""
+    tp_comm_s: float
+    """Slowest rank's exposed tensor-parallel time per step."""
+    p2p_s: float
+    """Slowest rank's exposed pipeline send/receive time per step."""
+    dp_comm_s: float
+    """Exposed data-parallel time per step (gradient sync after the flush + FSDP per microbatch)."""
+    optimizer_s: float
+    """Optimizer step of the slowest rank."""
+    memory_bytes: list[float]
+    """Peak bytes per pipeline rank."""
+    memory_cap: float
+    """Usable bytes per device."""
+    comm_bytes: float
+    """Bytes sent per device per step, all collectives (max over pipeline ranks)."""
+    model_flops: float
+    """Forward + backward FLOPs of one step of the global batch (no recompute)."""
+    devices: int
+    """Devices the configuration uses."""
+    config: Config | None = None
+    """What was costed."""
+    notes: list[str] = field(default_factory=list)
+    """Anything a reader should know (e.g. a tied weight copied on two stages)."""
+
+    @property
+    def fits(self) -> bool:
+        return max(self.memory_bytes) <= self.memory_cap
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes over the cap on the fullest rank (0 when it fits)."""
+        return max(0.0, max(self.memory_bytes) - self.memory_cap)
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.step_time_s / self.devices / 1e12 if self.step_time_s > 0 else 0.0
+
+    @property
+    def predicted(self) -> Predicted:
+        """The prediction a Plan stores."""
+        return Predicted(step_time_s=self.step_time_s, tflops_per_device=self.tflops_per_device,
+                         memory_gib=[m / 2**30 for m in self.memory_bytes], comm_gib_per_step=self.comm_bytes / 2**30,
+                         bubble=self.bubble)
+
+
+class Context:
+    """Everything constant during one search: facts, cluster, options, batch, and a cost cache."""
+
+    def __init__(self, facts: list[LayerFacts], cluster: Cluster, *, global_batch: int,
+                 options: CostOptions, captured_dtype: str) -> None:
+        self.facts = facts
+        self.cluster = cluster
+        self.global_batch = global_batch
+        self.options = options
+        self.captured_dtype = captured_dtype
+        self.cap = cluster.memory_bytes * options.usable_memory_fraction
+        self.model_flops = sum(f.flops_fwd + f.flops_bwd for f in facts) * global_batch
+        self.blocks = frozenset(f.index for f in facts if f.block is not None)
+        self._costs: dict[tuple[int, int, str, bool], list[LayerCost]] = {}
+
+    def costs(self, tp: int, micro: int, dtype: str, sp: bool) -> list[LayerCost]:
+        key = (tp, micro, dtype, sp)
+        if key not in self._costs:
+            self._costs[key] = layer_costs(self.facts, self.cluster, tp=tp, micro=micro, compute_dtype=dtype,
+                                           captured_dtype=self.captured_dtype, sequence_parallel=sp,
+                                           options=self.options)
+        return self._costs[key]
+
+    def micro(self, cfg: Config) -> int:
+        per = self.global_batch // (cfg.dp * cfg.microbatches)
+        if per * cfg.dp * cfg.microbatches != self.global_batch or per < 1:
+            raise ValueError(f"global batch {self.global_batch} does not divide into dp({cfg.dp}) × "
+                             f"microbatches({cfg.microbatches}) = {cfg.dp * cfg.microbatches} equal microbatches")
+        return per
+
+
+def rank_layers(cfg: Config, rank: int) -> list[int]:
+    out: list[int] = []
+    for k in range(rank, cfg.pp * cfg.v, cfg.pp):
+        out.extend(range(cfg.cuts[k], cfg.cuts[k + 1]))
+    return out
+
+
+def rank_params(ctx: Context, costs: list[LayerCost], layers: list[int], tp: int) -> float:
+    """Parameter elements a rank holds: its layers' own, plus copies of tied weights owned elsewhere."""
+    held = set(layers)
+    total = sum(costs[i].params for i in layers)
+    copied: set[int] = set()
+    for i in layers:
+        f = ctx.facts[i]
+        for owner, count in f.tied:
+            if owner not in held and owner not in copied:
+                copied.add(owner)
+                total += count / (tp if f.tp.sharded and tp > 1 else 1)
+    return total
+
+
+def rank_memory(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
+                layers: list[int] | None = None) -> float:
+    """Peak bytes of one pipeline rank: model states + activations in flight + recompute transient
+    + FSDP unshard buffers."""
+    layers = rank_layers(cfg, rank) if layers is None else layers
+    params = rank_params(ctx, costs, layers, cfg.tp)
+    states = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                               optimizer=ctx.options.optimizer)
+    flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
+    kept = sum(costs[i].act_recompute if i in recompute else costs[i].act for i in layers)
+    # the backward of a recomputed layer rebuilds its full activations for one microbatch
+    transient = max((costs[i].act for i in layers if i in recompute), default=0.0)
+    buffers = 0.0
+    if cfg.dp_kind == "fsdp" and cfg.dp > 1:
+        buffers = unshard_buffer_bytes(_unit_params(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
+                                       reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch)
+    return states + flight * kept + transient + buffers
+
+
+def _unit_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> list[float]:
+    units = ctx.blocks if cfg.units is None else cfg.units
+    own = [costs[i].params for i in layers if i in units]
+    root = sum(costs[i].params for i in layers if i not in units)
+    return own + ([root] if root > 0 else [])
+
+
+def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float]:
+    """FSDP unshard buffers as (bytes per parameter element the rank holds, fixed bytes), for the
+    search's fast paths: without reshard every gathered parameter stays (per element), with it the
+    two largest units do (fixed); plus one unit of full gradients either way."""
+    if cfg.dp_kind != "fsdp" or cfg.dp <= 1:
+        return 0.0, 0.0
+    b = DTYPE_BYTES[cfg.param_dtype]
+    units = sorted((c.params for i, c in enumerate(costs) if i in (ctx.blocks if cfg.units is None else cfg.units)),
+                   reverse=True) or [max(c.params for c in costs)]
+    if not cfg.reshard:
+        return float(b), units[0] * b
+    return 0.0, (units[0] + (units[1] if cfg.prefetch and len(units) > 1 else 0.0) + units[0]) * b
+
+
+def choose_recompute(ctx: Context, cfg: Config) -> frozenset[int]:
+    """Per rank, the cheapest layers to recompute fully so the rank fits (greedy knapsack by
+    recompute seconds per byte freed, ties to the earlier layer). Ranks that fit recompute nothing;
+    ranks that cannot fit recompute everything that helps (evaluate then reports the shortfall)."""
+    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+    chosen: set[int] = set()
+    for rank in range(cfg.pp):
+        layers = rank_layers(cfg, rank)
+        mem = rank_memory(ctx, cfg, costs, rank, frozenset(), layers)
+        if mem <= ctx.cap:
+            continue
+        flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
+        order = sorted((i for i in layers if costs[i].act > costs[i].act_recompute),
+                       key=lambda i: (costs[i].fwd / (costs[i].act - costs[i].act_recompute), i))
+        transient = 0.0
+        for i in order:
+            # freeing this layer's activations in flight; its full activations come back once, transiently
+            mem -= flight * (costs[i].act - costs[i].act_recompute)
+            if costs[i].act > transient:
+                mem += costs[i].act - transient
+                transient = costs[i].act
+            chosen.add(i)
+            if mem <= ctx.cap:
+                break
+    return frozenset(chosen)
+
+
+def evaluate(ctx: Context, cfg: Config) -> Breakdown:
+    """Predicted step time, memory and communication of ``cfg`` (its cuts and recompute set fixed)."""
+    c = ctx.cluster
+    net = c.efficiency.network
+    micro = ctx.micro(cfg)
+    costs = ctx.costs(cfg.tp, micro, cfg.param_dtype, cfg.sp)
+    m = cfg.microbatches
+    dp_bw, dp_lat = c.link(cfg.tp * cfg.dp)
+    dp_bw *= net
+    pp_bw, pp_lat = c.link(cfg.tp * cfg.dp * cfg.pp)
+    pp_bw *= net
+    pbytes, rbytes = DTYPE_BYTES[cfg.param_dtype], DTYPE_BYTES[cfg.reduce_dtype]
+    rec = cfg.recompute
+    opts = ctx.options
+    times, mems, comm = [], [], []
+    worst = dict(compute=0.0, recompute=0.0, tp=0.0, p2p=0.0, dp=0.0, opt=0.0, tail=0.0)
+    for rank in range(cfg.pp):
+        layers = rank_layers(cfg, rank)
+        compute = sum(_pure(ctx, costs, i, cfg) for i in layers)
+        t = sum(costs[i].fwd + costs[i].bwd for i in layers)
+        t_rec = sum(costs[i].fwd for i in layers if i in rec)
+        tp_s = t - compute
+        tp_bytes = sum(costs[i].tp_bytes + (costs[i].tp_bytes_recompute if i in rec else 0.0) for i in layers)
+        # pipeline sends: each chunk boundary sends activations forward and gradients backward
+        p2p_s, p2p_bytes = 0.0, 0.0
+        for k in range(rank, cfg.pp * cfg.v, cfg.pp):
+            if k + 1 < cfg.pp * cfg.v:
+                nbytes = costs[cfg.cuts[k + 1] - 1].output
+                p2p_bytes += nbytes
+                p2p_s += p2p_time(nbytes, bandwidth=pp_bw, latency=pp_lat)
+            if k > 0:
+                nbytes = costs[cfg.cuts[k] - 1].output
+                p2p_bytes += nbytes
+                p2p_s += p2p_time(nbytes, bandwidth=pp_bw, latency=pp_lat)
+        if opts.overlap_p2p:
+            p2p_s = 0.0
+        params = rank_params(ctx, costs, layers, cfg.tp)
+        busy = t + t_rec
+        fsdp_s, dp_bytes, tail = 0.0, 0.0, 0.0
+        if cfg.dp > 1 and cfg.dp_kind == "fsdp":
+            gathers = 2 if cfg.reshard else 1
+            ag = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+            rs = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+            per_mb = gathers * ag + rs
+            if opts.overlap_fsdp and cfg.prefetch:
+                units = _unit_params(ctx, cfg, costs, layers)
+                first = ag * (units[0] / params) if params > 0 and units else 0.0
+                fsdp_s = max(0.0, per_mb - busy) + first
+            else:
+                fsdp_s = per_mb
+            dp_bytes = m * (gathers * all_gather_volume(params * pbytes, cfg.dp)
+                            + all_gather_volume(params * rbytes, cfg.dp))
+        elif cfg.dp > 1:
+            if cfg.dp_kind == "ddp":
+                sync = all_reduce_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                after = 0.0
+                dp_bytes = all_reduce_volume(params * rbytes, cfg.dp)
+            else:  # zero1 / zero2: reduce-scatter grads, all-gather updated params after the step
+                sync = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                after = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                dp_bytes = all_gather_volume(params * rbytes, cfg.dp) + all_gather_volume(params * pbytes, cfg.dp)
+            if opts.overlap_dp:
+                bucket = min(params * rbytes, cfg.bucket_mb * 2**20)
+                last = all_reduce_time(bucket, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                bwd_last = sum(costs[i].bwd for i in layers)
+                sync = max(last, sync - bwd_last)
+            tail = sync + after
+        state = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                  optimizer=opts.optimizer)
+        # Adam reads and writes every state byte once (memory-bound)
+        opt_s = 2 * state / (c.hbm_bandwidth * c.efficiency.memory)
+        rank_t = busy + p2p_s + fsdp_s
+        times.append(rank_t)
+        mems.append(rank_memory(ctx, cfg, costs, rank, rec, layers))
+        comm.append(m * (tp_bytes + p2p_bytes) + dp_bytes)
+        if tail + opt_s >= worst["tail"]:
+            worst["tail"], worst["dp"], worst["opt"] = tail + opt_s, tail, opt_s
+        if rank_t >= max(times):
+            worst.update(compute=compute * m, recompute=t_rec * m, tp=tp_s * m, p2p=p2p_s * m, fsdp=fsdp_s * m)
+    pipe = pipeline_time(cfg.kind, times, m, v=cfg.v)
+    step = pipe + worst["tail"]
+    bubble = max(0.0, (pipe - m * max(times)) / pipe) if pipe > 0 else 0.0
+    return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
+                     compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
+                     p2p_s=worst["p2p"], dp_comm_s=worst["dp"] + worst.get("fsdp", 0.0), optimizer_s=worst["opt"],
+                     memory_bytes=mems, memory_cap=ctx.cap, comm_bytes=max(comm), model_flops=ctx.model_flops,
+                     devices=cfg.pp * cfg.dp * cfg.tp, config=cfg)
+
+
+def _pure(ctx: Context, costs: list[LayerCost], i: int, cfg: Config) -> float:
+    """Forward + backward seconds of layer i without its tensor-parallel collectives."""
+    return costs[i].fwd + costs[i].bwd - costs[i].tp_s
+
+
+def stage_cuts_even(n_layers: int, stages: int) -> tuple[int, ...]:
+    """Boundaries that split n_layers into ``stages`` runs whose sizes differ by at most one."""
+    return tuple(round(k * n_layers / stages) for k in range(stages + 1))
+

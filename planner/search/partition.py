@@ -1,0 +1,204 @@
+"""Cut layers into pipeline stages: minimize the slowest stage under the memory cap.
+
+A *segment* is a contiguous run of layers ``[s, e)`` placed as stage ``k``. Its time is the
+forward + backward of its layers for one microbatch, plus the recompute it needs to fit (the
+cheapest number of its recomputable layers, assuming they are alike, as repeated blocks are),
+plus its pipeline sends and exposed FSDP traffic; it is infinite when even recomputing everything
+does not fit. Both the time and the infeasibility only grow when a segment grows, which is what
+makes the two exact algorithms below correct:
+
+* :func:`partition_dp`: dynamic programming, ``best[k][e] = min_s max(best[k-1][s], seg(s, e, k-1))``,
+  O(S·L²) segment evaluations. Used when that is small, and as the reference in tests.
+* :func:`partition_fast`: bisection on the bottleneck ``T`` with a greedy feasibility check
+  (each stage takes the longest run that fits in ``T``; with monotone segment costs this covers
+  the longest possible prefix, so it succeeds iff some partition has bottleneck <= T), each stage
+  end found by binary search: O(S·log L) per check. It returns a bottleneck within ``rel_tol`` of
+  the optimum.
+
+Stage ``k`` runs on pipeline rank ``k % pp`` (interleaved chunks) and each rank's memory cap is
+shared evenly by its ``v`` chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.cost import LayerCost
+from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.schedule_cost import in_flight
+from planner.search.evaluate import Config, Context, fsdp_buffer_terms
+
+__all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
+
+INF = math.inf
+SegFn = Callable[[int, int, int], float]
+
+
+@dataclass
+class _Prefix:
+    t: list[float]
+    f: list[float]
+    save: list[float]
+    act: list[float]
+    n: list[int]
+    params: list[float]
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+class SegmentModel:
+    """O(1) segment times for one configuration (everything but its cuts and recompute set)."""
+
+    def __init__(self, ctx: Context, cfg: Config, costs: list[LayerCost]) -> None:
+        self.ctx, self.cfg, self.costs = ctx, cfg, costs
+        self.L = len(costs)
+        self.S = cfg.pp * cfg.v
+        gain = [max(0.0, c.act - c.act_recompute) for c in costs]
+        recomputable = [g > 0 for g in gain]
+        self.p = _Prefix(t=_prefix([c.fwd + c.bwd for c in costs]),
+                         f=_prefix([c.fwd if r else 0.0 for c, r in zip(costs, recomputable)]),
+                         save=_prefix(gain), act=_prefix([c.act for c in costs]),
+                         n=[int(x) for x in _prefix([1.0 if r else 0.0 for r in recomputable])],
+                         params=_prefix([c.params for c in costs]))
+        tp = cfg.tp
+        self.tied = [(i, o, n / (tp if ctx.facts[i].tp.sharded and tp > 1 else 1))
+                     for i, f in enumerate(ctx.facts) for o, n in f.tied]
+        self.per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                           optimizer=ctx.options.optimizer)
+        self.flight = [in_flight(cfg.kind, cfg.pp, cfg.microbatches, r, v=cfg.v) for r in range(cfg.pp)]
+        self.transient = max((c.act for c, r in zip(costs, recomputable) if r), default=0.0)
+        extra, self.buffers = fsdp_buffer_terms(ctx, cfg, costs)
+        self.per_param += extra
+        self.cap = ctx.cap / cfg.v
+        c = ctx.cluster
+        bw, lat = c.link(cfg.tp * cfg.dp * cfg.pp)
+        self.pp_bw, self.pp_lat = bw * c.efficiency.network, lat
+        dbw, dlat = c.link(cfg.tp * cfg.dp)
+        self.dp_bw, self.dp_lat = dbw * c.efficiency.network, dlat
+
+    def params(self, s: int, e: int) -> float:
+        total = self.p.params[e] - self.p.params[s]
+        seen: set[int] = set()
+        for i, owner, n in self.tied:
+            if s <= i < e and owner < s and owner not in seen:
+                seen.add(owner)
+                total += n
+        return total
+
+    def time(self, s: int, e: int, k: int) -> float:
+        """Seconds of segment [s, e) as stage k for one microbatch, or inf if it cannot fit."""
+        cfg, p = self.cfg, self.p
+        flight = self.flight[k % cfg.pp]
+        params = self.params(s, e)
+        mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.buffers / cfg.v
+        t = p.t[e] - p.t[s]
+        if mem > self.cap:
+            n = p.n[e] - p.n[s]
+            if n == 0:
+                return INF
+            need = mem + self.transient - self.cap
+            per_layer = flight * (p.save[e] - p.save[s]) / n
+            count = math.ceil(need / per_layer - 1e-9) if per_layer > 0 else n + 1
+            if count > n:
+                return INF
+            t += count * (p.f[e] - p.f[s]) / n
+        if not self.ctx.options.overlap_p2p:
+            if k + 1 < self.S:
+                t += p2p_time(self.costs[e - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
+            if k > 0:
+                t += p2p_time(self.costs[s - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
+        if cfg.dp_kind == "fsdp" and cfg.dp > 1:
+            ag = all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=self.dp_bw,
+                                 latency=self.dp_lat)
+            rs = reduce_scatter_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=self.dp_bw,
+                                     latency=self.dp_lat)
+            comm = (2 if cfg.reshard else 1) * ag + rs
+            t = max(t, comm) if self.ctx.options.overlap_fsdp and cfg.prefetch else t + comm
+        return t
+
+
+def partition_dp(seg: SegFn, n_layers: int, stages: int) -> tuple[float, tuple[int, ...]]:
+    """Exact min-max partition of ``n_layers`` into ``stages`` non-empty runs by dynamic programming.
+    Returns (bottleneck seconds, cuts); (inf, ()) when no partition fits."""
+    L, S = n_layers, stages
+    if S > L:
+        return INF, ()
+    best = [[INF] * (L + 1) for _ in range(S + 1)]
+    arg = [[0] * (L + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for k in range(1, S + 1):
+        for e in range(k, L - (S - k) + 1):
+            b, a = INF, 0
+            for s in range(k - 1, e):
+                if best[k - 1][s] >= b:
+                    continue
+                val = max(best[k - 1][s], seg(s, e, k - 1))
+                if val < b:
+                    b, a = val, s
+            best[k][e], arg[k][e] = b, a
+    if best[S][L] == INF:
+        return INF, ()
+    cuts = [L]
+    for k in range(S, 0, -1):
+        cuts.append(arg[k][cuts[-1]])
+    return best[S][L], tuple(reversed(cuts))
+
+
+def _greedy(seg: SegFn, L: int, S: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
+    cuts = [0]
+    worst = 0.0
+    s = 0
+    for k in range(S):
+        lo, hi = s + 1, L - (S - k - 1)
+        if lo > hi or seg(s, lo, k) > limit:
+            return None
+        while lo < hi:  # largest e in [lo, hi] with seg(s, e, k) <= limit
+            mid = (lo + hi + 1) // 2
+            if seg(s, mid, k) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        worst = max(worst, seg(s, lo, k))
+        cuts.append(lo)
+        s = lo
+    return (worst, tuple(cuts)) if s == L else None
+
+
+def partition_fast(seg: SegFn, n_layers: int, stages: int, *, lower: float = 0.0,
+                   rel_tol: float = 1e-4) -> tuple[float, tuple[int, ...]]:
+    """Min-max partition by bisection on the bottleneck with a greedy check; the bottleneck is
+    within ``rel_tol`` of the optimum. ``lower`` is any lower bound (e.g. total time / stages)."""
+    if stages > n_layers:
+        return INF, ()
+    found = _greedy(seg, n_layers, stages, INF)
+    if found is None:
+        return INF, ()
+    hi, cuts = found
+    lo = lower
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        got = _greedy(seg, n_layers, stages, mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, cuts = got
+    return hi, cuts
+
+
+def partition(model: SegmentModel, *, exact_limit: int = 20_000) -> tuple[float, tuple[int, ...]]:
+    """Best cuts for ``model``: exact DP when S·L² <= exact_limit, else bisection."""
+    L, S = model.L, model.S
+    if S == 1:
+        t = model.time(0, L, 0)
+        return t, ((0, L) if t < INF else ())
+    if S * L * L <= exact_limit:
+        return partition_dp(model.time, L, S)
+    return partition_fast(model.time, L, S, lower=model.p.t[L] / S)

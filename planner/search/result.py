@@ -1,0 +1,158 @@
+"""Search results: the winning plan, runners-up with why they lost, and the infeasible message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.cost_memory import model_state_bytes
+from planner.graph import ModelGraph
+from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel
+from planner.search.evaluate import Breakdown, Config, Context
+from planner.selectors import format_layers
+
+__all__ = ["Candidate", "SearchResult", "NoFeasiblePlan", "build_plan", "loss_reason", "infeasible_message"]
+
+GiB = float(2**30)
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One costed plan."""
+
+    plan: Plan
+    """The plan, with ``predicted`` filled in."""
+    breakdown: Breakdown
+    """Where its step time and memory go."""
+    reason: str = ""
+    """For a runner-up: one line on why it lost to the winner (empty for the winner)."""
+
+    def summary(self) -> str:
+        b, c = self.breakdown, self.breakdown.config
+        assert c is not None
+        sched = c.kind + (f"×{c.v}" if c.kind == "interleaved" else "")
+        dp = c.dp_kind + ("" if c.dp_kind != "fsdp" else ("+reshard" if c.reshard else "+keep"))
+        rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
+        return (f"pp={c.pp} dp={c.dp} tp={c.tp}{' sp' if c.sp else ''} {sched} m={c.microbatches} {dp} {rec}: "
+                f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.1f} TFLOP/s/device, "
+                f"{max(b.memory_bytes) / GiB:.1f} GiB peak, {b.comm_bytes / GiB:.2f} GiB sent/device")
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    """The best plan and the runners-up, best first."""
+
+    best: Candidate
+    """The winner."""
+    runners_up: list[Candidate] = field(default_factory=list)
+    """The next best plans (one per mesh shape), each with the reason it lost."""
+    considered: int = 0
+    """Configurations enumerated."""
+    evaluated: int = 0
+    """Configurations whose stages were cut and costed (the rest were pruned by a lower bound)."""
+    elapsed_s: float = 0.0
+    """Wall time of the search."""
+
+    @property
+    def plan(self) -> Plan:
+        return self.best.plan
+
+    def table(self) -> str:
+        lines = [f"best:  {self.best.summary()}"]
+        for i, c in enumerate(self.runners_up, 1):
+            lines.append(f"#{i + 1}:    {c.summary()}\n       lost: {c.reason}")
+        lines.append(f"({self.considered} configurations, {self.evaluated} costed in full, {self.elapsed_s:.2f} s)")
+        return "\n".join(lines)
+
+
+class NoFeasiblePlan(PlanError):
+    """No configuration fits in device memory; the message gives the smallest shortfall and the fixes."""
+
+    def __init__(self, message: str, *, shortfall_bytes: float) -> None:
+        self.shortfall_bytes = shortfall_bytes
+        super().__init__([message], source="search")
+
+
+def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdown, *,
+               tp_rules: dict[str, str], units: str | None) -> Plan:
+    """A Plan that spells out ``cfg`` with selectors, and its prediction."""
+    names = [f.name for f in ctx.facts]
+    stages = []
+    if cfg.pp * cfg.v > 1:
+        stages = [Stage(layers=format_layers(names[a:b])) for a, b in zip(cfg.cuts, cfg.cuts[1:])]
+    recompute = {format_layers([names[i] for i in sorted(cfg.recompute)]): "full"} if cfg.recompute else {}
+    fsdp = cfg.dp_kind == "fsdp"
+    dp = DataParallel(kind=cfg.dp_kind, units=(units or _block_selector(ctx)) if fsdp else "",
+                      reshard_after_forward=cfg.reshard if fsdp else True, param_dtype=cfg.param_dtype,
+                      reduce_dtype=cfg.reduce_dtype, prefetch=cfg.prefetch if fsdp else True,
+                      bucket_mb=25.0 if fsdp else cfg.bucket_mb)
+    pred = breakdown.predicted
+    return Plan(model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint,
+                               parameters=graph.num_parameters),
+                cluster=ctx.cluster.to_dict(), mesh=Mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp),
+                schedule=Schedule(kind=cfg.kind, microbatches=cfg.microbatches, virtual_stages=cfg.v),
+                stages=stages,
+                tensor_parallel=TensorParallel(rules=dict(tp_rules) if cfg.tp > 1 else {}, sequence_parallel=cfg.sp),
+                data_parallel=dp, recompute=recompute, predicted=pred)
+
+
+def _block_selector(ctx: Context) -> str:
+    blocks = sorted({f.block for f in ctx.facts if f.block})
+    if blocks:
+        return ", ".join(blocks)
+    return format_layers([f.name for f in ctx.facts])
+
+
+def loss_reason(b: Breakdown, w: Breakdown) -> str:
+    """One line: how much slower ``b`` is than the winner ``w``, and the term that grew most."""
+    pct = 100.0 * (b.step_time_s / w.step_time_s - 1.0)
+    terms = {
+        "compute": (b.compute_s, w.compute_s),
+        "recompute": (b.recompute_s, w.recompute_s),
+        "pipeline bubble": (b.bubble * b.pipeline_s, w.bubble * w.pipeline_s),
+        "tensor-parallel all-reduces": (b.tp_comm_s, w.tp_comm_s),
+        "data-parallel communication": (b.dp_comm_s, w.dp_comm_s),
+        "pipeline sends": (b.p2p_s, w.p2p_s),
+        "optimizer step": (b.optimizer_s, w.optimizer_s),
+    }
+    name, (x, y) = max(terms.items(), key=lambda kv: (kv[1][0] - kv[1][1], kv[0]))
+    if pct <= 0.05:
+        return f"ties the winner ({b.step_time_s:.4g} s); the winner came first in the search order"
+    extra = ""
+    if name == "pipeline bubble":
+        extra = f" ({100 * b.bubble:.1f}% vs {100 * w.bubble:.1f}% of the pipeline)"
+    return (f"{pct:.1f}% slower ({b.step_time_s:.4g} s vs {w.step_time_s:.4g} s), mostly {name}: "
+            f"{x:.3g} s vs {y:.3g} s{extra}")
+
+
+def infeasible_message(ctx: Context, closest: Breakdown | None, *, total_params: int, param_dtype: str,
+                       fixed_notes: list[str]) -> tuple[str, float]:
+    """The error text when nothing fits, and the smallest shortfall in bytes."""
+    cap = ctx.cap
+    c = ctx.cluster
+    states = model_state_bytes(float(total_params), dp_kind="ddp", dp=1, param_dtype=param_dtype,
+                               optimizer=ctx.options.optimizer)
+    need = max(1, int(-(-states // cap)))
+    nodes = -(-need // c.devices_per_node)
+    lines = []
+    if closest is not None and closest.config is not None:
+        cfg = closest.config
+        short = closest.shortfall
+        worst = max(closest.memory_bytes)
+        lines.append(f"no plan fits in memory on {c.devices} × {c.device}: the closest, pp={cfg.pp} dp={cfg.dp} "
+                     f"tp={cfg.tp} {cfg.dp_kind}{' with full recompute' if cfg.recompute else ''}, needs "
+                     f"{worst / GiB:.1f} GiB on its fullest device, {short / GiB:.1f} GiB over the "
+                     f"{cap / GiB:.1f} GiB usable ({c.memory_bytes / GiB:.1f} GiB × "
+                     f"{ctx.options.usable_memory_fraction:g})")
+    else:
+        short = states / c.devices - cap
+        lines.append(f"no plan fits in memory on {c.devices} × {c.device}: parameters, gradients and Adam states "
+                     f"alone are {states / GiB:.1f} GiB, {states / c.devices / GiB:.1f} GiB per device even fully "
+                     f"sharded, over the {cap / GiB:.1f} GiB usable")
+    fixes = [f"more devices (model states alone need at least {need} devices = {nodes} node(s) of "
+             f"{c.devices_per_node} when fully sharded)"]
+    fixes.extend(fixed_notes)
+    fixes.append("full recompute of every block and fsdp sharding (both already tried unless a constraint "
+                 "fixed them)")
+    fixes.append("a smaller global batch or microbatch (activations scale with it)")
+    fixes.append("offload of optimizer states to the CPU (data_parallel.offload; not costed by the planner yet)")
+    return lines[0] + ". To make it fit: " + "; or ".join(fixes) + ".", max(0.0, short)

@@ -1,0 +1,95 @@
+"""Default tensor-parallel rules when the caller gives none.
+
+The real pattern detector lives next to the TP pass (``passes/tp_patterns.py``); the planner is
+pure and never imports passes, so ``search`` takes rules as data (``tp_rules``: selector -> style)
+and uses this fallback only when none are given. It recognizes Megatron's column->row pairs by
+module name inside layers that hold attention (``Layer.attention``): q/k/v (or fused qkv)
+projections colwise and the output projection rowwise; MLP up/gate (fc1) colwise and down (fc2)
+rowwise. A vocabulary embedding (an Embedding whose rows are the largest output dimension of a
+Linear that ends the model) becomes ``vocab_embedding`` and that final Linear ``vocab_loss``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from planner.graph import ModelGraph
+
+__all__ = ["default_tp_rules", "tp_degrees_allowed"]
+
+_COLWISE = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "Wqkv", "qkv",
+            "up_proj", "gate_proj", "fc1", "c_fc", "w1", "w3", "wi", "wi_0", "wi_1", "fc_in", "dense_h_to_4h",
+            "query_key_value"}
+_ROWWISE = {"o_proj", "out_proj", "c_proj", "down_proj", "fc2", "w2", "wo", "fc_out", "dense_4h_to_h"}
+
+
+def default_tp_rules(graph: ModelGraph) -> dict[str, str]:
+    """Selector -> style rules for the column->row pairs of attention layers and the vocabulary."""
+    att_layers = [layer.name for layer in graph.layers if layer.attention]
+    rules: dict[str, str] = {}
+    for layer in att_layers:
+        prefix = layer + "."
+        for mod, cls in graph.modules.items():
+            if not mod.startswith(prefix) or not cls.endswith("Linear"):
+                continue
+            leaf = mod.rpartition(".")[2]
+            style = "colwise" if leaf in _COLWISE else "rowwise" if leaf in _ROWWISE else None
+            if style is not None:
+                rules[_generalize(mod[len(prefix):], layer, graph)] = style
+    if rules:
+        rules.update(_vocab_rules(graph))
+    return dict(sorted(rules.items()))
+
+
+def _generalize(sub: str, layer: str, graph: ModelGraph) -> str:
+    """``layers.3`` + ``attn.q_proj`` -> ``layers.*.attn.q_proj`` when the layer is a repeated block."""
+    block = next((lay.block for lay in graph.layers if lay.name == layer), None)
+    if block:
+        return f"{block}.{sub}" if block.endswith("*") else f"{layer}.{sub}"
+    generic = re.sub(r"\.(\d+)$", ".*", layer)
+    return f"{generic}.{sub}"
+
+
+def _vocab_rules(graph: ModelGraph) -> dict[str, str]:
+    if not graph.layers:
+        return {}
+    last = graph.layers[-1].name
+    head = last if graph.modules.get(last, "").endswith("Linear") else None
+    shape = graph.param_shapes.get(f"{head}.weight") if head else None
+    if not head or not shape:
+        return {}
+    out = {head: "vocab_loss"}
+    for mod, cls in graph.modules.items():
+        if cls.endswith("Embedding") and graph.param_shapes.get(f"{mod}.weight", (0,))[0] == shape[0]:
+            out[mod] = "vocab_embedding"
+    return out
+
+
+def tp_degrees_allowed(graph: ModelGraph, tp_rules: dict[str, str], max_tp: int) -> list[int]:
+    """Tensor-parallel degrees up to ``max_tp`` that divide every split layer's heads and kv heads
+    and the split dimension of every split weight. Without rules only tp = 1 is allowed."""
+    if not tp_rules:
+        return [1]
+    from planner.selectors import parse_selector
+
+    heads = [(layer.attention.get("heads", 0), layer.attention.get("kv_heads", layer.attention.get("heads", 0)))
+             for layer in graph.layers if layer.attention]
+    sizes: set[int] = set()
+    for sel_text, style in tp_rules.items():
+        dim = _SPLIT_DIM.get(style)
+        if dim is None:
+            continue
+        sel = parse_selector(sel_text)
+        for mod in sel.select(graph.modules):
+            shape = graph.param_shapes.get(f"{mod}.weight")
+            if shape and len(shape) == 2:
+                sizes.add(shape[dim])
+    out = []
+    for t in range(1, max_tp + 1):
+        if all(h % t == 0 and k % t == 0 for h, k in heads) and all(n % t == 0 for n in sizes):
+            out.append(t)
+    return out
+
+
+# dim of an nn.Linear / nn.Embedding weight each style splits
+_SPLIT_DIM = {"colwise": 0, "colwise_gather": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_loss": 0}

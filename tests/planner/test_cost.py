@@ -1,0 +1,133 @@
+"""Cost formulas, each against a number worked out by hand."""
+
+import pytest
+
+from planner.cluster import Cluster
+from planner.cost import CostOptions, LayerFacts, TPInfo, compute_time, layer_costs
+from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume,
+                               all_to_all_time, p2p_time, reduce_scatter_time)
+from planner.cost_gpt import gpt_graph, megatron_flops
+from planner.cost_memory import model_state_bytes, unshard_buffer_bytes
+from planner.schedule_cost import bubble_fraction, in_flight, pipeline_time
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+def test_ring_all_reduce():
+    # 1 GB over 8 ranks at 100 GB/s, 10 us: 2·7·10us + 2·7/8·1e9/1e11 s = 0.00014 + 0.0175
+    assert all_reduce_time(1e9, 8, bandwidth=1e11, latency=1e-5) == pytest.approx(0.01764)
+    assert all_reduce_volume(1000, 4) == pytest.approx(1500)  # 2·3/4·1000
+    assert all_reduce_time(1e9, 1, bandwidth=1e11, latency=1e-5) == 0.0
+
+
+def test_all_gather_reduce_scatter_all_to_all_p2p():
+    # 1 GB over 4 ranks at 10 GB/s, no latency: 3/4 · 0.1 s
+    assert all_gather_time(1e9, 4, bandwidth=1e10, latency=0.0) == pytest.approx(0.075)
+    assert reduce_scatter_time(1e9, 4, bandwidth=1e10, latency=0.0) == pytest.approx(0.075)
+    assert all_to_all_time(1e9, 4, bandwidth=1e10, latency=1e-3) == pytest.approx(0.078)  # + 3 · 1 ms
+    assert all_gather_volume(1000, 4) == pytest.approx(750)
+    assert p2p_time(1e6, bandwidth=1e9, latency=1e-5) == pytest.approx(0.00101)
+
+
+# --- compute -------------------------------------------------------------------------------------
+
+def test_roofline_adds_compute_bound_and_memory_bound_parts():
+    # 1e12 FLOPs at 312e12·0.5 = 6.4103 ms, plus 1e9 bytes at 2e12·0.5 = 1 ms
+    t = compute_time(1e12, 1e9, peak_flops=312e12, hbm_bandwidth=2e12, matmul_efficiency=0.5, memory_efficiency=0.5)
+    assert t == pytest.approx(0.0074103, rel=1e-4)
+
+
+def _layer(**kw):
+    base = dict(name="layers.0", index=0, block="layers.*", flops_fwd=2e12, flops_bwd=4e12, saved=1e9, input=1e8,
+                output=1e8, params=1000, attention=True)
+    base.update(kw)
+    return LayerFacts(**base)
+
+
+def test_layer_cost_without_tp():
+    c = Cluster.preset("a100-80gb")
+    (lc,) = layer_costs([_layer()], c, tp=1, micro=1, compute_dtype="bf16")
+    # bf16 halves the fp32-captured activations: 5e8 bytes saved, 5e7 kept under recompute
+    assert lc.act == pytest.approx(5e8)
+    assert lc.act_recompute == pytest.approx(5e7)
+    assert lc.fwd == pytest.approx(2e12 / (312e12 * 0.62) + 5e8 / (2039e9 * 0.7))  # 10.689 ms
+    assert lc.fwd == pytest.approx(0.0106894, rel=1e-4)
+    assert lc.bwd == pytest.approx(4e12 / (312e12 * 0.62) + 1e9 / (2039e9 * 0.7))
+    assert lc.tp_s == 0.0 and lc.params == 1000
+
+
+def test_layer_cost_with_tp_splits_flops_params_and_activations():
+    c = Cluster.preset("a100-80gb")
+    f = _layer(tp=TPInfo(sharded=True, param_count=800, allreduce_fwd=2, allreduce_bwd=2, heads=8, kv_heads=8))
+    (lc,) = layer_costs([f], c, tp=4, micro=2, compute_dtype="bf16")
+    # micro 2, bf16: saved 1e9, input 1e8; replicated = 5 × input = 5e8 (Korthikanti Eq. 2)
+    assert lc.act == pytest.approx(5e8 + (1e9 - 5e8) / 4)
+    assert lc.params == pytest.approx(200 + 800 / 4)
+    # each all-reduce: 1e8 bytes in a 4-GPU NVLink ring at 300e9·0.8: 2·3·5us + 2·3/4·1e8/2.4e11
+    ar = 6 * 5e-6 + 1.5 * 1e8 / 2.4e11
+    assert lc.tp_s == pytest.approx(4 * ar)
+    assert lc.tp_bytes == pytest.approx(4 * 1.5e8)
+    assert lc.fwd == pytest.approx(4e12 / 4 / (312e12 * 0.62) + 6.25e8 / (2039e9 * 0.7) + 2 * ar)
+    sp = layer_costs([f], c, tp=4, micro=2, compute_dtype="bf16", sequence_parallel=True)[0]
+    assert sp.act == pytest.approx(1e9 / 4) and sp.act_recompute == pytest.approx(1e8 / 4)
+    overlapped = layer_costs([f], c, tp=4, micro=2, compute_dtype="bf16", options=CostOptions(overlap_tp=True))[0]
+    assert overlapped.tp_s == 0.0
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def test_model_states_follow_zero_accounting():
+    # mixed precision Adam: 2 + 2 + 12 bytes per parameter (ZeRO §3.1)
+    assert model_state_bytes(1e9, dp_kind="ddp", dp=8, param_dtype="bf16") == pytest.approx(16e9)
+    assert model_state_bytes(1e9, dp_kind="ddp", dp=8, param_dtype="fp32") == pytest.approx(16e9)  # 4 + 4 + 8
+    assert model_state_bytes(1e9, dp_kind="zero1", dp=4, param_dtype="bf16") == pytest.approx(7e9)  # 2+2+12/4
+    assert model_state_bytes(1e9, dp_kind="zero2", dp=4, param_dtype="bf16") == pytest.approx(5.5e9)  # 2+14/4
+    assert model_state_bytes(1e9, dp_kind="fsdp", dp=4, param_dtype="bf16") == pytest.approx(4e9)  # 16/4
+    assert model_state_bytes(1e9, dp_kind="ddp", dp=1, optimizer="sgd") == pytest.approx(12e9)  # 4 + 4 + 4
+    with pytest.raises(ValueError, match="unknown data-parallel kind 'zero3'; use ddp, zero1, zero2 or fsdp"):
+        model_state_bytes(1.0, dp_kind="zero3", dp=2)
+
+
+def test_fsdp_unshard_buffers():
+    # units of 10, 20, 30 elements in bf16
+    assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=True,
+                                prefetch=True) == 160  # (30 + 20 prefetched + 30 grads) · 2
+    assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=True,
+                                prefetch=False) == 120  # (30 + 30) · 2
+    assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=False,
+                                prefetch=True) == 180  # (60 + 30) · 2
+
+
+# --- pipeline ------------------------------------------------------------------------------------
+
+def test_pipeline_time_and_bubble():
+    assert pipeline_time("1f1b", [1.0, 2.0, 1.0], 4) == pytest.approx(10.0)  # 3·2 + (1+2+1)
+    assert pipeline_time("gpipe", [1.0] * 4, 12) == pytest.approx(15.0)  # (12 + 3)·1
+    assert pipeline_time("interleaved", [1.0, 1.0], 4, v=2) == pytest.approx(4.5)  # 4·1 + 1/2
+    assert bubble_fraction("1f1b", 4, 12) == pytest.approx(0.2)  # 3 / 15
+    assert bubble_fraction("interleaved", 4, 12, v=3) == pytest.approx(1 / 13)  # 1 / (12 + 1)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs the interleaved schedule, not 1f1b"):
+        pipeline_time("1f1b", [1.0], 1, v=2)
+
+
+def test_microbatches_in_flight():
+    assert in_flight("gpipe", 4, 8, 0) == 8
+    assert in_flight("1f1b", 4, 8, 0) == 4
+    assert in_flight("1f1b", 4, 8, 3) == 1
+    assert in_flight("1f1b", 4, 2, 0) == 2
+    assert in_flight("interleaved", 4, 8, 0, v=2) == pytest.approx(5.5)  # min(16, 2·3 + 1·4 + 1) / 2
+
+
+# --- the analytic GPT fixture -------------------------------------------------------------------
+
+def test_megatron_flop_formula_and_gpt_fixture_agree():
+    # 1T row of Narayanan et al. 2021: 128 layers, hidden 25600, 160 heads
+    g = gpt_graph(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, batch=1)
+    assert g.num_parameters / 1e9 == pytest.approx(1008.0, rel=5e-3)
+    blocks = sum(l.flops_fwd for l in g.layers if l.block)
+    head = g.layers[-1].flops_fwd
+    # full recompute = 4 forwards of the blocks; the head runs forward + backward = 3 forwards
+    assert 4 * blocks + 3 * head == pytest.approx(megatron_flops(batch=1, seq=2048, layers=128, hidden=25600,
+                                                                 vocab=51200))
+    assert megatron_flops(batch=1, seq=2048, layers=1, hidden=6, vocab=0) == pytest.approx(
+        96 * 2048 * 36 * (1 + 2048 / 36))
