@@ -168,6 +168,17 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
     styles: dict[Node, str] = {}
     matched_without_param: dict[str, Node] = {}
     used_rules: set[str] = set()
+    # tied parameters are one tensor under several attribute names: they share one placement
+    canonical: dict[str, str] = {}
+    aliases: dict[int, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "fs_param" in node.meta:
+            group = aliases.setdefault(id(_attr(gm, str(node.target))), [])
+            if str(node.target) not in group:
+                group.append(str(node.target))
+    for group in aliases.values():
+        for target in group:
+            canonical[target] = group[0]
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -178,7 +189,7 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
         text, style = hit
         styles[node] = style
         for target, place in _claims_of(gm, node, style, tp):
-            claims.setdefault(target, []).append((place, node, text))
+            claims.setdefault(canonical.get(target, target), []).append((place, node, text))
             used_rules.add(text)
         matched_without_param.setdefault(text, node)
     for text, node in matched_without_param.items():
@@ -202,7 +213,8 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
                     f"cannot shard {target} (rule {text!r}, used by {fmt(node)}): dim {place.dim} has size "
                     f"{shape[place.dim]}, which does not divide by tp={tp}" +
                     (f" × {place.parts} fused blocks" if place.parts > 1 else ""))
-            params[target] = place
+            for alias in aliases[id(_attr(gm, target))]:
+                params[alias] = place
     return params, styles
 
 
@@ -311,6 +323,7 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
     old = gm.meta.get(META_LAYOUT)
     layout = ParamLayout(keys=dict(old.keys), tp=dict(old.tp), flat=dict(old.flat)) if old else ParamLayout()
     sharded: dict[str, str] = {}
+    sliced: dict[int, Any] = {}  # id of a full tensor -> its local piece (tied names share one)
     for node in rw.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -324,9 +337,11 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
             key = layout.keys.get(target, key or target)
             shard = TensorShard(key=key, global_shape=tuple(value.shape), dim=place.dim, index=tp_index,
                                 count=tp_size, parts=place.parts, axis=axis)
-            local = shard.slice(value.detach())
-            value = torch.nn.Parameter(local, requires_grad=value.requires_grad) \
-                if isinstance(value, torch.nn.Parameter) else local
+            if id(value) not in sliced:
+                local = shard.slice(value.detach())
+                sliced[id(value)] = torch.nn.Parameter(local, requires_grad=value.requires_grad) \
+                    if isinstance(value, torch.nn.Parameter) else local
+            value = sliced[id(value)]
             layout.tp[key] = shard
             sharded[key] = str(place)
         root[target] = value
