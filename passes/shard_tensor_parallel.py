@@ -141,7 +141,11 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
             if isinstance(place, Placement) and place.is_s:
                 rw.set_local_val(new, node, place)
         elif node.op == "call_function":
-            new, place = rule_for(node.target)(rw, node)
+            try:
+                new, place = rule_for(node.target)(rw, node)
+            except TPShardError as exc:
+                exc.node = getattr(exc, "node", None) or node  # for the pattern detector's retries
+                raise
         elif node.op == "output":
             want = {a: R for a in node.all_input_nodes if rw.is_tensor(a)}
             rw.graph.output(rw.map_args(node.args[0], want, R), type_expr=node.type)
@@ -188,34 +192,46 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
             continue
         text, style = hit
         styles[node] = style
-        for target, place in _claims_of(gm, node, style, tp):
+        try:
+            node_claims = _claims_of(gm, node, style, tp)
+        except TPShardError as exc:
+            exc.node = node
+            raise
+        for target, place in node_claims:
             claims.setdefault(canonical.get(target, target), []).append((place, node, text))
             used_rules.add(text)
         matched_without_param.setdefault(text, node)
     for text, node in matched_without_param.items():
         if text not in used_rules and styles[node] != "replicate":
-            raise TPShardError(f"tensor_parallel rule {text!r} ({styles[node]}) matches module "
+            exc = TPShardError(f"tensor_parallel rule {text!r} ({styles[node]}) matches module "
                                f"{node.meta.get('fs_module')!r}, which has no linear/embedding/expert parameter "
                                f"to shard (first node: {fmt(node)}); name the projection modules instead")
+            exc.node = node
+            raise exc
     params: dict[str, Placement] = {}
     for target, uses in claims.items():
         first = uses[0]
         for place, node, text in uses[1:]:
             if place != first[0]:
-                raise TPShardError(
+                raise _at(node, TPShardError(
                     f"parameter {target} is used by {fmt(first[1])} as {first[0]} (rule {first[2]!r}) and by "
-                    f"{fmt(node)} as {place} (rule {text!r}); tied parameters need one placement")
+                    f"{fmt(node)} as {place} (rule {text!r}); tied parameters need one placement"))
         place, node, text = first
         if place.is_s:
             shape = list(_attr(gm, target).shape)
             if shape[place.dim] % (tp * place.parts):
-                raise TPShardError(
+                raise _at(node, TPShardError(
                     f"cannot shard {target} (rule {text!r}, used by {fmt(node)}): dim {place.dim} has size "
                     f"{shape[place.dim]}, which does not divide by tp={tp}" +
-                    (f" × {place.parts} fused blocks" if place.parts > 1 else ""))
+                    (f" × {place.parts} fused blocks" if place.parts > 1 else "")))
             for alias in aliases[id(_attr(gm, target))]:
                 params[alias] = place
     return params, styles
+
+
+def _at(node: Node, exc: TPShardError) -> TPShardError:
+    exc.node = node  # type: ignore[attr-defined]
+    return exc
 
 
 def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> list[tuple[str, Placement]]:

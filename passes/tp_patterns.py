@@ -1,0 +1,266 @@
+"""Find the tensor-parallel patterns of a captured graph and propose plan rules for them.
+
+Usage::
+
+    from passes.tp_patterns import propose_tp_rules
+    proposal = propose_tp_rules(graph.gm, tp=4)
+    proposal.rules      # {"model.layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", ...}
+    proposal.notes      # why anything was left replicated
+    plan.tensor_parallel.rules = proposal.rules
+
+Patterns (Megatron-LM, Shoeybi et al. 2019, section 3):
+
+* **column -> row pairs**: a matmul ``B`` with a parameter weight whose input is computed only from
+  the outputs of other parameter matmuls ``A`` through head-local ops (elementwise, views,
+  rotary embedding, attention, activation x activation matmuls) becomes ``rowwise`` and each
+  ``A`` ``colwise``. This covers attention (q/k/v -> o, GQA included), MLPs, and gated MLPs
+  (SwiGLU: gate and up -> down) in one rule.
+* **vocab-parallel embedding**: an embedding looked up by token ids (an integer graph input).
+* **vocab-parallel loss**: a parameter matmul whose output reaches ``cross_entropy`` (or
+  ``log_softmax`` + ``nll_loss``) through views and casts.
+* **experts**: parameters feeding ``transformers::grouped_mm_fallback`` (MoE experts).
+
+Every proposal is checked by running ``shard_tensor_parallel_pass`` on it (rank 0, no
+communication): a rule the pass rejects for this ``tp`` (heads or KV heads that do not divide,
+a tied weight used in conflicting ways) is dropped, with the pass's message in ``notes``. So what
+the planner proposes is exactly what the pass can do.
+
+node.meta keys read: ``val``, ``fs_module``, ``fs_param``. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from passes.tp_rewrite import TPShardError
+from passes.tp_rules import ELEMENTWISE, VIEWS
+from planner.plan import Mesh, Plan, TensorParallel
+from planner.selectors import parse_selector
+
+__all__ = ["TPProposal", "propose_tp_rules"]
+
+aten = torch.ops.aten
+_MATMUL_W = {aten.linear.default: 1, aten.addmm.default: 2, aten.mm.default: 1, aten.matmul.default: 1}
+_HEAD_LOCAL = ELEMENTWISE | VIEWS | {
+    aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.cat.default,
+    aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default, aten.bmm.default,
+    aten.matmul.default, aten.clone.default, aten.contiguous.default, aten.t.default}
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
+           aten.nll_loss_nd.default}
+_TO_LOSS = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default,
+                    aten.log_softmax.int, aten._log_softmax.default, aten.contiguous.default}
+
+
+@dataclass(kw_only=True)
+class TPProposal:
+    """Tensor-parallel rules the pass can apply to one graph at one tp degree."""
+
+    rules: dict[str, str] = field(default_factory=dict)
+    """Module selector -> style, ready for ``Plan.tensor_parallel.rules``."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Every matched module path -> its style (before grouping into selectors)."""
+    attention: list[dict[str, int]] = field(default_factory=list)
+    """Per attention node: ``{"heads": h, "kv_heads": k, "head_dim": d}`` as seen in the graph."""
+    notes: list[str] = field(default_factory=list)
+    """What was left replicated and why."""
+
+
+def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bool = False,
+                     verify: bool = True) -> TPProposal:
+    """Propose ``{selector: style}`` for ``gm`` at tensor-parallel degree ``tp`` (see module doc)."""
+    out = TPProposal()
+    params = {n for n in gm.graph.nodes if n.op == "get_attr" and "fs_param" in n.meta}
+    act = _activation_dependent(gm, params)
+    styles: dict[str, str] = {}
+
+    def claim(node: Node, style: str) -> None:
+        path = node.meta.get("fs_module", "")
+        if path and styles.setdefault(path, style) != style:
+            out.notes.append(f"{path}: wanted both {styles[path]} and {style}; kept {styles[path]}")
+
+    matmuls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _MATMUL_W
+               and _param_weight(n, params) is not None]
+    role: dict[Node, str] = {}
+    for b in matmuls:  # topological order; a matmul is in at most one pair (Megatron's f ... g)
+        sources = _column_sources(b.args[0] if b.target != aten.addmm.default else b.args[1], params, act)
+        if sources and b not in role and all(role.get(a) in (None, "colwise") for a in sources):
+            for a in sources:
+                role[a] = "colwise"
+                claim(a, "colwise")
+            role[b] = "rowwise"
+            claim(b, "rowwise")
+    for n in matmuls:
+        if n.meta.get("fs_module") not in styles and _reaches_loss(n):
+            claim(n, "vocab_loss")
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target == aten.embedding.default and n.args[0] in params:
+            if _from_int_input(n.args[1]):
+                claim(n, "vocab_embedding")
+        elif str(n.target) == "transformers.grouped_mm_fallback.default":
+            claim(n, "expert")
+        elif n.target == aten.scaled_dot_product_attention.default:
+            out.attention.append(_heads(n))
+    out.modules = dict(styles)
+    if verify and tp > 1:
+        _verify(gm, styles, tp, sequence_parallel, out.notes)
+    paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
+    out.rules = _group(styles, paths)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ analysis
+
+
+def _param_weight(node: Node, params: set[Node]) -> Node | None:
+    w = node.args[_MATMUL_W[node.target]] if len(node.args) > _MATMUL_W[node.target] else None
+    if isinstance(w, Node) and w in params and isinstance(w.meta.get("val"), torch.Tensor) and w.meta["val"].dim() == 2:
+        return w
+    return None
+
+
+def _activation_dependent(gm: torch.fx.GraphModule, params: set[Node]) -> set[Node]:
+    """Nodes whose value depends on a float graph input or a parameter (not only on constants,
+    buffers and integer inputs); the rest are replicated constants such as masks and rotary tables."""
+    out: set[Node] = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
+            out.add(n)
+        elif n in params and isinstance(v, torch.Tensor) and v.requires_grad:
+            out.add(n)
+        elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
+            if "wrap_with_set_grad_enabled" not in str(n.target):
+                out.add(n)
+    return out
+
+
+def _column_sources(x: Any, params: set[Node], act: set[Node]) -> list[Node]:
+    """Parameter matmuls that ``x`` is computed from through head-local ops only, or [] if ``x``
+    also depends on anything else (a norm, the residual stream, a graph input)."""
+    if not isinstance(x, Node):
+        return []
+    found: list[Node] = []
+    seen: set[Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in act or n in params:
+            continue  # constants and parameters broadcast into head-local ops
+        if n.op == "call_function" and n.target in _MATMUL_W and _param_weight(n, params) is not None:
+            found.append(n)
+            continue
+        if n.op == "call_function" and (n.target in _HEAD_LOCAL or n.target is operator.getitem):
+            stack.extend(n.all_input_nodes)
+            continue
+        return []
+    return sorted(found, key=lambda n: n.name)
+
+
+def _reaches_loss(node: Node) -> bool:
+    cur = [node]
+    while cur:
+        nxt = []
+        for n in cur:
+            for u in n.users:
+                if u.target in _LOSSES and u.args[0] is n:
+                    return True
+                if u.target in _TO_LOSS:
+                    nxt.append(u)
+                elif "_assert_tensor_metadata" not in str(u.target):
+                    return False
+        cur = nxt
+    return False
+
+
+def _from_int_input(ids: Any) -> bool:
+    cur = ids
+    while isinstance(cur, Node) and cur.op == "call_function" and cur.target in VIEWS | {aten.to.dtype}:
+        cur = cur.args[0]
+    v = cur.meta.get("val") if isinstance(cur, Node) else None
+    return isinstance(cur, Node) and cur.op == "placeholder" and isinstance(v, torch.Tensor) and not v.is_floating_point()
+
+
+def _heads(node: Node) -> dict[str, int]:
+    q, k = node.args[0], node.args[1]
+    qv, kv = q.meta.get("val"), _kv_source(k).meta.get("val")
+    return {"heads": int(qv.shape[1]), "kv_heads": int(kv.shape[1]) if kv is not None else int(qv.shape[1]),
+            "head_dim": int(qv.shape[-1])}
+
+
+def _kv_source(k: Node) -> Node:
+    """Undo GQA's repeat (reshape <- expand <- unsqueeze) to see the KV heads."""
+    cur = k
+    if cur.target == aten.reshape.default and cur.args[0].target == aten.expand.default:
+        src = cur.args[0].args[0]
+        if src.target == aten.unsqueeze.default:
+            return src.args[0]
+    return cur
+
+
+# ------------------------------------------------------------------------------------------ checking
+
+
+def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool, notes: list[str]) -> None:
+    """Drop rules the pass rejects at this tp (one block family at a time), noting why."""
+    from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+
+    paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
+    for _ in range(len(styles) + 1):
+        plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=_group(styles, paths), sequence_parallel=sp))
+        try:
+            shard_tensor_parallel_pass(gm, plan, tp_index=0, tp_size=tp)
+            return
+        except TPShardError as exc:
+            node = getattr(exc, "node", None)
+            culprit = node.meta.get("fs_module", "") if node is not None else ""
+            general = _generalize(culprit)
+            if culprit:
+                dropped = [p for p in styles if _generalize(p) == general or _generalize(p).startswith(general + ".")
+                           or _generalize(p.rpartition(".")[0]) == general.rpartition(".")[0]]
+            else:
+                dropped = [p for p, st in styles.items() if st == "vocab_loss"]
+            if not dropped:
+                notes.append(f"tensor parallelism dropped entirely: {exc}")
+                styles.clear()
+                return
+            for p in sorted(dropped):
+                notes.append(f"{p}: left replicated ({styles.pop(p)}): {exc}")
+
+
+def _generalize(path: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+
+
+def _group(styles: dict[str, str], paths: set[str] | None = None) -> dict[str, str]:
+    """Module paths -> compact selectors: numbered layers become ``*`` when every module the
+    pattern matches has the same style, and siblings with one style are bracketed
+    (``self_attn.[q_proj,k_proj,v_proj]``)."""
+    paths = set(styles) | (paths or set())
+    flat: dict[str, str] = {}
+    for path, style in styles.items():
+        general = _generalize(path)
+        sel = parse_selector(general)
+        same = all(styles.get(p) == style for p in paths if p and sel.matches(p))
+        flat[general if same else path] = style
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for sel, style in flat.items():
+        parent, _, leaf = sel.rpartition(".")
+        grouped.setdefault((parent, style), []).append(leaf)
+    out: dict[str, str] = {}
+    for (parent, style), leaves in grouped.items():
+        body = leaves[0] if len(leaves) == 1 else "[" + ",".join(leaves) + "]"
+        out[f"{parent}.{body}" if parent else body] = style
+    return out
