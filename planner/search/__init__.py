@@ -56,13 +56,19 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
                       progress=progress, tp_rules=tp_rules, options=options)
 
 
-def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int,
+def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,
               options: CostOptions | None = None, validate: bool = True) -> Breakdown:
     """Predicted cost of a complete (for example hand-edited) plan, through the same model the
     search uses. ``breakdown.predicted`` is the :class:`planner.plan.Predicted` to store in it;
-    ``breakdown.fits`` says whether it fits in memory."""
+    ``breakdown.fits`` says whether it fits in memory. ``global_batch`` defaults to the one the
+    plan records (``schedule.global_batch``)."""
     if validate:
         plan.validate(graph, cluster)
+    if global_batch is None:
+        global_batch = plan.schedule.global_batch
+        if not global_batch:
+            raise PlanError(["schedule.global_batch: the plan does not record its global batch; pass "
+                             "global_batch= to cost it"], source="plan")
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=plan.tensor_parallel.rules, options=options)
     mesh, sched, dp = plan.mesh, plan.schedule, plan.data_parallel
     if mesh.size != cluster.devices:

@@ -175,6 +175,10 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                options: CostOptions | None = None) -> SearchResult:
     start = time.perf_counter()
     fixed = parse_constraints(constraints)  # type: ignore[arg-type]
+    if fixed.global_batch is not None and fixed.global_batch != global_batch:
+        raise PlanError([f"schedule.global_batch: the constraints were made for a global batch of "
+                         f"{fixed.global_batch}, but the search is for {global_batch}; drop it or search for "
+                         f"{fixed.global_batch}"], source="constraints")
     rules = fixed.tp_rules if fixed.tp_rules is not None else (
         tp_rules if tp_rules is not None else default_tp_rules(graph))
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)

@@ -34,6 +34,7 @@ from planner.search.evaluate import Config, Context, fsdp_buffer_terms
 __all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
 
 INF = math.inf
+_BIG = 1e300  # any finite segment time
 SegFn = Callable[[int, int, int], float]
 
 
@@ -158,11 +159,11 @@ def _greedy(seg: SegFn, L: int, S: int, limit: float) -> tuple[float, tuple[int,
     s = 0
     for k in range(S):
         lo, hi = s + 1, L - (S - k - 1)
-        if lo > hi or seg(s, lo, k) > limit:
+        if lo > hi or not seg(s, lo, k) <= min(limit, _BIG):
             return None
-        while lo < hi:  # largest e in [lo, hi] with seg(s, e, k) <= limit
+        while lo < hi:  # largest e in [lo, hi] with seg(s, e, k) <= limit (and finite)
             mid = (lo + hi + 1) // 2
-            if seg(s, mid, k) <= limit:
+            if seg(s, mid, k) <= min(limit, _BIG):
                 lo = mid
             else:
                 hi = mid - 1

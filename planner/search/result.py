@@ -89,7 +89,8 @@ def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdow
     return Plan(model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint,
                                parameters=graph.num_parameters),
                 cluster=ctx.cluster.to_dict(), mesh=Mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp),
-                schedule=Schedule(kind=cfg.kind, microbatches=cfg.microbatches, virtual_stages=cfg.v),
+                schedule=Schedule(kind=cfg.kind, microbatches=cfg.microbatches, virtual_stages=cfg.v,
+                                  global_batch=ctx.global_batch),
                 stages=stages,
                 tensor_parallel=TensorParallel(rules=dict(tp_rules) if cfg.tp > 1 else {}, sequence_parallel=cfg.sp),
                 data_parallel=dp, recompute=recompute, predicted=pred)

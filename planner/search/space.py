@@ -19,7 +19,7 @@ __all__ = ["Fixed", "parse_constraints", "divisors"]
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "mesh": ("pp", "dp", "tp"),
-    "schedule": ("kind", "microbatches", "virtual_stages"),
+    "schedule": ("kind", "microbatches", "virtual_stages", "global_batch"),
     "tensor_parallel": ("rules", "sequence_parallel"),
     "data_parallel": ("kind", "units", "reshard_after_forward", "param_dtype", "reduce_dtype", "offload",
                       "prefetch", "bucket_mb"),
@@ -68,6 +68,8 @@ class Fixed:
     """Fixed DDP/ZeRO bucket size."""
     recompute: dict[str, str] | None = None
     """Fixed recompute map (selector -> kind); {} fixes "recompute nothing"."""
+    global_batch: int | None = None
+    """The global batch a plan records (must equal the one searched for; 0 = not recorded)."""
 
 
 def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
@@ -112,6 +114,8 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
         out.kind = _choice("schedule.kind", sched["kind"], SCHEDULES, problems)
     if "microbatches" in sched:
         out.microbatches = _positive_int("schedule.microbatches", sched["microbatches"], problems)
+    if sched.get("global_batch"):
+        out.global_batch = _positive_int("schedule.global_batch", sched["global_batch"], problems)
     if "virtual_stages" in sched:
         out.virtual_stages = _positive_int("schedule.virtual_stages", sched["virtual_stages"], problems)
     if "stages" in nested and nested["stages"]:
