@@ -242,7 +242,7 @@ def _check_stages(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> 
                             f"{need} stages are needed")
         return
     if pp >= 1 and v >= 1 and len(plan.stages) != need:
-        problems.append(f"stages: {len(plan.stages)} stages given, but pp({pp}) × virtual_stages({v}) = {need} "
+        problems.append(f"stages: {len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} given, but pp({pp}) × virtual_stages({v}) = {need} "
                         "are needed")
     example = graph.layers[0].name if graph is not None and graph.layers else "layers.[0-3]"
     names = [layer.name for layer in graph.layers] if graph is not None else []

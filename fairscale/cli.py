@@ -1,0 +1,494 @@
+"""fairscale: make, check and show parallelization plans for a model built by an importable factory.
+
+    fairscale plan mypkg.models:build_gpt --devices 8 -o plan.json
+    fairscale validate plan.json                 # the factory is recorded in the plan
+    fairscale report plan.json mypkg.models:build_gpt
+    python -m fairscale ...                      # the same
+
+A FACTORY is ``pkg.module:function`` (or ``path/to/file.py:function``) naming a function that takes
+no arguments and returns one of
+
+* a ``fairscale.testing.models.Case`` (model, ``make_batch(step, batch_size)``, ``loss_fn``);
+* ``(model, example_inputs)``: the model returns its loss (e.g. a Hugging Face model given labels);
+* ``(model, example_inputs, loss_fn)``: the loss is ``loss_fn(model(inputs[0]), *inputs[1:])``.
+
+Exit codes: 0 success, 1 invalid plan (every problem is printed), 2 usage error (bad arguments, a
+factory that cannot be imported or run, a missing file, an output file that exists without --force).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from planner.capture import CaptureError, capture
+from planner.cluster import Cluster
+from planner.graph import ModelGraph
+from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Stage
+from planner.selectors import SelectorError, format_layers, parse_selector
+from planner.validate import device_count, validate_plan
+
+__all__ = ["main", "render_report", "load_factory", "UsageError"]
+
+CAPTURE_BATCH = 2
+"""Samples in the example batch a Case is captured with (per-layer facts scale linearly with it)."""
+
+FALLBACK_NOTE = "planner search not available yet: emitted a pure data-parallel plan"
+
+
+class UsageError(Exception):
+    """A command-line mistake; printed without a traceback, exit code 2."""
+
+
+@dataclass
+class Loaded:
+    """What a factory gave: the model, an example batch and the loss convention of planner.capture."""
+
+    model: nn.Module
+    batch: tuple[Any, ...]
+    loss_fn: Callable[..., Any] | None
+
+
+# --- factories ---------------------------------------------------------------------------------
+
+
+def load_factory(spec: str) -> Loaded:
+    """Import ``pkg.module:function`` (or ``file.py:function``), call it, and read what it returned."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"FACTORY {spec!r} is not of the form pkg.module:function (or path/to/file.py:function)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, so factories next to the user's files import
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise UsageError(f"FACTORY {spec!r}: no file {path}")
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except ImportError as exc:
+        raise UsageError(f"FACTORY {spec!r}: cannot import {module_name}: {exc}") from exc
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            names = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)
+                     and getattr(v, "__module__", None) == module.__name__]
+            raise UsageError(f"FACTORY {spec!r}: {module_name} has no attribute {attr!r} "
+                             f"(callables there: {', '.join(names[:12]) or 'none'})")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise UsageError(f"FACTORY {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - the user's code; report it as a usage problem
+        raise UsageError(f"FACTORY {spec!r}: calling {attr}() raised {type(exc).__name__}: {exc}") from exc
+    return _read_result(spec, result)
+
+
+_RETURNS = ("return a fairscale.testing.models.Case, (model, example_inputs) or "
+            "(model, example_inputs, loss_fn)")
+
+
+def _read_result(spec: str, result: Any) -> Loaded:
+    if all(hasattr(result, a) for a in ("model", "make_batch", "loss_fn")) and isinstance(result.model, nn.Module):
+        return Loaded(result.model, tuple(result.make_batch(0, CAPTURE_BATCH)), result.loss_fn)
+    if isinstance(result, nn.Module):
+        raise UsageError(f"FACTORY {spec!r} returned a {type(result).__name__} but no example inputs; {_RETURNS}")
+    if isinstance(result, (tuple, list)) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
+        inputs = result[1]
+        if isinstance(inputs, dict):
+            raise UsageError(f"FACTORY {spec!r}: example inputs must be a tuple (positional arguments), not a dict")
+        batch = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        loss_fn = result[2] if len(result) == 3 else None
+        if loss_fn is not None and not callable(loss_fn):
+            raise UsageError(f"FACTORY {spec!r}: the third item must be a loss function, got {type(loss_fn).__name__}")
+        return Loaded(result[0], batch, loss_fn)
+    raise UsageError(f"FACTORY {spec!r} returned {type(result).__name__}; {_RETURNS}")
+
+
+def _capture(spec: str, out: Callable[[str], None]) -> ModelGraph:
+    loaded = load_factory(spec)
+    start = time.perf_counter()
+    try:
+        graph = capture(loaded.model, loaded.batch, loss_fn=loaded.loss_fn)
+    except CaptureError as exc:
+        raise UsageError(f"FACTORY {spec!r}: the model could not be captured: {exc}") from exc
+    out(f"captured {graph.model_class} from {spec}: {graph.num_parameters:,} parameters, {len(graph.layers)} layers "
+        f"({time.perf_counter() - start:.1f} s)")
+    return graph
+
+
+# --- clusters ----------------------------------------------------------------------------------
+
+
+def _cluster(args: argparse.Namespace, *, devices_mean_cpu: bool = True) -> Cluster | None:
+    """The cluster named by --cluster/--nodes (or by --devices alone when ``devices_mean_cpu``:
+    this machine's GPUs, or CPU ranks), or None when none was named."""
+    if args.nodes is not None and args.cluster is None:
+        raise UsageError("--nodes needs --cluster PRESET (a CPU run is one node: use --devices N)")
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {args.devices}")
+    if args.cluster is not None:
+        try:
+            cluster = Cluster.preset(args.cluster, nodes=args.nodes or 1)
+        except ValueError as exc:
+            raise UsageError(f"--cluster: {exc}") from exc
+        if args.devices is not None and args.devices != cluster.devices:
+            raise UsageError(f"--devices {args.devices} disagrees with --cluster {args.cluster} --nodes "
+                             f"{args.nodes or 1}, which has {cluster.devices} devices; give one of them, or make "
+                             "them agree")
+        return cluster
+    if args.devices is None or not devices_mean_cpu:
+        return None
+    detected = Cluster.detect()
+    if detected.device == "cpu":
+        return Cluster.cpu(args.devices)
+    if detected.devices != args.devices:
+        raise UsageError(f"--devices {args.devices}, but this machine has {detected.devices} {detected.device}; to "
+                         "plan for another machine name it with --cluster PRESET --nodes K")
+    return detected
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    if cluster is None:
+        raise UsageError("plan needs the devices: give --devices N (CPU ranks here) or --cluster PRESET --nodes K")
+    if args.output is not None and Path(args.output).exists() and not args.force:
+        raise UsageError(f"{args.output} exists; pass --force to replace it")
+    to_stdout = args.output is None
+    # With the plan going to stdout, everything else goes to stderr so the JSON can be piped.
+    out: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if to_stdout else print
+    n = cluster.devices
+    global_batch = args.global_batch if args.global_batch is not None else n
+    if global_batch < 1:
+        raise UsageError(f"--global-batch must be at least 1, got {global_batch}")
+    search = _search_function()
+    if search is None and global_batch % n:
+        raise UsageError(f"--global-batch {global_batch} does not divide evenly over {n} data-parallel ranks "
+                         f"({global_batch} % {n} = {global_batch % n}); use a multiple of {n}")
+    graph = _capture(args.factory, out)
+    if search is not None:
+        result = search(graph, cluster, global_batch=global_batch)
+        plan = result if isinstance(result, Plan) else result.plan
+        if hasattr(result, "table"):
+            out(result.table())
+    else:
+        plan = data_parallel_plan(graph, cluster)
+        out(f"{FALLBACK_NOTE} (mesh dp={n}, ddp, one stage holding every layer); it was not searched or "
+            "costed, so it has no predictions")
+    plan.model.factory = args.factory
+    plan.schedule.global_batch = global_batch
+    validate_plan(plan, graph, cluster, source="the emitted plan")  # our own output must be valid
+    if to_stdout:
+        sys.stdout.write(plan.to_json())
+        return 0
+    path = plan.save(args.output, overwrite=args.force)
+    out(f"wrote {path}")
+    out(render_report(plan, graph))
+    return 0
+
+
+def _search_module_function(name: str) -> Callable[..., Any] | None:
+    """``planner.search.<name>`` once the planner search is installed, else None."""
+    try:
+        module = importlib.import_module("planner.search")
+    except ImportError:
+        return None
+    fn = getattr(module, name, None)
+    return fn if callable(fn) else None
+
+
+def _search_function() -> Callable[..., Any] | None:
+    return _search_module_function("search")
+
+
+def data_parallel_plan(graph: ModelGraph, cluster: Cluster) -> Plan:
+    """The plan to use without a search: every device holds the whole model (DDP), one stage."""
+    return Plan(model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint,
+                               parameters=graph.num_parameters),
+                cluster=cluster.to_dict(), mesh=Mesh(pp=1, dp=cluster.devices, tp=1),
+                stages=[Stage(layers=format_layers([layer.name for layer in graph.layers]))],
+                data_parallel=DataParallel(kind="ddp"))
+
+
+def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | None, Cluster | None]:
+    path = Path(args.plan)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
+    plan = Plan.load(path)
+    factory = args.factory or plan.model.factory
+    if factory:
+        graph = _capture(factory, print)
+    else:
+        graph = None
+        print("no FACTORY given and the plan records none (model.factory): checked the plan without the model; "
+              "selectors, layer coverage, tensor dimensions and the fingerprint were not checked")
+    # --devices overrides the count to check against; the hardware is --cluster's or the plan's own.
+    cluster = _cluster(args, devices_mean_cpu=False)
+    if cluster is None and plan.cluster:
+        try:
+            cluster = Cluster.from_dict(plan.cluster)
+        except (ValueError, TypeError, KeyError):
+            cluster = None  # device_count still reads a partial record; validate says if none is known
+    return plan, graph, cluster
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    plan, graph, cluster = _load_plan_and_model(args)
+    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan)
+    _recost(plan, graph, cluster, args)
+    n = args.devices or device_count(cluster) or device_count(plan.cluster)
+    model = f"{graph.model_class} (fingerprint {graph.fingerprint})" if graph is not None else "any model"
+    print(f"{args.plan} is valid for {model} on {n if n is not None else 'an unknown number of'} devices")
+    print(render_report(plan, graph))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    plan, graph, cluster = _load_plan_and_model(args)
+    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan)
+    _recost(plan, graph, cluster, args)
+    print(render_report(plan, graph))
+    return 0
+
+
+def _recost(plan: Plan, graph: ModelGraph | None, cluster: Cluster | None, args: argparse.Namespace) -> None:
+    """Replace ``plan.predicted`` (in memory; the file is never rewritten) by the cost model's figures
+    for this model and cluster; raise PlanError if the plan no longer fits in device memory."""
+    cost_plan = _search_module_function("cost_plan")
+    global_batch = args.global_batch or plan.schedule.global_batch
+    why = ("the cost model (planner.search.cost_plan) is not installed" if cost_plan is None
+           else "no model to cost (give FACTORY)" if graph is None
+           else "the plan records no cluster (give --cluster)" if cluster is None
+           else "the plan records no global batch (give --global-batch)" if not global_batch
+           else f"the cluster has {cluster.devices} devices, the mesh {plan.mesh.size}"
+           if cluster.devices != plan.mesh.size else "")
+    if not why:
+        assert cost_plan is not None and graph is not None and cluster is not None
+        try:
+            cost = cost_plan(plan, graph, cluster, global_batch=global_batch, validate=False)
+        except PlanError as exc:
+            why = "; ".join(exc.problems)
+    if why:
+        print(f"predictions: as recorded in the plan, not re-costed: {why}")
+        return
+    before = plan.predicted.step_time_s
+    plan.predicted = cost.predicted
+    was = f" (the file says {before:.4g} s)" if before else ""
+    print(f"re-costed on {cluster.devices} × {cluster.device} at global batch {global_batch}: "
+          f"{cost.step_time_s:.4g} s/step{was}")
+    if not cost.fits:
+        worst = max(range(len(cost.memory_bytes)), key=lambda r: cost.memory_bytes[r])
+        raise PlanError([f"predicted.memory_gib: pipeline rank {worst} needs {cost.memory_bytes[worst] / 2**30:.2f} "
+                         f"GiB, over the {cost.memory_cap / 2**30:.2f} GiB usable per {cluster.device} device; "
+                         "shard more (fsdp, larger tp or pp), recompute more layers, or use smaller microbatches"],
+                        source=args.plan)
+
+
+# --- the text report ---------------------------------------------------------------------------
+
+
+def render_report(plan: Plan, graph: ModelGraph | None) -> str:
+    """The plan as a readable table: mesh, schedule, stages with their layers and parameter counts,
+    per-device memory, predicted step time and collectives per step (what the plan holds)."""
+    m, s, dp = plan.mesh, plan.schedule, plan.data_parallel
+    lines = [f"plan for {plan.model.class_ or '(unnamed model)'}"
+             + (f" (fingerprint {plan.model.fingerprint}, {plan.model.parameters:,} parameters)"
+                if plan.model.fingerprint else ""),
+             f"mesh: pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size} devices",
+             f"schedule: {s.kind}, {s.microbatches} microbatch{'es' if s.microbatches != 1 else ''}"
+             + (f", {s.virtual_stages} model chunks per rank" if s.virtual_stages > 1 else ""),
+             f"data parallel: {dp.kind}, params {dp.param_dtype}, gradients reduced in {dp.reduce_dtype}"
+             + (f", units {dp.units}, {'reshard' if dp.reshard_after_forward else 'keep'} after forward"
+                if dp.kind == "fsdp" else f", {dp.bucket_mb:g} MiB buckets")
+             + (", offloaded to CPU" if dp.offload else "")]
+    tp = plan.tensor_parallel
+    if tp.rules:
+        lines.append("tensor parallel" + (" (sequence parallel)" if tp.sequence_parallel else "") + ":")
+        lines.extend(f"  {k:<40} {v}" for k, v in tp.rules.items())
+    else:
+        lines.append("tensor parallel: none")
+    if plan.recompute:
+        lines.append("recompute:")
+        lines.extend(f"  {k:<40} {v}" for k, v in plan.recompute.items())
+    else:
+        lines.append("recompute: none")
+    lines.append("")
+    lines.extend(_stage_table(plan, graph))
+    lines.append("")
+    lines.extend(_predictions(plan))
+    return "\n".join(lines)
+
+
+def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:
+    memory = plan.predicted.memory_gib
+    stages = plan.stages or [Stage(layers="**")]
+    rows = [("stage", "pp rank", "layers", "params", "memory GiB")]
+    for i, stage in enumerate(stages):
+        mem = f"{memory[i]:.3g}" if len(memory) == len(stages) else "-"
+        rank = str(i % plan.mesh.pp) if plan.mesh.pp >= 1 else "?"
+        groups = _layer_groups(stage.layers, graph)
+        for j, (names, params) in enumerate(groups):
+            rows.append((str(i) if j == 0 else "", rank if j == 0 else "", names, params, mem if j == 0 else ""))
+        if graph is not None and len(groups) > 1:
+            total = sum(graph.layer(n).param_count for n in parse_selector(stage.layers).select(
+                [layer.name for layer in graph.layers]))
+            rows.append(("", "", "  total", f"{total:,}", ""))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    out = []
+    for r in rows:
+        out.append(f"{r[0]:>{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  "
+                   f"{r[4]:>{widths[4]}}".rstrip())
+    return out
+
+
+def _layer_groups(text: str, graph: ModelGraph | None) -> list[tuple[str, str]]:
+    """(names, params) rows for a stage: runs of one repeated block fold into one row."""
+    if graph is None:
+        return [(text, "-")]
+    try:
+        names = parse_selector(text).select([layer.name for layer in graph.layers])
+    except SelectorError:
+        return [(text, "-")]
+    rows: list[tuple[str, str]] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        counts = {graph.layer(n).param_count for n in run}
+        each = counts.pop() if len(counts) == 1 else None
+        params = (f"{len(run)} × {each:,}" if len(run) > 1 else f"{each:,}") if each is not None else \
+            f"{sum(graph.layer(n).param_count for n in run):,}"
+        rows.append((format_layers(run), params))
+        run.clear()
+
+    for name in names:
+        if run and _block_of(name) != _block_of(run[-1]):
+            flush()
+        run.append(name)
+        if _block_of(name) is None:
+            flush()
+    flush()
+    return rows
+
+
+def _block_of(name: str) -> str | None:
+    head, _, last = name.rpartition(".")
+    return head if last.isdigit() else None
+
+
+def _predictions(plan: Plan) -> list[str]:
+    p, m, s = plan.predicted, plan.mesh, plan.schedule
+    lines = []
+    if p.step_time_s > 0:
+        peak = f", peak memory {max(p.memory_gib):.3g} GiB/device" if p.memory_gib else ""
+        lines.append(f"predicted: {p.step_time_s:.4g} s/step, {p.tflops_per_device:.3g} TFLOP/s per device{peak}, "
+                     f"pipeline bubble {100 * p.bubble:.1f}%")
+        lines.append(f"collectives per step: {p.comm_gib_per_step:.3g} GiB sent per device")
+    else:
+        lines.append("predicted: none (this plan was not costed; planner.search fills these in)")
+        lines.append("collectives per step:")
+    # What the plan's structure implies, whatever the cost model says.
+    if m.pp > 1:
+        sends = 2 * (m.pp * s.virtual_stages - 1) * s.microbatches
+        cuts = m.pp * s.virtual_stages - 1
+        lines.append(f"  pp: {sends} point-to-point sends per pipeline replica (activations forward, gradients "
+                     f"backward, at {cuts} cut{'s' if cuts > 1 else ''} × {s.microbatches} microbatch"
+                     f"{'es' if s.microbatches > 1 else ''})")
+    if m.dp > 1:
+        kind = plan.data_parallel.kind
+        what = {"ddp": "all-reduce of every gradient, in buckets",
+                "zero1": "all-reduce of gradients, then all-gather of the updated parameter shards",
+                "zero2": "reduce-scatter of gradients, then all-gather of the updated parameter shards",
+                "fsdp": "all-gather of each unit's parameters (forward, and again in backward when resharded), "
+                        "reduce-scatter of its gradients"}.get(kind, kind)
+        lines.append(f"  dp: {what}, over {m.dp} ranks")
+    if m.tp > 1:
+        lines.append(f"  tp: all-reduces inside each sharded column→row pair, forward and backward, over {m.tp} "
+                     "ranks, per microbatch")
+    if m.size == 1 or (m.pp == 1 and m.dp == 1 and m.tp == 1):
+        lines.append("  none (one device)")
+    return lines
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fairscale", description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 success, 1 invalid plan (every problem is printed), 2 usage error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    factory_help = ("pkg.module:function (or file.py:function) returning a fairscale.testing.models.Case, "
+                    "(model, example_inputs) or (model, example_inputs, loss_fn)")
+
+    def devices(p: argparse.ArgumentParser, *, required_note: str) -> None:
+        p.add_argument("--devices", type=int, metavar="N", help=f"number of devices {required_note}")
+        p.add_argument("--cluster", metavar="PRESET", help="a named system, e.g. a100-80gb, h100-sxm-80gb, h200")
+        p.add_argument("--nodes", type=int, metavar="K", help="nodes of the --cluster preset (default 1)")
+
+    p = sub.add_parser("plan", help="make a plan for a model", description=(
+        "Capture the model and plan it for the devices. Prints the plan as JSON, or writes it to -o "
+        "and prints its report. Until the planner search is installed, this emits a pure data-parallel "
+        "plan and says so."))
+    p.add_argument("factory", metavar="FACTORY", help=factory_help)
+    devices(p, required_note="(CPU ranks on a machine without GPUs); or name a --cluster")
+    p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default: N)")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the plan here (never over a file without --force)")
+    p.add_argument("--force", action="store_true", help="replace the -o file if it exists")
+    p.set_defaults(run=_cmd_plan)
+
+    for name, run, what in (
+            ("validate", _cmd_validate, "Check a plan against the model and devices; print every problem "
+                                        "(exit 1) or the plan's report (exit 0)."),
+            ("report", _cmd_report, "Print a plan as a readable table: the mesh and schedule, stages with "
+                                    "their layers and parameter counts, per-device memory, predicted step "
+                                    "time and collectives per step. Predictions are those the plan holds.")):
+        p = sub.add_parser(name, help=what.split(";")[0].split(":")[0].lower(), description=what)
+        p.add_argument("plan", metavar="PLAN.json", help="the plan file")
+        p.add_argument("factory", metavar="FACTORY", nargs="?",
+                       help=factory_help + "; default: the plan's model.factory")
+        devices(p, required_note="to check the mesh against (default: the cluster recorded in the plan)")
+        p.add_argument("--global-batch", type=int, metavar="B",
+                       help="samples per step for re-costing (default: the plan's schedule.global_batch)")
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``fairscale`` command line; return the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse's usage errors (2) and --help (0), as a return value
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        print(f"fairscale {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except PlanError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except FileExistsError as exc:  # -o raced with another writer
+        print(f"fairscale {args.command}: error: {exc}", file=sys.stderr)
+        return 2

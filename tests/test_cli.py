@@ -1,0 +1,260 @@
+"""The fairscale command, run in-process: plan, validate, report; exit codes 0/1/2; no overwrites."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fairscale import cli
+from planner.plan import Plan
+
+GPT = "cli_factories:gpt"
+
+
+@pytest.fixture(autouse=True)
+def _factories_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.fixture
+def no_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As before planner.search existed: plan must fall back, and say so."""
+    monkeypatch.setattr(cli, "_search_function", lambda: None)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_without_search_emits_a_data_parallel_plan_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))
+    assert (code, err) == (0, "")
+    assert ("planner search not available yet: emitted a pure data-parallel plan (mesh dp=4, ddp, one stage "
+            "holding every layer); it was not searched or costed, so it has no predictions") in out
+    assert f"wrote {path}" in out
+    plan = Plan.load(path)
+    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (1, 4, 1)
+    assert plan.data_parallel.kind == "ddp" and len(plan.stages) == 1
+    assert plan.model.class_ == "GPT" and plan.model.factory == GPT and plan.schedule.global_batch == 8
+    assert plan.cluster["devices_per_node"] == 4 and plan.cluster["name"] == "cpu"
+    assert "layers.[0-1]  2 × 12,704" in out  # the report follows
+    assert "predicted: none (this plan was not costed; planner.search fills these in)" in out
+
+
+def test_plan_to_stdout_is_pure_json(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+    code, out, err = run(capsys, "plan", GPT, "--devices", "2")
+    assert code == 0
+    plan = Plan.from_json(out)  # nothing but the plan on stdout, so it can be piped
+    assert plan.mesh.dp == 2 and plan.schedule.global_batch == 2
+    assert "planner search not available yet" in err and "captured GPT from cli_factories:gpt" in err
+
+
+def test_plan_never_overwrites_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             no_search: None) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("my notes\n")
+    code, out, err = run(capsys, "plan", GPT, "--devices", "2", "-o", str(path))
+    assert (code, out) == (2, "")
+    assert err == f"fairscale plan: error: {path} exists; pass --force to replace it\n"
+    assert path.read_text() == "my notes\n"
+    code, out, err = run(capsys, "plan", GPT, "--devices", "2", "-o", str(path), "--force")
+    assert code == 0 and Plan.load(path).mesh.dp == 2
+
+
+def test_plan_with_the_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if cli._search_function() is None:
+        pytest.skip("planner.search is not installed in this checkout")
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))
+    assert (code, err) == (0, ""), err
+    assert "planner search not available" not in out and "best:" in out
+    plan = Plan.load(path)
+    assert plan.mesh.size == 4 and plan.predicted.step_time_s > 0 and plan.model.factory == GPT
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 0 and "re-costed on 4 × cpu at global batch 8" in out
+
+
+def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+    for factory in ("cli_factories:mlp_with_loss_fn", "cli_factories:self_loss"):
+        code, out, err = run(capsys, "plan", factory, "--devices", "2")
+        assert code == 0, err
+        assert Plan.from_json(out).model.class_ in ("MLPNet", "_SelfLoss")
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("cli_factories", "FACTORY 'cli_factories' is not of the form pkg.module:function (or "
+                      "path/to/file.py:function)"),
+    ("no_such_module_xyz:f", "FACTORY 'no_such_module_xyz:f': cannot import no_such_module_xyz: No module named "
+                             "'no_such_module_xyz'"),
+    ("cli_factories:gtp", "FACTORY 'cli_factories:gtp': cli_factories has no attribute 'gtp' (callables there: "
+                          "gpt, mlp_with_loss_fn, self_loss, module_only, broken, wrong_type)"),
+    ("cli_factories:NOT_A_FUNCTION", "FACTORY 'cli_factories:NOT_A_FUNCTION': NOT_A_FUNCTION is a int, not a "
+                                     "function"),
+    ("cli_factories:module_only", "FACTORY 'cli_factories:module_only' returned a Linear but no example inputs; "
+                                  "return a fairscale.testing.models.Case, (model, example_inputs) or "
+                                  "(model, example_inputs, loss_fn)"),
+    ("cli_factories:broken", "FACTORY 'cli_factories:broken': calling broken() raised RuntimeError: no weights "
+                             "here"),
+    ("cli_factories:wrong_type", "FACTORY 'cli_factories:wrong_type' returned int; return a "
+                                 "fairscale.testing.models.Case, (model, example_inputs) or (model, example_inputs, "
+                                 "loss_fn)"),
+    ("missing_file.py:f", "FACTORY 'missing_file.py:f': no file missing_file.py"),
+])
+def test_bad_factories_are_usage_errors(capsys: pytest.CaptureFixture[str], factory: str, message: str) -> None:
+    code, out, err = run(capsys, "plan", factory, "--devices", "2")
+    assert (code, out, err) == (2, "", f"fairscale plan: error: {message}\n")
+
+
+def test_factory_from_a_file_path(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+    script = tmp_path / "mymodels.py"
+    script.write_text("from fairscale.testing.models import build\n\n"
+                      "def tiny():\n    return build('mlp')\n")
+    code, out, err = run(capsys, "plan", f"{script}:tiny", "--devices", "2")
+    assert code == 0, err
+    assert Plan.from_json(out).model.class_ == "MLPNet"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", GPT], "plan needs the devices: give --devices N (CPU ranks here) or --cluster PRESET --nodes K"),
+    (["plan", GPT, "--devices", "2", "--nodes", "2"], "--nodes needs --cluster PRESET (a CPU run is one node: use "
+                                                       "--devices N)"),
+    (["plan", GPT, "--devices", "0"], "--devices must be at least 1, got 0"),
+    (["plan", GPT, "--cluster", "a100-80gb", "--nodes", "2", "--devices", "8"],
+     "--devices 8 disagrees with --cluster a100-80gb --nodes 2, which has 16 devices; give one of them, or make "
+     "them agree"),
+])
+def test_argument_mistakes_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                            message: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (2, f"fairscale plan: error: {message}\n")
+
+
+def test_unknown_preset_and_uneven_batch(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+    code, _, err = run(capsys, "plan", GPT, "--cluster", "tpu-v9")
+    assert code == 2 and err.startswith("fairscale plan: error: --cluster: unknown cluster preset 'tpu-v9'; known "
+                                        "presets: ")
+    code, _, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "6")
+    assert (code, err) == (2, "fairscale plan: error: --global-batch 6 does not divide evenly over 4 data-parallel "
+                              "ranks (6 % 4 = 2); use a multiple of 4\n")
+
+
+def test_argparse_errors_and_help_return_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Exit codes: 0 success, 1 invalid plan (every problem is printed), 2 usage error." in out
+    assert cli.main(["report", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("stages with their layers and parameter counts, per-device memory, predicted step time and "
+            "collectives per step") in out
+
+
+@pytest.fixture
+def made(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> Path:
+    path = tmp_path / "plan.json"
+    assert run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))[0] == 0
+    return path
+
+
+def test_validate_and_report_a_good_plan(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "validate", str(made), GPT)
+    assert (code, err) == (0, "")
+    fp = Plan.load(made).model.fingerprint
+    assert f"{made} is valid for GPT (fingerprint {fp}) on 4 devices" in out
+    code, out2, err = run(capsys, "report", str(made))  # the factory comes from the plan
+    assert (code, err) == (0, "")
+    assert "captured GPT from cli_factories:gpt" in out2
+    report = out2[out2.index("plan for GPT"):]
+    assert report.splitlines()[:7] == [
+        f"plan for GPT (fingerprint {fp}, {Plan.load(made).model.parameters:,} parameters)",
+        "mesh: pp(1) × dp(4) × tp(1) = 4 devices",
+        "schedule: 1f1b, 1 microbatch",
+        "data parallel: ddp, params fp32, gradients reduced in fp32, 25 MiB buckets",
+        "tensor parallel: none",
+        "recompute: none",
+        ""]
+    assert "  dp: all-reduce of every gradient, in buckets, over 4 ranks" in report
+
+
+def test_validate_prints_every_problem_and_exits_1(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(made.read_text())
+    data["mesh"] = {"pp": 2, "dp": 3, "tp": 1}
+    data["data_parallel"]["units"] = "layers.*"
+    made.write_text(json.dumps(data))
+    code, out, err = run(capsys, "validate", str(made))
+    assert code == 1
+    assert err == (
+        f"{made} has 5 problems:\n"
+        "  - mesh: pp(2) × dp(3) × tp(1) = 6, but 4 devices are in the cluster; choose degrees whose product is 4 "
+        "(e.g. dp 2: pp(2) × dp(2) × tp(1) = 4)\n"
+        "  - schedule.microbatches: 1f1b with pp(2) needs at least 2 microbatches, got 1: its warm-up sends one "
+        "microbatch into each of the 2 stages before the first backward, so with fewer the pipeline never fills; "
+        'use 2 or more, or kind "gpipe"\n'
+        "  - schedule.global_batch: 8 samples do not split into dp(3) × microbatches(1) = 3 equal microbatches "
+        "(8 % 3 = 2)\n"
+        "  - stages: 1 stage given, but pp(2) × virtual_stages(1) = 2 are needed\n"
+        '  - data_parallel.units: "layers.*" is an FSDP option, but data_parallel.kind is "ddp", which would ignore '
+        'it; remove it or set kind to "fsdp"\n')
+
+
+def test_validate_a_file_that_is_not_json_or_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text('{"version": 1,\n "mesh": {"dp": 2,}}\n')
+    code, out, err = run(capsys, "validate", str(path), GPT)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"{path} has 1 problem:\n  - {path}:2:19: not valid JSON: Expecting property name")
+    code, out, err = run(capsys, "validate", str(tmp_path / "nope.json"), GPT)
+    assert (code, err) == (2, f"fairscale validate: error: {tmp_path / 'nope.json'}: no such file\n")
+
+
+def test_validate_without_any_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = Plan(mesh=cli.Mesh(dp=2)).save(tmp_path / "plan.json")
+    code, out, err = run(capsys, "validate", str(path), "--devices", "2")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[:2] == [
+        "no FACTORY given and the plan records none (model.factory): checked the plan without the model; "
+        "selectors, layer coverage, tensor dimensions and the fingerprint were not checked",
+        "predictions: as recorded in the plan, not re-costed: no model to cost (give FACTORY)"]
+    assert f"{path} is valid for any model on 2 devices" in out
+    code, _, err = run(capsys, "validate", str(path), "--devices", "3")
+    assert code == 1 and "mesh: pp(1) × dp(2) × tp(1) = 2, but 3 devices were given" in err
+
+
+def test_hand_edit_loop(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """plan -> edit the file (pipeline cut, tp) -> validate shows the problems or the new plan."""
+    data = json.loads(made.read_text())
+    data["mesh"] = {"pp": 2, "dp": 2, "tp": 1}
+    data["schedule"]["microbatches"] = 2
+    layers = data["stages"][0]["layers"]
+    assert "layers.[0-1]" in layers
+    data["stages"] = [{"layers": layers.split("layers.[0-1]")[0] + "layers.0"},
+                      {"layers": "layers.1" + layers.split("layers.[0-1]")[1]}]
+    made.write_text(json.dumps(data, indent=2))
+    code, out, err = run(capsys, "validate", str(made))
+    assert (code, err) == (0, "")
+    assert "mesh: pp(2) × dp(2) × tp(1) = 4 devices" in out
+    assert "  pp: 4 point-to-point sends per pipeline replica (activations forward, gradients backward, at 1 cut × " \
+           "2 microbatches)" in out
+    data["mesh"]["tp"], data["mesh"]["dp"] = 2, 1
+    made.write_text(json.dumps(data, indent=2))
+    code, out, err = run(capsys, "validate", str(made))
+    assert code == 1
+    assert err == (f"{made} has 1 problem:\n  - tensor_parallel.rules: empty, but mesh.tp is 2, so the 2 tp ranks "
+                   "would all compute the same thing; add rules or set mesh.tp to 1\n")
+
+
+def test_python_dash_m_runs_the_same_main(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "fairscale", "validate", str(tmp_path / "absent.json")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == f"fairscale validate: error: {tmp_path / 'absent.json'}: no such file\n"
