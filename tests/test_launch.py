@@ -54,3 +54,12 @@ def test_a_dying_rank_is_named_with_its_exit_code():
     with pytest.raises(fairscale.RankFailedError, match=r"rank 1 failed first") as info:
         fairscale.launch(_die_on_1, devices=4, grace_s=5)
     assert "process exited with code 3 without reporting a result" in str(info.value)
+
+
+def _tensors(rank, world):
+    return {"w": torch.full((3,), float(rank))}
+
+
+def test_tensors_come_back_by_value_after_the_rank_exits():
+    results = fairscale.launch(_tensors, devices=2)
+    assert [r["w"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

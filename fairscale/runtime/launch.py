@@ -26,6 +26,7 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import time
@@ -90,10 +91,12 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
         init_distributed(rank=rank, world_size=world_size, init_method=init_method, backend=backend,
                          timeout_s=timeout_s)
         result = fn(rank, world_size, *args, **kwargs)
-        conn.send(("ok", result))
+        # Plain pickle, by value: multiprocessing's ForkingPickler would pass tensors as shared-memory
+        # file descriptors, which vanish when this rank exits before the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent, then we exit
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         finally:
             os._exit(1)
     finally:
@@ -170,7 +173,7 @@ def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float, grace_s: f
                 continue
             if c.poll():
                 try:
-                    status, payload = c.recv()
+                    status, payload = pickle.loads(c.recv_bytes())
                 except EOFError:
                     status, payload = "error", None
                 if status == "ok":
