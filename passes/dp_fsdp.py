@@ -33,7 +33,7 @@ import torch.fx
 from torch import nn
 
 from passes import dp_ops
-from passes.dp_graph import ParamUse, cast_io, common_dtype, find_params, fresh_layout, is_alias_op, positions, rebuild, \
+from passes.dp_graph import ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op, positions, rebuild, \
     replace_param_uses
 from passes.dp_ops import FSDPUnit
 from passes.layout import FlatShard
@@ -72,7 +72,8 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
     params = find_params(gm, graph, layout)
-    info = DataParallelInfo(kind="fsdp", axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg)
+    info = DataParallelInfo(kind="fsdp", axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg,
+                            aliases=drop_aliases(params, layout))
     objects: dict[str, object] = {}
     for use in params:
         if not use.tensor.requires_grad:

@@ -28,6 +28,8 @@ class ParamUse:
     nodes: list[torch.fx.Node] = field(default_factory=list)
     first_use: int = 0
     """Position (in graph order) of the first node that reads the parameter."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other attrs holding the same tensor (tied parameters) -> their user keys."""
 
 
 def dtype_of(name: str, what: str) -> torch.dtype | None:
@@ -69,9 +71,11 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
         if not isinstance(obj, nn.Parameter):
             continue
         use = by_id.get(id(obj))
+        key = layout.keys.get(str(node.target), node.meta.get("fs_param", str(node.target)))
         if use is None:
-            key = layout.keys.get(str(node.target), node.meta.get("fs_param", str(node.target)))
             use = by_id[id(obj)] = ParamUse(attr=str(node.target), key=key, tensor=obj)
+        elif str(node.target) != use.attr:
+            use.aliases[str(node.target)] = key
         use.nodes.append(node)
     out = []
     for use in by_id.values():
@@ -81,6 +85,18 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
         use.first_use = min(pos[u] for u in users)
         out.append(use)
     out.sort(key=lambda u: u.first_use)
+    return out
+
+
+def drop_aliases(params: list[ParamUse], layout: ParamLayout) -> dict[str, list[str]]:
+    """Tied parameters are one tensor under their first attr: remove the other attrs from the
+    layout and return canonical key -> alias keys (state dicts emit every name)."""
+    out: dict[str, list[str]] = {}
+    for use in params:
+        for attr, key in use.aliases.items():
+            layout.keys.pop(attr, None)
+            if key != use.key:
+                out.setdefault(use.key, []).append(key)
     return out
 
 

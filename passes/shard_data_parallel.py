@@ -42,7 +42,7 @@ import torch.fx
 from torch import nn
 
 from passes import dp_ops
-from passes.dp_graph import (ParamUse, cast_io, common_dtype, dtype_of, find_params, fresh_layout, positions, rebuild,
+from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout, positions, rebuild,
                              replace_param_uses)
 from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
 from passes.layout import FlatShard, ParamLayout
@@ -68,6 +68,8 @@ class DataParallelInfo:
     """ddp/zero: gradient buckets in backward (reduction) order."""
     units: list[FSDPUnit] = field(default_factory=list)
     """fsdp: units in forward order."""
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    """Tied parameters: the key the rank holds -> the user's other keys for the same tensor."""
     replicated: dict[str, str] = field(default_factory=dict)
     """attr -> user key of parameters kept whole on every rank (all of them for ddp/zero; frozen
     ones for fsdp)."""
@@ -132,7 +134,8 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
     params = find_params(gm, graph, layout)
-    info = DataParallelInfo(kind=cfg.kind, axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg)
+    info = DataParallelInfo(kind=cfg.kind, axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg,
+                            aliases=drop_aliases(params, layout))
     objects: dict[str, object] = {}
     sharded = cfg.kind in ("zero1", "zero2")
     trainable = [u for u in params if u.tensor.requires_grad]

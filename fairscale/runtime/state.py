@@ -18,6 +18,7 @@ covers dp only (a tp > 1 checkpoint needs 2-D placements; the engine's checkpoin
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable
 
 import torch
@@ -86,7 +87,16 @@ def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
         full = _gather_flat(shard, flat.padded, flat.axis)
         for key, t in flat.split(full[:flat.numel]).items():
             out[key] = t.clone()
+    for key, others in (info.aliases.items() if info is not None else []):
+        for other in others:
+            if key in out:
+                out[other] = out[key]
     return out
+
+
+def _aliases(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    return info.aliases if info is not None else {}
 
 
 def _gather_tp(key: str, t: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
@@ -125,6 +135,14 @@ def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor
     """Copy a full state_dict (user keys; every rank passes it) into this rank's tensors."""
     layout = _layout(gm)
     info: DataParallelInfo | None = gm.meta.get(META_DP)
+
+    aliases = _aliases(gm)
+    state = dict(state)
+    for key, others in aliases.items():  # a tied tensor may have been saved under any of its names
+        if key not in state:
+            found = next((o for o in others if o in state), None)
+            if found is not None:
+                state[key] = state[found]
 
     def local(key: str, full: torch.Tensor) -> torch.Tensor:
         spec = layout.tp.get(key)
@@ -248,13 +266,20 @@ def _optim_state(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> 
             for key, shape in members:
                 out[f"optim.{key}.{name}"] = _to_dtensor(full[start:start + shape.numel()].view(shape), mesh)
                 start += shape.numel()
-    out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    # one string (a leaf for DCP, which would otherwise flatten the list of dicts into many keys)
+    out["optim.param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}
+                                            for g in optimizer.param_groups], default=str)
     return out
 
 
 def _load_optim_state(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, Any]) -> None:
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     n, i = (info.dp_size, info.dp_index) if info is not None else (1, 0)
+    full = dict(full)
+    for key, others in _aliases(gm).items():  # saved under another name of a tied tensor
+        for other in others:
+            for k in [k for k in full if k.startswith(f"optim.{other}.")]:
+                full.setdefault(f"optim.{key}." + k[len(f"optim.{other}."):], full[k])
     for p, members, padded, _ in _optim_targets(gm, optimizer):
         names = {k.rsplit(".", 1)[1] for k in full if k.startswith(f"optim.{members[0][0]}.")}
         st: dict[str, Any] = {}
@@ -273,6 +298,13 @@ def _load_optim_state(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, 
         if st:
             optimizer.state[p] = st
     groups = full.get("optim.param_groups")
+    if isinstance(groups, str):
+        groups = json.loads(groups)
     if groups:
         for g, saved in zip(optimizer.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k in g})
+            for k, v in saved.items():  # numeric hyperparameters (lr, betas, eps, weight_decay ...)
+                cur = g.get(k)
+                if isinstance(cur, (int, float)) and not isinstance(cur, bool) and isinstance(v, (int, float)):
+                    g[k] = v
+                elif isinstance(cur, tuple) and isinstance(v, list):
+                    g[k] = tuple(v)

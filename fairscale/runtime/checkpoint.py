@@ -1,0 +1,154 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): resumable at another world size, and
+written atomically.
+
+Usage (every rank calls both)::
+
+    save_checkpoint("ckpt/step100", rank_gm, optimizer=opt)      # 4 ranks, fsdp
+    ...
+    load_checkpoint("ckpt/step100", rank_gm2, optimizer=opt2)    # 2 ranks, any kind
+
+Layout: every parameter is a DTensor sharded on dim 0 over the dp ranks, keyed by the user's
+state_dict key; optimizer state under ``optim.<key>.<name>`` (see ``fairscale.runtime.state``).
+DCP re-slices those on load, which is what makes 4 → 2 (or fsdp → ddp) work.
+
+Atomicity: DCP writes into ``<path>.tmp``; only after every rank finished (DCP writes its
+``.metadata`` last, then a barrier) does rank 0 move an existing ``<path>`` to ``<path>.prev``,
+rename ``<path>.tmp`` to ``<path>`` and delete ``<path>.prev``. A crash at any point leaves a
+complete checkpoint at ``<path>`` or, during the two renames, at ``<path>.prev``, which
+:func:`load_checkpoint` falls back to. The previous checkpoint is never modified in place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.fx
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fairscale.runtime.state import load_sharded_state_dict, sharded_state_dict
+
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "dp_mesh", "CheckpointSaveError"]
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; the previous checkpoint is intact."""
+
+_MESHES: dict[int, DeviceMesh] = {}
+
+
+def dp_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole world, named ``dp`` (the dp-only runner's layout)."""
+    world = dist.get_world_size()
+    if world not in _MESHES:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        _MESHES[world] = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+    return _MESHES[world]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_path(path: str | os.PathLike[str]) -> Path:
+    """The complete checkpoint at ``path``, or at ``path.prev`` if a save crashed between its renames."""
+    path = Path(path)
+    for candidate in (path, path.with_name(path.name + ".prev")):
+        if (candidate / ".metadata").exists():
+            return candidate
+    raise FileNotFoundError(f"no complete checkpoint at {path} (a DCP checkpoint has a .metadata file); "
+                            f"an interrupted save leaves only {path.name}.tmp, which is never loaded")
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    prev = path.with_name(path.name + ".prev")
+    if not (path / ".metadata").exists() and (prev / ".metadata").exists():
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(prev, path)  # finish a commit a crash interrupted, so prev is free again
+    elif prev.exists():
+        shutil.rmtree(prev)
+    if path.exists():
+        os.rename(path, prev)
+    os.rename(tmp, path)
+    if prev.exists():
+        shutil.rmtree(prev)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, optimizer: Any = None,
+                    mesh: DeviceMesh | None = None) -> Path:
+    """Save parameters (and optimizer state) of this rank's graph to the directory ``path``. Collective."""
+    path = Path(path)
+    mesh = mesh or dp_mesh()
+    tmp = path.with_name(path.name + ".tmp")
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # debris of an interrupted save; never a complete checkpoint
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    state = sharded_state_dict(gm, mesh, optimizer=optimizer)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    except CheckpointException as exc:  # a BaseException in DCP; surface it as an ordinary error
+        failures = "; ".join(f"rank {r}: {(e[0] if isinstance(e, tuple) else e)!r}" for r, e in exc.failures.items())
+        raise CheckpointSaveError(f"saving the checkpoint {path} failed ({failures}); the previous checkpoint "
+                                  f"at {path} is untouched, the partial {tmp.name} is removed by the next save") from exc
+    _barrier()
+    if _rank() == 0:
+        _commit(tmp, path)
+    _barrier()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, optimizer: Any = None,
+                    mesh: DeviceMesh | None = None) -> None:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any dp size into this rank's graph. Collective."""
+    where = checkpoint_path(path)
+    mesh = mesh or dp_mesh()
+    reader = dcp.FileSystemReader(str(where))
+    meta = reader.read_metadata()
+    state: dict[str, Any] = {}
+    for key, item in meta.state_dict_metadata.items():
+        if key.startswith("optim.") and optimizer is None:
+            continue
+        if isinstance(item, BytesStorageMetadata):
+            state[key] = None
+        elif isinstance(item, TensorStorageMetadata):
+            shape = tuple(item.size)
+            dtype = item.properties.dtype
+            if len(shape) == 0:
+                state[key] = torch.zeros((), dtype=dtype)
+            else:
+                n, i = mesh.size(), mesh.get_local_rank()
+                per = -(-shape[0] // n)
+                rows = max(0, min((i + 1) * per, shape[0]) - min(i * per, shape[0]))
+                local = torch.zeros((rows, *shape[1:]), dtype=dtype)
+                stride = torch.empty(shape, device="meta").stride()
+                state[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    dcp.load(state, storage_reader=reader)
+    load_sharded_state_dict(gm, state, optimizer=optimizer)
