@@ -275,21 +275,24 @@ def _recost(plan: Plan, graph: ModelGraph | None, cluster: Cluster | None, args:
     for this model and cluster; raise PlanError if the plan no longer fits in device memory."""
     cost_plan = _search_module_function("cost_plan")
     global_batch = args.global_batch or plan.schedule.global_batch
-    why = ("the cost model (planner.search.cost_plan) is not installed" if cost_plan is None
-           else "no model to cost (give FACTORY)" if graph is None
-           else "the plan records no cluster (give --cluster)" if cluster is None
-           else "the plan records no global batch (give --global-batch)" if not global_batch
-           else f"the cluster has {cluster.devices} devices, the mesh {plan.mesh.size}"
-           if cluster.devices != plan.mesh.size else "")
-    if not why:
-        assert cost_plan is not None and graph is not None and cluster is not None
-        try:
-            cost = cost_plan(plan, graph, cluster, global_batch=global_batch, validate=False)
-        except PlanError as exc:
-            why = "; ".join(exc.problems)
-    if why:
+
+    def skip(why: str) -> None:
         print(f"predictions: as recorded in the plan, not re-costed: {why}")
-        return
+
+    if cost_plan is None:
+        return skip("the cost model (planner.search.cost_plan) is not installed")
+    if graph is None:
+        return skip("no model to cost (give FACTORY)")
+    if cluster is None:
+        return skip("the plan records no cluster (give --cluster)")
+    if not global_batch:
+        return skip("the plan records no global batch (give --global-batch)")
+    if cluster.devices != plan.mesh.size:
+        return skip(f"the cluster has {cluster.devices} devices, the mesh {plan.mesh.size}")
+    try:
+        cost = cost_plan(plan, graph, cluster, global_batch=global_batch, validate=False)
+    except PlanError as exc:
+        return skip("; ".join(exc.problems))
     before = plan.predicted.step_time_s
     plan.predicted = cost.predicted
     was = f" (the file says {before:.4g} s)" if before else ""

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,7 +173,8 @@ class Plan:
     # --- serialization -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(self)
+        out: dict[str, Any] = _to_jsonable(self)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -179,11 +182,29 @@ class Plan:
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write the plan as JSON. Refuses to replace an existing file unless ``overwrite=True``."""
         path = Path(path)
+        refused = FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+            raise refused
+        # Write a temporary file next to the target, then move it in, so a crash never leaves half
+        # a plan. Without overwrite, a hard link is the move: it fails if the file appeared meanwhile.
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+            if overwrite:
+                tmp.replace(path)
+            else:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise refused from None
+                except OSError:  # a filesystem without hard links: fall back to check-then-move
+                    if path.exists():
+                        raise refused from None
+                    tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     @classmethod
@@ -201,7 +222,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        return cls.from_json(path.read_text(), source=str(path))
+        return cls.from_json(path.read_text(encoding="utf-8"), source=str(path))
 
     def validate(self, graph: Any, cluster: Any = None, *, devices: int | None = None) -> None:
         """Check the plan against a captured model and cluster; raise PlanError listing every problem."""

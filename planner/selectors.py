@@ -257,15 +257,13 @@ def _is_int(seg: str) -> bool:
 
 def _ranges(nums: list[int]) -> str:
     """[0, 1, 2, 3, 5, 7, 8] -> "0-3,5,7-8" (runs of consecutive ascending numbers)."""
-    items: list[str] = []
-    start = prev = nums[0]
-    for n in nums[1:] + [None]:  # type: ignore[list-item]
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        items.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
+    runs: list[list[int]] = []
+    for n in nums:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    items = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
     return ",".join(items)
 
 
