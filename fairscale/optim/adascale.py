@@ -48,23 +48,27 @@ class AdaScale(torch.optim.Optimizer):
             torch.distributed world size, or 1).
         scale: ``S``, the batch-size multiple over the base batch (default
             ``world_size * num_gradients_to_accumulate``).
-        smoothing: EMA factor for the σ² and μ² estimates.
+        smoothing: EMA factor for the σ² and μ² estimates (``None``: ``max(1 − S/1000, 0)``
+            with S = world_size × num_gradients_to_accumulate, FairScale's rule).
         num_gradients_to_accumulate: backward passes per ``step()``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, world_size: int | None = None, scale: float | None = None,
-                 smoothing: float = 0.999, num_gradients_to_accumulate: int = 1, debias_ewma: bool = True) -> None:
+                 smoothing: float | None = 0.999, num_gradients_to_accumulate: int = 1,
+                 debias_ewma: bool = True) -> None:
         if isinstance(optimizer, OSS):
             raise NotImplementedError("AdaScale over OSS is not supported: OSS shards gradients, and AdaScale "
                                       "needs every rank's full local gradient; use AdaScale with a plain optimizer "
                                       "and DistributedDataParallel")
         if num_gradients_to_accumulate < 1:
             raise ValueError(f"num_gradients_to_accumulate must be >= 1, got {num_gradients_to_accumulate}")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
         self._optimizer = optimizer
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if smoothing is None:  # FairScale's rule: shorter memory when each step averages more batches
+            smoothing = max(1.0 - world_size * num_gradients_to_accumulate / 1000.0, 0.0)
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
         self._world_size = int(world_size)
         self._axis: str | None = None
         if self._world_size > 1:

@@ -281,3 +281,19 @@ def test_data_parallel_pipes_train_like_single_process(world: int) -> None:
         got = torch.load(io.BytesIO(r), weights_only=False)
         compare(ref, got["a"])
         compare(ref, got["b"])
+
+
+def test_is_checkpointing_and_is_recomputing_flags() -> None:
+    from fairscale.nn.pipe import is_checkpointing, is_recomputing
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((is_checkpointing(), is_recomputing()))
+            return x * x  # saves x for backward, so the checkpointed cell is recomputed
+
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Probe()), [1, 1], chunks=2, checkpoint="except_last")
+    pipe(torch.randn(4, 2)).sum().backward()
+    # micro-batch 0 is checkpointed (forward, then recomputed in backward); micro-batch 1 is not
+    assert sorted(seen) == sorted([(True, False), (False, False), (False, True)])

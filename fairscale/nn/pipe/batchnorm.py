@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferredBatchNorm", "recomputing"]
+__all__ = ["DeferredBatchNorm", "recomputing", "checkpointing", "is_recomputing", "is_checkpointing"]
 
 _local = threading.local()
 
@@ -32,7 +32,24 @@ class recomputing:  # noqa: N801 - a context manager used like a function
 
 
 def is_recomputing() -> bool:
+    """True while a checkpointed Pipe cell re-runs its forward during backward."""
     return getattr(_local, "recomputing", False)
+
+
+class checkpointing:  # noqa: N801
+    """Marks the first (activation-discarding) forward of a checkpointed Pipe cell."""
+
+    def __enter__(self) -> None:
+        self._old = getattr(_local, "checkpointing", False)
+        _local.checkpointing = True
+
+    def __exit__(self, *exc: object) -> None:
+        _local.checkpointing = self._old
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed Pipe cell runs its first forward (its activations are discarded)."""
+    return getattr(_local, "checkpointing", False)
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from fairscale.nn.pipe.batchnorm import DeferredBatchNorm, recomputing
+from fairscale.nn.pipe.batchnorm import DeferredBatchNorm, checkpointing, recomputing
 from fairscale.nn.pipe.skip.skippable import verify_skippables
 from fairscale.nn.pipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -185,6 +185,9 @@ class Pipe(nn.Module):
                         tracker.tensors[key] = t.to(device)
                 if calls[0] > 1:  # backward-time recomputation of a checkpointed cell
                     with recomputing():
+                        return partition(arg)
+                if checkpointed:
+                    with checkpointing():
                         return partition(arg)
                 return partition(arg)
 
