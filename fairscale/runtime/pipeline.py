@@ -1,0 +1,454 @@
+"""Run one pipeline rank's schedule: its stages' forwards and backwards, with P2P on the pp axis.
+
+Usage (every rank of the pp × dp × tp mesh)::
+
+    program = split_stages_pass(graph.gm, plan, graph=graph)          # same on every rank
+    schedule = build_schedule("1f1b", pp=2, microbatches=4)
+    pipe = PipelineExecutor(program, schedule)                          # binds to comm's "pp" axis
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for batch in data:                                                   # this dp rank's batch
+        opt.zero_grad(set_to_none=True)
+        loss = pipe.step(batch)       # every pp rank gets the loss, mean over microbatches
+        opt.step()
+
+``step`` cuts the batch into ``schedule.microbatches`` microbatches along dim 0 and runs this
+rank's lowered action list (``planner.schedule``): ``F``/``B`` call the stage GraphModule and
+``torch.autograd.backward`` on its outputs; ``SF``/``SB`` post a tagged ``isend`` of the stage's
+outputs or input gradients to the neighbouring stage's rank, ``RF``/``RB`` post the ``irecv``
+that the next compute waits on. Each microbatch's loss is scaled by ``1 / microbatches``, so the
+accumulated gradients are those of the mean loss over the step's batch. After the last action,
+copies of parameters held by several stages (tied embeddings) get the sum of all copies'
+gradients, added in stage order on every holder so the copies stay bitwise identical; then the
+last stage's rank broadcasts the step loss over the pp axis.
+
+Every rank loads the same microbatches (stages read the batch inputs they need, e.g. labels on the
+last stage), so data never travels down the pipeline.
+
+Safety: on the first step, neighbouring ranks exchange the shapes and dtypes they will send and
+expect; a mismatch (ranks that split different captures) raises the same clear error on both
+sides before any activation is sent. Every step checks the microbatch shapes against the capture
+and each stage's outputs against the boundary before sending, so a wrong batch is an error on
+every rank, never a hang.
+
+Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass`` (after this
+split); each stage's backwards except its last of the step run under ``passes.dp_ops.no_sync`` so
+gradients are reduced over dp once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from passes import comm
+from passes.layout import META_LAYOUT, ParamLayout
+from passes.split_stages import StagedProgram, ValueSpec
+from planner.schedule import Action, PipelineSchedule, ScheduleError, simulate
+
+__all__ = ["PipelineExecutor", "PipelineError", "StepTrace"]
+
+_KIND_CODE = {"F": 0, "B": 1, "SHAKE": 2, "TIED": 3}
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline that cannot run as set up: wrong microbatch shapes, or stages that disagree."""
+
+
+@dataclass
+class StepTrace:
+    """Wall-clock record of one step on this rank (``record=True``): for Gantt charts and bubbles."""
+
+    start: float = 0.0
+    end: float = 0.0
+    compute: list[tuple[str, float, float]] = field(default_factory=list)
+    """(action token, start, end) of every F and B, perf_counter seconds."""
+
+    @property
+    def busy(self) -> float:
+        return sum(e - s for _, s, e in self.compute)
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the step this rank spent outside F and B (waiting or communicating)."""
+        span = self.end - self.start
+        return 1.0 - self.busy / span if span > 0 else 0.0
+
+
+class PipelineExecutor:
+    """Executes this rank's share of ``program`` under ``schedule``.
+
+    Args:
+        program: the split model (every rank builds the same one from the same capture).
+        schedule: which order to run microbatches in; ``schedule.stages`` must equal the number of
+            stages. It is simulated once here (deadlock and matching checks) before anything runs.
+        axis: the comm axis of the pipeline group (default ``"pp"``; unbound = one rank).
+        modules: stage index -> module to run instead of ``program.stages[s].gm`` (a stage graph
+            rewritten by the tensor- or data-parallel pass); same calling convention.
+        no_sync: context manager factory wrapping every backward but each stage's last in a step;
+            default ``passes.dp_ops.no_sync`` (defers data-parallel gradient reduction).
+        record: keep a :class:`StepTrace` of the last step in ``self.trace``.
+    """
+
+    def __init__(self, program: StagedProgram, schedule: PipelineSchedule, *, axis: str = "pp",
+                 modules: Mapping[int, nn.Module] | None = None,
+                 no_sync: Callable[[], ContextManager[Any]] | None = None, record: bool = False) -> None:
+        n = len(program.stages)
+        if schedule.stages != n:
+            raise PipelineError(f"the schedule has {schedule.stages} stages but the program has {n}; "
+                                f"plan stages must number pp × virtual_stages")
+        pp = comm.group_size(axis)
+        if schedule.pp != pp:
+            raise PipelineError(f"the schedule is for pp={schedule.pp} ranks but axis {axis!r} has {pp}")
+        simulate(schedule)  # raises ScheduleError before any rank sends anything
+        self.program = program
+        self.schedule = schedule
+        self.axis = axis
+        self.rank = comm.group_rank(axis)
+        self.actions: list[Action] = schedule.lower().actions[self.rank]
+        self.local_stages = schedule.rank_stages(self.rank)
+        self.modules: dict[int, nn.Module] = {s: (modules or {}).get(s, program.stages[s].gm)
+                                              for s in self.local_stages}
+        self.no_sync = no_sync or _default_no_sync()
+        self.record = record
+        self.trace = StepTrace()
+        self._shaken = False
+        last_b: dict[int, Action] = {}
+        for a in self.actions:
+            if a.kind == "B":
+                last_b[a.stage] = a
+        self._last_backward = set(last_b.values())
+
+    # --- public ---------------------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Trainable parameters of this rank's stages (a tied copy appears once per stage)."""
+        for s in self.local_stages:
+            yield from (p for p in self.modules[s].parameters() if p.requires_grad)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by user state_dict key (tied names expanded)."""
+        out: dict[str, torch.Tensor] = {}
+        for s in self.local_stages:
+            layout = self._layout(s)
+            if layout.flat or layout.tp:
+                raise PipelineError(f"stage {s} holds sharded parameters (tensor-parallel or FSDP); gather them "
+                                    "with the runtime's sharded state_dict instead of PipelineExecutor.state_dict")
+            for attr, key in layout.keys.items():
+                value = _fetch(self.modules[s], attr).detach()
+                for name in self.program.aliases.get(key, [key]):
+                    out[name] = value
+        return out
+
+    def _layout(self, stage: int) -> ParamLayout:
+        meta = getattr(self.modules[stage], "meta", {})
+        return meta.get(META_LAYOUT) or self.program.stages[stage].gm.meta[META_LAYOUT]
+
+    def step(self, batch: Sequence[Any]) -> float:
+        """Forward and backward of ``batch`` over all microbatches; returns the mean loss on every
+        pp rank. Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps)."""
+        m = self.schedule.microbatches
+        micro = self._split(batch, m)
+        if not self._shaken:
+            self._handshake()
+            self._shaken = True
+        self.trace = StepTrace(start=time.perf_counter())
+        st = _State()
+        for a in self.actions:
+            getattr(self, "_do_" + a.kind)(a, micro, st)
+        for work, _ in st.sends:
+            work.wait()
+        self._sync_shared()
+        loss = torch.zeros((), dtype=torch.float64)
+        if st.losses:
+            loss = torch.stack([x.double() for x in st.losses]).sum() / m
+        comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))
+        self.trace.end = time.perf_counter()
+        return float(loss.item())
+
+    # --- actions --------------------------------------------------------------------------------
+
+    def _do_F(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        stage = self.program.stages[a.stage]
+        if a.stage == 0:
+            received: list[torch.Tensor] = []
+        elif self.schedule.stage_rank(a.stage - 1) == self.rank:
+            received = [t.detach() for t in st.outputs[(a.mb, a.stage - 1)]]
+        else:
+            received = _wait(st.recvs.pop(("F", a.mb, a.stage)))
+        for t, spec in zip(received, stage.inputs):
+            if spec.grad:
+                t.requires_grad_(True)
+        args = [micro[a.mb][i] for i in stage.batch_inputs]
+        t0 = time.perf_counter()
+        out = self.modules[a.stage](*args, *received)
+        if self.record:
+            self.trace.compute.append((a.token(), t0, time.perf_counter()))
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        _check_values(out, stage.outputs, f"stage {a.stage} output")
+        st.inputs[(a.mb, a.stage)] = received
+        st.outputs[(a.mb, a.stage)] = out
+        if a.stage == len(self.program.stages) - 1:
+            st.losses.append(out[0].detach())
+
+    def _do_B(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        stage = self.program.stages[a.stage]
+        out = st.outputs.pop((a.mb, a.stage))
+        last = a.stage == len(self.program.stages) - 1
+        if last:
+            tensors = [out[0]]
+            grads: list[torch.Tensor] = [torch.full_like(out[0], 1.0 / self.schedule.microbatches)]
+        else:
+            if self.schedule.stage_rank(a.stage + 1) == self.rank:
+                got = st.local_grads.pop((a.mb, a.stage + 1))
+            else:
+                got = _wait(st.recvs.pop(("B", a.mb, a.stage)))
+            tensors, grads = [], []
+            pairs = [(o, s) for o, s in zip(out, stage.outputs) if s.grad]
+            for (o, _), g in zip(pairs, got):
+                if o.requires_grad:
+                    tensors.append(o)
+                    grads.append(g)
+        t0 = time.perf_counter()
+        ctx = contextlib.nullcontext() if a in self._last_backward else self.no_sync()
+        with ctx:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        if self.record:
+            self.trace.compute.append((a.token(), t0, time.perf_counter()))
+        inputs = st.inputs.pop((a.mb, a.stage))
+        if a.stage > 0:
+            in_grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                        for t, s in zip(inputs, stage.inputs) if s.grad]
+            if self.schedule.stage_rank(a.stage - 1) == self.rank:
+                st.local_grads[(a.mb, a.stage)] = in_grads
+            else:
+                st.grads_out[(a.mb, a.stage)] = in_grads
+
+    def _do_SF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        peer = self._peer(a.stage + 1)
+        for i, t in enumerate(st.outputs[(a.mb, a.stage)]):
+            st.sends.append(self._isend(t.detach().contiguous(), peer, _tag("F", a.mb, a.stage + 1, i)))
+
+    def _do_SB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        peer = self._peer(a.stage - 1)
+        for i, g in enumerate(st.grads_out.pop((a.mb, a.stage))):
+            st.sends.append(self._isend(g.contiguous(), peer, _tag("B", a.mb, a.stage - 1, i)))
+
+    def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        specs = self.program.stages[a.stage].inputs
+        st.recvs[("F", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage - 1), "F", a.mb, a.stage)
+
+    def _do_RB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+        specs = [s for s in self.program.stages[a.stage].outputs if s.grad]
+        st.recvs[("B", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage + 1), "B", a.mb, a.stage)
+
+    # --- communication --------------------------------------------------------------------------
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(comm.get_group(self.axis), self.schedule.stage_rank(stage))
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
+        nbytes = t.numel() * t.element_size()
+        comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
+        return dist.isend(t, peer, group=comm.get_group(self.axis), tag=tag), t
+
+    def _irecv_all(self, specs: Sequence[ValueSpec], peer: int, kind: str, mb: int,
+                   stage: int) -> list[tuple[Any, torch.Tensor]]:
+        out = []
+        for i, spec in enumerate(specs):
+            buf = torch.empty(spec.shape, dtype=spec.dtype)
+            nbytes = buf.numel() * buf.element_size()
+            comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
+            out.append((dist.irecv(buf, peer, group=comm.get_group(self.axis), tag=_tag(kind, mb, stage, i)), buf))
+        return out
+
+    def _handshake(self) -> None:
+        """Exchange boundary specs with both neighbours; both sides raise on a mismatch."""
+        n = len(self.program.stages)
+        mine: list[tuple[int, int, str, list[ValueSpec]]] = []  # (peer stage, boundary, role, my specs)
+        for s in self.local_stages:
+            if s + 1 < n and self.schedule.stage_rank(s + 1) != self.rank:
+                mine.append((s + 1, s, "sends", self.program.stages[s].outputs))
+            if s > 0 and self.schedule.stage_rank(s - 1) != self.rank:
+                mine.append((s - 1, s - 1, "expects", self.program.stages[s].inputs))
+        if not mine:
+            return
+        sends, recvs = [], []
+        for peer_stage, boundary, role, specs in mine:
+            code = torch.tensor(_encode(specs), dtype=torch.int64)
+            size = torch.tensor([code.numel()], dtype=torch.int64)
+            tag = _tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
+            peer = self._peer(peer_stage)
+            group = comm.get_group(self.axis)
+            sends += [dist.isend(size, peer, group=group, tag=tag), dist.isend(code, peer, group=group, tag=tag + 2)]
+            other = torch.zeros(1, dtype=torch.int64)
+            other_tag = _tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
+            recvs.append((dist.irecv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
+                          role, specs))
+        problems = []
+        for work, size, peer, other_tag, boundary, role, specs in recvs:
+            work.wait()
+            code = torch.zeros(int(size.item()), dtype=torch.int64)
+            dist.irecv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
+            theirs = _decode(code.tolist())
+            ours = [(tuple(s.shape), s.dtype) for s in specs]
+            if theirs != ours:
+                sent, expected = (ours, theirs) if role == "sends" else (theirs, ours)
+                problems.append(f"stage {boundary} sends {_fmt(sent)} but stage {boundary + 1} expects "
+                                f"{_fmt(expected)}")
+        for w in sends:
+            w.wait()
+        if problems:
+            raise PipelineError("pipeline shape handshake failed: " + "; ".join(problems) + ". Every pipeline rank "
+                                "must split the same capture (same model, microbatch size and plan).")
+
+    def _sync_shared(self) -> None:
+        """Give every copy of a shared parameter the sum of all copies' gradients, in stage order."""
+        if not self.program.shared:
+            return
+        group = comm.get_group(self.axis)
+        for k_index, (key, holders) in enumerate(sorted(self.program.shared.items())):
+            mine = [s for s in holders if s in self.local_stages]
+            if not mine:
+                continue
+            params = {s: self._param_of(s, key) for s in mine}
+            grads: dict[int, torch.Tensor] = {}
+            for s, p in params.items():
+                grads[s] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            works = []
+            remote_ranks = sorted({self.schedule.stage_rank(s) for s in holders if s not in mine})
+            for r in remote_ranks:
+                peer = dist.get_global_rank(group, r)
+                for own in mine:
+                    t = grads[own].contiguous()
+                    nbytes = t.numel() * t.element_size()
+                    comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
+                    works.append(dist.isend(t, peer, group=group, tag=_tag("TIED", k_index, own, 0)))
+                for s in holders:
+                    if self.schedule.stage_rank(s) == r:
+                        buf = torch.empty_like(grads[mine[0]])
+                        works.append(dist.irecv(buf, peer, group=group, tag=_tag("TIED", k_index, s, 0)))
+                        grads[s] = buf
+            for w in works:
+                w.wait()
+            total = grads[holders[0]].clone()
+            for s in holders[1:]:
+                total += grads[s]
+            for p in params.values():
+                p.grad = total.clone()
+
+    def _param_of(self, stage: int, key: str) -> nn.Parameter:
+        for attr, k in self._layout(stage).keys.items():
+            if self.program.canonical(k) == key:
+                value = _fetch(self.modules[stage], attr)
+                if isinstance(value, nn.Parameter):
+                    return value
+        raise PipelineError(f"stage {stage} holds no whole parameter {key!r} to sum the gradients of its tied "
+                            "copies; tied parameters across stages need unsharded copies (ddp, zero1) or both "
+                            "uses in one stage")
+
+    def _split(self, batch: Sequence[Any], m: int) -> list[tuple[Any, ...]]:
+        parts: list[list[Any]] = [[] for _ in range(m)]
+        for i, x in enumerate(batch):
+            if not isinstance(x, torch.Tensor):
+                for p in parts:
+                    p.append(x)
+                continue
+            if x.shape[0] % m:
+                raise PipelineError(f"batch input {i} has {x.shape[0]} rows, which do not split into {m} "
+                                    "microbatches; use a batch size divisible by the microbatch count")
+            for p, chunk in zip(parts, x.chunk(m)):
+                p.append(chunk)
+        for s in self.local_stages:
+            stage = self.program.stages[s]
+            for idx, spec in zip(stage.batch_inputs, stage.batch_specs):
+                got = parts[0][idx]
+                if isinstance(got, torch.Tensor) and tuple(got.shape) != spec.shape:
+                    raise PipelineError(
+                        f"microbatch input {idx} has shape {list(got.shape)} but stage {s} was captured for "
+                        f"{list(spec.shape)}: capture the model with a batch of {spec.shape[0] if spec.shape else 1} "
+                        f"rows per microbatch (global batch / (dp × microbatches)), or change the microbatch count")
+        return [tuple(p) for p in parts]
+
+
+@dataclass
+class _State:
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    recvs: dict[tuple[str, int, int], list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    local_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def _default_no_sync() -> Callable[[], ContextManager[Any]]:
+    try:
+        from passes.dp_ops import no_sync
+    except ImportError:  # no data-parallel ops installed: nothing reads the flag
+        return contextlib.nullcontext
+    return no_sync
+
+
+def _tag(kind: str, mb: int, stage: int, index: int) -> int:
+    """A unique message tag: 2 bits kind, 10 bits stage, 13 bits microbatch, 6 bits value index."""
+    if stage >= 1024 or mb >= 8192 or index >= 64:
+        raise ScheduleError(f"too many stages ({stage}), microbatches ({mb}) or boundary values ({index}) "
+                            "for message tags; at most 1024 stages, 8192 microbatches, 64 values")
+    return ((_KIND_CODE[kind] * 1024 + stage) * 8192 + mb) * 64 + index
+
+
+def _wait(pending: list[tuple[Any, torch.Tensor]]) -> list[torch.Tensor]:
+    for work, _ in pending:
+        work.wait()
+    return [buf for _, buf in pending]
+
+
+def _check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -> None:
+    if len(values) != len(specs):
+        raise PipelineError(f"{what}: {len(values)} values, expected {len(specs)} ({_fmt_specs(specs)})")
+    for v, spec in zip(values, specs):
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != spec.shape or v.dtype != spec.dtype:
+            got = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise PipelineError(f"{what} {spec.name} is {got} but the boundary expects {spec.describe()}")
+
+
+def _encode(specs: Sequence[ValueSpec]) -> list[int]:
+    out = [len(specs)]
+    for s in specs:
+        out += [len(s.shape), *s.shape, _DTYPES.index(s.dtype) if s.dtype in _DTYPES else 99]
+    return out
+
+
+def _decode(code: list[int]) -> list[tuple[tuple[int, ...], Any]]:
+    out, i = [], 1
+    for _ in range(code[0]):
+        nd = code[i]
+        shape = tuple(code[i + 1:i + 1 + nd])
+        d = code[i + 1 + nd]
+        out.append((shape, _DTYPES[d] if d < len(_DTYPES) else "other"))
+        i += 2 + nd
+    return out
+
+
+def _fmt(specs: list[tuple[tuple[int, ...], Any]]) -> str:
+    return "[" + ", ".join(f"{list(shape)}:{str(d).replace('torch.', '')}" for shape, d in specs) + "]"
+
+
+def _fmt_specs(specs: Sequence[ValueSpec]) -> str:
+    return ", ".join(s.describe() for s in specs)
+
+
+def _fetch(mod: nn.Module, attr: str) -> Any:
+    obj: Any = mod
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,405 @@
+"""Cut a captured graph into pipeline stages: one ordinary GraphModule per (virtual) stage.
+
+The plan lists the stages in order, each a selector of layers (``planner.selectors``)::
+
+    "stages": [{"layers": "wte, wpe, layers.[0-1]"}, {"layers": "layers.[2-3], ln_f, lm_head"}]
+
+Every compute node goes to the stage of its layer (``fs_layer``). Then, per stage:
+
+* **Parameters and buffers** are copied into every stage that reads them, under the same
+  attribute path, with their ``fs_param`` meta; ``gm.meta["fs_layout"]`` records their user keys.
+  A parameter read by several stages (GPT's tied ``wte``/``lm_head``) is a copy on each; the
+  runtime sums the copies' gradients so they stay identical (:attr:`StagedProgram.shared`).
+* **Batch inputs** (token ids, labels) are placeholders of every stage that reads them: each
+  pipeline rank loads the same microbatch, as Megatron-LM's first and last stages do, instead of
+  sending labels down the pipeline.
+* **Values that need no gradient and come only from batch inputs and buffers** (attention masks,
+  rotary tables, position ids) are recomputed by each stage that uses them rather than sent:
+  their cone of nodes is copied in (no random ops allowed in it).
+* **Every other value that crosses a cut** is sent to the next stage, and relayed through the
+  stages in between when it skips some (a skip connection from stage 0 to stage 3 passes through
+  stages 1 and 2 as an extra output), so a stage only talks to its neighbours. A tuple-valued
+  node's ``getitem`` users move to the tuple's stage, so only tensors cross.
+
+A stage's GraphModule is called as ``stage.gm(*batch_inputs, *received)`` and returns the tuple it
+sends (the last stage returns ``(loss,)``). Picture for GPT with 2 stages::
+
+    stage 0: (batch_0, ) -> (add_3, )          holds wte(=lm_head), wpe, layers.0-1
+    stage 1: (batch_1, add_3) -> (loss, )      holds layers.2-3, ln_f, lm_head(=wte)
+
+node.meta read: ``fs_layer`` (capture), ``fs_param``, ``val``. Written (on the input graph and the
+stage graphs): ``fs_stage`` = owning stage of each compute node; ``fs_stages`` = every stage that
+holds a copy (placeholders, get_attr, recomputed nodes).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from passes.layout import META_LAYOUT, ParamLayout
+from planner.graph import META_LAYER, META_PARAM, ModelGraph
+from planner.plan import Plan, PlanError
+from planner.selectors import parse_selector
+
+__all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "ValueSpec", "resolve_stages", "META_STAGE",
+           "META_STAGES", "SplitError"]
+
+META_STAGE = "fs_stage"
+"""int: the stage that owns (computes) the node."""
+META_STAGES = "fs_stages"
+"""list[int]: every stage holding a copy of the node (batch placeholders, parameters, recomputed values)."""
+
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial")
+
+
+class SplitError(ValueError):
+    """The graph cannot be cut as the plan asks; the message quotes the node and says what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueSpec:
+    """A tensor crossing a stage boundary (or a batch input), as captured."""
+
+    name: str
+    """Node name in the captured graph."""
+    shape: tuple[int, ...]
+    """Shape for the captured microbatch."""
+    dtype: torch.dtype
+    """Its dtype."""
+    grad: bool
+    """Whether a gradient flows back for it (floating point and computed from parameters)."""
+
+    def describe(self) -> str:
+        return f"{self.name}{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
+
+
+@dataclass(kw_only=True)
+class StageGraph:
+    """One (virtual) stage: its GraphModule and what flows in and out of it."""
+
+    index: int
+    """Stage index (stage s runs on pipeline rank s % pp)."""
+    gm: torch.fx.GraphModule
+    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``)."""
+    layers: list[str]
+    """Layer names the stage holds, in execution order."""
+    batch_inputs: list[int]
+    """Indices into the flat batch of the batch inputs the stage reads, in placeholder order."""
+    batch_specs: list[ValueSpec]
+    """Their captured shapes (a microbatch must match them)."""
+    inputs: list[ValueSpec]
+    """Values received from the previous stage, in placeholder order."""
+    outputs: list[ValueSpec]
+    """Values sent to the next stage, in output order (last stage: the loss)."""
+
+    def param_keys(self) -> dict[str, str]:
+        """attr -> user state_dict key of the stage's parameters and buffers."""
+        return dict(self.gm.meta[META_LAYOUT].keys)
+
+
+@dataclass(kw_only=True)
+class StagedProgram:
+    """What :func:`split_stages_pass` returns: the stages in order plus cross-stage facts."""
+
+    stages: list[StageGraph]
+    """All stages in order."""
+    shared: dict[str, list[int]] = field(default_factory=dict)
+    """Canonical user key -> stages holding a copy, for parameters held by more than one stage
+    (tied weights; the canonical key is the first name of the tied group)."""
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    """User key -> every state_dict name of that tensor (tied groups), for rebuilding a full state_dict."""
+    microbatch: int = 1
+    """Batch size (dim 0) the graph was captured for."""
+
+    def canonical(self, key: str) -> str:
+        """The first name of ``key``'s tied group (``key`` itself when untied)."""
+        return self.aliases.get(key, [key])[0]
+
+    def summary(self) -> str:
+        """One line per stage: layers, inputs received, outputs sent."""
+        from planner.selectors import format_layers
+
+        rows = []
+        for st in self.stages:
+            ins = ", ".join(v.describe() for v in st.inputs) or "-"
+            outs = ", ".join(v.describe() for v in st.outputs)
+            rows.append(f"stage {st.index}: {format_layers(st.layers)} | recv {ins} | send {outs}")
+        for key, holders in sorted(self.shared.items()):
+            rows.append(f"shared {key}: stages {holders}")
+        return "\n".join(rows)
+
+
+def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
+    """Layer names of each plan stage; raise PlanError listing every problem."""
+    names = [layer.name for layer in graph.layers]
+    want = plan.mesh.pp * plan.schedule.virtual_stages
+    if not plan.stages:
+        if want == 1:
+            return [names]
+        raise PlanError([f"stages: empty, but pp ({plan.mesh.pp}) × virtual_stages "
+                         f"({plan.schedule.virtual_stages}) = {want} stages are needed"])
+    problems = []
+    if len(plan.stages) != want:
+        problems.append(f"stages: {len(plan.stages)} given, but pp ({plan.mesh.pp}) × virtual_stages "
+                        f"({plan.schedule.virtual_stages}) = {want}")
+    owner: dict[str, int] = {}
+    chosen: list[list[str]] = []
+    for i, stage in enumerate(plan.stages):
+        sel = parse_selector(stage.layers)
+        for pat in sel.unmatched(names):
+            problems.append(f"stages[{i}].layers: {pat!r} matches no layer")
+        picked = sel.select(names)
+        for name in picked:
+            if name in owner:
+                problems.append(f"stages[{i}].layers: {name} is already in stages[{owner[name]}]")
+            else:
+                owner[name] = i
+        chosen.append(picked)
+    left = [n for n in names if n not in owner]
+    if left:
+        problems.append(f"stages: layers {', '.join(left)} are in no stage")
+    if not problems:
+        index = {n: j for j, n in enumerate(names)}
+        for i in range(1, len(chosen)):
+            if chosen[i - 1] and chosen[i] and index[chosen[i][0]] < index[chosen[i - 1][-1]]:
+                problems.append(f"stages[{i}].layers: {chosen[i][0]} runs before {chosen[i - 1][-1]} of "
+                                f"stages[{i - 1}]; stages must be contiguous runs of layers in execution order")
+            if not chosen[i]:
+                problems.append(f"stages[{i}].layers: holds no layer")
+    if problems:
+        raise PlanError(problems, source="plan")
+    return chosen
+
+
+def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph) -> StagedProgram:
+    """Cut ``gm`` (the captured loss graph) into ``pp × virtual_stages`` stage GraphModules.
+
+    Usage::
+
+        program = split_stages_pass(graph.gm, plan, graph=graph)
+        out = program.stages[0].gm(ids)          # -> values for stage 1
+
+    Args:
+        gm: the captured graph (``graph.gm`` or a clone), taking the flat batch, returning the loss.
+        plan: its ``stages`` (selectors), ``mesh.pp`` and ``schedule.virtual_stages`` are read.
+        graph: the :class:`ModelGraph` ``gm`` came from (layers, tied parameters).
+    """
+    layer_stage = {name: i for i, names in enumerate(resolve_stages(plan, graph)) for name in names}
+    n = max(layer_stage.values(), default=0) + 1
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    owner = _assign_owners(gm, nodes, layer_stage, n)
+    pure = _pure_nodes(gm, nodes)
+    out_node = next(node for node in nodes if node.op == "output")
+    loss = out_node.args[0]
+    if isinstance(loss, (tuple, list)):
+        if len(loss) != 1:
+            raise SplitError(f"the captured graph must return one loss, got {out_node.format_node()}")
+        loss = loss[0]
+    if not isinstance(loss, torch.fx.Node) or owner.get(loss, -1) != n - 1:
+        raise SplitError(f"the loss ({out_node.format_node()}) must be computed on the last stage ({n - 1}); "
+                         "put the layers that compute it in the plan's last stage")
+
+    # Which values each stage needs: computed locally, recomputed (pure cone), or received.
+    local: list[set[torch.fx.Node]] = [set() for _ in range(n)]
+    sent_until: dict[torch.fx.Node, int] = {}  # value -> last stage that consumes it as a received value
+    for node in nodes:
+        if node in owner:
+            local[owner[node]].add(node)
+    for node in nodes:
+        if node not in owner:
+            continue
+        s = owner[node]
+        for inp in node.all_input_nodes:
+            if inp.op != "call_function" or owner[inp] == s:
+                continue
+            if owner[inp] > s:
+                raise SplitError(f"{node.format_node()} on stage {s} reads {inp.name} computed on later stage "
+                                 f"{owner[inp]}; move the cut so data flows forward")
+            if pure[inp]:
+                _add_cone(inp, local[s], pure)
+            else:
+                sent_until[inp] = max(sent_until.get(inp, -1), s)
+    # a recomputed cone may itself read values that are sent (never: a pure cone reads only pure nodes)
+    boundaries: list[list[torch.fx.Node]] = []
+    for s in range(n - 1):
+        crossing = [v for v in sent_until if owner[v] <= s < sent_until[v]]
+        boundaries.append(sorted(crossing, key=position.__getitem__))
+    for values in boundaries:
+        for v in values:
+            _check_sendable(v, owner[v])
+
+    stages: list[StageGraph] = []
+    holders: dict[str, list[int]] = {}
+    aliases: dict[str, list[str]] = {}
+    for group in graph.tied:
+        for key in group:
+            aliases[key] = list(group)
+    placeholders = [node for node in nodes if node.op == "placeholder"]
+    for s in range(n):
+        recv = boundaries[s - 1] if s > 0 else []
+        send = boundaries[s] if s < n - 1 else [loss]
+        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure)
+        st.layers = [name for name, i in layer_stage.items() if i == s]
+        trainable = {a for a, p in st.gm.named_parameters() if p.requires_grad}
+        for key in {aliases.get(k, [k])[0] for a, k in st.param_keys().items() if a in trainable}:
+            holders.setdefault(key, []).append(s)
+        stages.append(st)
+    _annotate(nodes, owner, stages, local)
+    shared = {k: v for k, v in holders.items() if len(v) > 1}
+    microbatch = stages[0].batch_specs[0].shape[0] if stages[0].batch_specs and stages[0].batch_specs[0].shape else 1
+    return StagedProgram(stages=stages, shared=shared, aliases=aliases, microbatch=microbatch)
+
+
+def _assign_owners(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], layer_stage: dict[str, int],
+                   n: int) -> dict[torch.fx.Node, int]:
+    owner: dict[torch.fx.Node, int] = {}
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        layer = node.meta.get(META_LAYER)
+        if layer in layer_stage:
+            owner[node] = layer_stage[layer]
+        else:  # no layer recorded: run it as early as its inputs allow
+            owner[node] = max((owner.get(i, 0) for i in node.all_input_nodes), default=0)
+    # getitem of a tuple-valued node runs where the tuple is, so only tensors cross a cut
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            src = node.args[0]
+            if isinstance(src, torch.fx.Node) and src in owner:
+                owner[node] = owner[src]
+    return owner
+
+
+def _pure_nodes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, bool]:
+    """Nodes computed only from batch inputs, buffers and constants, with no random op."""
+    params = {id(p) for p in gm.parameters()}
+    pure: dict[torch.fx.Node, bool] = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            pure[node] = True
+        elif node.op == "get_attr":
+            pure[node] = id(_fetch(gm, str(node.target))) not in params
+        elif node.op == "call_function":
+            name = str(node.target).lower()
+            pure[node] = (not any(r in name for r in _RANDOM)
+                          and all(pure.get(i, False) for i in node.all_input_nodes))
+        else:
+            pure[node] = False
+    return pure
+
+
+def _add_cone(node: torch.fx.Node, into: set[torch.fx.Node], pure: dict[torch.fx.Node, bool]) -> None:
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if cur in into or cur.op != "call_function":
+            continue
+        into.add(cur)
+        stack.extend(cur.all_input_nodes)
+
+
+def _check_sendable(v: torch.fx.Node, stage: int) -> None:
+    val = v.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise SplitError(f"{v.format_node()} crosses the cut after stage {stage} but its value is a "
+                         f"{type(val).__name__}, not a tensor; move the cut so it stays inside one stage")
+
+
+def _spec(node: torch.fx.Node, pure: dict[torch.fx.Node, bool]) -> ValueSpec:
+    val = node.meta["val"]
+    return ValueSpec(name=node.name, shape=tuple(int(d) for d in val.shape), dtype=val.dtype,
+                     grad=bool(val.dtype.is_floating_point and not pure.get(node, False)))
+
+
+def _fetch(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _install(root: nn.Module, target: str, value: Any, *, buffer: bool) -> None:
+    *path, leaf = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad))
+    elif isinstance(value, torch.Tensor):
+        if buffer:
+            mod.register_buffer(leaf, value.detach().clone())
+        else:
+            setattr(mod, leaf, value.detach().clone())
+    elif isinstance(value, nn.Module):
+        mod.add_module(leaf, copy.deepcopy(value))
+    else:
+        setattr(mod, leaf, copy.deepcopy(value))
+
+
+def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
+                 send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
+                 pure: dict[torch.fx.Node, bool]) -> StageGraph:
+    body = sorted(keep, key=position.__getitem__)
+    reads = {i for node in body for i in node.all_input_nodes}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    batch_inputs, batch_specs = [], []
+    for idx, ph in enumerate(placeholders):
+        if ph in reads:
+            env[ph] = graph.node_copy(ph, lambda x: env[x])
+            batch_inputs.append(idx)
+            batch_specs.append(_spec(ph, pure))
+    for v in recv:
+        new = graph.placeholder(v.name)
+        new.meta = copy.copy(v.meta)
+        env[v] = new
+    root = nn.Module()
+    buffers = {name for name, _ in gm.named_buffers()}
+    layout = ParamLayout()
+    by_tensor: dict[int, torch.fx.Node] = {}
+    for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
+        value = _fetch(gm, str(node.target))
+        if isinstance(value, torch.Tensor) and id(value) in by_tensor:
+            env[node] = by_tensor[id(value)]  # two attribute names, one tensor: keep one copy
+            continue
+        _install(root, str(node.target), value, buffer=str(node.target) in buffers)
+        env[node] = graph.node_copy(node, lambda x: env[x])
+        if isinstance(value, torch.Tensor):
+            by_tensor[id(value)] = env[node]
+            if META_PARAM in node.meta:
+                layout.keys[str(node.target)] = node.meta[META_PARAM]
+    for node in body:
+        env[node] = graph.node_copy(node, lambda x: env[x])
+        env[node].meta[META_STAGE] = s
+    graph.output(tuple(env[v] for v in send))
+    graph.eliminate_dead_code()  # e.g. a rotary table computed here but only recomputed by later stages
+    graph.lint()
+    stage_gm = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
+    used = {str(node.target) for node in graph.nodes if node.op == "get_attr"}
+    layout.keys = {t: k for t, k in layout.keys.items() if t in used}
+    stage_gm.meta[META_LAYOUT] = layout
+    return StageGraph(index=s, gm=stage_gm, layers=[], batch_inputs=batch_inputs, batch_specs=batch_specs,
+                      inputs=[_spec(v, pure) for v in recv], outputs=[_spec(v, pure) for v in send])
+
+
+def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],
+              local: list[set[torch.fx.Node]]) -> None:
+    names = [{n.name for n in st.gm.graph.nodes} for st in stages]
+    for node in nodes:
+        if node in owner:
+            node.meta[META_STAGE] = owner[node]
+        copies = [s for s, keep in enumerate(local) if node in keep]
+        if node.op in ("placeholder", "get_attr"):
+            copies = [s for s, ns in enumerate(names) if node.name in ns]
+        if copies:
+            node.meta[META_STAGES] = copies
