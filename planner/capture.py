@@ -5,26 +5,44 @@ Usage::
     from planner.capture import capture
     graph = capture(model, (input_ids, labels), loss_fn=None)
     graph.gm(input_ids, labels)            # -> loss, same as the model
+    graph.layers[3].flops_fwd, graph.blocks["model.layers.*"]
+
+    with torch.device("meta"):             # facts only, no memory: a 175B GPT in seconds
+        big = GPT(GPTConfig(layers=96, dim=12288, heads=96, seq=2048, vocab=51200))
+    capture(big, (ids, labels), loss_fn=lm_loss)   # ids may be meta tensors too
 
 Calling convention: ``example_inputs`` is the batch, a tuple. Without ``loss_fn`` the model is
 called as ``model(*batch)`` and must return a scalar loss, or an object with a ``loss`` field (as
 Hugging Face models do when given labels). With ``loss_fn`` the model is called on ``batch[0]``
 and the loss is ``loss_fn(output, *batch[1:])``. The captured graph takes the flat batch and
-returns the loss, so every rank graph derived from it does too.
+returns the loss, so every rank graph derived from it does too. Shapes are specialized to the
+example batch; the runtime re-captures (``annotate=False``, well under a second for small models)
+for other microbatch shapes.
+
+Pipeline: trace (:mod:`planner.fx_capture`) -> module paths on nodes -> one get_attr per use of a
+tied parameter (:func:`planner.layers.split_tied_uses`) -> per-node facts on fake tensors
+(:mod:`planner.annotate`) -> layers, blocks, attention shapes, layer sums (:mod:`planner.layers`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+import time
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from planner.graph import META_LAYER, META_MODULE, META_PARAM, Layer, ModelGraph
+from planner.annotate import AnnotateError, annotate_graph
+from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
+from planner.graph import META_MODULE, META_PARAM, ModelGraph
+from planner.layers import COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, split_tied_uses
 
 __all__ = ["capture", "CaptureError", "LossModule"]
+
+Tracer = Literal["auto", "export", "fx"]
 
 
 class CaptureError(RuntimeError):
@@ -67,31 +85,107 @@ def _strip(path: str) -> str:
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
-            annotate: bool = True) -> ModelGraph:
-    """Trace ``model`` (real or on ``meta``) with its loss into a flat graph and per-layer facts."""
+            annotate: bool = True, tracer: Tracer = "auto", leaf_modules: Sequence[type] = (),
+            concrete_args: dict[str, Any] | None = None) -> ModelGraph:
+    """Trace ``model`` (real or on ``meta``) with its loss into a flat graph and per-layer facts.
+
+    Args:
+        model: the user's module; parameters may live on ``meta`` (nothing is allocated).
+        example_inputs: the batch (a tuple); only shapes and dtypes are read when annotating.
+        loss_fn: see the module docstring for the calling convention.
+        annotate: compute per-node FLOPs, saved bytes and shapes, and the layer sums. Without it
+            capture only traces and groups layers (what the runtime needs per microbatch shape).
+        tracer: ``"export"`` (torch.export, non-strict), ``"fx"`` (torch.fx symbolic trace: fast,
+            runs no tensor code, fails on most Hugging Face models), or ``"auto"``: export first
+            for real models, fx first for models on ``meta`` (a 1T GPT traces in ~1 s instead of
+            ~10 s), each falling back to the other.
+        leaf_modules: module classes fx keeps as one opaque ``call_module`` node (fx only).
+        concrete_args: fx ``concrete_args`` keyed ``batch_0``, ``batch_1``, ... (fx only).
+
+    Raises:
+        CaptureError: neither tracer could trace the model; names the source line of each failure
+            and what to do about it.
+    """
     batch = tuple(example_inputs)
-    wrapper = LossModule(model, loss_fn)
-    try:
-        ep = torch.export.export(wrapper, batch, strict=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with guidance
-        raise CaptureError(f"torch.export could not trace {type(model).__name__}: {exc}") from exc
-    gm = ep.module()
-    _drop_guards(gm)
+    order = _tracer_order(model, batch, tracer, leaf_modules, concrete_args)
+    start = time.perf_counter()
+    failures: list[Failure] = []
+    gm: torch.fx.GraphModule | None = None
+    used = order[0]
+    for used in order:
+        try:
+            if used == "export":
+                gm = export_trace(LossModule(model, loss_fn), batch)
+            else:
+                gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)
+            break
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - collected and re-raised with guidance below
+            failures.append(Failure(f"torch.{used}", exc))
+    if gm is None:
+        raise _capture_error(model, failures)
+    traced = time.perf_counter()
     _annotate_paths(gm)
-    layers = _group_layers(gm)
-    return _model_graph(model, gm, layers)
+    tied = _tied_groups(model)
+    split_tied_uses(gm, tied, _PREFIX)
+    stats = None
+    if annotate:
+        try:
+            stats = annotate_graph(gm, tuple(x for x in tree_flatten(batch)[0]))
+        except AnnotateError as exc:
+            raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+    layers, containers = group_layers(gm, model)
+    blocks = find_blocks(model, layers, containers)
+    for layer in layers:
+        layer.attention = attention_facts(model, layer.name)
+    if annotate:
+        aggregate(gm, layers)
+    graph = _model_graph(model, gm, layers, tied)
+    graph.blocks = blocks
+    graph.tracer = used
+    graph.batch_size = _batch_size(batch)
+    graph.extra.update({"trace_s": traced - start, "capture_s": time.perf_counter() - start,
+                        "nodes": len(gm.graph.nodes)})
+    if stats is not None:
+        graph.extra.update({"annotate_runs": stats.runs, "annotate_backward_runs": stats.backward_runs})
+    if failures:
+        graph.extra["fallback_from"] = [f.describe() for f in failures]
+    return graph
 
 
-def _drop_guards(gm: torch.fx.GraphModule) -> None:
-    """Remove export's input-shape guard call: the runtime feeds microbatches of other sizes and
-    re-captures when a shape-specialized graph is needed."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-    if hasattr(gm, "_guards_fn"):
-        delattr(gm, "_guards_fn")
-    gm.graph.lint()
-    gm.recompile()
+def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_modules: Sequence[type],
+                  concrete_args: dict[str, Any] | None) -> list[str]:
+    if tracer not in ("auto", "export", "fx"):
+        raise ValueError(f"tracer={tracer!r}: choose 'auto', 'export' or 'fx'")
+    fx_only = bool(leaf_modules) or concrete_args is not None
+    if fx_only and tracer == "export":
+        raise ValueError("leaf_modules= and concrete_args= are torch.fx options; use tracer='fx' or 'auto'")
+    if not fx_supports(batch):
+        if tracer == "fx" or fx_only:
+            raise ValueError("tracer='fx' takes a flat tuple of tensors as example_inputs; "
+                             "use tracer='export' for nested inputs")
+        return ["export"]
+    if tracer != "auto":
+        return [tracer]
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    return ["fx", "export"] if on_meta or fx_only else ["export", "fx"]
+
+
+def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:
+    name = type(model).__name__
+    site = next((f.site for f in failures if f.site is not None), None)
+    owner = site[4] if site is not None and site[4] else "the module that holds it"
+    line = f"{site[0]}:{site[1]}" if site is not None else "the failing line"
+    tried = " nor ".join(f.tracer for f in failures)
+    return CaptureError(
+        f"could not capture {name}: {'neither ' + tried + ' can' if len(failures) > 1 else tried + ' cannot'} trace it.\n"
+        + "\n".join(f.describe() for f in failures)
+        + "\nWhat to do:\n"
+        f"  - remove data-dependent control flow at {line} (branch with torch.where, or torch.cond), or\n"
+        f"  - mark {owner} as a leaf: capture(..., tracer='fx', leaf_modules=({owner if site and site[4] else 'TheModule'},))"
+        " - it becomes one opaque node, or\n"
+        "  - pass concrete_args={'batch_0': ...} to fix the inputs that decide the branch (fx).")
 
 
 def _annotate_paths(gm: torch.fx.GraphModule) -> None:
@@ -101,7 +195,9 @@ def _annotate_paths(gm: torch.fx.GraphModule) -> None:
         if node.op == "get_attr" and str(node.target) in tensors:
             node.meta[META_PARAM] = _strip(str(node.target))
             node.meta[META_MODULE] = _strip(str(node.target).rpartition(".")[0])
-        elif node.op == "call_function":
+        elif node.op == "call_module":
+            node.meta[META_MODULE] = _strip(str(node.target))
+        elif node.op in COMPUTE_OPS:
             stack = node.meta.get("nn_module_stack") or {}
             path = next(reversed(stack.values()))[0] if stack else ""
             node.meta[META_MODULE] = _strip(_clean(path))
@@ -113,113 +209,47 @@ def _clean(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-def _group_layers(gm: torch.fx.GraphModule) -> list[Layer]:
-    """Group call_function nodes into layers by module path at the granularity of the largest
-    repeated container (``model.layers.N``); nodes outside any layer join the next layer that runs
-    (or the last one), so layers stay contiguous in execution order."""
-    paths = [n.meta[META_MODULE] for n in gm.graph.nodes if n.op == "call_function"]
-    container = _repeated_container(paths)
-    order: list[str] = []
-    owner: dict[str, str] = {}
-    pending: list[torch.fx.Node] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = _layer_of(node.meta[META_MODULE], container)
-        if name is None:
-            pending.append(node)
-            continue
-        if name not in owner.values() or (order and order[-1] != name and name not in order):
-            order.append(name)
-        for p in pending:
-            owner[p.name] = name
-        pending.clear()
-        owner[node.name] = name
-    if pending:
-        last = order[-1] if order else "<root>"
-        if not order:
-            order.append(last)
-        for p in pending:
-            owner[p.name] = last
-    layers = {name: Layer(name=name, index=i) for i, name in enumerate(order)}
-    for node in gm.graph.nodes:
-        if node.name in owner:
-            node.meta[META_LAYER] = owner[node.name]
-            layers[owner[node.name]].nodes.append(node.name)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and META_PARAM in node.meta and node.users:
-            first_user = min(node.users, key=lambda u: u.name not in owner)
-            layer = owner.get(first_user.name)
-            if layer is not None:
-                node.meta[META_LAYER] = layer
-                key = node.meta[META_PARAM]
-                for user in node.users:
-                    if user.name in owner and key not in layers[owner[user.name]].params:
-                        layers[owner[user.name]].params.append(key)
-    return list(layers.values())
-
-
-def _repeated_container(paths: Sequence[str]) -> str | None:
-    """The module path whose numbered children hold the most nodes (``model.layers``), if any."""
-    counts: dict[str, set[str]] = {}
-    for path in paths:
-        parts = path.split(".")
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                counts.setdefault(".".join(parts[:i]), set()).add(part)
-                break
-    repeated = {k: v for k, v in counts.items() if len(v) > 1}
-    if not repeated:
-        return None
-    return max(repeated, key=lambda k: (len(repeated[k]), -k.count(".")))
-
-
-def _layer_of(path: str, container: str | None) -> str | None:
-    """Layer name for a node owned by ``path``: a numbered child of the container, or the child of
-    an ancestor of the container, or the top-level child when there is no container."""
-    if not path:
-        return None
-    parts = path.split(".")
-    if container is None:
-        return parts[0]
-    cparts = container.split(".") if container else []
-    if parts == cparts[: len(parts)]:
-        return None  # glue code in an ancestor of the container (mask and position computation)
-    depth = 0
-    while depth < len(cparts) and depth < len(parts) and parts[depth] == cparts[depth]:
-        depth += 1
-    if depth == len(cparts):
-        return ".".join(parts[: depth + 1]) if len(parts) > depth else None
-    return ".".join(parts[: depth + 1])
-
-
-def _model_graph(model: nn.Module, gm: torch.fx.GraphModule, layers: list[Layer]) -> ModelGraph:
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
+def _tied_groups(model: nn.Module) -> list[list[str]]:
     seen: dict[int, str] = {}
     tied: dict[str, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        shapes[name] = tuple(p.shape)
-        dtypes[name] = str(p.dtype).replace("torch.", "")
         if id(p) in seen:
             tied.setdefault(seen[id(p)], [seen[id(p)]]).append(name)
         else:
             seen[id(p)] = name
+    return list(tied.values())
+
+
+def _batch_size(batch: tuple[Any, ...]) -> int:
+    first = next((x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else 1
+
+
+def _model_graph(model: nn.Module, gm: torch.fx.GraphModule, layers: list[Any],
+                 tied: list[list[str]]) -> ModelGraph:
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shapes[name] = tuple(p.shape)
+        dtypes[name] = str(p.dtype).replace("torch.", "")
+    canonical = {k: g[0] for g in tied for k in g}
     num = sum(p.numel() for p in model.parameters())
     digest = hashlib.sha256(
         "\n".join(f"{k}:{list(v)}" for k, v in sorted(shapes.items())).encode()).hexdigest()[:16]
+    counted: set[str] = set()
     for layer in layers:
-        counted: set[str] = set()
-        for other in layers[: layer.index]:
-            counted.update(other.params)
-        own = [k for k in layer.params if k in shapes and k not in counted]
+        own = []
+        for k in layer.params:
+            if k in shapes and canonical.get(k, k) not in counted:
+                counted.add(canonical.get(k, k))
+                own.append(k)
         layer.param_count = sum(_numel(shapes[k]) for k in own)
         layer.param_bytes = sum(_numel(shapes[k]) * _itemsize(dtypes[k]) for k in own)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return ModelGraph(gm=gm, layers=layers, model_class=type(model).__name__, fingerprint=digest,
                       num_parameters=num, param_shapes=shapes, param_dtypes=dtypes,
                       modules={n: type(m).__name__ for n, m in model.named_modules()},
-                      tied=list(tied.values()), input_names=placeholders)
+                      tied=tied, input_names=placeholders)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

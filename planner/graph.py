@@ -53,6 +53,8 @@ class Layer:
     """Names of the graph nodes owned by the layer, in topological order."""
     params: list[str] = field(default_factory=list)
     """State-dict keys of the parameters the layer uses (a tied parameter is listed by every user)."""
+    buffers: list[str] = field(default_factory=list)
+    """State-dict keys of the buffers the layer reads (rotary ``inv_freq``, BERT ``position_ids``)."""
     param_count: int = 0
     """Number of parameter elements owned by the layer (a tied parameter counts in its first user)."""
     param_bytes: int = 0

@@ -1,0 +1,496 @@
+"""Per-node facts of a captured graph, computed on fake tensors (a model on ``meta`` costs no memory).
+
+:func:`annotate_graph` interprets ``gm`` under :class:`FakeTensorMode` and writes, on every node:
+
+* ``META_VAL``: the fake output (shapes, strides, dtypes; ``requires_grad`` as autograd would set it);
+* ``META_FLOPS_FWD`` / ``META_FLOPS_BWD``: FLOPs as :class:`torch.utils.flop_counter.FlopCounterMode`
+  counts them, forward and backward. Backward counts only the gradients autograd really computes:
+  a pass in reverse topological order gives each node the outputs that receive a gradient, and its
+  inputs that require one (the first layer gets no grad-input for the token ids);
+* ``META_SAVED_BYTES``: bytes of the tensors autograd saves for backward (captured with
+  :func:`torch.autograd.graph.saved_tensors_hooks`), mapped back to the storage of the node that
+  produced them and counted once per storage across the graph (``x`` saved by the q, k and v
+  projections counts once, at q). Parameters and buffers are not activations and are not counted.
+
+How: each node runs in isolation on detached fake inputs that require grad exactly when the
+producing value does; its backward runs in isolation with fake ``ones`` gradients. Results are
+cached by (op, argument shapes/strides/dtypes/requires_grad, other arguments), and the backward by
+(that key, outputs that receive a gradient), so the 95 repeats of a 96-layer GPT block cost one
+dictionary lookup per node each.
+
+FLOP formulas: stock ``FlopCounterMode`` in torch 2.13 counts 0 for the CPU flash-attention kernels
+and for ``aten._grouped_mm`` (Hugging Face MoE experts). :func:`flop_formulas` adds them, using
+flop_counter's own ``sdpa_flop_count``/``sdpa_backward_flop_count`` (the formulas it applies to the
+CUDA flash kernels) and 2·M·K·N per group for grouped matmuls. Pass it as ``custom_mapping`` to
+compare with a real run: ``FlopCounterMode(custom_mapping=flop_formulas())``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+import torch.utils.flop_counter as fc
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.fx_capture import failure_site
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_SAVED_BYTES, META_VAL
+
+__all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
+
+aten = torch.ops.aten
+
+
+def _sdpa_cpu_fwd(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return int(fc.sdpa_flop_count(q, k, v))
+
+
+def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return int(fc.sdpa_backward_flop_count(grad_out, q, k, v))
+
+
+def _grouped_mm(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """2·M·K·N summed over groups. With 2-D ``a`` and ``b`` the groups split K (a weight gradient):
+    the output is [G, M, N] but K is shared out, so the total is 2·M·N·K_total."""
+    k = a[-1]
+    out = 1
+    for s in out_shape:
+        out *= s
+    if len(a) == 2 and len(b) == 2:
+        out //= out_shape[0]
+    return 2 * out * k
+
+
+def _grouped_mm_fallback(x: Any, w: Any, offs: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """transformers' opaque MoE op: x [S, K] @ w[e] [K, N] for the S rows routed to each expert."""
+    return 2 * x[0] * x[1] * w[2]
+
+
+def _grouped_mm_fallback_bwd(x: Any, w: Any, offs: Any, grad: Any, *args: Any, out_shape: Any = None,
+                             **kwargs: Any) -> int:
+    return 2 * _grouped_mm_fallback(x, w, offs)
+
+
+_EXTRA: dict[Any, Callable[..., int]] = {}
+
+
+def register_flop_formula(op: Any, formula: Callable[..., int]) -> None:
+    """Count ``op`` (an OpOverloadPacket, e.g. a custom op that is opaque to FlopCounterMode) with
+    ``formula(*arg_shapes, out_shape=..., **kwargs) -> int``. Without one, an opaque op counts 0."""
+    _EXTRA[op] = formula
+
+
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """``custom_mapping`` for FlopCounterMode: the ops torch 2.13 leaves at 0 FLOPs on CPU, the
+    opaque MoE op of transformers, and whatever :func:`register_flop_formula` added."""
+    table: dict[Any, Callable[..., int]] = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_fwd,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
+    }
+    if hasattr(aten, "_grouped_mm"):
+        table[aten._grouped_mm] = _grouped_mm
+    ns = torch.ops.transformers
+    if hasattr(ns, "grouped_mm_fallback"):
+        table[ns.grouped_mm_fallback] = _grouped_mm_fallback
+    if hasattr(ns, "grouped_mm_fallback_backward"):
+        table[ns.grouped_mm_fallback_backward] = _grouped_mm_fallback_bwd
+    table.update(_EXTRA)
+    return table
+
+
+@dataclass
+class AnnotateStats:
+    """Counters for reports: how much work the cache saved."""
+
+    nodes: int = 0
+    """Nodes interpreted."""
+    runs: int = 0
+    """Isolated forward runs (cache misses)."""
+    backward_runs: int = 0
+    """Isolated backward runs (cache misses)."""
+
+
+@dataclass
+class _OpFacts:
+    """Cached result of one isolated forward run."""
+
+    flops: int
+    saved: list[tuple[str, int, int]]
+    """(``in``/``out``/``tmp``, flat index, storage bytes) of each saved tensor."""
+    outs: Any
+    """Output pytree with tensors replaced by (shape, stride, offset, dtype, requires_grad, alias)."""
+
+
+@dataclass
+class _Record:
+    """Autograd state of a node's isolated forward, kept for its isolated backward."""
+
+    leaves: list[torch.Tensor | None]
+    outs: list[Any]
+
+
+@dataclass
+class _State:
+    env: dict[str, Any] = field(default_factory=dict)
+    prov: dict[str, list[tuple[str, int] | None]] = field(default_factory=dict)
+    keys: dict[str, Any] = field(default_factory=dict)
+    records: dict[str, _Record] = field(default_factory=dict)
+    counted: set[int] = field(default_factory=set)
+    params: set[int] = field(default_factory=set)
+    alias: dict[int, int] = field(default_factory=dict)
+
+
+_FWD_CACHE_LIMIT = 100_000
+
+
+class _Annotator:
+    def __init__(self, gm: torch.fx.GraphModule, inputs: tuple[Any, ...], device: torch.device) -> None:
+        self.gm = gm
+        self.inputs = inputs
+        self.device = device
+        self.remap_meta = device.type != "meta"
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.fakes: dict[int, torch.Tensor] = {}
+        self.fwd_cache: dict[Any, _OpFacts] = {}
+        self.bwd_cache: dict[Any, tuple[int, tuple[int, ...]]] = {}
+        self.stats = AnnotateStats()
+        self.formulas = flop_formulas()
+        self.s = _State()
+        self._tmp = itertools.count(-1, -1)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _fake(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        cached = self.fakes.get(id(t))
+        if cached is None:
+            cached = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device)
+            if requires_grad and (t.is_floating_point() or t.is_complex()):
+                cached.requires_grad_(True)
+            self.fakes[id(t)] = cached
+        return cached
+
+    def _skey(self, t: torch.Tensor) -> int:
+        key = t.untyped_storage()._cdata
+        return self.s.alias.get(key, key)
+
+    def _fix_device(self, a: Any) -> Any:
+        if isinstance(a, torch.device) and a.type == "meta":
+            return self.device
+        if isinstance(a, str) and a == "meta":
+            return str(self.device)
+        return a
+
+    def _substitute(self, node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, int] | None]]:
+        """Node arguments with values filled in, plus where each tensor in the flat list came from."""
+        prov: list[tuple[str, int] | None] = []
+
+        def sub(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                value = self.s.env[a.name]
+                flat, _ = tree_flatten(value)
+                prov.extend((a.name, j) for j, x in enumerate(flat) if isinstance(x, torch.Tensor))
+                return value
+            if isinstance(a, (tuple, list)):
+                return type(a)(sub(x) for x in a)
+            if isinstance(a, dict):
+                return {k: sub(v) for k, v in a.items()}
+            if isinstance(a, torch.Tensor):
+                prov.append(None)
+                return self._fake(a, False)
+            return self._fix_device(a) if self.remap_meta else a
+
+        args = tuple(sub(a) for a in node.args)
+        kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+        return args, kwargs, prov
+
+    def _call(self, node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)  # type: ignore[operator]
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        module = self.gm.get_submodule(str(node.target))
+        return torch.func.functional_call(module, self._module_state(module), args, kwargs, tie_weights=False)
+
+    def _module_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Fake parameters and buffers of a leaf module (fx ``call_module``), registered as params."""
+        state = {n: self._fake(t, isinstance(t, torch.nn.Parameter) and t.requires_grad)
+                 for n, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                             module.named_buffers(remove_duplicate=False))}
+        self.s.params.update(self._skey(t) for t in state.values())
+        return state
+
+    def _key(self, node: torch.fx.Node, flat: list[Any], spec: Any) -> Any:
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            target: Any = ("module", type(module).__qualname__, repr(module))
+        elif node.op == "call_method":
+            target = ("method", node.target)
+        else:
+            target = node.target
+        storages: dict[int, int] = {}
+        parts: list[Any] = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                skey = self._skey(x)
+                parts.append((tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.requires_grad,
+                              storages.setdefault(skey, len(storages))))
+            elif isinstance(x, torch.nn.Module):
+                parts.append(("module", id(x)))
+            else:
+                try:
+                    hash(x)
+                    parts.append((type(x), x))
+                except TypeError:
+                    parts.append((type(x), repr(x)))
+        return (target, str(spec), tuple(parts))
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _mutates(self, node: torch.fx.Node) -> bool:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return bool(target._schema.is_mutable)
+        name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
+        return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+
+    def _run(self, node: torch.fx.Node, flat: list[Any], spec: Any) -> tuple[_OpFacts, _Record, list[Any]]:
+        """Run the node alone with autograd on, counting FLOPs and recording saved tensors."""
+        self.stats.runs += 1
+        mutates = self._mutates(node)
+        leaves: list[torch.Tensor | None] = []
+        call_flat: list[Any] = []
+        with torch.enable_grad():
+            for x in flat:
+                if isinstance(x, torch.Tensor):
+                    leaves.append(x if x.requires_grad else None)
+                    if mutates:
+                        clone = x.clone()
+                        self.s.alias[clone.untyped_storage()._cdata] = self._skey(x)
+                        x = clone
+                call_flat.append(x)
+        if node.op == "call_module":  # a leaf's parameters are inputs of its backward too
+            state = self._module_state(self.gm.get_submodule(str(node.target)))
+            leaves.extend(t for t in state.values() if t.requires_grad)
+        in_keys = {self._skey(x): i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        args, kwargs = tree_unflatten(call_flat, spec)
+        any_grad = any(leaf is not None for leaf in leaves)
+        with torch.set_grad_enabled(any_grad), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                fc.FlopCounterMode(display=False, custom_mapping=self.formulas) as counter:
+            out = self._call(node, args, kwargs)
+        out_flat, out_spec = tree_flatten(out)
+        out_keys = {self._skey(o): j for j, o in enumerate(out_flat) if isinstance(o, torch.Tensor)}
+        saved_facts: list[tuple[str, int, int]] = []
+        tmps: dict[int, int] = {}
+        for t in saved:
+            skey, nbytes = self._skey(t), t.untyped_storage().nbytes()
+            if skey in self.s.params:
+                continue
+            if skey in in_keys:
+                saved_facts.append(("in", in_keys[skey], nbytes))
+            elif skey in out_keys:
+                saved_facts.append(("out", out_keys[skey], nbytes))
+            elif skey not in tmps:
+                tmps[skey] = len(tmps)
+                saved_facts.append(("tmp", tmps[skey], nbytes))
+        specs = [(tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype, o.requires_grad,
+                  in_keys.get(self._skey(o), -1)) if isinstance(o, torch.Tensor) else o for o in out_flat]
+        facts = _OpFacts(flops=counter.get_total_flops(), saved=saved_facts, outs=(specs, out_spec))
+        return facts, _Record(leaves=leaves, outs=out_flat), out_flat
+
+    def _rebuild(self, facts: _OpFacts, flat: list[Any]) -> Any:
+        specs, out_spec = facts.outs
+        outs: list[Any] = []
+        for s in specs:
+            if not (isinstance(s, tuple) and len(s) == 6 and isinstance(s[3], torch.dtype)):
+                outs.append(s)
+                continue
+            shape, stride, offset, dtype, rg, alias = s
+            if alias >= 0:
+                t = flat[alias].detach().as_strided(shape, stride, offset)
+            else:
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+            outs.append(t.requires_grad_(True) if rg else t)
+        return tree_unflatten(outs, out_spec)
+
+    def forward(self, node: torch.fx.Node) -> None:
+        s = self.s
+        args, kwargs, prov = self._substitute(node)
+        flat, spec = tree_flatten((args, kwargs))
+        s.prov[node.name] = prov
+        if node.op == "call_function" and node.target is operator.getitem and not isinstance(args[0], torch.Tensor):
+            s.env[node.name] = args[0][args[1]]
+            node.meta.update({META_VAL: s.env[node.name], META_FLOPS_FWD: 0, META_SAVED_BYTES: 0})
+            return
+        key = self._key(node, flat, spec)
+        s.keys[node.name] = key
+        facts = self.fwd_cache.get(key)
+        if facts is None:
+            try:
+                facts, record, out_flat = self._run(node, flat, spec)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the node and the source line
+                raise AnnotateError(_explain(node, exc)) from exc
+            if len(self.fwd_cache) < _FWD_CACHE_LIMIT:
+                self.fwd_cache[key] = facts
+            if any(isinstance(o, torch.Tensor) and o.requires_grad for o in out_flat):
+                s.records[node.name] = record
+            value = tree_unflatten([o.detach().requires_grad_(o.requires_grad)
+                                    if isinstance(o, torch.Tensor) else o for o in out_flat], facts.outs[1])
+        else:
+            value = self._rebuild(facts, flat)
+        s.env[node.name] = value
+        out_flat = tree_flatten(value)[0]
+        saved_bytes = 0
+        for kind, index, nbytes in facts.saved:
+            if kind == "tmp":
+                saved_bytes += nbytes
+                continue
+            t = flat[index] if kind == "in" else out_flat[index]
+            skey = self._skey(t)
+            if skey not in s.counted:
+                s.counted.add(skey)
+                saved_bytes += t.untyped_storage().nbytes()
+        node.meta.update({META_VAL: value, META_FLOPS_FWD: facts.flops, META_SAVED_BYTES: saved_bytes})
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def backward(self, node: torch.fx.Node, received: dict[str, set[int]]) -> None:
+        got = received.get(node.name, set())
+        prov = self.s.prov.get(node.name, [])
+        if node.op == "call_function" and node.target is operator.getitem and node.name not in self.s.keys:
+            if got and prov:
+                src = node.args[0]
+                assert isinstance(src, torch.fx.Node)
+                flat_src = tree_flatten(self.s.env[src.name])[0]
+                chosen = self.s.env[node.name]
+                for j, x in enumerate(flat_src):
+                    if x is chosen or (isinstance(chosen, (tuple, list)) and any(x is c for c in chosen)):
+                        received.setdefault(src.name, set()).add(j)
+            node.meta[META_FLOPS_BWD] = 0
+            return
+        key = self.s.keys.get(node.name)
+        if key is None or not got:
+            node.meta[META_FLOPS_BWD] = 0
+            return
+        bkey = (key, tuple(sorted(got)))
+        cached = self.bwd_cache.get(bkey)
+        if cached is None:
+            cached = self._run_backward(node, got)
+            self.bwd_cache[bkey] = cached
+        flops, grads_to = cached
+        node.meta[META_FLOPS_BWD] = flops
+        tensors = [x for x in tree_flatten(self._inputs_of(node))[0] if isinstance(x, torch.Tensor)]
+        for i in grads_to:
+            source = prov[i] if i < len(prov) else None
+            if source is not None and i < len(tensors):
+                received.setdefault(source[0], set()).add(source[1])
+
+    def _inputs_of(self, node: torch.fx.Node) -> Any:
+        args, kwargs, _ = self._substitute(node)
+        return (args, kwargs)
+
+    def _run_backward(self, node: torch.fx.Node, got: set[int]) -> tuple[int, tuple[int, ...]]:
+        self.stats.backward_runs += 1
+        record = self.s.records.get(node.name)
+        if record is None:  # forward came from the cache: run it again to get an autograd graph
+            flat, spec = tree_flatten(self._inputs_of(node))
+            _, record, _ = self._run(node, flat, spec)
+        outs = [o for j, o in enumerate(record.outs)
+                if j in got and isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [(i, leaf) for i, leaf in enumerate(record.leaves) if leaf is not None]
+        if not outs or not wrt:
+            return 0, ()
+        with fc.FlopCounterMode(display=False, custom_mapping=self.formulas) as counter:
+            grads = torch.autograd.grad(outs, [leaf for _, leaf in wrt], [torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
+        return counter.get_total_flops(), tuple(i for (i, _), g in zip(wrt, grads) if g is not None)
+
+    # -- driver ------------------------------------------------------------------------------
+
+    def run(self) -> AnnotateStats:
+        nodes = list(self.gm.graph.nodes)
+        inputs: Iterator[Any] = iter(self.inputs)
+        with self.mode:
+            for node in nodes:
+                self.stats.nodes += 1
+                if node.op == "placeholder":
+                    x = next(inputs, None)
+                    value = self._fake(x, x.requires_grad) if isinstance(x, torch.Tensor) else x
+                    self.s.env[node.name] = value
+                    node.meta.update({META_VAL: value, META_FLOPS_FWD: 0, META_FLOPS_BWD: 0, META_SAVED_BYTES: 0})
+                elif node.op == "get_attr":
+                    attr = _resolve(self.gm, str(node.target))
+                    if isinstance(attr, torch.Tensor):
+                        value = self._fake(attr, isinstance(attr, torch.nn.Parameter) and attr.requires_grad)
+                        self.s.params.add(self._skey(value))
+                    else:
+                        value = attr
+                    self.s.env[node.name] = value
+                    node.meta.update({META_VAL: value, META_FLOPS_FWD: 0, META_FLOPS_BWD: 0, META_SAVED_BYTES: 0})
+                elif node.op == "output":
+                    node.meta.update({META_FLOPS_FWD: 0, META_FLOPS_BWD: 0, META_SAVED_BYTES: 0})
+                else:
+                    self.forward(node)
+            received: dict[str, set[int]] = {}
+            out_node = nodes[-1]
+            for arg in tree_flatten(out_node.args)[0]:
+                if isinstance(arg, torch.fx.Node):
+                    flat = tree_flatten(self.s.env[arg.name])[0]
+                    received.setdefault(arg.name, set()).update(
+                        j for j, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad)
+            for node in reversed(nodes):
+                if node.op in ("call_function", "call_method", "call_module"):
+                    self.backward(node, received)
+        self.s.records.clear()
+        return self.stats
+
+
+class AnnotateError(RuntimeError):
+    """A node could not run on fake tensors (its value depends on data, or an op has no fake kernel)."""
+
+
+def _explain(node: torch.fx.Node, exc: BaseException) -> str:
+    site = failure_site(exc)
+    where = f" at {site[0]}:{site[1]}: `{site[3]}`" if site is not None else ""
+    return (f"cannot compute facts for {node.format_node()} on fake tensors{where}\n"
+            f"    {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}\n"
+            "It needs a tensor's value, which a fake tensor does not have. Make that code independent of "
+            "the data (torch.where instead of `if`), or capture with annotate=False: the graph still runs, "
+            "only FLOPs and bytes are missing.")
+
+
+def _resolve(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,
+                   device: torch.device | str | None = None) -> AnnotateStats:
+    """Write ``META_VAL``, ``META_FLOPS_FWD``, ``META_FLOPS_BWD`` and ``META_SAVED_BYTES`` on every node.
+
+    ``example_inputs`` are the graph's flat inputs, real or meta; only their shapes, strides and
+    dtypes are read. ``device`` is where the fake tensors claim to live: by default the device of the
+    parameters, or CPU for a model on ``meta`` (``meta`` would send attention down the math path and
+    miscount it). FLOPs are what that device's kernels count."""
+    if device is None:
+        first = next(itertools.chain(gm.parameters(), gm.buffers()), None)
+        device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+    return _Annotator(gm, tuple(example_inputs), torch.device(device)).run()
+
+
+def tree_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) node value."""
+    return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+
