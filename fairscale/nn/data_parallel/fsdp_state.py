@@ -31,7 +31,7 @@ _DTYPES_ATTR = "_fsdp_buffer_dtypes"
 # ownership
 
 
-def _walk(module: nn.Module, fsdp_cls: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+def walk(module: nn.Module, fsdp_cls: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """(path, module) for ``module`` and its descendants, not entering ``fsdp_cls`` instances
     (``module`` itself included: an instance wrapping an instance owns nothing of it)."""
     yield prefix, module
@@ -44,22 +44,40 @@ def _walk(module: nn.Module, fsdp_cls: type, prefix: str = "") -> Iterator[tuple
         if isinstance(child, fsdp_cls):
             yield path, child
         else:
-            yield from _walk(child, fsdp_cls, path + ".")
+            yield from walk(child, fsdp_cls, path + ".")
 
 
 def direct_nested(module: nn.Module, fsdp_cls: type) -> list[Any]:
     """FSDP instances inside ``module`` that are not inside another one."""
-    return [m for _, m in _walk(module, fsdp_cls) if isinstance(m, fsdp_cls)]
+    return [m for _, m in walk(module, fsdp_cls) if isinstance(m, fsdp_cls)]
 
 
 def owned_parameters(module: nn.Module, fsdp_cls: type) -> Iterator[nn.Parameter]:
     """Parameters registered on ``module``'s subtree outside nested FSDP instances (with repeats)."""
-    for _, m in _walk(module, fsdp_cls):
+    for _, m in walk(module, fsdp_cls):
         if isinstance(m, fsdp_cls):
             continue
         for p in m._parameters.values():
             if p is not None:
                 yield p
+
+
+def collect_owned(module: nn.Module, fsdp_cls: type) -> tuple[list[nn.Parameter], set[int], list[str]]:
+    """(distinct parameters this instance owns, ids of every original parameter it and its nested
+    instances cover, unwrapped parameter names in order). Raises on ties across instances."""
+    nested = direct_nested(module, fsdp_cls)
+    nested_originals: set[int] = set().union(*(m._original_ids for m in nested)) if nested else set()
+    owned: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for p in owned_parameters(module, fsdp_cls):
+        if id(p) in nested_originals:
+            raise ValueError("FullyShardedDataParallel: a parameter is shared between this instance and a nested "
+                             "one (tied weights across wrapped submodules); wrap the modules that share it in "
+                             "the same instance")
+        if id(p) not in seen:
+            seen.add(id(p))
+            owned.append(p)
+    return owned, {id(p) for p in owned} | nested_originals, original_order(module, nested, fsdp_cls)
 
 
 def original_order(module: nn.Module, nested: list[Any], fsdp_cls: type) -> list[str]:
@@ -68,7 +86,7 @@ def original_order(module: nn.Module, nested: list[Any], fsdp_cls: type) -> list
     owner = {id(p): m for m in nested for p in m.parameters()}
     out: list[str] = []
     done: set[int] = set()
-    paths = {id(m): path for path, m in _walk(module, fsdp_cls) if isinstance(m, fsdp_cls)}
+    paths = {id(m): path for path, m in walk(module, fsdp_cls) if isinstance(m, fsdp_cls)}
     for name, p in module.named_parameters():
         m = owner.get(id(p))
         if m is None:
@@ -83,7 +101,7 @@ def original_order(module: nn.Module, nested: list[Any], fsdp_cls: type) -> list
 def prepare_buffers(module: nn.Module, fsdp_cls: type, dtype: torch.dtype | None, device: torch.device) -> None:
     """Move this instance's buffers to ``device`` and floating ones to ``dtype`` (mixed precision),
     remembering the original dtype so that state_dict() returns them unchanged."""
-    for _, m in _walk(module, fsdp_cls):
+    for _, m in walk(module, fsdp_cls):
         if isinstance(m, fsdp_cls):
             continue
         for name, b in list(m._buffers.items()):

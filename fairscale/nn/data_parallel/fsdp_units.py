@@ -21,12 +21,12 @@ from typing import Any, Sequence
 
 import torch
 
-from fairscale.nn.misc.flatten_params_wrapper import FlatGroup
+from fairscale.nn.misc.flatten_params_wrapper import FlatGroup, FlattenParamsWrapper
 from passes import comm
 from passes.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 
-__all__ = ["Unit", "pre_backward", "gather_full"]
+__all__ = ["Unit", "make_units", "pre_backward", "gather_full"]
 
 
 @dataclass
@@ -62,6 +62,39 @@ def shard_of(full: torch.Tensor, n: int, rank: int) -> tuple[torch.Tensor, int]:
     if hi > lo:
         out[:hi - lo].copy_(flat[lo:hi])
     return out, padded
+
+
+def make_units(groups: Sequence[FlatGroup], fulls: Sequence[torch.Tensor], names: Sequence[str | None],
+               fpw: FlattenParamsWrapper, *, n: int, rank: int, axis: str, compute_dtype: torch.dtype | None,
+               fp32_reduce_scatter: bool, reshard: bool, compute_device: torch.device,
+               shard_device: torch.device) -> list[Unit]:
+    """Shard each group's full flat tensor and register the shard parameter where the full one
+    was: as ``fpw.<name>`` for flat groups, under the parameter's own slots otherwise.
+
+    ``compute_dtype`` None means compute in the parameters' own dtype (no mixed precision).
+    """
+    units = []
+    for i, (g, full, name) in enumerate(zip(groups, fulls, names)):
+        shard, padded = shard_of(full, n, rank)
+        compute = compute_dtype or g.dtype
+        op = FSDPUnit(index=i, name=name or g.members[0][0], keys=[k for k, _ in g.members],
+                      shapes=[s for _, s in g.members], n=n, rank=rank, axis=axis, param_dtype=compute,
+                      reduce_dtype=torch.float32 if fp32_reduce_scatter else compute,
+                      flat=shard.to(shard_device), reshard=reshard, prefetch=False, offload=False)
+        op.flat.requires_grad_(g.requires_grad)
+        # FSDPUnit computes where its shard lives unless offloaded to a GPU; ours names the device
+        op.compute_device = compute_device
+        op.full = torch.empty(padded, dtype=compute, device=compute_device)
+        op.full.untyped_storage().resize_(0)
+        layout = FlatShard(members=list(g.members), numel=g.numel, padded=padded, index=rank, count=n, axis=axis)
+        if name is not None:
+            fpw._parameters[name] = op.flat
+        else:
+            for slots in g.slots:
+                for mod, attr in slots:
+                    mod._parameters[attr] = op.flat
+        units.append(Unit(op=op, group=g, layout=layout, flat_name=name))
+    return units
 
 
 class _PreBackward(torch.autograd.Function):

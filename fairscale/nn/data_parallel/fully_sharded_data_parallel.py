@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fairscale.nn.data_parallel import fsdp_state
-from fairscale.nn.data_parallel.fsdp_units import Unit, gather_full, pre_backward, shard_of
+from fairscale.nn.data_parallel.fsdp_units import gather_full, make_units, pre_backward
 from fairscale.nn.misc.flatten_params_wrapper import (
     FlattenParamsWrapper,
     bind_views,
@@ -49,7 +49,6 @@ from fairscale.nn.misc.flatten_params_wrapper import (
     clean_key,
 )
 from passes import comm, dp_ops
-from passes.layout import FlatShard
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
 
@@ -196,21 +195,7 @@ class FullyShardedDataParallel(nn.Module):
     # construction
 
     def _build(self, module: nn.Module) -> None:
-        nested = fsdp_state.direct_nested(module, FullyShardedDataParallel)
-        nested_originals = set().union(*(m._original_ids for m in nested)) if nested else set()
-        owned: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for p in fsdp_state.owned_parameters(module, FullyShardedDataParallel):
-            if id(p) in nested_originals:
-                raise ValueError("FullyShardedDataParallel: a parameter is shared between this instance and a nested "
-                                 "one (tied weights across wrapped submodules); wrap the modules that share it in "
-                                 "the same instance")
-            if id(p) not in seen:
-                seen.add(id(p))
-                owned.append(p)
-        self._original_ids = {id(p) for p in owned} | nested_originals
-        self._orig_names = fsdp_state.original_order(module, nested, FullyShardedDataParallel)
-
+        owned, self._original_ids, self._orig_names = fsdp_state.collect_owned(module, FullyShardedDataParallel)
         if self.flatten_parameters:
             trainable = [p for p in owned if p.requires_grad]
             frozen = [p for p in owned if not p.requires_grad]
@@ -231,30 +216,11 @@ class FullyShardedDataParallel(nn.Module):
         fpw._unflat_state_dict = False
         self._fsdp_wrapped_module = fpw
 
-        units: list[Unit] = []
         shard_device = torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-        for i, (g, full, name) in enumerate(zip(groups, fulls, names)):
-            shard, padded = shard_of(full, self.world_size, self.rank)
-            shard = shard.to(shard_device)
-            compute = self.compute_dtype if self.mixed_precision else g.dtype
-            reduce = torch.float32 if self.fp32_reduce_scatter else compute
-            op = dp_ops.FSDPUnit(index=i, name=name or g.members[0][0], keys=[k for k, _ in g.members],
-                                 shapes=[s for _, s in g.members], n=self.world_size, rank=self.rank, axis=self._axis,
-                                 param_dtype=compute, reduce_dtype=reduce, flat=shard,
-                                 reshard=self.reshard_after_forward, prefetch=False, offload=False)
-            op.flat.requires_grad_(g.requires_grad)
-            op.compute_device = self.compute_device
-            op.full = torch.empty(padded, dtype=compute, device=self.compute_device)
-            op.full.untyped_storage().resize_(0)
-            layout = FlatShard(members=list(g.members), numel=g.numel, padded=padded, index=self.rank,
-                               count=self.world_size, axis=self._axis)
-            if name is not None:
-                fpw._parameters[name] = op.flat
-            else:
-                for slots in g.slots:
-                    for mod, attr in slots:
-                        mod._parameters[attr] = op.flat
-            units.append(Unit(op=op, group=g, layout=layout, flat_name=name))
+        units = make_units(groups, fulls, names, fpw, n=self.world_size, rank=self.rank, axis=self._axis,
+                           compute_dtype=self.compute_dtype if self.mixed_precision else None,
+                           fp32_reduce_scatter=self.fp32_reduce_scatter, reshard=self.reshard_after_forward,
+                           compute_device=self.compute_device, shard_device=shard_device)
         self.__dict__["_units"] = units  # not submodules: their tensors are registered where shown above
         self._bind_placeholders()
         fsdp_state.prepare_buffers(module, FullyShardedDataParallel, self.buffer_dtype if self.mixed_precision else None,
@@ -384,6 +350,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._summoned -= 1
             return
         fulls = [gather_full(u) for u in self._units]
+        self.__dict__["_summon_fulls"] = fulls
         fpw = self._fsdp_wrapped_module
         saved_data = [u.flat.data for u in self._units]
         with contextlib.ExitStack() as stack:
@@ -410,6 +377,7 @@ class FullyShardedDataParallel(nn.Module):
                     u.flat.copy_(f[lo:hi])  # bumps the version: the next forward gathers afresh
         for u in self._units:
             u.op.free()
+        self.__dict__["_summon_fulls"] = []
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Inside ``summon_full_params`` the names are the unwrapped module's."""
@@ -417,20 +385,19 @@ class FullyShardedDataParallel(nn.Module):
             yield (clean_key(name) if self._summoned else name), p
 
     def reset_parameters(self) -> None:
-        """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``, inside
-        ``summon_full_params()``); rank 0's values are broadcast so every rank agrees."""
+        """Re-initialize the modules this instance owns (only with ``allow_reset_parameters=True``,
+        inside ``summon_full_params()``); rank 0's values are broadcast so every rank agrees.
+        Nested instances are reset by calling theirs."""
         if not self.allow_reset_parameters:
             raise RuntimeError("reset_parameters() on an FSDP module needs allow_reset_parameters=True")
         if not self._summoned:
             raise RuntimeError("call reset_parameters() inside summon_full_params(): it needs the full parameters")
-        inner = self._fsdp_wrapped_module._fpw_module
-        for m in inner.modules():
-            if m is not inner or hasattr(type(m), "reset_parameters"):
-                if hasattr(type(m), "reset_parameters") and not isinstance(m, FullyShardedDataParallel):
-                    m.reset_parameters()
+        for _, m in fsdp_state.walk(self._fsdp_wrapped_module._fpw_module, FullyShardedDataParallel):
+            if not isinstance(m, FullyShardedDataParallel) and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()  # writes into this instance's gathered full tensors
         with torch.no_grad():
-            for p in self.parameters():
-                comm.broadcast_(p.data, self._axis, src_rank=0)
+            for full in self._summon_fulls:
+                comm.broadcast_(full, self._axis, src_rank=0)
 
     # ---------------------------------------------------------------------------------------------
     # state dicts
