@@ -31,17 +31,17 @@ MiB = 1024**2
 class Efficiency:
     """Fractions of datasheet peaks that real kernels reach. A small set of constants, not fitted per model.
 
-    Defaults and their reasoning (A100/H100 era, cuBLAS + NCCL):
+    Defaults and their reasoning (A100/H100 era, cuBLAS + NCCL), set once before comparing with
+    any published run (``benchmarks/planner/README.md`` shows how they compare):
 
-    * ``matmul`` 0.62: large fp16/bf16 GEMMs in a full training step of a GPT layer reach ~60-65%
-      of peak once kernel launches, the attention batched-GEMMs and the fp32 softmax/loss pieces
-      are averaged in; Megatron-LM reports a single 12288-wide GPT layer at 62% of A100 peak
-      inside its end-to-end runs (Narayanan et al. 2021, §5.1 text: "…for a model with 1 trillion
-      parameters … 52% of peak… ; the GEMMs themselves …"). Raw cuBLAS GEMMs reach ~80%.
-    * ``memory`` 0.7: elementwise/normalization kernels reach ~70% of HBM bandwidth (STREAM-like
-      kernels on A100 reach 1.3-1.5 of 2.0 TB/s).
-    * ``network`` 0.8: NCCL ring bus bandwidth reaches ~80% of the link rate (nccl-tests all_reduce
-      busbw ~230-240 GB/s on A100 NVLink3 out of 300 GB/s; ~20-23 GB/s on 200 Gb/s HDR IB).
+    * ``matmul`` 0.62: cuBLAS fp16/bf16 GEMMs of large transformer shapes reach roughly 70-80% of
+      peak in isolation; inside a training step the counted FLOPs also include the attention
+      batched GEMMs (smaller, less efficient) and pay kernel-launch gaps and synchronization, so
+      we take a bit over 60% end to end.
+    * ``memory`` 0.7: elementwise and normalization kernels move about 70% of HBM bandwidth
+      (STREAM-like copies reach ~1.3-1.5 TB/s of the A100's 2.0 TB/s).
+    * ``network`` 0.8: NCCL ring bus bandwidth reaches about 80% of the link rate on NVLink and
+      InfiniBand (nccl-tests all_reduce busbw).
     """
 
     matmul: float = 0.62

@@ -36,6 +36,7 @@ def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str 
         k = 4 if p == 4 else 8
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows adam and sgd")
+    per: float
     if dp_kind == "ddp":
         per = p + g + k
     elif dp_kind == "zero1":

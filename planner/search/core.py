@@ -200,7 +200,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         if mem_lb > ctx.cap or math.isinf(lb):
             mem_fail.append((mem_lb - ctx.cap, cfg))
             continue
-        order = (_KIND_ORDER[cfg.kind], _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
+        order: tuple[object, ...] = (_KIND_ORDER[cfg.kind], _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
                  cfg.pp, cfg.tp)
         bounded.append((lb, order, cfg, mem_lb))
     bounded.sort(key=lambda x: (x[0], x[1]))
@@ -209,7 +209,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     closest: Breakdown | None = None
     evaluated = 0
     total = len(cands)
-    for n, (lb, order, cfg, _) in enumerate(bounded):
+    for n, (lb, order, cfg, _) in enumerate(bounded):  # noqa: B007 - order is the tie-break key
         times = sorted(v[0] for v in best.values())
         threshold = times[keep - 1] if len(times) >= keep else float("inf")
         if lb >= threshold:
