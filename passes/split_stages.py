@@ -122,6 +122,13 @@ class StagedProgram:
         """The first name of ``key``'s tied group (``key`` itself when untied)."""
         return self.aliases.get(key, [key])[0]
 
+    def boundary_specs(self) -> tuple[dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
+                                      dict[int, list[tuple[tuple[int, ...], torch.dtype]]]]:
+        """(send_specs, recv_specs) per stage for ``planner.schedule.simulate``'s shape check."""
+        send = {st.index: [(v.shape, v.dtype) for v in st.outputs] for st in self.stages[:-1]}
+        recv = {st.index: [(v.shape, v.dtype) for v in st.inputs] for st in self.stages[1:]}
+        return send, recv
+
     def summary(self) -> str:
         """One line per stage: layers, inputs received, outputs sent."""
         from planner.selectors import format_layers

@@ -107,7 +107,9 @@ class PipelineExecutor:
         pp = comm.group_size(axis)
         if schedule.pp != pp:
             raise PipelineError(f"the schedule is for pp={schedule.pp} ranks but axis {axis!r} has {pp}")
-        simulate(schedule)  # raises ScheduleError before any rank sends anything
+        send_specs, recv_specs = program.boundary_specs()
+        # raises ScheduleError (deadlock, unmatched message, boundary shapes) before anything is sent
+        simulate(schedule, send_specs=send_specs, recv_specs=recv_specs)
         self.program = program
         self.schedule = schedule
         self.axis = axis

@@ -1,0 +1,210 @@
+"""The stage split pass in one process: chained stages compute the original loss and gradients,
+and the structure (what crosses each cut, what is recomputed, who holds tied copies) is as planned."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairscale.testing.models import Case, build
+from passes.layout import META_LAYOUT
+from passes.split_stages import META_STAGE, META_STAGES, StagedProgram, split_stages_pass
+from planner.capture import capture
+from planner.graph import ModelGraph
+from planner.plan import Mesh, Plan, PlanError, Schedule, Stage
+from planner.schedule import ScheduleError, build_schedule, simulate
+
+
+class SkipNet(nn.Module):
+    """A mask computed once from the input, used by every block; a skip from embed to head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.abs().sum(-1, keepdim=True) > 6.0).to(x.dtype)
+        h0 = self.embed(x)
+        h = h0
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * mask + h
+        return self.head(h + h0)
+
+
+def _skip_case() -> Case:
+    torch.manual_seed(0)
+
+    def make(step: int, batch: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    return Case("skip", SkipNet(), make, F.cross_entropy)
+
+
+def _capture(case: Case, batch: int = 2) -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
+    b = case.make_batch(0, batch)
+    return capture(case.model, b, loss_fn=case.loss_fn, annotate=False), b
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
+    return _capture(build("gpt"))
+
+
+@pytest.fixture(scope="module")
+def skip() -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
+    return _capture(_skip_case())
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
+    return _capture(build("llama", layers=3))
+
+
+def _plan(*stages: str, v: int = 1) -> Plan:
+    kind = "interleaved" if v > 1 else "1f1b"
+    return Plan(mesh=Mesh(pp=len(stages) // v), schedule=Schedule(kind=kind, microbatches=2, virtual_stages=v),
+                stages=[Stage(layers=s) for s in stages])
+
+
+def _chain(program: StagedProgram, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    vals: tuple[torch.Tensor, ...] = ()
+    for st in program.stages:
+        vals = st.gm(*[batch[i] for i in st.batch_inputs], *vals)
+    return vals[0]
+
+
+def _grads_match(graph: ModelGraph, program: StagedProgram, batch: tuple[torch.Tensor, ...]) -> None:
+    """Backward through the chained stages gives the original gradients (tied copies summed)."""
+    graph.gm.zero_grad(set_to_none=True)
+    graph.gm(*batch).backward()
+    want = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" and "fs_param" in node.meta:
+            p = graph.gm.get_parameter(str(node.target)) if str(node.target) in dict(graph.gm.named_parameters()) \
+                else None
+            if p is not None and p.grad is not None:
+                want[program.canonical(node.meta["fs_param"])] = p.grad.clone()
+    _chain(program, batch).backward()
+    got: dict[str, torch.Tensor] = {}
+    for st in program.stages:
+        for attr, key in st.param_keys().items():
+            p = dict(st.gm.named_parameters()).get(attr)
+            if p is not None and p.grad is not None:
+                k = program.canonical(key)
+                got[k] = got[k] + p.grad if k in got else p.grad.clone()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+def test_gpt_two_stages_numbers_and_structure(gpt: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, batch = gpt
+    program = split_stages_pass(graph.gm, _plan("wte, wpe, layers.[0-1]", "layers.[2-3], ln_f, lm_head"),
+                                graph=graph)
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+    _grads_match(graph, program, batch)
+    s0, s1 = program.stages
+    assert s0.batch_inputs == [0] and s1.batch_inputs == [1]          # labels go straight to the last stage
+    assert [(v.shape, v.grad) for v in s0.outputs] == [((2, 32, 64), True)]
+    assert s1.inputs == s0.outputs and s1.outputs[0].shape == ()
+    assert program.shared == {"wte.weight": [0, 1]}                    # tied wte / lm_head: a copy on each
+    assert "wte.weight" in s0.param_keys().values() and "lm_head.weight" in s1.param_keys().values()
+    assert not any(k.startswith("layers.2") for k in s0.param_keys().values())
+    assert s0.gm.meta[META_LAYOUT].keys == s0.param_keys()
+    # stage ownership is recorded on the input graph and on the stage graphs
+    owner = {n.name: n.meta.get(META_STAGE) for n in graph.gm.graph.nodes}
+    assert owner["embedding"] == 0 and owner["cross_entropy_loss"] == 1
+    assert all(n.meta[META_STAGE] == 1 for n in s1.gm.graph.nodes if n.op == "call_function")
+    labels = next(n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.name == "batch_1")
+    assert labels.meta[META_STAGES] == [1]
+    # the copies are independent tensors: stepping one stage leaves the original and the other alone
+    p0 = dict(s0.gm.named_parameters())
+    assert all(p.data_ptr() != q.data_ptr() for p in p0.values() for q in graph.gm.parameters())
+    send, recv = program.boundary_specs()
+    simulate(build_schedule("1f1b", pp=2, microbatches=2), send_specs=send, recv_specs=recv)
+
+
+@pytest.mark.parametrize("cut", range(1, 8))
+def test_every_cut_of_gpt_computes_the_same_loss(gpt: tuple[ModelGraph, tuple[torch.Tensor, ...]], cut: int) -> None:
+    graph, batch = gpt
+    names = [layer.name for layer in graph.layers]
+    program = split_stages_pass(graph.gm, _plan(", ".join(names[:cut]), ", ".join(names[cut:])), graph=graph)
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+
+
+def test_skip_connection_is_relayed_and_mask_recomputed(skip: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, batch = skip
+    program = split_stages_pass(graph.gm, _plan("embed, blocks.0", "blocks.[1-2]", "blocks.[3-4]",
+                                                "blocks.5, head"), graph=graph)
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+    _grads_match(graph, program, batch)
+    # the embedding output (node "linear") skips to the head: stages 1 and 2 receive it and pass it on
+    for st in program.stages[1:3]:
+        assert "linear" in [v.name for v in st.inputs] and "linear" in [v.name for v in st.outputs]
+        # and their graphs return that placeholder unchanged
+        out = next(n for n in st.gm.graph.nodes if n.op == "output")
+        assert any(a.op == "placeholder" and a.name == "linear" for a in out.args[0])
+    # the mask depends only on the batch: every stage recomputes it, none sends it
+    mask = next(n for n in graph.gm.graph.nodes if n.op == "call_function" and "gt" == n.name)
+    assert mask.meta[META_STAGES] == [0, 1, 2, 3]
+    assert all(v.name not in ("gt", "to") for st in program.stages for v in st.inputs)
+    assert all(st.batch_inputs[0] == 0 for st in program.stages)      # x reaches every stage
+    assert program.shared == {}
+
+
+def test_llama_rotary_tables_are_recomputed_not_sent(llama: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, batch = llama
+    names = [layer.name for layer in graph.layers]
+    program = split_stages_pass(graph.gm, _plan(*[", ".join(names[i:i + 2]) for i in range(0, 6, 2)]), graph=graph)
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+    _grads_match(graph, program, batch)
+    for st in program.stages[:-1]:
+        assert len(st.outputs) == 1 and st.outputs[0].shape == (2, 16, 64)   # only the hidden state crosses
+
+
+def test_interleaved_stages_and_pass_through_stage(gpt: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, batch = gpt
+    names = [layer.name for layer in graph.layers]
+    program = split_stages_pass(graph.gm, _plan(*names, v=2), graph=graph)   # 8 stages of one layer
+    assert len(program.stages) == 8 and torch.equal(_chain(program, batch), graph.gm(*batch))
+    assert program.shared == {"wte.weight": [0, 7]}
+
+
+def test_plan_problems_are_all_reported(gpt: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, _ = gpt
+    with pytest.raises(PlanError) as info:
+        split_stages_pass(graph.gm, _plan("wte, wpe, layers.[0-2]", "layers.[2-3], ln_g"), graph=graph)
+    assert info.value.problems == [
+        "stages[1].layers: 'ln_g' matches no layer",
+        "stages[1].layers: layers.2 is already in stages[0]",
+        "stages: layers ln_f, lm_head are in no stage",
+    ]
+    with pytest.raises(PlanError, match=re.escape("stages: 2 given, but pp (3) × virtual_stages (1) = 3")):
+        split_stages_pass(graph.gm, Plan(mesh=Mesh(pp=3), stages=[Stage(layers="wte, wpe, layers.*"),
+                                                                    Stage(layers="ln_f, lm_head")]), graph=graph)
+    with pytest.raises(PlanError, match=re.escape("stages[1].layers: wte runs before lm_head of stages[0]; stages "
+                                                  "must be contiguous runs of layers in execution order")):
+        split_stages_pass(graph.gm, _plan("layers.*, ln_f, lm_head", "wte, wpe"), graph=graph)
+    with pytest.raises(PlanError, match=re.escape("stages: empty, but pp (2) × virtual_stages (1) = 2 stages")):
+        split_stages_pass(graph.gm, Plan(mesh=Mesh(pp=2)), graph=graph)
+    one = split_stages_pass(graph.gm, Plan(), graph=graph)
+    assert len(one.stages) == 1 and one.stages[0].batch_inputs == [0, 1]
+
+
+def test_boundary_shape_disagreement_is_caught_by_the_simulator(
+        gpt: tuple[ModelGraph, tuple[torch.Tensor, ...]]) -> None:
+    graph, _ = gpt
+    other, _ = _capture(build("gpt"), batch=4)
+    plan = _plan("wte, wpe, layers.[0-1]", "layers.[2-3], ln_f, lm_head")
+    a, b = split_stages_pass(graph.gm, plan, graph=graph), split_stages_pass(other.gm, plan, graph=other)
+    with pytest.raises(ScheduleError, match=re.escape("stage 0 sends [((2, 32, 64), torch.float32)] but stage 1 "
+                                                      "expects [((4, 32, 64), torch.float32)]")):
+        simulate(build_schedule("gpipe", pp=2, microbatches=2), send_specs=a.boundary_specs()[0],
+                 recv_specs=b.boundary_specs()[1])
