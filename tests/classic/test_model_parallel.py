@@ -6,12 +6,14 @@ import io
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: once here, not in every forked rank)
 import torch.nn.functional as F
 from torch import nn
 
 import fairscale
 from fairscale.nn import model_parallel as mpu
 from fairscale.nn.model_parallel import initialize as mpi
+from fairscale.nn.model_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from passes import comm
 
 V, D, H, STEPS, BATCH, SEQ = 32, 16, 64, 3, 8, 6
@@ -124,6 +126,12 @@ def _train(mp: int) -> dict:
 
 def _run(rank: int, world: int) -> bytes:
     out = {f"mp{mp}": _train(mp) for mp in (2, world) if world % mp == 0}
+    mpu.initialize_model_parallel(world)
+    model_parallel_cuda_manual_seed(7)
+    with get_cuda_rng_tracker().fork():
+        inside = torch.rand(4)
+    out["rng"] = {"inside": inside, "outside": torch.rand(4)}
+    mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, pipeline_length=2)
     out["layout"] = {"pipeline": mpu.get_pipeline_parallel_ranks(), "mp": mpu.get_model_parallel_world_size(),
                      "dp": mpu.get_data_parallel_world_size()}
@@ -202,3 +210,13 @@ def test_collectives_go_through_comm(runs) -> None:
 def test_uninitialized_getter_says_what_to_call() -> None:
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         mpu.get_model_parallel_rank()
+
+
+def test_model_parallel_rng_streams(runs) -> None:
+    world, results = runs
+    outside = [r["rng"]["outside"] for r in results]
+    inside = [r["rng"]["inside"] for r in results]
+    assert all(torch.equal(o, outside[0]) for o in outside)  # the default stream agrees everywhere
+    assert len({tuple(t.tolist()) for t in inside}) == world  # the tracked stream differs per rank
+    torch.manual_seed(7)
+    torch.testing.assert_close(outside[0], torch.rand(4))  # forking did not advance the default stream

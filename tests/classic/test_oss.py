@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: once here, not in every forked rank)
 import torch.distributed as dist
 
 import fairscale

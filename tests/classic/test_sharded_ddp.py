@@ -12,6 +12,7 @@ import io
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: once here, not in every forked rank)
 from torch import nn
 
 import fairscale
