@@ -12,10 +12,11 @@ Usage::
 
 Seams with the rest of fairscale:
 
-* ``tp_rules`` (selector -> style) is the tensor-parallel candidate set, given as data because
-  the planner must not import ``passes`` (where the pattern detector lives). Without it the
-  planner uses :func:`planner.search.tp.default_tp_rules`. A constraint
-  ``{"tensor_parallel": {"rules": ...}}`` overrides both.
+* ``tp_rules`` (selector -> style, or tp -> that) is the tensor-parallel candidate set, given as
+  data because the planner must not import ``passes`` (where the pattern detector,
+  ``passes.tp_patterns.propose_tp_rules``, lives). Without it the planner uses
+  :func:`planner.search.tp.default_tp_rules`. A constraint ``{"tensor_parallel": {"rules": ...}}``
+  overrides both. A degree whose rules are empty is not considered.
 * ``options`` (:class:`planner.cost.CostOptions`) says what the runtime overlaps.
 """
 
@@ -37,7 +38,8 @@ __all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoF
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: dict[str, Any] | Plan | None = None,
            top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
-           tp_rules: dict[str, str] | None = None, options: CostOptions | None = None) -> SearchResult:
+           tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
+           options: CostOptions | None = None) -> SearchResult:
     """Best plan for ``graph`` on ``cluster`` at ``global_batch`` samples per step, plus ``top_k``
     runners-up (one per mesh shape).
 
@@ -45,7 +47,9 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
         constraints: a partial plan (dict in the plan's JSON shape) whose fields are kept; the
             search fills in the rest. See ``planner.search.space``.
         progress: called as ``progress(done, total, best_step_time_or_None)`` while searching.
-        tp_rules: tensor-parallel candidates (selector -> style); default: :func:`default_tp_rules`.
+        tp_rules: tensor-parallel candidates (selector -> style), or a function of the tp degree
+            returning them (e.g. ``lambda tp: propose_tp_rules(graph.gm, tp=tp).rules``, which
+            only keeps rules the TP pass accepts at that degree); default: :func:`default_tp_rules`.
         options: runtime overlap model and memory reserve.
 
     Raises:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from typing import Callable, Union
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, layer_facts
@@ -32,7 +32,7 @@ from planner.search.evaluate import (Breakdown, Config, Context, choose_recomput
 from planner.search.partition import SegmentModel, partition
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
 from planner.search.space import Fixed, divisors, parse_constraints
-from planner.search.tp import default_tp_rules, tp_degrees_allowed
+from planner.search.tp import default_tp_rules, tp_allowed
 from planner.selectors import parse_selector
 
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute"]
@@ -52,13 +52,34 @@ def captured_dtype(graph: ModelGraph) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "fp32")
 
 
-def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rules: dict[str, str],
+TPRules = Union[dict[str, str], Callable[[int], dict[str, str]]]
+
+
+def rules_function(graph: ModelGraph, rules: TPRules | None) -> Callable[[int], dict[str, str]]:
+    """tp degree -> the tensor-parallel rules to use at that degree (cached)."""
+    if rules is None:
+        rules = default_tp_rules(graph)
+    if not callable(rules):
+        fixed = dict(rules)
+        return lambda tp: fixed
+    cache: dict[int, dict[str, str]] = {}
+    fn = rules
+
+    def at(tp: int) -> dict[str, str]:
+        if tp not in cache:
+            cache[tp] = dict(fn(tp)) if tp > 1 else {}
+        return cache[tp]
+    return at
+
+
+def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rules: TPRules | None,
                  options: CostOptions | None) -> Context:
+    """The search context; ``rules`` is a dict (the same rules at every tp) or a function of tp."""
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
-    facts = layer_facts(graph, rules)
-    return Context(facts, cluster, global_batch=global_batch, options=options or CostOptions(),
-                   captured_dtype=captured_dtype(graph))
+    at = rules_function(graph, rules)
+    return Context(layer_facts(graph, {}), cluster, global_batch=global_batch, options=options or CostOptions(),
+                   captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)))
 
 
 def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
@@ -171,7 +192,7 @@ def fluid_bottleneck(tot: _Totals, flights: list[float], per_param: float, cap: 
 
 
 def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
-               top_k: int = 3, progress: Progress | None = None, tp_rules: dict[str, str] | None = None,
+               top_k: int = 3, progress: Progress | None = None, tp_rules: TPRules | None = None,
                options: CostOptions | None = None) -> SearchResult:
     start = time.perf_counter()
     fixed = parse_constraints(constraints)  # type: ignore[arg-type]
@@ -179,8 +200,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         raise PlanError([f"schedule.global_batch: the constraints were made for a global batch of "
                          f"{fixed.global_batch}, but the search is for {global_batch}; drop it or search for "
                          f"{fixed.global_batch}"], source="constraints")
-    rules = fixed.tp_rules if fixed.tp_rules is not None else (
-        tp_rules if tp_rules is not None else default_tp_rules(graph))
+    rules = rules_function(graph, fixed.tp_rules if fixed.tp_rules is not None else tp_rules)
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)
     cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
     rec = fixed_recompute(ctx, fixed.recompute) if fixed.recompute is not None else None
@@ -242,7 +262,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     out = []
     for t, _, b in ranked:
         assert b.config is not None
-        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules, units=fixed.units)
+        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
         out.append(Candidate(plan=plan, breakdown=b, reason="" if b is win else loss_reason(b, win)))
     return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
                         elapsed_s=time.perf_counter() - start)
@@ -344,13 +364,13 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
 _FLUID_SLACK = 1.02
 
 
-def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: dict[str, str],
+def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[int], dict[str, str]],
                cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> tuple[list[Config], list[str]]:
     c = ctx.cluster
     N, L, B = c.devices, len(ctx.facts), ctx.global_batch
     notes: list[str] = []
-    allowed_tp = [t for t in tp_degrees_allowed(graph, rules, min(c.devices_per_node, N))
-                  if N % t == 0 and c.devices_per_node % t == 0]
+    allowed_tp = [t for t in range(1, min(c.devices_per_node, N) + 1)
+                  if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t)]
     if fixed.tp is not None and fixed.tp not in allowed_tp:
         raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} (tp must "
                          f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "

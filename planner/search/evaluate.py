@@ -11,6 +11,7 @@ Step time (seconds) = pipeline time of the per-rank microbatch times (``planner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
@@ -125,8 +126,12 @@ class Context:
     """Everything constant during one search: facts, cluster, options, batch, and a cost cache."""
 
     def __init__(self, facts: list[LayerFacts], cluster: Cluster, *, global_batch: int,
-                 options: CostOptions, captured_dtype: str) -> None:
+                 options: CostOptions, captured_dtype: str,
+                 facts_for_tp: Callable[[int], list[LayerFacts]] | None = None) -> None:
         self.facts = facts
+        """Facts without tensor parallelism (names, FLOPs, bytes are the same under any tp)."""
+        self._facts_for_tp = facts_for_tp
+        self._by_tp: dict[int, list[LayerFacts]] = {1: facts}
         self.cluster = cluster
         self.global_batch = global_batch
         self.options = options
@@ -136,10 +141,16 @@ class Context:
         self.blocks = frozenset(f.index for f in facts if f.block is not None)
         self._costs: dict[tuple[int, int, str, bool], list[LayerCost]] = {}
 
+    def facts_for(self, tp: int) -> list[LayerFacts]:
+        """Facts with the tensor-parallel rules used at degree ``tp``."""
+        if tp not in self._by_tp:
+            self._by_tp[tp] = self._facts_for_tp(tp) if self._facts_for_tp is not None else self.facts
+        return self._by_tp[tp]
+
     def costs(self, tp: int, micro: int, dtype: str, sp: bool) -> list[LayerCost]:
         key = (tp, micro, dtype, sp)
         if key not in self._costs:
-            self._costs[key] = layer_costs(self.facts, self.cluster, tp=tp, micro=micro, compute_dtype=dtype,
+            self._costs[key] = layer_costs(self.facts_for(tp), self.cluster, tp=tp, micro=micro, compute_dtype=dtype,
                                            captured_dtype=self.captured_dtype, sequence_parallel=sp,
                                            options=self.options)
         return self._costs[key]
@@ -164,8 +175,9 @@ def rank_params(ctx: Context, costs: list[LayerCost], layers: list[int], tp: int
     held = set(layers)
     total = sum(costs[i].params for i in layers)
     copied: set[int] = set()
+    facts = ctx.facts_for(tp)
     for i in layers:
-        f = ctx.facts[i]
+        f = facts[i]
         for owner, count in f.tied:
             if owner not in held and owner not in copied:
                 copied.add(owner)

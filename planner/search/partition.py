@@ -70,8 +70,8 @@ class SegmentModel:
                          n=[int(x) for x in _prefix([1.0 if r else 0.0 for r in recomputable])],
                          params=_prefix([c.params for c in costs]))
         tp = cfg.tp
-        self.tied = [(i, o, n / (tp if ctx.facts[i].tp.sharded and tp > 1 else 1))
-                     for i, f in enumerate(ctx.facts) for o, n in f.tied]
+        facts = ctx.facts_for(tp)
+        self.tied = [(i, o, n / (tp if f.tp.sharded and tp > 1 else 1)) for i, f in enumerate(facts) for o, n in f.tied]
         self.per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                            optimizer=ctx.options.optimizer)
         self.flight = [in_flight(cfg.kind, cfg.pp, cfg.microbatches, r, v=cfg.v) for r in range(cfg.pp)]

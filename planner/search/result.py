@@ -33,8 +33,8 @@ class Candidate:
         dp = c.dp_kind + ("" if c.dp_kind != "fsdp" else ("+reshard" if c.reshard else "+keep"))
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
         return (f"pp={c.pp} dp={c.dp} tp={c.tp}{' sp' if c.sp else ''} {sched} m={c.microbatches} {dp} {rec}: "
-                f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.1f} TFLOP/s/device, "
-                f"{max(b.memory_bytes) / GiB:.1f} GiB peak, {b.comm_bytes / GiB:.2f} GiB sent/device")
+                f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device, "
+                f"{max(b.memory_bytes) / GiB:.3g} GiB peak, {b.comm_bytes / GiB:.3g} GiB sent/device")
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ import re
 
 from planner.graph import ModelGraph
 
-__all__ = ["default_tp_rules", "tp_degrees_allowed"]
+__all__ = ["default_tp_rules", "tp_degrees_allowed", "tp_allowed"]
 
 _COLWISE = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "Wqkv", "qkv",
             "up_proj", "gate_proj", "fc1", "c_fc", "w1", "w3", "wi", "wi_0", "wi_1", "fc_in", "dense_h_to_4h",
@@ -66,15 +66,24 @@ def _vocab_rules(graph: ModelGraph) -> dict[str, str]:
 
 
 def tp_degrees_allowed(graph: ModelGraph, tp_rules: dict[str, str], max_tp: int) -> list[int]:
-    """Tensor-parallel degrees up to ``max_tp`` that divide every split layer's heads and kv heads
-    and the split dimension of every split weight. Without rules only tp = 1 is allowed."""
+    """Tensor-parallel degrees up to ``max_tp`` for which :func:`tp_allowed` holds."""
+    return [t for t in range(1, max_tp + 1) if tp_allowed(graph, tp_rules, t)]
+
+
+def tp_allowed(graph: ModelGraph, tp_rules: dict[str, str], tp: int) -> bool:
+    """Whether ``tp`` divides every split layer's heads and kv heads and the split dimension of
+    every split weight. tp = 1 always is; tp > 1 needs rules."""
+    if tp == 1:
+        return True
     if not tp_rules:
-        return [1]
+        return False
     from planner.selectors import parse_selector
 
-    heads = [(layer.attention.get("heads", 0), layer.attention.get("kv_heads", layer.attention.get("heads", 0)))
-             for layer in graph.layers if layer.attention]
-    sizes: set[int] = set()
+    for layer in graph.layers:
+        if layer.attention:
+            heads = layer.attention.get("heads", 0)
+            if heads % tp or layer.attention.get("kv_heads", heads) % tp:
+                return False
     for sel_text, style in tp_rules.items():
         dim = _SPLIT_DIM.get(style)
         if dim is None:
@@ -82,13 +91,9 @@ def tp_degrees_allowed(graph: ModelGraph, tp_rules: dict[str, str], max_tp: int)
         sel = parse_selector(sel_text)
         for mod in sel.select(graph.modules):
             shape = graph.param_shapes.get(f"{mod}.weight")
-            if shape and len(shape) == 2:
-                sizes.add(shape[dim])
-    out = []
-    for t in range(1, max_tp + 1):
-        if all(h % t == 0 and k % t == 0 for h, k in heads) and all(n % t == 0 for n in sizes):
-            out.append(t)
-    return out
+            if shape and len(shape) == 2 and shape[dim] % tp:
+                return False
+    return True
 
 
 # dim of an nn.Linear / nn.Embedding weight each style splits

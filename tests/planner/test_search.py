@@ -195,3 +195,33 @@ def test_megatron_expert_configs_are_within_15_percent():
                                  cuts=cuts, recompute=rec))
         tflops = megatron_flops(batch=B, seq=2048, layers=l, hidden=h, vocab=51200) / b.step_time_s / n / 1e12
         assert abs(tflops / published - 1) < 0.15, (l, tflops)
+
+
+def test_plan_model_entry_point_and_progress_printer(small):
+    import io
+
+    from planner.api import plan_model, progress_printer, resolve_cluster
+
+    assert resolve_cluster("a100-80gb:4").devices == 32
+    assert resolve_cluster(2).name == "cpu" and resolve_cluster(2).devices == 2
+    assert resolve_cluster({"preset": "h200"}).name == "h200"
+    with pytest.raises(TypeError, match="cluster must be a Cluster"):
+        resolve_cluster(2.5)
+    out = io.StringIO()
+    r = plan_model(small, cluster=Cluster.cpu(2, memory_bytes=GiB), global_batch=4, progress=progress_printer(out))
+    assert r.plan.mesh.size == 2 and r.plan.schedule.global_batch == 4
+    assert "planning:" in out.getvalue() and "configurations, best" in out.getvalue()
+    assert plan_model(small, cluster=Cluster.cpu(1, memory_bytes=GiB)).plan.schedule.global_batch == small.batch_size
+
+
+def test_tp_rules_may_depend_on_the_degree(small):
+    asked = []
+
+    def rules(tp):
+        asked.append(tp)
+        return {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"} if tp == 2 else {}
+    r = search(small, Cluster.cpu(4, memory_bytes=GiB), global_batch=8, tp_rules=rules, top_k=5)
+    tps = {c.plan.mesh.tp for c in [r.best, *r.runners_up]}
+    assert tps <= {1, 2} and 4 in asked  # tp=4 was asked for, got no rules, so was never planned
+    for c in [r.best, *r.runners_up]:
+        assert bool(c.plan.tensor_parallel.rules) == (c.plan.mesh.tp == 2)
