@@ -116,18 +116,19 @@ class DataParallelOptimizer:
         nothing). ``reduce_axes`` names further axes whose ranks hold disjoint parameters (``pp``).
         """
         grads = [p.grad for p in self.params if p.grad is not None]
+        acc = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
         axes = list(reduce_axes) + ([self.info.axis] if self.info.kind != "ddp" else [])
         device = grads[0].device if grads else torch.device("cpu")
         if math.isinf(norm_type):
-            local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
+            local = max((g.detach().abs().max().to(acc) for g in grads), default=torch.zeros((), device=device))
             total = local.clone().reshape(1)
             for axis in axes:
                 if comm.group_size(axis) > 1:
                     dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.get_group(axis))
             total = total[0]
         else:
-            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
-                        torch.zeros((), device=device))
+            local = sum((g.detach().to(acc).norm(norm_type) ** norm_type for g in grads),
+                        torch.zeros((), dtype=acc, device=device))
             total = local.clone().reshape(1)
             for axis in axes:
                 if comm.group_size(axis) > 1:
