@@ -4,7 +4,8 @@ A plan names modules by path, with globs and ranges (see ``planner.selectors``):
 
     {
       "version": 1,
-      "model": {"class": "LlamaForCausalLM", "fingerprint": "3f2a…", "parameters": 6738415616},
+      "model": {"class": "LlamaForCausalLM", "fingerprint": "3f2a…", "parameters": 6738415616,
+                "factory": "mypkg.models:build_llama"},
       "cluster": {"preset": "h100-sxm", "nodes": 1},
       "mesh": {"pp": 2, "dp": 2, "tp": 2},
       "schedule": {"kind": "1f1b", "microbatches": 8, "virtual_stages": 1, "global_batch": 64},
@@ -20,8 +21,10 @@ A plan names modules by path, with globs and ranges (see ``planner.selectors``):
                     "comm_gib_per_step": 0.0}
     }
 
-Every dataclass here is keyword-only, and every field has a docstring: that text is what
-``Plan.validate`` and the CLI quote back to the user.
+Every dataclass here is keyword-only, and every field has a docstring. Reading a file checks its
+shape (``planner.plan_io``: unknown keys, types, version); ``Plan.validate`` checks its meaning for
+one model and device count (``planner.validate``). Both report every problem at once, each naming
+its JSON path.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        return cls.from_json(path.read_text(encoding="utf-8"), source=str(path))
+        return cls.from_json(path.read_text(encoding="utf-8-sig"), source=str(path))
 
     def validate(self, graph: Any, cluster: Any = None, *, devices: int | None = None) -> None:
         """Check the plan against a captured model and cluster; raise PlanError listing every problem."""

@@ -86,6 +86,13 @@ def _devices(plan: Plan, cluster: Any, devices: int | None) -> tuple[int | None,
     if n is not None:
         return n, "are in the cluster"
     n = device_count(plan.cluster)
+    if n is None and "preset" in plan.cluster:
+        from planner.cluster import Cluster  # a preset record ({"preset": "h100-sxm", "nodes": 2}) names its size
+
+        try:
+            n = Cluster.from_dict(plan.cluster).devices
+        except (ValueError, TypeError):
+            n = None  # an unknown preset: the cluster is informational here, and the mesh stays unchecked
     return n, "are in the plan's cluster"
 
 
@@ -200,9 +207,15 @@ def _unmatched(path: str, sel: Selector, names: Sequence[str], what: str, proble
     """Report each pattern of ``sel`` that selects none of ``names`` (``what``: layer or module)."""
     for pat in sel.unmatched(names):
         hits = parse_selector(pat).select(modules)
-        if hits:
-            problems.append(f'{path}: "{pat}" matches no {what} but modules inside one ({_short(hits)}); '
-                            f"name whole {what}s: {format_layers(names)}")
+        held = [n for n in names if any(n.startswith(h + ".") for h in hits)]
+        if held:  # a container of layers, e.g. "model.layers"
+            problems.append(f'{path}: "{pat}" matches {_short(hits)}, which holds layers {_short(held)}; a stage '
+                            f'lists layers, e.g. "{format_layers(held)}"')
+            continue
+        owners = [n for n in names if any(h.startswith(n + ".") for h in hits)]
+        if owners:
+            problems.append(f'{path}: "{pat}" matches {_short(hits)}, inside layer{"s" if len(owners) > 1 else ""} '
+                            f"{_short(owners)}; a stage holds whole layers (layers are: {_outline(names)})")
             continue
         fix = suggest(pat, list(names) + list(modules))
         hint = f'; did you mean "{fix}"?' if fix else f" ({what}s are: {_outline(names)})"

@@ -180,3 +180,9 @@ def test_long_values_are_shortened_in_messages() -> None:
     with pytest.raises(PlanError) as info:
         Plan.from_json(json.dumps({"version": 1, "mesh": {"tp": "x" * 100}}))
     assert info.value.problems == ['mesh.tp: expected an integer, got "' + "x" * 56 + "..."]
+
+
+def test_a_byte_order_mark_is_tolerated(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_bytes(b"\xef\xbb\xbf" + Plan(mesh=Mesh(dp=2)).to_json().encode())  # as some Windows editors save
+    assert Plan.load(path) == Plan(mesh=Mesh(dp=2))

@@ -123,6 +123,10 @@ def test_device_count_sources(llama: ModelGraph) -> None:
         "mesh: pp(2) × dp(2) × tp(2) = 8, but 4 devices are in the plan's cluster; choose degrees whose "
         "product is 4 (e.g. dp 1: pp(2) × dp(1) × tp(2) = 4)"]
     validate_plan(plan, llama, None, devices=8)  # an explicit count wins
+    preset = edit(llama, lambda p: setattr(p, "cluster", {"preset": "a100-80gb", "nodes": 2}))
+    assert problems(preset, llama, devices=None) == [
+        "mesh: pp(2) × dp(2) × tp(2) = 8, but 16 devices are in the plan's cluster; choose degrees whose "
+        "product is 16 (e.g. dp 4: pp(2) × dp(4) × tp(2) = 16)"]
 
 
 def test_non_positive_degrees(llama: ModelGraph) -> None:
@@ -149,9 +153,14 @@ def test_selector_without_a_close_spelling_lists_the_layers(llama: ModelGraph) -
 
 def test_stage_naming_a_module_inside_a_layer(llama: ModelGraph) -> None:
     plan = edit(llama, lambda p: setattr(p.stages[1], "layers", halves(llama)[1] + ", layers.3.mlp"))
+    outline = ", ".join(dict.fromkeys(re.sub(r"\.\d+", ".*", n) for n in names(llama)))
     assert problems(plan, llama) == [
-        'stages[1].layers: "layers.3.mlp" matches no layer but modules inside one (model.layers.3.mlp); name whole '
-        f"layers: {format_layers(names(llama))}"]
+        'stages[1].layers: "layers.3.mlp" matches model.layers.3.mlp, inside layer model.layers.3; a stage holds '
+        f"whole layers (layers are: {outline})"]
+    container = edit(llama, lambda p: setattr(p.stages[1], "layers", halves(llama)[1] + ", model.layers"))
+    assert problems(container, llama) == [
+        'stages[1].layers: "model.layers" matches model.layers, which holds layers model.layers.[0-3]; a stage '
+        'lists layers, e.g. "model.layers.[0-3]"']
 
 
 def test_stages_overlap_gap_and_order(llama: ModelGraph) -> None:
