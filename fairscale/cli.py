@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -181,12 +182,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {global_batch}")
     search = _search_function()
+    constraints = _constraints(args.constraints)
+    if search is None and constraints is not None:
+        raise UsageError("--constraints needs the planner search (planner.search), which is not installed")
     if search is None and global_batch % n:
         raise UsageError(f"--global-batch {global_batch} does not divide evenly over {n} data-parallel ranks "
                          f"({global_batch} % {n} = {global_batch % n}); use a multiple of {n}")
     graph = _capture(args.factory, out)
     if search is not None:
-        result = search(graph, cluster, global_batch=global_batch)
+        result = search(graph, cluster, global_batch=global_batch, constraints=constraints)
         plan = result if isinstance(result, Plan) else result.plan
         if hasattr(result, "table"):
             out(result.table())
@@ -204,6 +208,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out(f"wrote {path}")
     out(render_report(plan, graph))
     return 0
+
+
+def _constraints(text: str | None) -> dict[str, Any] | None:
+    """--constraints: inline JSON (``'{"mesh": {"tp": 2}}'``) or a file holding it."""
+    if text is None:
+        return None
+    source = "--constraints"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise UsageError(f"--constraints {text!r}: neither a JSON object nor a file")
+        source, text = str(path), path.read_text(encoding="utf-8-sig")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{source}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{source}: expected a JSON object (a partial plan), got {type(data).__name__}")
+    return data
 
 
 def _search_module_function(name: str) -> Callable[..., Any] | None:
@@ -457,6 +480,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("factory", metavar="FACTORY", help=factory_help)
     devices(p, required_note="(CPU ranks on a machine without GPUs); or name a --cluster")
     p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default: N)")
+    p.add_argument("--constraints", metavar="JSON", help=(
+        "a partial plan the search must keep, inline or a file, e.g. '{\"mesh\": {\"tp\": 2}}'"))
     p.add_argument("-o", "--output", metavar="PATH", help="write the plan here (never over a file without --force)")
     p.add_argument("--force", action="store_true", help="replace the -o file if it exists")
     p.set_defaults(run=_cmd_plan)

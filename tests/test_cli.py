@@ -258,3 +258,26 @@ def test_python_dash_m_runs_the_same_main(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr == f"fairscale validate: error: {tmp_path / 'absent.json'}: no such file\n"
+
+
+def test_constraints_are_kept_by_the_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if cli._search_function() is None:
+        pytest.skip("planner.search is not installed in this checkout")
+    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "--constraints",
+                         '{"mesh": {"pp": 2}, "data_parallel": {"kind": "ddp"}}')
+    assert code == 0, err
+    plan = Plan.from_json(out)
+    assert plan.mesh.pp == 2 and plan.data_parallel.kind == "ddp"
+
+
+def test_constraint_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", '{"mesh": {"pp": 2,}}')
+    assert (code, err) == (2, "fairscale plan: error: --constraints:1:19: not valid JSON: Expecting property name "
+                              "enclosed in double quotes\n")
+    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", str(tmp_path / "c.json"))
+    assert (code, err) == (2, f"fairscale plan: error: --constraints {str(tmp_path / 'c.json')!r}: neither a JSON "
+                              "object nor a file\n")
+    monkeypatch.setattr(cli, "_search_function", lambda: None)
+    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", '{"tp": 2}')
+    assert (code, err) == (2, "fairscale plan: error: --constraints needs the planner search (planner.search), "
+                              "which is not installed\n")
