@@ -44,8 +44,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from planner.plan import Plan
+
 __all__ = [
-    "Action", "PipelineSchedule", "ScheduleError", "Timeline", "Slot", "build_schedule", "gpipe",
+    "Action", "PipelineSchedule", "ScheduleError", "Timeline", "Slot", "build_schedule", "schedule_for", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "simulate", "predicted_bubble", "parse_actions", "fifo_violations",
     "KINDS",
 ]
@@ -267,6 +269,13 @@ def build_schedule(kind: str, *, pp: int, microbatches: int, virtual_stages: int
     if kind == "interleaved":
         return interleaved_1f1b(pp, microbatches, virtual_stages)
     raise ScheduleError(f"unknown schedule kind {kind!r}; choose from {', '.join(KINDS)}")
+
+
+def schedule_for(plan: Plan) -> PipelineSchedule:
+    """The schedule a plan asks for: ``plan.schedule`` (kind, microbatches, virtual_stages) on
+    ``plan.mesh.pp`` ranks."""
+    return build_schedule(plan.schedule.kind, pp=plan.mesh.pp, microbatches=plan.schedule.microbatches,
+                          virtual_stages=plan.schedule.virtual_stages)
 
 
 def _check_sizes(pp: int, microbatches: int, v: int) -> None:

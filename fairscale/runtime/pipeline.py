@@ -95,11 +95,15 @@ class PipelineExecutor:
         no_sync: context manager factory wrapping every backward but each stage's last in a step;
             default ``passes.dp_ops.no_sync`` (defers data-parallel gradient reduction).
         record: keep a :class:`StepTrace` of the last step in ``self.trace``.
+        dp_axis: the data-parallel axis; when bound to more than one rank, the returned loss is
+            the mean over its replicas (each replica's batch is the same size), i.e. the loss of
+            the global batch. ``None`` returns this replica's loss.
     """
 
     def __init__(self, program: StagedProgram, schedule: PipelineSchedule, *, axis: str = "pp",
                  modules: Mapping[int, nn.Module] | None = None,
-                 no_sync: Callable[[], ContextManager[Any]] | None = None, record: bool = False) -> None:
+                 no_sync: Callable[[], ContextManager[Any]] | None = None, record: bool = False,
+                 dp_axis: str | None = "dp") -> None:
         n = len(program.stages)
         if schedule.stages != n:
             raise PipelineError(f"the schedule has {schedule.stages} stages but the program has {n}; "
@@ -120,6 +124,7 @@ class PipelineExecutor:
                                               for s in self.local_stages}
         self.no_sync = no_sync or _default_no_sync()
         self.record = record
+        self.dp_axis = dp_axis
         self.trace = StepTrace()
         self._shaken = False
         last_b: dict[int, Action] = {}
@@ -154,8 +159,9 @@ class PipelineExecutor:
         return meta.get(META_LAYOUT) or self.program.stages[stage].gm.meta[META_LAYOUT]
 
     def step(self, batch: Sequence[Any]) -> float:
-        """Forward and backward of ``batch`` over all microbatches; returns the mean loss on every
-        pp rank. Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps)."""
+        """Forward and backward of ``batch`` (this dp replica's rows) over all microbatches;
+        returns the step's mean loss on every rank (averaged over ``dp_axis`` replicas).
+        Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps)."""
         m = self.schedule.microbatches
         micro = self._split(batch, m)
         if not self._shaken:
@@ -172,6 +178,9 @@ class PipelineExecutor:
         if st.losses:
             loss = torch.stack([x.double() for x in st.losses]).sum() / m
         comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))
+        if self.dp_axis is not None and comm.group_size(self.dp_axis) > 1:
+            comm.all_reduce_(loss, self.dp_axis)
+            loss /= comm.group_size(self.dp_axis)
         self.trace.end = time.perf_counter()
         return float(loss.item())
 
