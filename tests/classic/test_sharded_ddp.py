@@ -139,8 +139,25 @@ def _rank_dependent_unused(rank: int, world: int) -> dict:
     return {"err": err}
 
 
+def _traffic(rank: int, world: int, *, reduce_fp16: bool) -> dict:
+    """One step's collectives: every gradient is reduced once (to its owner), every updated
+    parameter broadcast once (from its owner); and the fp16 reduction's gradient error."""
+    case = build("mlp")
+    opt = OSS(case.model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    model = ShardedDataParallel(case.model, opt, reduce_fp16=reduce_fp16)
+    batch = _local(case.make_batch(0, BATCH), rank, world)
+    comm.COUNTER.reset()
+    LossModule(model, case.loss_fn)(*batch).backward()
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    opt.step()
+    snap = comm.COUNTER.snapshot()
+    return {"snap": snap, "grads": grads}
+
+
 def _run(rank: int, world: int) -> bytes:
     out = {name: _train(rank, world, **kw) for name, kw in VARIANTS.items()}
+    out["traffic"] = _traffic(rank, world, reduce_fp16=False)
+    out["traffic16"] = _traffic(rank, world, reduce_fp16=True)
     out["branchy"] = _rank_dependent_unused(rank, world)
     try:
         ShardedDataParallel(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
@@ -196,3 +213,24 @@ def test_errors_name_the_fix(runs) -> None:
     assert "wrap your optimizer class: OSS(" in results[0]["type_error"]
     assert "not handled by any OSS optimizer" in results[0]["missing_error"]
     assert "1.weight" in results[0]["missing_error"]
+
+
+def test_collectives_are_one_reduce_and_one_broadcast_per_parameter(runs) -> None:
+    _, results = runs
+    nbytes = sum(p.numel() * 4 for p in build("mlp").model.parameters())
+    for r in results:
+        snap = r["traffic"]["snap"]
+        assert snap["reduce:zero"]["payload"] == nbytes  # ZeRO-2: reduce, never all-reduce
+        assert "all_reduce:zero" not in snap
+        assert snap["broadcast:zero"]["payload"] == nbytes
+        assert r["traffic16"]["snap"]["reduce:zero"]["payload"] == nbytes // 2  # fp16 halves it
+
+
+def test_reduce_fp16_rounds_gradients_only_slightly(runs, reference) -> None:
+    _, results = runs
+    full = reference[False][1][0]  # the reference gradients of step 0
+    for r in results:
+        for name, g in r["traffic16"]["grads"].items():
+            torch.testing.assert_close(g, full[name], rtol=1e-2, atol=1e-4)
+            exact = r["traffic"]["grads"][name]
+            assert g.dtype == exact.dtype == torch.float32
