@@ -1,1 +1,44 @@
-"""Graph passes: a captured GraphModule and a Plan in, per-rank GraphModules out."""
+"""Graph passes: a captured GraphModule and a Plan in, per-rank GraphModules out.
+
+The pipeline is one flat function, :func:`compile_rank`, with the verifier at both ends::
+
+    verify → split_stages → for each of this rank's stages:
+                 shard_tensor_parallel → insert_recompute → shard_data_parallel → verify
+
+Order matters once: recompute runs before data parallelism, so a recompute region holds the
+layer's compute (and its tensor-parallel collectives, repeated in backward as in Megatron-LM),
+while FSDP's gathers of parameters stay outside it and are never repeated by recomputation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx
+
+from passes.insert_recompute import insert_recompute_pass
+from passes.shard_data_parallel import shard_data_parallel_pass
+from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+from passes.split_stages import StagedProgram, split_stages_pass
+from passes.verify import verify_pass
+from planner.graph import ModelGraph
+from planner.plan import Plan
+
+__all__ = ["compile_rank", "split_stages_pass", "shard_tensor_parallel_pass", "insert_recompute_pass",
+           "shard_data_parallel_pass", "verify_pass", "StagedProgram"]
+
+
+def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int,
+                 tp_index: int) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
+    """The rewritten graphs of one rank: for each stage in ``stages``, its tensor-parallel slice
+    ``tp_index``, recompute regions, and data-parallel shard ``dp_index``. ``graph`` is left intact."""
+    verify_pass(graph.gm, where="after capture")
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    modules: dict[int, torch.fx.GraphModule] = {}
+    for s in stages:
+        gm = program.stages[s].gm
+        gm = shard_tensor_parallel_pass(gm, plan, tp_index=tp_index, tp_size=plan.mesh.tp)
+        gm = insert_recompute_pass(gm, plan)
+        gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp)
+        modules[s] = verify_pass(gm, where=f"for stage {s}")
+    return program, modules

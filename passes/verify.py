@@ -46,15 +46,30 @@ def verify_pass(gm: torch.fx.GraphModule, *, where: str = "") -> torch.fx.GraphM
             axis = node.args[1] if len(node.args) > 1 else node.kwargs.get("axis")
             if not isinstance(axis, str):
                 problems.append(f"{node.format_node()}: collective axis must be an axis name, got {axis!r}")
-    layout = layout_of(gm)
-    recorded = set(layout.keys) | set(layout.flat)
-    for name, _ in gm.named_parameters(remove_duplicate=False):
-        if name not in recorded:
+    recorded = _recorded_tensors(gm)
+    for name, p in gm.named_parameters():  # deduplicated: a shared tensor needs one record
+        if id(p) not in recorded:
             problems.append(f"parameter {name!r} has no provenance in gm.meta['fs_layout']")
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise VerifyError(f"graph verification failed{' ' + where if where else ''}:\n{lines}")
     return gm
+
+
+def _recorded_tensors(gm: torch.fx.GraphModule) -> set[int]:
+    """Identities of the tensors whose origin is recorded: the layout's attributes, plus the
+    shards the data-parallel record owns (ZeRO fp32 master shards, FSDP flat parameters)."""
+    layout = layout_of(gm)
+    out: set[int] = set()
+    for attr in [*layout.keys, *layout.flat]:
+        try:
+            out.add(id(_resolve(gm, attr)))
+        except AttributeError:
+            pass  # reported through the get_attr check when the graph uses it
+    info = gm.meta.get("fs_dp")
+    if info is not None:
+        out.update(id(p) for p in info.sharded_params())
+    return out
 
 
 def _resolve(gm: torch.nn.Module, target: str) -> object:

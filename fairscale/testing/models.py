@@ -54,7 +54,9 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = cfg.heads
         self.q_proj = nn.Linear(cfg.dim, cfg.dim)
-        self.k_proj = nn.Linear(cfg.dim, cfg.dim)
+        # No key bias: it adds q·b to every score of a query, which softmax ignores, so its true
+        # gradient is 0 and Adam would turn float noise in it into lr-sized steps.
+        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.dim)
         self.o_proj = nn.Linear(cfg.dim, cfg.dim)
 

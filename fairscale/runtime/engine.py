@@ -1,0 +1,190 @@
+"""One rank of a parallelized model: its compiled stage graphs, pipeline executor and optimizer.
+
+:class:`ParallelModule` is what ``fairscale.parallelize`` returns on every rank. It is built from
+the user's model, a plan and an example batch:
+
+1. bind the pp × dp × tp mesh (``fairscale.runtime.mesh``);
+2. capture the model at the shape one microbatch has on one rank
+   (global batch / (dp × microbatches)), because exported graphs are shape-specialized;
+3. run the pass pipeline for this rank's stages (``passes.compile_rank``);
+4. wrap each stage graph's local tensors in a data-parallel-aware optimizer;
+5. run steps through the pipeline executor (one stage and no P2P when pp = 1).
+
+Every rank passes the same **global** batch; each takes its dp slice along dim 0, and each
+pipeline stage reads the batch inputs it needs (labels on the last stage). Losses returned are
+means over the global batch, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.runtime.data_parallel import local_slice
+from fairscale.runtime.mesh import RankMesh, build_mesh
+from fairscale.runtime.optim import DataParallelOptimizer
+from fairscale.runtime.pipeline import PipelineExecutor
+from fairscale.runtime import state as _state
+from passes import comm, compile_rank
+from planner.capture import capture
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from planner.schedule import build_schedule
+
+__all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
+
+OptimizerSpec = Callable[..., torch.optim.Optimizer]
+"""An optimizer class or a ``functools.partial`` of one with its options, e.g.
+``functools.partial(torch.optim.AdamW, lr=3e-4)``. Sharded data-parallel kinds construct it over
+this rank's shards."""
+
+
+def microbatch_example(batch: Sequence[Any], size: int) -> tuple[Any, ...]:
+    """``batch`` cut or tiled along dim 0 to ``size`` rows: the shape one rank's microbatch has."""
+    out = []
+    for t in batch:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            reps = -(-size // t.shape[0])
+            out.append(t.repeat(reps, *([1] * (t.dim() - 1)))[:size] if reps > 1 else t[:size])
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+class ParallelModule:
+    """This rank's part of a model trained under ``plan``. Build it with ``fairscale.parallelize``.
+
+    Two ways to train:
+
+    * ``loss = pm.train_step(batch)``: forward, backward (through the pipeline schedule) and the
+      optimizer step. Works for every plan; use it when pp > 1 or microbatches > 1.
+    * ``loss = pm(batch); loss.backward(); pm.optimizer.step(); pm.optimizer.zero_grad()``:
+      the ordinary PyTorch loop, for plans with pp = 1 and one microbatch (gradients are
+      synchronized by the collectives in the graph during ``backward``).
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
+                               "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
+        m = plan.mesh
+        self.plan = plan
+        self.mesh: RankMesh
+        self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp)
+        gb = plan.schedule.global_batch or _batch_rows(example_inputs)
+        micro = plan.schedule.microbatches
+        if gb % (m.dp * micro):
+            raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
+                             f"= {m.dp * micro} equal microbatches")
+        self.global_batch = gb
+        self.microbatch_rows = gb // (m.dp * micro)
+        example = microbatch_example(example_inputs, self.microbatch_rows)
+        self.graph: ModelGraph = capture(model, example, loss_fn=loss_fn, annotate=False)
+        self.schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
+                                       virtual_stages=plan.schedule.virtual_stages)
+        self.local_stages = self.schedule.rank_stages(self.mesh.pp_index)
+        self.program, self.modules = compile_rank(self.graph, plan, stages=self.local_stages,
+                                                  dp_index=self.mesh.dp_index, tp_index=self.mesh.tp_index)
+        self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules)
+        cls, kwargs = _optimizer_parts(optimizer)
+        self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
+        self.optimizer = _StageOptimizers(self._optimizers)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def train_step(self, batch: Sequence[Any]) -> float:
+        """One optimizer step on the global ``batch``; returns its mean loss (same on every rank)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.executor.step(local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+        self.optimizer.step()
+        return self._dp_mean(loss)
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""
+        if self.plan.mesh.pp > 1 or self.plan.schedule.microbatches > 1:
+            raise RuntimeError(
+                f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
+                f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
+                "schedule interleaves: use pm.train_step(batch)")
+        return self.modules[0](*local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's trainable local tensors (slices and shards), as the optimizer sees them."""
+        for opt in self._optimizers:
+            yield from opt.params
+
+    def _dp_mean(self, value: float) -> float:
+        if self.mesh.dp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=comm.get_group("dp"))
+        return float(t.item()) / self.mesh.dp
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only;
+        other ranks get ``{}``. Collective: every rank must call it."""
+        mine: dict[str, torch.Tensor] = {}
+        for s in self.local_stages:
+            mine.update(_state.full_state_dict(self.modules[s], aliases=self.graph.tied, rank0_only=False))
+        first_of_stage = self.mesh.dp_index == 0 and self.mesh.tp_index == 0
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine if first_of_stage else None)
+        if dist.get_rank() != 0:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part or {})
+        return out
+
+    def report(self) -> str:
+        """The plan's text report (stages, memory, predicted time, collectives)."""
+        from fairscale.cli import render_report
+
+        return render_report(self.plan, None)
+
+    def comm_summary(self) -> str:
+        """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""
+        return comm.COUNTER.summary()
+
+
+class _StageOptimizers:
+    """The optimizers of this rank's stages, stepped together."""
+
+    def __init__(self, optimizers: list[DataParallelOptimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    if spec is None:
+        return torch.optim.Adam, {"lr": 1e-3}
+    if isinstance(spec, functools.partial):
+        if spec.args:
+            raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")
+        return spec.func, dict(spec.keywords)
+    return spec, {}
+
+
+def _batch_rows(batch: Sequence[Any]) -> int:
+    for t in batch:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError("the example batch has no tensor with a batch dimension")
