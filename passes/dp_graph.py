@@ -129,6 +129,9 @@ def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str,
     """A new GraphModule running ``graph`` whose get_attr targets come from ``objects`` first and
     from ``src`` otherwise (shared, e.g. buffers and constants)."""
     root = nn.Module()
+    for node in reversed(list(graph.nodes)):  # readers of replaced parameters are gone now
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
             target = str(node.target)
@@ -137,9 +140,8 @@ def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str,
                 objects[target] = resolve(src, target)
     for target, obj in objects.items():
         set_attr(root, target, obj)
-    graph.eliminate_dead_code()
-    graph.lint()
     out = torch.fx.GraphModule(root, graph, class_name=type(src).__name__)
+    out.graph.lint()
     out.meta = copy.copy(src.meta)
     out.meta[META_LAYOUT] = layout
     return out
@@ -162,12 +164,17 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
                 cast = graph.call_method("to", (node, dtype))
             node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
     out = next(n for n in graph.nodes if n.op == "output")
-    res = out.args[0]
-    val = res.meta.get("val") if isinstance(res, torch.fx.Node) else None
-    if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
-        with graph.inserting_before(out):
-            cast = graph.call_method("float", (res,))
-        out.args = (cast,)
+
+    def fp32(res: object) -> object:
+        if isinstance(res, (tuple, list)):
+            return type(res)(fp32(r) for r in res)
+        val = res.meta.get("val") if isinstance(res, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+            with graph.inserting_before(out):
+                return graph.call_method("float", (res,))
+        return res
+
+    out.args = (fp32(out.args[0]),)
 
 
 def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:

@@ -185,6 +185,12 @@ class FSDPUnit(nn.Module):
         self.next_fwd: FSDPUnit | None = None
         self.prev_bwd: FSDPUnit | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("next_fwd", "prev_bwd"):  # links to sibling units, not child modules (no cycles)
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, params={len(self.keys)}, numel={self.numel}, padded={self.padded}, n={self.n}, "
                 f"reshard={self.reshard}")

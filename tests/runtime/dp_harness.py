@@ -64,7 +64,7 @@ def run_kinds(family: str, world: int, *, dtype: torch.dtype = torch.float64, ki
     kinds = kinds or list(KINDS)
     factory = lambda: make_case(family, dtype, freeze_key_bias=freeze_key_bias)  # noqa: E731
     case = factory()
-    graph = capture(case.model, case.make_batch(0, GLOBAL_BATCH // world), loss_fn=case.loss_fn)
+    graph = capture(case.model, case.make_batch(0, GLOBAL_BATCH // world), loss_fn=case.loss_fn, annotate=False)
     ref = train_reference(factory, steps=STEPS, global_batch=GLOBAL_BATCH)
 
     def rank_fn(rank: int, n: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ FAMILY = "gpt"
 
 def _graph(world):
     case = make_case(FAMILY)
-    return case, capture(case.model, case.make_batch(0, GLOBAL_BATCH // world), loss_fn=case.loss_fn)
+    return case, capture(case.model, case.make_batch(0, GLOBAL_BATCH // world), loss_fn=case.loss_fn, annotate=False)
 
 
 def _np(state):

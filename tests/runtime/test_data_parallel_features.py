@@ -25,7 +25,7 @@ WORLD = 2
 
 def _graph(family="gpt", dtype=torch.float64, world=WORLD, micro=1):
     case = make_case(family, dtype)
-    return case, capture(case.model, case.make_batch(0, GLOBAL_BATCH // world // micro), loss_fn=case.loss_fn)
+    return case, capture(case.model, case.make_batch(0, GLOBAL_BATCH // world // micro), loss_fn=case.loss_fn, annotate=False)
 
 
 def _traj(losses, params):
