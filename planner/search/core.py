@@ -77,6 +77,9 @@ def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rule
     """The search context; ``rules`` is a dict (the same rules at every tp) or a function of tp."""
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if graph.layers and not any(layer.flops_fwd or layer.flops_bwd for layer in graph.layers):
+        raise ValueError("the graph carries no FLOPs, so every plan would cost nothing: capture it with "
+                         "annotate=True (the default) before planning")
     at = rules_function(graph, rules)
     return Context(layer_facts(graph, {}), cluster, global_batch=global_batch, options=options or CostOptions(),
                    captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)))

@@ -225,3 +225,30 @@ def test_tp_rules_may_depend_on_the_degree(small):
     assert tps <= {1, 2} and 4 in asked  # tp=4 was asked for, got no rules, so was never planned
     for c in [r.best, *r.runners_up]:
         assert bool(c.plan.tensor_parallel.rules) == (c.plan.mesh.tp == 2)
+
+
+def test_branch_and_bound_finds_the_exhaustive_optimum(monkeypatch):
+    """Pruning by the (fluid) lower bound must not lose the best plan: compare with a search that
+    visits every configuration, on a model that needs recompute to fit."""
+    import math
+
+    import planner.search.core as core
+
+    g = gpt_graph(layers=8, hidden=256, heads=8, seq=2048, vocab=1000)
+    c = Cluster.from_dict({**Cluster.preset("a100-40gb").to_dict(), "memory_bytes": 512 * 2**20})
+    pruned = search(g, c, global_batch=16)
+    real = core._bounds
+    monkeypatch.setattr(core, "_bounds", lambda ctx, cfg, tot: (
+        lambda lb, mem: (lb if math.isinf(lb) else 0.0, mem))(*real(ctx, cfg, tot)))
+    full = search(g, c, global_batch=16)
+    assert full.evaluated > pruned.evaluated
+    assert pruned.best.breakdown.step_time_s == pytest.approx(full.best.breakdown.step_time_s, rel=1e-12)
+    assert pruned.best.breakdown.recompute_s > 0
+
+
+def test_an_unannotated_graph_is_refused():
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    for layer in g.layers:
+        layer.flops_fwd = layer.flops_bwd = 0
+    with pytest.raises(ValueError, match="the graph carries no FLOPs"):
+        search(g, Cluster.cpu(2, memory_bytes=GiB), global_batch=2)
