@@ -46,7 +46,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
                 ignore_index: int, reduction: int) -> torch.Tensor:
-        x = logits.float()
+        x = logits if logits.dtype == torch.float64 else logits.float()
         gmax = x.max(dim=-1).values
         comm.all_reduce_(gmax, axis, op=dist.ReduceOp.MAX)
         shifted = x - gmax.unsqueeze(-1)
