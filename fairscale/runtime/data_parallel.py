@@ -20,6 +20,7 @@ runner is the dp-only path.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.fx
 
 from fairscale.runtime import state as _state
+from fairscale.runtime.init import check_replicas, sync_params
+from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
 from passes import comm
 from passes.shard_data_parallel import META_DP, DataParallelInfo, no_sync, shard_data_parallel_pass
@@ -95,8 +98,13 @@ class DataParallelRunner:
     @classmethod
     def build(cls, graph: ModelGraph | torch.fx.GraphModule, plan: Plan | DataParallel,
               optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *, axis: str = "dp",
-              **optimizer_kwargs: Any) -> DataParallelRunner:
-        """Bind the dp axis to the whole world, run the pass for this rank, make the optimizer."""
+              sync: bool | None = None, **optimizer_kwargs: Any) -> DataParallelRunner:
+        """Bind the dp axis to the whole world, run the pass for this rank, make the optimizer.
+
+        ``sync``: broadcast rank 0's weights into the captured graph first (default: only under
+        torchrun, where each process built its own model; forked ranks inherited one). With
+        ``sync=False`` the ranks' weights are checked to agree instead.
+        """
         if not dist.is_initialized():
             raise RuntimeError("DataParallelRunner.build needs torch.distributed initialized; run it under "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
@@ -107,6 +115,12 @@ class DataParallelRunner:
         if comm.get_group(axis) is None or comm.group_size(axis) != world:
             comm.set_group(axis, dist.group.WORLD if world > 1 else None)
         gm = graph.gm if isinstance(graph, ModelGraph) else graph
+        if sync is None:
+            sync = under_torchrun() and not os.environ.get("FAIRSCALE_LAUNCHED")
+        if sync:
+            sync_params(gm)
+        else:
+            check_replicas(gm)
         rank_gm = shard_data_parallel_pass(gm, plan, dp_index=rank, dp_size=world, axis=axis)
         opt = DataParallelOptimizer(rank_gm, optimizer_cls, **optimizer_kwargs)
         return cls(gm=rank_gm, optimizer=opt, graph=graph if isinstance(graph, ModelGraph) else None,
