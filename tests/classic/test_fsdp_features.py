@@ -218,7 +218,7 @@ def test_errors_name_the_fix():
     seq = nn.Sequential(shared, nn.Linear(3, 3))
     seq[1].weight = shared.weight
     seq[0] = FSDP(seq[0])
-    with pytest.raises(ValueError, match="shared between this instance and a nested one"):
+    with pytest.raises(ValueError, match="parameter '1.weight' is shared with a nested instance"):
         FSDP(seq)
 
 

@@ -30,7 +30,7 @@ GPU use the same code but are not exercised by the CPU test suite.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -46,7 +46,8 @@ def _split_balanced(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     n = len(sizes)
     parts = max(1, min(parts, n))
     total = sum(sizes) or n
-    bounds, start, acc = [], 0, 0.0
+    bounds: list[tuple[int, int]] = []
+    start, acc = 0, 0.0
     weights = sizes if sum(sizes) else [1] * n
     for i in range(n):
         acc += weights[i]
@@ -66,7 +67,8 @@ def _split_balanced(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
 class _ParamTokens:
     """Saved-tensor hooks that replace device copies of parameters with tokens and re-copy on unpack."""
 
-    def __init__(self, params: dict[str, torch.Tensor], copies: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], copies: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
         self.params = params
         self.device = device
         self.by_ptr = {c.untyped_storage().data_ptr(): name for name, c in copies.items()}

@@ -32,19 +32,19 @@ _DTYPES_ATTR = "_fsdp_buffer_dtypes"
 
 
 def walk(module: nn.Module, fsdp_cls: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """(path, module) for ``module`` and its descendants, not entering ``fsdp_cls`` instances
-    (``module`` itself included: an instance wrapping an instance owns nothing of it)."""
+    """(dotted path, module) for ``module`` and its descendants, not entering ``fsdp_cls``
+    instances (``module`` itself included: an instance wrapping an instance owns nothing of it)."""
     yield prefix, module
     if isinstance(module, fsdp_cls):
         return
     for name, child in module._modules.items():
         if child is None:
             continue
-        path = f"{prefix}{name}"
+        path = f"{prefix}.{name}" if prefix else name
         if isinstance(child, fsdp_cls):
             yield path, child
         else:
-            yield from walk(child, fsdp_cls, path + ".")
+            yield from walk(child, fsdp_cls, path)
 
 
 def direct_nested(module: nn.Module, fsdp_cls: type) -> list[Any]:
@@ -52,14 +52,14 @@ def direct_nested(module: nn.Module, fsdp_cls: type) -> list[Any]:
     return [m for _, m in walk(module, fsdp_cls) if isinstance(m, fsdp_cls)]
 
 
-def owned_parameters(module: nn.Module, fsdp_cls: type) -> Iterator[nn.Parameter]:
-    """Parameters registered on ``module``'s subtree outside nested FSDP instances (with repeats)."""
-    for _, m in walk(module, fsdp_cls):
+def owned_parameters(module: nn.Module, fsdp_cls: type) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) registered on ``module``'s subtree outside nested FSDP instances (with repeats)."""
+    for path, m in walk(module, fsdp_cls):
         if isinstance(m, fsdp_cls):
             continue
-        for p in m._parameters.values():
+        for name, p in m._parameters.items():
             if p is not None:
-                yield p
+                yield clean_key(f"{path}.{name}" if path else name), p
 
 
 def collect_owned(module: nn.Module, fsdp_cls: type) -> tuple[list[nn.Parameter], set[int], list[str]]:
@@ -69,11 +69,11 @@ def collect_owned(module: nn.Module, fsdp_cls: type) -> tuple[list[nn.Parameter]
     nested_originals: set[int] = set().union(*(m._original_ids for m in nested)) if nested else set()
     owned: list[nn.Parameter] = []
     seen: set[int] = set()
-    for p in owned_parameters(module, fsdp_cls):
+    for name, p in owned_parameters(module, fsdp_cls):
         if id(p) in nested_originals:
-            raise ValueError("FullyShardedDataParallel: a parameter is shared between this instance and a nested "
-                             "one (tied weights across wrapped submodules); wrap the modules that share it in "
-                             "the same instance")
+            raise ValueError(f"FullyShardedDataParallel: parameter {name!r} is shared with a nested instance (tied "
+                             "weights across wrapped submodules); wrap the modules that share it in the same "
+                             "instance, e.g. exclude them from auto_wrap")
         if id(p) not in seen:
             seen.add(id(p))
             owned.append(p)
@@ -150,9 +150,11 @@ def metadata(root: FullyShardedDataParallel) -> dict[str, Any]:
         })
     buffers = {}
     dtypes = buffer_dtypes(root)
+    persistent = set(root.local_state_dict())  # non-persistent buffers are in no state dict
     for name, _ in root.named_buffers():
-        key = clean_key(name)
-        buffers[name] = (key, dtypes.get(key))
+        if name in persistent:
+            key = clean_key(name)
+            buffers[name] = (key, dtypes.get(key))
     return {"version": 1, "world_size": root.world_size, "rank": root.rank, "units": units, "buffers": buffers}
 
 
@@ -256,7 +258,7 @@ def shard_optim(root: FullyShardedDataParallel, full: dict[str, Any]) -> dict[st
             raise KeyError(f"get_shard_from_optim_state_dict: no parameter of {u.layout.members[0][0]!r}'s unit "
                            "is numbered in this model")
         group_params[group_of.get(known[0], 0)].append(local_id)
-        states = [full["state"].get(i) if i is not None else None for i in ids]
+        states: list[Any] = [full["state"].get(i) if i is not None else None for i in ids]
         if all(s is None for s in states):
             continue
         if any(s is None for s in states):

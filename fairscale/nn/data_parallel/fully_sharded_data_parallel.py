@@ -251,7 +251,7 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._fsdp_wrapped_module._fpw_module.__getitem__(key)
+        return self._fsdp_wrapped_module.module[key]  # type: ignore[index]  # a Sequential, when indexed
 
     def extra_repr(self) -> str:
         s = (f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
@@ -393,8 +393,9 @@ class FullyShardedDataParallel(nn.Module):
         if not self._summoned:
             raise RuntimeError("call reset_parameters() inside summon_full_params(): it needs the full parameters")
         for _, m in fsdp_state.walk(self._fsdp_wrapped_module._fpw_module, FullyShardedDataParallel):
-            if not isinstance(m, FullyShardedDataParallel) and callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()  # writes into this instance's gathered full tensors
+            reset = getattr(m, "reset_parameters", None)
+            if not isinstance(m, FullyShardedDataParallel) and callable(reset):
+                reset()  # writes into this instance's gathered full tensors
         with torch.no_grad():
             for full in self._summon_fulls:
                 comm.broadcast_(full, self._axis, src_rank=0)

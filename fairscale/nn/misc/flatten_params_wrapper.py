@@ -201,7 +201,7 @@ class FlattenParamsWrapper(nn.Module):
         """Temporarily register the original parameters (views of ``flats``, default the flat
         parameters' data) under their own names, and hide the flat parameters."""
         flats = [p.detach() for p in self.flat_params] if flats is None else list(flats)
-        saved = {n: self._parameters.pop(n) for n in self._flat_names}
+        saved: dict[str, Any] = {n: self._parameters.pop(n) for n in self._flat_names}
         try:
             for g, flat, name in zip(self._groups, flats, self._flat_names):
                 unbind_views(g)
