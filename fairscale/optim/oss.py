@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist

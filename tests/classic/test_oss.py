@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fairscale
 from fairscale.optim import OSS
 from fairscale.testing.models import build
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare
 from passes import comm
 from planner.capture import LossModule
 

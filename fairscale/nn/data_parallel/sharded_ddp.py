@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Generator, Iterable
+from typing import Any, Generator
 
 import torch
 import torch.distributed as dist

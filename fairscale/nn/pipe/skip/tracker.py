@@ -6,8 +6,6 @@ import contextlib
 import threading
 from typing import Any, Generator, Hashable
 
-import torch
-
 __all__ = ["SkipTracker", "current_skip_tracker", "use_skip_tracker"]
 
 
@@ -50,7 +48,3 @@ def use_skip_tracker(tracker: SkipTracker) -> Generator[None, None, None]:
         yield
     finally:
         _local.tracker = old
-
-
-def is_tensor_like(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) or x is None
