@@ -83,6 +83,12 @@ class Cluster:
     """Latency of one message between nodes, seconds."""
     efficiency: Efficiency = field(default_factory=Efficiency)
     """Achievable fractions of the peaks above."""
+    host_bandwidth: float = 25e9
+    """Per-device, per-direction bandwidth between the device and host memory (PCIe), bytes/s."""
+    host_memory_bytes: int = 128 * 2**30
+    """Host (CPU) memory per device, bytes: the node's RAM divided by its devices."""
+    host_memory_bandwidth: float = 50e9
+    """Host DRAM bandwidth per device (the node's divided by its devices), bytes/s; bounds a CPU optimizer step."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,7 +97,8 @@ class Cluster:
         for key in ("fp32", "bf16", "fp16"):
             if self.peak_flops.get(key, 0.0) <= 0:
                 problems.append(f"peak_flops[{key!r}] must be > 0 (got {self.peak_flops.get(key)})")
-        for key in ("memory_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
+        for key in ("memory_bytes", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth", "host_bandwidth",
+                    "host_memory_bytes", "host_memory_bandwidth"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be > 0 (got {getattr(self, key)})")
         if problems:
@@ -148,7 +155,8 @@ class Cluster:
         return cls(name="cpu", device="cpu", nodes=1, devices_per_node=ranks, memory_bytes=host,
                    peak_flops={"fp32": per_rank, "tf32": per_rank, "bf16": per_rank / 2, "fp16": per_rank / 4},
                    hbm_bandwidth=10e9, intra_bandwidth=2e9, intra_latency=20e-6,
-                   inter_bandwidth=1e9, inter_latency=50e-6)
+                   inter_bandwidth=1e9, inter_latency=50e-6, host_bandwidth=10e9, host_memory_bytes=host,
+                   host_memory_bandwidth=10e9)
 
     @classmethod
     def detect(cls) -> Cluster:
@@ -241,23 +249,35 @@ def _preset_for(device_name: str) -> str:
 # Memory sizes are what nvidia-smi reports (MiB): A100-40GB 40960, A100-80GB 81920,
 #   H100-SXM-80GB 81559, H200 143771.
 # Latencies: ~5 us per NVLink hop and ~10 us per InfiniBand hop are NCCL's small-message floors.
+# Host side (offload): DGX A100 has PCIe 4.0 x16 per GPU (32 GB/s per direction raw, ~25 GB/s
+#   achieved), 1 TB of RAM (128 GB per GPU) and two EPYC 7742 with 8 DDR4-3200 channels each
+#   (2 x 204.8 GB/s = 51 GB/s per GPU); DGX H100/H200 have PCIe 5.0 x16 (64 GB/s raw, ~50 GB/s),
+#   2 TB of RAM (256 GB per GPU) and two Xeon 8480C with 8 DDR5-4800 channels each (77 GB/s per GPU).
 
 _A100 = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
+_DGX_A100_HOST: dict[str, Any] = {"host_bandwidth": 25e9, "host_memory_bytes": 128 * 10**9,
+                                  "host_memory_bandwidth": 51e9}
+_DGX_H100_HOST: dict[str, Any] = {"host_bandwidth": 50e9, "host_memory_bytes": 256 * 10**9,
+                                  "host_memory_bandwidth": 77e9}
 _H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}
 
 PRESETS: dict[str, Cluster] = {
     "a100-40gb": Cluster(name="a100-40gb", device="NVIDIA A100-SXM4-40GB", nodes=1, devices_per_node=8,
                          memory_bytes=40960 * MiB, peak_flops=_A100, hbm_bandwidth=1555e9,
-                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6),
+                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+                         **_DGX_A100_HOST),
     "a100-80gb": Cluster(name="a100-80gb", device="NVIDIA A100-SXM4-80GB", nodes=1, devices_per_node=8,
                          memory_bytes=81920 * MiB, peak_flops=_A100, hbm_bandwidth=2039e9,
-                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6),
+                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+                         **_DGX_A100_HOST),
     "h100-sxm-80gb": Cluster(name="h100-sxm-80gb", device="NVIDIA H100 80GB HBM3", nodes=1, devices_per_node=8,
                              memory_bytes=81559 * MiB, peak_flops=_H100, hbm_bandwidth=3350e9,
-                             intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6),
+                             intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+                             **_DGX_H100_HOST),
     "h200": Cluster(name="h200", device="NVIDIA H200", nodes=1, devices_per_node=8,
                     memory_bytes=143771 * MiB, peak_flops=_H100, hbm_bandwidth=4800e9,
-                    intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6),
+                    intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+                    **_DGX_H100_HOST),
 }
 
 _ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100": "h100-sxm-80gb",

@@ -78,9 +78,9 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
     if mesh.size != cluster.devices:
         raise PlanError([f"mesh: pp({mesh.pp}) × dp({mesh.dp}) × tp({mesh.tp}) = {mesh.size}, but the cluster has "
                          f"{cluster.devices} devices"], source="plan")
-    if dp.offload:
-        raise PlanError(["data_parallel.offload: true is not modeled by the cost model yet; the plan cannot be "
-                         "costed (set it to false to cost the rest)"], source="plan")
+    if dp.offload and dp.kind != "fsdp":
+        raise PlanError([f'data_parallel.offload: the cost model offloads FSDP shards only, but data_parallel.kind '
+                         f'is "{dp.kind}"; use "fsdp" or set offload to false'], source="plan")
     stages = mesh.pp * sched.virtual_stages
     cuts = fixed_cuts(ctx, [s.layers for s in plan.stages]) if plan.stages else (0, len(ctx.facts))
     if len(cuts) - 1 != stages:
@@ -96,6 +96,6 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
     cfg = Config(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, microbatches=sched.microbatches, kind=sched.kind,
                  v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
                  sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,
-                 bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, units=units)
+                 bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, units=units, offload=dp.offload)
     return evaluate(ctx, cfg)
 

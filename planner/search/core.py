@@ -257,8 +257,19 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     if not best:
         closest = _closest(ctx, mem_fail, closest, cuts, rec)
         fixes = _fixed_notes(fixed)
+        offloaded = None
+        if not fixed.offload and fixed.dp_kind in (None, "fsdp") and isinstance(constraints, (dict, type(None))):
+            try:
+                with_offload = dict(constraints or {})
+                with_offload["data_parallel"] = {**with_offload.get("data_parallel", {}), "kind": "fsdp",
+                                                 "offload": True}
+                offloaded = run_search(graph, cluster, global_batch=global_batch, constraints=with_offload,
+                                       top_k=0, tp_rules=tp_rules, options=options).best
+            except PlanError:
+                offloaded = None
         msg, short = infeasible_message(ctx, closest, total_params=graph.num_parameters,
-                                        param_dtype=fixed.param_dtype or "fp32", fixed_notes=fixes)
+                                        param_dtype=fixed.param_dtype or "fp32", fixed_notes=fixes,
+                                        offloaded=offloaded)
         raise NoFeasiblePlan(msg, shortfall_bytes=short)
     ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
     win = ranked[0][2]
@@ -336,22 +347,30 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
     per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=ctx.options.optimizer)
     params = tot.params / pp
+    state_per_param = per_param
+    if cfg.offload:  # states on the host: the device holds none, the host must hold a rank's share
+        per_param = 0.0
+        if state_per_param * params > ctx.host_cap:
+            return math.inf, ctx.cap * 1.0000001
     extra, fixed_bytes = tot.buffers(ctx, cfg)
     mem_lb = (per_param + extra) * params + tot.min_act / pp + fixed_bytes
     flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
     t = max(tot.max_layer, fluid_bottleneck(tot, flights, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
     c = ctx.cluster
-    if cfg.dp_kind == "fsdp" and cfg.dp > 1:  # per-microbatch gathers and reduce-scatters of the rank's share
+    if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):  # per-microbatch traffic of the rank's share
         bw, lat = c.link(cfg.tp * cfg.dp)
         bw *= c.efficiency.network
-        comm = ((2 if cfg.reshard else 1) * all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp,
-                                                             bandwidth=bw, latency=lat)
+        gathers = 2 if cfg.reshard else 1
+        comm = (gathers * all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
                 + all_gather_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
+        if cfg.offload:
+            comm += (gathers * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp / c.host_bandwidth
         t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
     pipe = m * t + (pp - 1) * t / v if cfg.kind == "interleaved" else (m - 1 + pp) * t
-    tail = 2 * per_param * params / (c.hbm_bandwidth * c.efficiency.memory)
+    opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
+    tail = 2 * state_per_param * params / (opt_bw * c.efficiency.memory)
     bw, lat = c.link(cfg.tp * cfg.dp)
     bw *= c.efficiency.network
     if cfg.dp > 1 and not ctx.options.overlap_dp:
@@ -403,7 +422,8 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
                                               reshard=reshard, sp=sp, param_dtype=dtype,
                                               reduce_dtype=fixed.reduce_dtype or "fp32",
                                               prefetch=True if fixed.prefetch is None else fixed.prefetch,
-                                              bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units)))
+                                              bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units),
+                                              offload=bool(fixed.offload)))
     if fixed.pp and fixed.pp > L:
         notes.append(f"pp={fixed.pp} is more than the {L} layers")
     return out, notes
@@ -429,7 +449,9 @@ def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | No
 
 
 def _dp_kinds(dp: int, fixed: Fixed) -> list[tuple[str, bool]]:
-    if dp == 1:
+    if fixed.offload:  # the cost model offloads FSDP shards only
+        opts = [("fsdp", True), ("fsdp", False)]
+    elif dp == 1:
         opts = [("ddp", True)] if fixed.dp_kind is None else [(fixed.dp_kind, True)]
     else:
         opts = [("ddp", True), ("zero1", True), ("zero2", True), ("fsdp", True), ("fsdp", False)]

@@ -60,6 +60,8 @@ class Config:
     """Indices of fully recomputed layers."""
     units: frozenset[int] | None = None
     """FSDP: indices of layers that are units of their own (None: every repeated-block layer)."""
+    offload: bool = False
+    """FSDP: parameter shards, gradients and optimizer states live in host memory (CPU Adam)."""
 
 
 @dataclass(kw_only=True)
@@ -90,6 +92,10 @@ class Breakdown:
     """Peak bytes per pipeline rank."""
     memory_cap: float
     """Usable bytes per device."""
+    host_memory_bytes: float = 0.0
+    """Host bytes per device holding offloaded states (0 without offload)."""
+    host_memory_cap: float = float("inf")
+    """Usable host bytes per device."""
     comm_bytes: float
     """Bytes sent per device per step, all collectives (max over pipeline ranks)."""
     model_flops: float
@@ -103,12 +109,12 @@ class Breakdown:
 
     @property
     def fits(self) -> bool:
-        return max(self.memory_bytes) <= self.memory_cap
+        return max(self.memory_bytes) <= self.memory_cap and self.host_memory_bytes <= self.host_memory_cap
 
     @property
     def shortfall(self) -> float:
-        """Bytes over the cap on the fullest rank (0 when it fits)."""
-        return max(0.0, max(self.memory_bytes) - self.memory_cap)
+        """Bytes over the cap on the fullest rank, device or host (0 when it fits)."""
+        return max(0.0, max(self.memory_bytes) - self.memory_cap, self.host_memory_bytes - self.host_memory_cap)
 
     @property
     def tflops_per_device(self) -> float:
@@ -137,6 +143,7 @@ class Context:
         self.options = options
         self.captured_dtype = captured_dtype
         self.cap = cluster.memory_bytes * options.usable_memory_fraction
+        self.host_cap = cluster.host_memory_bytes * options.usable_memory_fraction
         self.model_flops = sum(f.flops_fwd + f.flops_bwd for f in facts) * global_batch
         self.blocks = frozenset(f.index for f in facts if f.block is not None)
         self._costs: dict[tuple[int, int, str, bool], list[LayerCost]] = {}
@@ -191,14 +198,14 @@ def rank_memory(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, re
     + FSDP unshard buffers."""
     layers = rank_layers(cfg, rank) if layers is None else layers
     params = rank_params(ctx, costs, layers, cfg.tp)
-    states = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                               optimizer=ctx.options.optimizer)
+    states = 0.0 if cfg.offload else model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp,
+                                                       param_dtype=cfg.param_dtype, optimizer=ctx.options.optimizer)
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
     kept = sum(costs[i].act_recompute if i in recompute else costs[i].act for i in layers)
     # the backward of a recomputed layer rebuilds its full activations for one microbatch
     transient = max((costs[i].act for i in layers if i in recompute), default=0.0)
     buffers = 0.0
-    if cfg.dp_kind == "fsdp" and cfg.dp > 1:
+    if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
         buffers = unshard_buffer_bytes(_unit_params(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
                                        reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch)
     return states + flight * kept + transient + buffers
@@ -215,7 +222,7 @@ def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tupl
     """FSDP unshard buffers as (bytes per parameter element the rank holds, fixed bytes), for the
     search's fast paths: without reshard every gathered parameter stays (per element), with it the
     two largest units do (fixed); plus one unit of full gradients either way."""
-    if cfg.dp_kind != "fsdp" or cfg.dp <= 1:
+    if cfg.dp_kind != "fsdp" or (cfg.dp <= 1 and not cfg.offload):
         return 0.0, 0.0
     b = DTYPE_BYTES[cfg.param_dtype]
     units = sorted((c.params for i, c in enumerate(costs) if i in (ctx.blocks if cfg.units is None else cfg.units)),
@@ -267,6 +274,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     rec = cfg.recompute
     opts = ctx.options
     times, mems, comm = [], [], []
+    host = 0.0
     worst = dict(compute=0.0, recompute=0.0, tp=0.0, p2p=0.0, dp=0.0, opt=0.0, tail=0.0)
     for rank in range(cfg.pp):
         layers = rank_layers(cfg, rank)
@@ -291,11 +299,13 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         params = rank_params(ctx, costs, layers, cfg.tp)
         busy = t + t_rec
         fsdp_s, dp_bytes, tail = 0.0, 0.0, 0.0
-        if cfg.dp > 1 and cfg.dp_kind == "fsdp":
+        if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
             gathers = 2 if cfg.reshard else 1
             ag = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
             rs = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
             per_mb = gathers * ag + rs
+            if cfg.offload:  # fp32 shards come up over PCIe before each gather, gradient shards go down
+                per_mb += (gathers * params / cfg.dp * 4 + params / cfg.dp * rbytes) / c.host_bandwidth
             if opts.overlap_fsdp and cfg.prefetch:
                 units = _unit_params(ctx, cfg, costs, layers)
                 first = ag * (units[0] / params) if params > 0 and units else 0.0
@@ -321,8 +331,10 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             tail = sync + after
         state = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=opts.optimizer)
-        # Adam reads and writes every state byte once (memory-bound)
-        opt_s = 2 * state / (c.hbm_bandwidth * c.efficiency.memory)
+        # Adam reads and writes every state byte once (memory-bound), on the host when offloaded
+        opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
+        opt_s = 2 * state / (opt_bw * c.efficiency.memory)
+        host = max(host, state) if cfg.offload else host
         rank_t = busy + p2p_s + fsdp_s
         times.append(rank_t)
         mems.append(rank_memory(ctx, cfg, costs, rank, rec, layers))
@@ -337,7 +349,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
                      compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
                      p2p_s=worst["p2p"], dp_comm_s=worst["dp"] + worst.get("fsdp", 0.0), optimizer_s=worst["opt"],
-                     memory_bytes=mems, memory_cap=ctx.cap, comm_bytes=max(comm), model_flops=ctx.model_flops,
+                     memory_bytes=mems, memory_cap=ctx.cap, host_memory_bytes=host, host_memory_cap=ctx.host_cap,
+                     comm_bytes=max(comm), model_flops=ctx.model_flops,
                      devices=cfg.pp * cfg.dp * cfg.tp, config=cfg)
 
 

@@ -76,6 +76,9 @@ class SegmentModel:
                                            optimizer=ctx.options.optimizer)
         self.flight = [in_flight(cfg.kind, cfg.pp, cfg.microbatches, r, v=cfg.v) for r in range(cfg.pp)]
         self.transient = max((c.act for c, r in zip(costs, recomputable) if r), default=0.0)
+        self.host_per_param = 0.0
+        if cfg.offload:  # states live on the host; the device keeps only unshard buffers
+            self.host_per_param, self.per_param = self.per_param, 0.0
         extra, self.buffers = fsdp_buffer_terms(ctx, cfg, costs)
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
@@ -99,6 +102,8 @@ class SegmentModel:
         cfg, p = self.cfg, self.p
         flight = self.flight[k % cfg.pp]
         params = self.params(s, e)
+        if self.host_per_param * params > self.ctx.host_cap:
+            return INF
         mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.buffers / cfg.v
         t = p.t[e] - p.t[s]
         if mem > self.cap:
@@ -116,12 +121,15 @@ class SegmentModel:
                 t += p2p_time(self.costs[e - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
             if k > 0:
                 t += p2p_time(self.costs[s - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-        if cfg.dp_kind == "fsdp" and cfg.dp > 1:
+        if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
             ag = all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=self.dp_bw,
                                  latency=self.dp_lat)
             rs = reduce_scatter_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=self.dp_bw,
                                      latency=self.dp_lat)
             comm = (2 if cfg.reshard else 1) * ag + rs
+            if cfg.offload:
+                comm += ((2 if cfg.reshard else 1) * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp \
+                    / self.ctx.cluster.host_bandwidth
             t = max(t, comm) if self.ctx.options.overlap_fsdp and cfg.prefetch else t + comm
         return t
 

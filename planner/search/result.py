@@ -31,6 +31,7 @@ class Candidate:
         assert c is not None
         sched = c.kind + (f"×{c.v}" if c.kind == "interleaved" else "")
         dp = c.dp_kind + ("" if c.dp_kind != "fsdp" else ("+reshard" if c.reshard else "+keep"))
+        dp += "+offload" if c.offload else ""
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
         return (f"pp={c.pp} dp={c.dp} tp={c.tp}{' sp' if c.sp else ''} {sched} m={c.microbatches} {dp} {rec}: "
                 f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device, "
@@ -83,6 +84,7 @@ def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdow
     fsdp = cfg.dp_kind == "fsdp"
     dp = DataParallel(kind=cfg.dp_kind, units=(units or _block_selector(ctx)) if fsdp else "",
                       reshard_after_forward=cfg.reshard if fsdp else True, param_dtype=cfg.param_dtype,
+                      offload=cfg.offload,
                       reduce_dtype=cfg.reduce_dtype, prefetch=cfg.prefetch if fsdp else True,
                       bucket_mb=25.0 if fsdp else cfg.bucket_mb)
     pred = breakdown.predicted
@@ -126,7 +128,7 @@ def loss_reason(b: Breakdown, w: Breakdown) -> str:
 
 
 def infeasible_message(ctx: Context, closest: Breakdown | None, *, total_params: int, param_dtype: str,
-                       fixed_notes: list[str]) -> tuple[str, float]:
+                       fixed_notes: list[str], offloaded: Candidate | None = None) -> tuple[str, float]:
     """The error text when nothing fits, and the smallest shortfall in bytes."""
     cap = ctx.cap
     c = ctx.cluster
@@ -155,5 +157,9 @@ def infeasible_message(ctx: Context, closest: Breakdown | None, *, total_params:
     fixes.append("full recompute of every block and fsdp sharding (both already tried unless a constraint "
                  "fixed them)")
     fixes.append("a smaller global batch or microbatch (activations scale with it)")
-    fixes.append("offload of optimizer states to the CPU (data_parallel.offload; not costed by the planner yet)")
+    if offloaded is not None:
+        fixes.append(f"offload to the CPU, which fits: {offloaded.summary()} (constraints "
+                     '{"data_parallel": {"kind": "fsdp", "offload": true}})')
+    else:
+        fixes.append("offload to the CPU (data_parallel.offload; with these constraints it does not fit either)")
     return lines[0] + ". To make it fit: " + "; or ".join(fixes) + ".", max(0.0, short)

@@ -70,6 +70,8 @@ class Fixed:
     """Fixed recompute map (selector -> kind); {} fixes "recompute nothing"."""
     global_batch: int | None = None
     """The global batch a plan records (must equal the one searched for; 0 = not recorded)."""
+    offload: bool | None = None
+    """Fixed FSDP CPU offload of parameter shards, gradients and optimizer states."""
 
 
 def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
@@ -132,9 +134,11 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
     dpc = nested.get("data_parallel", {})
     if "kind" in dpc:
         out.dp_kind = _choice("data_parallel.kind", dpc["kind"], DP_KINDS, problems)
-    if dpc.get("offload"):
-        problems.append("data_parallel.offload: true is not modeled by the cost model yet, so no plan with "
-                        "offload can be costed; remove it (or plan without it and set it by hand)")
+    if "offload" in dpc:
+        out.offload = bool(dpc["offload"])
+        if out.offload and dpc.get("kind", "fsdp") != "fsdp":
+            problems.append(f'data_parallel.offload: the cost model offloads FSDP shards only, but data_parallel.kind '
+                            f'is "{dpc["kind"]}"; use "fsdp" or drop offload')
     for name, attr in (("param_dtype", "param_dtype"), ("reduce_dtype", "reduce_dtype")):
         if name in dpc:
             setattr(out, attr, _choice(f"data_parallel.{name}", dpc[name], DTYPES, problems))

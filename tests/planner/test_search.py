@@ -158,8 +158,8 @@ def test_bad_constraints_are_reported_with_what_is_allowed(small):
         search(small, c, global_batch=8, constraints={"colour": 1})
     with pytest.raises(PlanError, match=r"mesh.tp: tp=8 is not possible here; allowed degrees are \[1, 2, 4\]"):
         search(small, Cluster.cpu(8, memory_bytes=GiB), global_batch=8, constraints={"tp": 8})
-    with pytest.raises(PlanError, match="data_parallel.offload: true is not modeled"):
-        search(small, c, global_batch=8, constraints={"data_parallel": {"offload": True}})
+    with pytest.raises(PlanError, match='the cost model offloads FSDP shards only, but data_parallel.kind is "ddp"'):
+        search(small, c, global_batch=8, constraints={"data_parallel": {"kind": "ddp", "offload": True}})
     with pytest.raises(PlanError, match="no configuration satisfies the constraints: dp=4 does not divide"):
         search(small, c, global_batch=6, constraints={"dp": 4})
 
@@ -252,3 +252,22 @@ def test_an_unannotated_graph_is_refused():
         layer.flops_fwd = layer.flops_bwd = 0
     with pytest.raises(ValueError, match="the graph carries no FLOPs"):
         search(g, Cluster.cpu(2, memory_bytes=GiB), global_batch=2)
+
+
+def test_offload_is_proposed_when_nothing_else_fits_and_costed_when_asked_for():
+    g = gpt_graph(layers=4, hidden=512, heads=8, seq=64, vocab=1000)  # 13.1M params: 210 MB of states
+    base = Cluster.preset("a100-80gb").to_dict()
+    c = Cluster.from_dict({**base, "devices_per_node": 2, "memory_bytes": 64 * 2**20,
+                           "host_memory_bytes": 8 * GiB})
+    with pytest.raises(NoFeasiblePlan, match=r"offload to the CPU, which fits: pp=\d+ dp=\d+ tp=\d+ .*fsdp.*\+offload"):
+        search(g, c, global_batch=4)
+    r = search(g, c, global_batch=4, constraints={"data_parallel": {"offload": True}})
+    for cand in [r.best, *r.runners_up]:
+        dp = cand.plan.data_parallel
+        assert dp.offload and dp.kind == "fsdp"
+        assert cand.breakdown.host_memory_bytes > 0 and cand.breakdown.fits
+    again = cost_plan(r.plan, g, c)
+    assert again.step_time_s == pytest.approx(r.plan.predicted.step_time_s, rel=1e-12)
+    no_host = Cluster.from_dict({**c.to_dict(), "host_memory_bytes": 2**20})
+    with pytest.raises(NoFeasiblePlan, match="with these constraints it does not fit either"):
+        search(g, no_host, global_batch=4)
