@@ -32,6 +32,7 @@ VARIANTS = {
     "no_sync": dict(set_to_none=True, accumulate=True),
     "freeze": dict(set_to_none=True, freeze=True),
     "sdp_zero_grad": dict(set_to_none=True, sdp_zero_grad=True),
+    "two_optimizers": dict(set_to_none=True, two_optimizers=True),
 }
 
 
@@ -69,17 +70,22 @@ def _reference(*, freeze: bool = False) -> tuple[Trajectory, list[dict[str, torc
 
 
 def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int = 2**23,
-           accumulate: bool = False, freeze: bool = False, sdp_zero_grad: bool = False) -> dict:
+           accumulate: bool = False, freeze: bool = False, sdp_zero_grad: bool = False,
+           two_optimizers: bool = False) -> dict:
     case = build("mlp")
-    opt = OSS(case.model.parameters(), optim=torch.optim.Adam, lr=LR)
-    model = ShardedDataParallel(case.model, opt, reduce_buffer_size=reduce_buffer_size)
+    params = list(case.model.parameters())
+    opts = ([OSS(params[:4], optim=torch.optim.Adam, lr=LR), OSS(params[4:], optim=torch.optim.Adam, lr=LR)]
+            if two_optimizers else [OSS(params, optim=torch.optim.Adam, lr=LR)])
+    model = ShardedDataParallel(case.model, opts if two_optimizers else opts[0],
+                                reduce_buffer_size=reduce_buffer_size)
     wrapped = LossModule(model, case.loss_fn)
     traj, grads, none_ok = Trajectory(), [], True
-    owned = {id(p) for p in opt.per_device_params[rank]}
+    owned = {id(p) for opt in opts for p in opt.per_device_params[rank]}
     for step in range(STEPS):
         if freeze and step == 1:
             case.model.layers[0][0].weight.requires_grad_(False)
-        (model if sdp_zero_grad else opt).zero_grad(set_to_none=set_to_none)
+        for zeroer in ([model] if sdp_zero_grad else opts):
+            zeroer.zero_grad(set_to_none=set_to_none)
         batch = _local(case.make_batch(step, BATCH), rank, world)
         if accumulate:  # two half micro-batches, the first without communication
             half = len(batch[0]) // 2
@@ -96,7 +102,8 @@ def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int 
                       if id(p) in owned and p.grad is not None})
         # non-owners drop gradients (set_to_none) or hold none at all
         none_ok &= all(p.grad is None for p in case.model.parameters() if id(p) not in owned and set_to_none)
-        opt.step()
+        for opt in opts:
+            opt.step()
         g = loss.detach().clone()
         comm.all_reduce_(g, "zero")
         traj.losses.append(g.item() / world)
