@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def test_plan_without_search_emits_a_data_parallel_plan_and_says_so(
     assert plan.data_parallel.kind == "ddp" and len(plan.stages) == 1
     assert plan.model.class_ == "GPT" and plan.model.factory == GPT and plan.schedule.global_batch == 8
     assert plan.cluster["devices_per_node"] == 4 and plan.cluster["name"] == "cpu"
-    assert "layers.[0-1]  2 × 12,704" in out  # the report follows
+    # the report follows: repeated blocks fold into one row; the stage total is every parameter
+    assert re.search(r"\n +layers\.\[0-1\] +2 × [0-9,]+\n", out)
+    assert re.search(rf"\n +total +{plan.model.parameters:,}\n", out)
     assert "predicted: none (this plan was not costed; planner.search fills these in)" in out
 
 
