@@ -15,6 +15,7 @@ from torch import nn
 
 import fairscale
 from fairscale.nn import FullyShardedDataParallel as FSDP
+from fairscale.nn import checkpoint_wrapper
 from fairscale.nn.data_parallel import TrainingState
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
 from fairscale.testing.models import build
@@ -52,8 +53,35 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int
         opt.step()
 
 
+class TwiceNet(nn.Module):
+    """Calls one submodule twice per forward: two all-gathers and two reduce-scatters per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.shared, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.shared(torch.relu(self.shared(self.a(x)))))
+
+
+def _twice_step(model: nn.Module, rank: int, world: int) -> dict:
+    x = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(1))
+    per = BATCH // world
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x[rank * per:(rank + 1) * per]).pow(2).mean().backward()
+    opt.step()
+    return model.state_dict()
+
+
 def _rank_checks(rank: int, world: int) -> bytes:
     out: dict = {}
+    for reshard in (True, False):
+        for ckpt in (False, True):
+            net = TwiceNet()
+            inner = FSDP(net.shared, reshard_after_forward=reshard)
+            net.shared = checkpoint_wrapper(inner) if ckpt else inner
+            out[("twice", reshard, ckpt)] = _twice_step(FSDP(net, reshard_after_forward=reshard), rank, world)
     ref, model = _nested_mlp()
     # summon: clean names, full values, write-back unless volatile
     with model.summon_full_params():
@@ -122,6 +150,17 @@ def _reference_steps(steps: int) -> dict[str, torch.Tensor]:
         loss_mod(*case.make_batch(step, BATCH)).backward()
         opt.step()
     return case.model.state_dict()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_module_called_twice_per_forward(ranks, reshard, ckpt):
+    ref = _twice_step(TwiceNet(), 0, 1)
+    for r in ranks:
+        got = r[("twice", reshard, ckpt)]
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            assert (got[k] - v).abs().max() <= 1e-6, k
 
 
 def test_summon_full_params(ranks):
