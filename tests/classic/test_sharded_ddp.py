@@ -9,6 +9,7 @@ new data, and the owned gradients of each step are checked against the full-batc
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ VARIANTS = {
     "freeze": dict(set_to_none=True, freeze=True),
     "sdp_zero_grad": dict(set_to_none=True, sdp_zero_grad=True),
     "two_optimizers": dict(set_to_none=True, two_optimizers=True),
+    "freeze_no_refresh": dict(set_to_none=True, freeze=True, auto_refresh=False),
 }
 
 
@@ -71,15 +73,15 @@ def _reference(*, freeze: bool = False) -> tuple[Trajectory, list[dict[str, torc
 
 def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int = 2**23,
            accumulate: bool = False, freeze: bool = False, sdp_zero_grad: bool = False,
-           two_optimizers: bool = False) -> dict:
+           two_optimizers: bool = False, auto_refresh: bool = True) -> dict:
     case = build("mlp")
     params = list(case.model.parameters())
     opts = ([OSS(params[:4], optim=torch.optim.Adam, lr=LR), OSS(params[4:], optim=torch.optim.Adam, lr=LR)]
             if two_optimizers else [OSS(params, optim=torch.optim.Adam, lr=LR)])
     model = ShardedDataParallel(case.model, opts if two_optimizers else opts[0],
-                                reduce_buffer_size=reduce_buffer_size)
+                                reduce_buffer_size=reduce_buffer_size, auto_refresh_trainable=auto_refresh)
     wrapped = LossModule(model, case.loss_fn)
-    traj, grads, none_ok = Trajectory(), [], True
+    traj, grads, none_ok, warned = Trajectory(), [], True, []
     owned = {id(p) for opt in opts for p in opt.per_device_params[rank]}
     for step in range(STEPS):
         if freeze and step == 1:
@@ -87,6 +89,10 @@ def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int 
         for zeroer in ([model] if sdp_zero_grad else opts):
             zeroer.zero_grad(set_to_none=set_to_none)
         batch = _local(case.make_batch(step, BATCH), rank, world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(batch[0][:1])  # a forward outside the loss: the trainable set is checked here
+        warned.extend(str(w.message) for w in caught)
         if accumulate:  # two half micro-batches, the first without communication
             half = len(batch[0]) // 2
             with model.no_sync():
@@ -108,7 +114,7 @@ def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int 
         comm.all_reduce_(g, "zero")
         traj.losses.append(g.item() / world)
     traj.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
-    return {"traj": traj, "grads": grads, "none_ok": none_ok}
+    return {"traj": traj, "grads": grads, "none_ok": none_ok, "warned": warned}
 
 
 class _Branchy(nn.Module):
@@ -194,10 +200,14 @@ def test_sdp_trains_like_single_process(runs, reference, variant: str) -> None:
     ref, ref_grads = reference[VARIANTS[variant].get("freeze", False)]
     for r in results:
         got = r[variant]
+        if variant == "freeze_no_refresh":  # warned once, and still exact: frozen grads are dropped
+            assert len(got["warned"]) == 1 and "auto_refresh_trainable=False" in got["warned"][0]
+        else:
+            assert not got["warned"]
         compare(ref, got["traj"])
         assert got["none_ok"]
         for step, (mine, full) in enumerate(zip(got["grads"], ref_grads)):
-            assert mine or variant == "freeze", f"step {step}: this rank owns no gradient"
+            assert mine or variant.startswith("freeze"), f"step {step}: this rank owns no gradient"
             for name, g in mine.items():
                 torch.testing.assert_close(g, full[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -190,7 +190,7 @@ class ShardedDataParallel(nn.Module):
     # -------------------------------------------------------------------------------- forward
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._current_trainable() != self._trainable:
+        if [id(p) for p in self._current_trainable()] != [id(p) for p in self._trainable]:
             if self.auto_refresh_trainable:
                 self.refresh_trainable()
             elif self._warn_on_change and not self._warned_change:
@@ -265,6 +265,9 @@ class ShardedDataParallel(nn.Module):
                     n = p.numel()
                     g = b.flat[offset:offset + n].view_as(p).to(p.dtype)
                     offset += n
+                    if not p.requires_grad:  # frozen since the buckets were built: no gradient
+                        p.grad = None
+                        continue
                     if p.grad is None:
                         p.grad = g  # a view of this step's fresh buffer, never reused
                     else:
