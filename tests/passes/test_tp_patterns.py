@@ -1,0 +1,90 @@
+"""The tensor-parallel pattern detector: what it proposes per family, and what it leaves out and why."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from fairscale.testing.models import build
+from passes.tp_patterns import propose_tp_rules
+from planner.capture import capture
+from planner.graph import ModelGraph
+
+
+@functools.lru_cache(maxsize=None)
+def graph_of(family: str, **over: int) -> ModelGraph:
+    case = build(family, **over)
+    return capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn)
+
+
+def test_llama_attention_swiglu_vocab() -> None:
+    proposal = propose_tp_rules(graph_of("llama").gm, tp=2)
+    assert proposal.rules == {
+        "model.layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.[gate_proj,up_proj]": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "vocab_loss",
+        "model.embed_tokens": "vocab_embedding",
+    }
+    assert proposal.attention == [{"heads": 4, "kv_heads": 2, "head_dim": 16}] * 2
+    assert proposal.notes == []
+
+
+def test_gqa_attention_left_replicated_when_kv_heads_do_not_divide() -> None:
+    proposal = propose_tp_rules(graph_of("llama").gm, tp=4)
+    assert proposal.rules == {"model.layers.*.mlp.[gate_proj,up_proj]": "colwise",
+                              "model.layers.*.mlp.down_proj": "rowwise",
+                              "lm_head": "vocab_loss", "model.embed_tokens": "vocab_embedding"}
+    dropped = sorted(n.split(":")[0] for n in proposal.notes)
+    assert dropped == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "o_proj", "q_proj",
+                                                                                       "v_proj")]
+    assert all("2 does not divide by tp=4" in n for n in proposal.notes)
+
+
+def test_gpt2_fused_qkv_and_tied_vocab() -> None:
+    rules = propose_tp_rules(graph_of("gpt2").gm, tp=4).rules
+    assert rules == {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise",
+                     "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+                     "lm_head": "vocab_loss", "transformer.wte": "vocab_embedding"}
+
+
+def test_bert_and_mixtral() -> None:
+    bert = propose_tp_rules(graph_of("bert").gm, tp=2).rules
+    assert bert == {"bert.encoder.layer.*.attention.self.[query,key,value]": "colwise",
+                    "bert.encoder.layer.*.attention.output.dense": "rowwise",
+                    "bert.encoder.layer.*.intermediate.dense": "colwise",
+                    "bert.encoder.layer.*.output.dense": "rowwise",
+                    "cls.predictions.decoder": "vocab_loss",
+                    "bert.embeddings.word_embeddings": "vocab_embedding"}  # position/type tables stay whole
+    mixtral = propose_tp_rules(graph_of("mixtral").gm, tp=2).rules
+    assert mixtral["model.layers.*.mlp.experts"] == "expert"
+    assert "model.layers.*.mlp.gate" not in mixtral  # the router stays replicated
+
+
+class Chain(nn.Module):
+    """Four linears in a row: Megatron pairs them (0 col, 1 row), (2 col, 3 row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.fc:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def test_linear_chain_pairs_without_overlap() -> None:
+    g = capture(Chain(), (torch.randn(2, 8),))
+    assert propose_tp_rules(g.gm, tp=2).modules == {"fc.0": "colwise", "fc.1": "rowwise", "fc.2": "colwise",
+                                                    "fc.3": "rowwise"}
+
+
+def test_indivisible_sizes_are_noted_not_proposed() -> None:
+    g = capture(Chain(), (torch.randn(2, 8),))
+    proposal = propose_tp_rules(g.gm, tp=3)
+    assert proposal.rules == {}
+    assert any("does not divide by tp=3" in n for n in proposal.notes)
