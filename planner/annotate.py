@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.fx_capture import failure_site
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_SAVED_BYTES, META_VAL
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
 
@@ -140,6 +140,7 @@ class _State:
     prov: dict[str, list[tuple[str, int] | None]] = field(default_factory=dict)
     keys: dict[str, Any] = field(default_factory=dict)
     records: dict[str, _Record] = field(default_factory=dict)
+    facts: dict[str, _OpFacts] = field(default_factory=dict)
     counted: set[int] = field(default_factory=set)
     params: set[int] = field(default_factory=set)
     alias: dict[int, int] = field(default_factory=dict)
@@ -149,13 +150,17 @@ _FWD_CACHE_LIMIT = 100_000
 
 
 class _Annotator:
-    def __init__(self, gm: torch.fx.GraphModule, inputs: tuple[Any, ...], device: torch.device) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, inputs: tuple[Any, ...], device: torch.device,
+                 replicas: dict[str, str]) -> None:
         self.gm = gm
         self.inputs = inputs
         self.device = device
         self.remap_meta = device.type != "meta"
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.fakes: dict[int, torch.Tensor] = {}
+        self.shared: dict[Any, torch.Tensor] = {}
+        self.replicas = replicas
+        self.by_name: dict[str, torch.fx.Node] = {}
         self.fwd_cache: dict[Any, _OpFacts] = {}
         self.bwd_cache: dict[Any, tuple[int, tuple[int, ...]]] = {}
         self.stats = AnnotateStats()
@@ -165,12 +170,20 @@ class _Annotator:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _fake(self, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    def _fake(self, t: torch.Tensor, requires_grad: bool, *, share: bool = False) -> torch.Tensor:
+        """A fake tensor standing for ``t``. Parameters (``share``) of one shape share one fake:
+        they are never counted as activations, and 1T parameters' worth of fakes is 10k fake ops."""
         cached = self.fakes.get(id(t))
         if cached is None:
-            cached = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device)
-            if requires_grad and (t.is_floating_point() or t.is_complex()):
-                cached.requires_grad_(True)
+            rg = requires_grad and (t.is_floating_point() or t.is_complex())
+            spec = (tuple(t.shape), tuple(t.stride()), t.dtype, rg)
+            cached = self.shared.get(spec) if share else None
+            if cached is None:
+                cached = torch.empty_strided(spec[0], spec[1], dtype=t.dtype, device=self.device)
+                if rg:
+                    cached.requires_grad_(True)
+                if share:
+                    self.shared[spec] = cached
             self.fakes[id(t)] = cached
         return cached
 
@@ -218,7 +231,7 @@ class _Annotator:
 
     def _module_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Fake parameters and buffers of a leaf module (fx ``call_module``), registered as params."""
-        state = {n: self._fake(t, isinstance(t, torch.nn.Parameter) and t.requires_grad)
+        state = {n: self._fake(t, isinstance(t, torch.nn.Parameter) and t.requires_grad, share=True)
                  for n, t in itertools.chain(module.named_parameters(remove_duplicate=False),
                                              module.named_buffers(remove_duplicate=False))}
         self.s.params.update(self._skey(t) for t in state.values())
@@ -332,6 +345,10 @@ class _Annotator:
             s.env[node.name] = args[0][args[1]]
             node.meta.update({META_VAL: s.env[node.name], META_FLOPS_FWD: 0, META_SAVED_BYTES: 0})
             return
+        template = self.replicas.get(node.name)
+        if template is not None and template in s.facts:
+            self._copy(node, template, flat)
+            return
         key = self._key(node, flat, spec)
         s.keys[node.name] = key
         facts = self.fwd_cache.get(key)
@@ -349,6 +366,7 @@ class _Annotator:
         else:
             value = self._rebuild(facts, flat)
         s.env[node.name] = value
+        s.facts[node.name] = facts
         out_flat = tree_flatten(value)[0]
         saved_bytes = 0
         for kind, index, nbytes in facts.saved:
@@ -361,6 +379,27 @@ class _Annotator:
                 s.counted.add(skey)
                 saved_bytes += t.untyped_storage().nbytes()
         node.meta.update({META_VAL: value, META_FLOPS_FWD: facts.flops, META_SAVED_BYTES: saved_bytes})
+
+    def _copy(self, node: torch.fx.Node, template: str, flat: list[Any]) -> None:
+        """Facts of a replica node (``planner.replicate``): the template's, with no fake op run.
+        Values used only inside the block are the template's own fakes; values leaving the block get
+        fresh storage so that the next layer's saved-bytes accounting sees a new tensor."""
+        s = self.s
+        s.keys[node.name] = s.keys[template]
+        s.facts[node.name] = facts = s.facts[template]
+        layer = node.meta.get(META_LAYER)
+        if any(u.meta.get(META_LAYER) != layer for u in node.users):
+            value = self._rebuild(facts, flat)
+            out_flat = tree_flatten(value)[0]
+            for kind, index, _ in facts.saved:  # saved here: no later node may count them again
+                if kind != "tmp":
+                    s.counted.add(self._skey(flat[index] if kind == "in" else out_flat[index]))
+        else:
+            value = s.env[template]
+        s.env[node.name] = value
+        t = self.by_name[template]
+        node.meta.update({META_VAL: value, META_FLOPS_FWD: t.meta[META_FLOPS_FWD],
+                          META_SAVED_BYTES: t.meta[META_SAVED_BYTES]})
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -389,10 +428,9 @@ class _Annotator:
             self.bwd_cache[bkey] = cached
         flops, grads_to = cached
         node.meta[META_FLOPS_BWD] = flops
-        tensors = [x for x in tree_flatten(self._inputs_of(node))[0] if isinstance(x, torch.Tensor)]
         for i in grads_to:
             source = prov[i] if i < len(prov) else None
-            if source is not None and i < len(tensors):
+            if source is not None:
                 received.setdefault(source[0], set()).add(source[1])
 
     def _inputs_of(self, node: torch.fx.Node) -> Any:
@@ -419,6 +457,7 @@ class _Annotator:
 
     def run(self) -> AnnotateStats:
         nodes = list(self.gm.graph.nodes)
+        self.by_name = {n.name: n for n in nodes}
         inputs: Iterator[Any] = iter(self.inputs)
         with self.mode:
             for node in nodes:
@@ -431,7 +470,8 @@ class _Annotator:
                 elif node.op == "get_attr":
                     attr = _resolve(self.gm, str(node.target))
                     if isinstance(attr, torch.Tensor):
-                        value = self._fake(attr, isinstance(attr, torch.nn.Parameter) and attr.requires_grad)
+                        value = self._fake(attr, isinstance(attr, torch.nn.Parameter) and attr.requires_grad,
+                                           share=True)
                         self.s.params.add(self._skey(value))
                     else:
                         value = attr
@@ -477,17 +517,18 @@ def _resolve(gm: torch.nn.Module, target: str) -> Any:
 
 
 def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,
-                   device: torch.device | str | None = None) -> AnnotateStats:
+                   device: torch.device | str | None = None, replicas: dict[str, str] | None = None) -> AnnotateStats:
     """Write ``META_VAL``, ``META_FLOPS_FWD``, ``META_FLOPS_BWD`` and ``META_SAVED_BYTES`` on every node.
 
     ``example_inputs`` are the graph's flat inputs, real or meta; only their shapes, strides and
     dtypes are read. ``device`` is where the fake tensors claim to live: by default the device of the
     parameters, or CPU for a model on ``meta`` (``meta`` would send attention down the math path and
-    miscount it). FLOPs are what that device's kernels count."""
+    miscount it). FLOPs are what that device's kernels count. ``replicas`` (replica node -> template
+    node, from :func:`planner.replicate.replica_map`) copies facts instead of recomputing them."""
     if device is None:
         first = next(itertools.chain(gm.parameters(), gm.buffers()), None)
         device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
-    return _Annotator(gm, tuple(example_inputs), torch.device(device)).run()
+    return _Annotator(gm, tuple(example_inputs), torch.device(device), replicas or {}).run()
 
 
 def tree_tensors(value: Any) -> list[torch.Tensor]:

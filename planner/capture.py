@@ -38,7 +38,9 @@ from torch.utils._pytree import tree_flatten
 from planner.annotate import AnnotateError, annotate_graph
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.graph import META_MODULE, META_PARAM, ModelGraph
-from planner.layers import COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, split_tied_uses
+from planner.replicate import replica_map
+from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
+                            split_tied_uses)
 
 __all__ = ["capture", "CaptureError", "LossModule"]
 
@@ -86,7 +88,7 @@ def _strip(path: str) -> str:
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
             annotate: bool = True, tracer: Tracer = "auto", leaf_modules: Sequence[type] = (),
-            concrete_args: dict[str, Any] | None = None) -> ModelGraph:
+            concrete_args: dict[str, Any] | None = None, replicate: bool = True) -> ModelGraph:
     """Trace ``model`` (real or on ``meta``) with its loss into a flat graph and per-layer facts.
 
     Args:
@@ -101,6 +103,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
             ~10 s), each falling back to the other.
         leaf_modules: module classes fx keeps as one opaque ``call_module`` node (fx only).
         concrete_args: fx ``concrete_args`` keyed ``batch_0``, ``batch_1``, ... (fx only).
+        replicate: copy the facts of blocks 2..N from block 1 where their nodes match exactly
+            (:mod:`planner.replicate`), so annotation costs O(distinct blocks); False recomputes
+            every node (same numbers, slower; for checking).
 
     Raises:
         CaptureError: neither tracer could trace the model; names the source line of each failure
@@ -130,15 +135,17 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     tied = _tied_groups(model)
     split_tied_uses(gm, tied, _PREFIX)
     stats = None
-    if annotate:
-        try:
-            stats = annotate_graph(gm, tuple(x for x in tree_flatten(batch)[0]))
-        except AnnotateError as exc:
-            raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
     layers, containers = group_layers(gm, model)
     blocks = find_blocks(model, layers, containers)
+    if annotate:
+        replicas = replica_map(gm, layers, blocks) if replicate else {}
+        try:
+            stats = annotate_graph(gm, tuple(x for x in tree_flatten(batch)[0]), replicas=replicas)
+        except AnnotateError as exc:
+            raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+    config = model_config(model)
     for layer in layers:
-        layer.attention = attention_facts(model, layer.name)
+        layer.attention = attention_facts(model, layer.name, config=config)
     if annotate:
         aggregate(gm, layers)
     graph = _model_graph(model, gm, layers, tied)
@@ -148,7 +155,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     graph.extra.update({"trace_s": traced - start, "capture_s": time.perf_counter() - start,
                         "nodes": len(gm.graph.nodes)})
     if stats is not None:
-        graph.extra.update({"annotate_runs": stats.runs, "annotate_backward_runs": stats.backward_runs})
+        graph.extra.update({"annotate_runs": stats.runs, "annotate_backward_runs": stats.backward_runs,
+                            "replicated_nodes": len(replicas)})
     if failures:
         graph.extra["fallback_from"] = [f.describe() for f in failures]
     return graph

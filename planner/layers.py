@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 from planner.graph import (META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_MODULE, META_PARAM,
                            META_SAVED_BYTES, META_VAL, Layer)
 
-__all__ = ["group_layers", "split_tied_uses", "aggregate", "find_blocks", "attention_facts", "COMPUTE_OPS"]
+__all__ = ["group_layers", "split_tied_uses", "aggregate", "find_blocks", "attention_facts", "model_config",
+           "COMPUTE_OPS"]
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 """Node ops that run code; each belongs to exactly one layer."""
@@ -90,10 +91,14 @@ def group_layers(gm: torch.fx.GraphModule, model: nn.Module) -> tuple[list[Layer
     order: list[str] = []
     owner: dict[torch.fx.Node, str] = {}
     pending: list[torch.fx.Node] = []
+    owns: dict[str, bool] = {}
     for node in compute:
         name = _layer_of(node.meta.get(META_MODULE, ""), containers)
-        if name is not None and not any(_inside(name, c) for c in containers) and not _owns_params(model, name):
-            name = None
+        if name is not None and not any(_inside(name, c) for c in containers):
+            if name not in owns:
+                owns[name] = _owns_params(model, name)
+            if not owns[name]:
+                name = None
         if name is not None and name in order and order[-1] != name:
             name = order[-1]  # the module runs again later: keep layers contiguous
         if name is None:
@@ -150,6 +155,7 @@ def split_tied_uses(gm: torch.fx.GraphModule, tied: list[list[str]], prefix: str
     embedding layer to name ``wte.weight``, so this adds a get_attr per (tensor, key) that is used,
     pointing at the same Parameter, and drops get_attr nodes left without users."""
     group_of = {k: g for g in tied for k in g}
+    changed = False
     for node in list(gm.graph.nodes):
         key = node.meta.get(META_PARAM) if node.op == "get_attr" else None
         if key not in group_of:
@@ -174,11 +180,14 @@ def split_tied_uses(gm: torch.fx.GraphModule, tied: list[list[str]], prefix: str
                 made[want] = new
             if want != key:
                 user.replace_input_with(node, made[want])
+                changed = True
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users and node.meta.get(META_PARAM) in group_of:
             gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _preferred(group: list[str], module: str, default: str) -> str:
@@ -296,10 +305,11 @@ def _first_int(objs: Iterable[Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def attention_facts(model: nn.Module, layer: str) -> dict[str, int] | None:
+def attention_facts(model: nn.Module, layer: str, *, config: Any = None) -> dict[str, int] | None:
     """``{heads, kv_heads, head_dim}`` of the first attention module under ``layer``, from module
     attributes (ours: ``heads``; nn.MultiheadAttention: ``num_heads``) or the model config (Hugging
-    Face: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``); None if none is found."""
+    Face: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``; ``config`` is the model's,
+    see :func:`model_config`); None if none is found."""
     try:
         root = model.get_submodule(layer)
     except AttributeError:
@@ -307,8 +317,7 @@ def attention_facts(model: nn.Module, layer: str) -> dict[str, int] | None:
     attn = next((m for _, m in root.named_modules() if _ATTN.search(type(m).__name__)), None)
     if attn is None:
         return None
-    config = getattr(attn, "config", None) or next(
-        (m.config for m in model.modules() if getattr(m, "config", None) is not None), None)
+    config = getattr(attn, "config", None) or config
     inner = list(attn.modules())
     scopes = inner + ([config] if config is not None else [])
     heads = _first_int(scopes, _HEADS)
@@ -327,3 +336,8 @@ def attention_facts(model: nn.Module, layer: str) -> dict[str, int] | None:
             return None
         head_dim = hidden // heads
     return {"heads": heads, "kv_heads": kv, "head_dim": head_dim}
+
+
+def model_config(model: nn.Module) -> Any:
+    """The first ``config`` attribute in the module tree (Hugging Face models keep it on the root)."""
+    return next((m.config for m in model.modules() if getattr(m, "config", None) is not None), None)

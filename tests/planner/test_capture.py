@@ -235,13 +235,18 @@ def test_meta_model_costs_nothing_and_gives_the_facts_of_the_real_one(captured):
             == [(x.name, x.flops_fwd, x.flops_bwd, x.saved_bytes, x.output_bytes, x.param_count) for x in graph.layers]
 
 
-def test_capture_without_annotation_is_fast_for_tiny_models():
+def test_capture_is_fast_for_tiny_models():
+    """The runtime re-captures per microbatch shape. CPU time of this process, not wall clock: the
+    test machine is shared, and wall time there measures the neighbours."""
     case = build("gpt")
     batch = case.make_batch(0, B)
     capture(case.model, batch, loss_fn=case.loss_fn, annotate=False)  # warm: first export imports a lot
-    start = time.perf_counter()
+    start = time.process_time()
     graph = capture(case.model, batch, loss_fn=case.loss_fn, annotate=False)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
+    start = time.process_time()
+    capture(case.model, batch, loss_fn=case.loss_fn)
+    assert time.process_time() - start < 1.0
     assert [layer.name for layer in graph.layers] == LAYERS["gpt"]
     assert all(layer.flops_fwd == 0 for layer in graph.layers)
 

@@ -90,9 +90,10 @@ class Pipe(nn.Module):
             mini-batch rather than each micro-batch.
     """
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None, *,
+    def __init__(self, module: nn.Sequential, balance: Sequence[int] | None = None,
                  devices: Sequence[Any] | None = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False) -> None:
+        # positional after ``balance`` too, as FairScale's documented signature reads
         super().__init__()
         if balance is None:
             raise ValueError("balance is required: give layers per partition, e.g. balance=[2, 2], or compute it "
