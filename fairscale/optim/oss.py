@@ -64,6 +64,17 @@ def broadcast_object(obj: Any, axis: str, *, src_rank: int) -> Any:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
+def _broadcast_async(t: torch.Tensor, axis: str, src_rank: int) -> Any:
+    """``comm.broadcast_`` without waiting: same byte accounting (``B`` per rank), returns the Work."""
+    n = comm.group_size(axis)
+    if n == 1:
+        return None
+    group = comm.get_group(axis)
+    nbytes = t.numel() * t.element_size()
+    comm.COUNTER.record("broadcast", axis, nbytes, comm.ring_bytes("broadcast", nbytes, n))
+    return dist.broadcast(t, src=dist.get_global_rank(group, src_rank), group=group, async_op=True)
+
+
 class OSS(torch.optim.Optimizer):
     """Optimizer state sharding (ZeRO-1) wrapping any ``torch.optim`` optimizer class.
 
@@ -205,20 +216,28 @@ class OSS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
+        """Every bucket's broadcast is issued asynchronously, then all are awaited (they overlap)."""
         if self.world_size == 1:
             return
         if self._buckets is None:
             self._buckets = self._bucketize()
+        pending: list[tuple[Any, int, list[torch.Tensor], torch.Tensor | None]] = []
         for owner, params in self._buckets:
             fp16 = self.broadcast_fp16 and params[0].dtype == torch.float32
             if len(params) == 1 and not fp16:
-                comm.broadcast_(params[0].data, self.axis, src_rank=owner)
+                pending.append((_broadcast_async(params[0].data, self.axis, owner), owner, params, None))
                 continue
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            if fp16:
-                flat = flat.half()
-            comm.broadcast_(flat, self.axis, src_rank=owner)
             if owner == self.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                flat = flat.half() if fp16 else flat
+            else:
+                flat = torch.empty(sum(p.numel() for p in params), device=params[0].device,
+                                   dtype=torch.float16 if fp16 else params[0].dtype)
+            pending.append((_broadcast_async(flat, self.axis, owner), owner, params, flat))
+        for work, owner, params, flat in pending:
+            if work is not None:
+                work.wait()
+            if flat is None or owner == self.rank:
                 continue
             offset = 0
             for p in params:
