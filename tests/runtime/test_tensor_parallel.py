@@ -136,3 +136,59 @@ def test_matches_single_process(family: str, tp: int, sp: bool) -> None:
     styles = set(rules.values())
     assert {"colwise", "vocab_embedding", "vocab_loss"} <= styles
     assert ("expert" in styles) == (family == "mixtral")
+
+
+# ------------------------------------------------------------------------------------------ composition
+
+
+def _staged_rank(rank: int, world: int, program: Any, rules: dict[str, str], tied: list[list[str]]) -> dict[bool, Any]:
+    """Both pipeline stages of Llama on every tp rank, run back to back (the pipeline runtime sends
+    the boundary tensors instead); TP is applied to each stage graph separately."""
+    build_mesh(1, 1, world)
+    case = make_case("llama", world)
+    out = {}
+    for sp in (False, True):
+        plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+        stages = [shard_tensor_parallel_pass(copy.deepcopy(st.gm), plan, tp_index=rank, tp_size=world)
+                  for st in program.stages]
+        opt = make_optimizer([p for st in stages for p in st.parameters()])
+        losses = []
+        for step in range(STEPS):
+            batch = case.make_batch(step, BATCH)
+            opt.zero_grad(set_to_none=True)
+            sent = stages[0](*[batch[i] for i in program.stages[0].batch_inputs])
+            recv = [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
+            (loss,) = stages[1](*[batch[i] for i in program.stages[1].batch_inputs], *recv)
+            loss.backward()
+            torch.autograd.backward([t for t, r in zip(sent, recv) if r.grad is not None],
+                                    [r.grad for r in recv if r.grad is not None])
+            opt.step()
+            losses.append(loss.item())
+        state: dict[str, Any] = {}
+        for st in stages:
+            state.update(gather_state(st, tied))
+        out[sp] = (losses, state if rank == 0 else None,
+                   [collective_counts(st) for st in stages])
+    return out
+
+
+def test_tensor_parallel_on_pipeline_stage_graphs() -> None:
+    from passes.split_stages import split_stages_pass
+    from planner.plan import Stage
+
+    case = make_case("llama", 2)
+    graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
+    plan = Plan(mesh=Mesh(pp=2), stages=[Stage(layers="embed_tokens, layers.0"),
+                                         Stage(layers="layers.1, norm, lm_head")])
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    rules = propose_tp_rules(graph.gm, tp=2).rules
+    ref = train_reference(lambda: make_case("llama", 2), steps=STEPS, global_batch=BATCH)
+    results = fairscale.launch(_staged_rank, devices=2, args=(program, rules, graph.tied))
+    for sp in (False, True):
+        losses, state, counts = results[0][sp]
+        compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}))
+        # stage 0 holds the vocab embedding and one block, stage 1 one block and the vocab-parallel loss
+        assert counts[0]["vocab_parallel_embedding"] == 1 and "vocab_parallel_cross_entropy" not in counts[0]
+        assert counts[1]["vocab_parallel_cross_entropy"] == 1
+        if sp:  # the boundary activation leaves stage 0 gathered (stage outputs are replicated)
+            assert counts[0]["gather_from_group"] == 1 and counts[1]["scatter_to_group"] == 1
