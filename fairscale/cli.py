@@ -405,6 +405,8 @@ def _layer_groups(text: str, graph: ModelGraph | None) -> list[tuple[str, str]]:
         each = counts.pop() if len(counts) == 1 else None
         params = (f"{len(run)} × {each:,}" if len(run) > 1 else f"{each:,}") if each is not None else \
             f"{sum(graph.layer(n).param_count for n in run):,}"
+        if params == "0" and any(graph.layer(n).params for n in run):
+            params = "0 (tied)"  # its parameters are counted where they are first used
         rows.append((format_layers(run), params))
         run.clear()
 
