@@ -337,6 +337,28 @@ def _mp_rank(rank: int, world: int) -> bytes:
             losses.append(pipe.step(*_mp_batch(step)))
             opt.step()
         out.append((losses, {k: v.clone() for k, v in pipe.state_dict().items()}))
+    if world == 4:  # two pipelines of 2 ranks (group=), data parallel across them
+        pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        half = BATCH // 2
+
+        def my_half(step: int) -> tuple[torch.Tensor, ...]:
+            return tuple(t[(rank // 2) * half:(rank // 2 + 1) * half] for t in _mp_batch(step))
+
+        pipe = MultiProcessPipe(_mp_model(), [4, 5], chunks=2, loss_fn=nn.functional.cross_entropy,
+                                example_batch=my_half(0), schedule="1f1b", group=pipes[rank // 2])
+        opt = _mp_sgd(pipe.parameters())
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.tensor(pipe.step(*my_half(step)))
+            for p in pipe.parameters():
+                dist.all_reduce(p.grad, group=replicas[rank % 2])
+                p.grad.div_(2)
+            dist.all_reduce(loss, group=replicas[rank % 2])
+            losses.append(loss.item() / 2)
+            opt.step()
+        out.append((losses, {k: v.clone() for k, v in pipe.state_dict().items()}))
     try:
         MultiProcessPipe(_mp_model(), MP_CASES[world][0][1], chunks=2, loss_fn=nn.functional.cross_entropy,
                          example_batch=_mp_batch(0), checkpoint="except_last")
@@ -372,3 +394,13 @@ def test_multiprocess_pipe_trains_like_single_process(world: int) -> None:
         for k, v in ref.items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} {k}: {m}")
     assert "checkpoint='except_last'" in per_rank[0][-1] and "not supported" in per_rank[0][-1]
+    if world == 4:  # pp=2 × 2 replicas
+        i = len(MP_CASES[world])
+        for group in ((0, 1), (2, 3)):
+            params = {}
+            for r in group:
+                losses, state = per_rank[r][i]
+                assert losses == pytest.approx(ref_losses, rel=1e-5)
+                params.update(state)
+            for k, v in ref.items():
+                torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)
