@@ -282,3 +282,20 @@ def test_tied_weights_in_one_instance():
     assert torch.equal(sd["lm_head.weight"], sd["wte.weight"])
     ids, _ = case.make_batch(0, 2)
     assert torch.allclose(model(ids), ref(ids), atol=1e-6)
+
+
+def test_plain_parent_saves_and_loads_full_keys():
+    ref = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    model = copy.deepcopy(ref)
+    model[0], model[2] = FSDP(model[0]), FSDP(model[2])
+    assert list(model.state_dict()) == list(ref.state_dict())
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    assert not model.load_state_dict(other.state_dict()).missing_keys
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in other.state_dict().items())
+    partial = dict(other.state_dict())
+    partial.pop("2.bias")
+    partial["0.extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2.bias"[\s\S]*Unexpected key\(s\) in state_dict: "0.extra"'):
+        model.load_state_dict(partial)

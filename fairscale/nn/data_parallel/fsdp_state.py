@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from fairscale.nn.misc.flatten_params_wrapper import clean_key
 from passes import comm
 from passes.layout import FlatShard
@@ -281,3 +283,28 @@ def shard_optim(root: FullyShardedDataParallel, full: dict[str, Any]) -> dict[st
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
               for g, ids in zip(full["param_groups"], group_params)]
     return {"state": state, "param_groups": groups}
+
+
+# ------------------------------------------------------------------------------------------------
+# clipping
+
+
+@torch.no_grad()
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float, *, axis: str,
+                   device: torch.device) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over gradient shards: the p-th powers (or the max) are
+    reduced over ``axis`` so every rank clips by the norm of the whole model. Zero padding adds 0."""
+    norm_type = float(norm_type)
+    dev = grads[0].device if grads else device
+    if norm_type == float("inf"):
+        total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=dev)
+        comm.all_reduce_(total, axis, op=dist.ReduceOp.MAX)
+    else:
+        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev))
+        comm.all_reduce_(local, axis)
+        total = local ** (1.0 / norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total

@@ -430,7 +430,24 @@ class FullyShardedDataParallel(nn.Module):
         with self.summon_full_params(recurse=True, volatile=False):
             actual = {clean_key(k): k for k in super().state_dict(keep_vars=True)}
             mapped = {actual.get(k, k): v for k, v in state_dict.items()}
-            return super().load_state_dict(mapped, strict=strict)
+            result = super().load_state_dict(mapped, strict=strict)
+        result.missing_keys[:] = [clean_key(k) for k in result.missing_keys]
+        result.unexpected_keys[:] = [clean_key(k) for k in result.unexpected_keys]
+        return result
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        if self._local_mode or self._summoned:  # inside our own load: plain loading
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+            return
+        # a plain parent module is loading a full state dict: load our part with our own keys, then
+        # leave our local keys in its place so the parent's recursion into our children is a no-op
+        ours = [k for k in state_dict if k.startswith(prefix)]
+        result = self.load_state_dict({k[len(prefix):]: state_dict.pop(k) for k in ours}, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        state_dict.update({prefix + k: v for k, v in self.local_state_dict(keep_vars=True).items()})
 
     @contextlib.contextmanager
     def _local_state(self) -> Iterator[None]:
@@ -483,21 +500,5 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradient norm of the whole (unsharded) model; returns the total norm (collective)."""
         if self._is_root is False:
             raise RuntimeError("clip_grad_norm_ must be called on the root FSDP instance")
-        norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = grads[0].device if grads else self.compute_device
-        if norm_type == float("inf"):
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
-                torch.zeros((), device=device)
-            comm.all_reduce_(local, self._axis, op=dist.ReduceOp.MAX)
-            total = local
-        else:
-            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
-                        torch.zeros((), device=device))
-            comm.all_reduce_(local, self._axis)
-            total = local ** (1.0 / norm_type)
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
-        return total
+        return fsdp_state.clip_grad_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm,
+                                         norm_type, axis=self._axis, device=self.compute_device)
