@@ -10,6 +10,7 @@ Step time (seconds) = pipeline time of the per-rank microbatch times (``planner.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -301,13 +302,15 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         fsdp_s, dp_bytes, tail = 0.0, 0.0, 0.0
         if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
             gathers = 2 if cfg.reshard else 1
-            ag = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
-            rs = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+            units = _unit_params(ctx, cfg, costs, layers)
+            # one collective per unit: the bandwidth term of the total, the latency term per unit
+            extra_lat = (len(units) - 1) * (cfg.dp - 1) * dp_lat if cfg.dp > 1 and units else 0.0
+            ag = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + extra_lat
+            rs = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + extra_lat
             per_mb = gathers * ag + rs
             if cfg.offload:  # fp32 shards come up over PCIe before each gather, gradient shards go down
                 per_mb += (gathers * params / cfg.dp * 4 + params / cfg.dp * rbytes) / c.host_bandwidth
             if opts.overlap_fsdp and cfg.prefetch:
-                units = _unit_params(ctx, cfg, costs, layers)
                 first = ag * (units[0] / params) if params > 0 and units else 0.0
                 fsdp_s = max(0.0, per_mb - busy) + first
             else:
@@ -315,12 +318,15 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             dp_bytes = m * (gathers * all_gather_volume(params * pbytes, cfg.dp)
                             + all_gather_volume(params * rbytes, cfg.dp))
         elif cfg.dp > 1:
+            # gradients travel in buckets: one collective (and its latency) per bucket
+            buckets = max(1, math.ceil(params * rbytes / (cfg.bucket_mb * 2**20)))
+            extra_lat = (buckets - 1) * (cfg.dp - 1) * dp_lat
             if cfg.dp_kind == "ddp":
-                sync = all_reduce_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                sync = all_reduce_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + 2 * extra_lat
                 after = 0.0
                 dp_bytes = all_reduce_volume(params * rbytes, cfg.dp)
             else:  # zero1 / zero2: reduce-scatter grads, all-gather updated params after the step
-                sync = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+                sync = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + extra_lat
                 after = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
                 dp_bytes = all_gather_volume(params * rbytes, cfg.dp) + all_gather_volume(params * pbytes, cfg.dp)
             if opts.overlap_dp:

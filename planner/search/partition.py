@@ -126,7 +126,8 @@ class SegmentModel:
                                  latency=self.dp_lat)
             rs = reduce_scatter_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=self.dp_bw,
                                      latency=self.dp_lat)
-            comm = (2 if cfg.reshard else 1) * ag + rs
+            units = (self.p.n[e] - self.p.n[s]) + 1  # ~ one unit per block layer, plus the root
+            comm = (2 if cfg.reshard else 1) * ag + rs + 3 * (units - 1) * (cfg.dp - 1) * self.dp_lat
             if cfg.offload:
                 comm += ((2 if cfg.reshard else 1) * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp \
                     / self.ctx.cluster.host_bandwidth

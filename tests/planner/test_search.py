@@ -192,7 +192,7 @@ def test_megatron_expert_configs_are_within_15_percent():
         cuts = (0, *[2 + per * k for k in range(1, pp)], l + 4)
         rec = frozenset(i for i, f in enumerate(ctx.facts) if f.block)
         b = evaluate(ctx, Config(pp=pp, dp=dp, tp=tp, microbatches=B // dp, param_dtype="bf16", reduce_dtype="bf16",
-                                 cuts=cuts, recompute=rec))
+                                 bucket_mb=2.0**20, cuts=cuts, recompute=rec))
         tflops = megatron_flops(batch=B, seq=2048, layers=l, hidden=h, vocab=51200) / b.step_time_s / n / 1e12
         assert abs(tflops / published - 1) < 0.15, (l, tflops)
 
