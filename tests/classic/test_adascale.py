@@ -110,6 +110,18 @@ def _run(rank: int, world: int) -> bytes:
             p.grad.div_(world)
         opt.step()
         gains.append(opt.gain())
+    # the same under torch's DistributedDataParallel (its hooks average the gradients)
+    case2 = build("mlp")
+    ddp = nn.parallel.DistributedDataParallel(case2.model)
+    wrapped2 = LossModule(ddp, case2.loss_fn)
+    opt2 = AdaScale(torch.optim.SGD(case2.model.parameters(), lr=0.1, momentum=0.9))
+    ddp_gains = []
+    for step in range(STEPS):
+        opt2.zero_grad()
+        batch = case2.make_batch(step, BATCH)
+        wrapped2(*(t[rank * per:(rank + 1) * per] for t in batch)).backward()
+        opt2.step()
+        ddp_gains.append(opt2.gain())
     # the hand example, with its two gradients on two different ranks (ranks >= 2 repeat them)
     w = nn.Parameter(torch.zeros(2))
     hand = AdaScale(torch.optim.SGD([w], lr=0.1), world_size=world)
@@ -117,7 +129,7 @@ def _run(rank: int, world: int) -> bytes:
     dist.all_reduce(w.grad)
     w.grad.div_(world)
     hand.step()
-    return _pack({"scale": opt.scale, "gains": gains, "params": dict(case.model.state_dict()),
+    return _pack({"scale": opt.scale, "gains": gains, "ddp_gains": ddp_gains, "params": dict(case.model.state_dict()),
                   "hand_gain": hand.gain()})
 
 
@@ -129,6 +141,7 @@ def test_ranks_match_single_process_accumulation(world: int) -> None:
     for r in results:
         assert r["scale"] == world
         assert r["gains"] == pytest.approx(gains, rel=1e-5)
+        assert r["ddp_gains"] == pytest.approx(gains, rel=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=1e-5)
         # ḡ = [2, 1], ‖ḡ‖² = 5, mean ‖g_i‖² = 6; σ² = S/(S-1), μ² = 5 - σ²/S
