@@ -131,3 +131,63 @@ def test_megatron_flop_formula_and_gpt_fixture_agree():
                                                                  vocab=51200))
     assert megatron_flops(batch=1, seq=2048, layers=1, hidden=6, vocab=0) == pytest.approx(
         96 * 2048 * 36 * (1 + 2048 / 36))
+
+
+# --- step-time assembly --------------------------------------------------------------------------
+
+def _toy_context(params=0, output=0.0, options=None):
+    from planner.cluster import Efficiency
+    from planner.search.evaluate import Context
+
+    c = Cluster(name="toy", device="toy", nodes=1, devices_per_node=8, memory_bytes=2**40,
+                peak_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12}, hbm_bandwidth=1e30, intra_bandwidth=1e9,
+                intra_latency=0.0, inter_bandwidth=1e9, inter_latency=0.0,
+                efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
+    facts = [LayerFacts(name=f"layers.{i}", index=i, block="layers.*", flops_fwd=1e12, flops_bwd=2e12, saved=0.0,
+                        input=0.0, output=output, params=params) for i in range(2)]
+    return Context(facts, c, global_batch=2, options=options or CostOptions.megatron2021(), captured_dtype="fp32")
+
+
+def test_step_time_is_assembled_from_the_schedule_and_the_gradient_sync():
+    from planner.search.evaluate import Config, evaluate
+
+    ctx = _toy_context()
+    # each layer: 1 s forward + 2 s backward per sample; 2 stages, 2 microbatches of 1 sample:
+    # (m-1)·max + Σ = 1·3 + 6 = 9 s
+    b = evaluate(ctx, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2)))
+    assert b.step_time_s == pytest.approx(9.0)
+    assert b.bubble == pytest.approx(1 / 3)  # (9 - 2·3) / 9
+    assert b.tflops_per_device == pytest.approx(2 * 6e12 / 9.0 / 2 / 1e12)
+    # recomputing layer 0 adds its forward: rank 0 takes 4 s: 1·4 + 7 = 11 s
+    assert evaluate(ctx, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2),
+                                recompute=frozenset({0}))).step_time_s == pytest.approx(11.0)
+    # one stage, gradient accumulation over 2 microbatches: 2 · 6 = 12 s
+    assert evaluate(ctx, Config(pp=1, dp=1, tp=1, microbatches=2, cuts=(0, 2))).step_time_s == pytest.approx(12.0)
+
+
+def test_ddp_gradient_all_reduce_after_the_flush():
+    from planner.search.evaluate import Config, evaluate
+
+    ctx = _toy_context(params=10**8)
+    # dp=2, 1 microbatch of 1 sample: 6 s of compute; then all-reduce of 2e8 fp32 parameters (8e8 bytes)
+    # at 1 GB/s over 2 ranks: 2·1/2·8e8/1e9 = 0.8 s (one bucket), then Adam: 2 · 16 B · 2e8 at 1e30 B/s ≈ 0
+    b = evaluate(ctx, Config(pp=1, dp=2, tp=1, microbatches=1, cuts=(0, 2), bucket_mb=2.0**20))
+    assert b.step_time_s == pytest.approx(6.8)
+    assert b.dp_comm_s == pytest.approx(0.8)
+    assert b.comm_bytes == pytest.approx(8e8)
+    assert b.memory_bytes == [pytest.approx(16 * 2e8)]  # fp32 Adam: 4 + 4 + 8 bytes per parameter
+    # overlapped with the backward (4 s) only the last bucket stays exposed: one bucket = everything
+    over = _toy_context(params=10**8, options=CostOptions())
+    b2 = evaluate(over, Config(pp=1, dp=2, tp=1, microbatches=1, cuts=(0, 2), bucket_mb=100.0))
+    # 8 buckets of 100 MiB; the last one's all-reduce: 2·1/2·104857600/1e9 s
+    assert b2.step_time_s == pytest.approx(6.0 + 104857600 / 1e9)
+
+
+def test_pipeline_sends_cost_latency_plus_bytes_over_bandwidth():
+    from planner.search.evaluate import Config, evaluate
+
+    ctx = _toy_context(output=1e8)
+    # each stage sends 1e8 bytes per microbatch at 1 GB/s (0.1 s) forward or backward: ranks take 3.1 s
+    b = evaluate(ctx, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2)))
+    assert b.step_time_s == pytest.approx(1 * 3.1 + 6.2)
+    assert b.p2p_s == pytest.approx(2 * 0.1)

@@ -232,8 +232,10 @@ def gather_optim(root: FullyShardedDataParallel, optim: torch.optim.Optimizer) -
             per_member: list[dict[str, Any]] = [{} for _ in names]
             for key, value in st.items():
                 if _is_sharded_state(value, u.layout.shard_numel):
-                    full = torch.empty(u.layout.padded, dtype=value.dtype, device=value.device)
-                    comm.all_gather_flat(full, value.detach(), u.op.axis)
+                    device = u.op.compute_device  # where the backend can communicate
+                    full = torch.empty(u.layout.padded, dtype=value.dtype, device=device)
+                    comm.all_gather_flat(full, value.detach().to(device), u.op.axis)
+                    full = full.to(value.device)
                     for i, t in enumerate(u.layout.split(full[:u.layout.numel]).values()):
                         per_member[i][key] = t.clone()
                 else:
@@ -298,13 +300,14 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
     dev = grads[0].device if grads else device
     if norm_type == float("inf"):
         total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=dev)
+        total = total.to(device)  # reduce where the backend can communicate (grads may be on the CPU)
         comm.all_reduce_(total, axis, op=dist.ReduceOp.MAX)
     else:
-        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev))
+        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev)).to(device)
         comm.all_reduce_(local, axis)
         total = local ** (1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1:
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total

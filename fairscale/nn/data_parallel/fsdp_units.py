@@ -121,8 +121,9 @@ def pre_backward(units: Sequence[FSDPUnit], free: bool, tensors: Sequence[torch.
 
 @torch.no_grad()
 def gather_full(unit: Unit) -> torch.Tensor:
-    """All-gather the unit's shard in its own (master) dtype; returns the padded full flat tensor."""
-    flat = unit.flat.detach()
+    """All-gather the unit's shard in its own (master) dtype on the compute device (where the
+    backend can communicate: NCCL cannot gather CPU-offloaded shards); returns the padded full flat tensor."""
+    flat = unit.flat.detach().to(unit.op.compute_device)
     full = torch.empty(unit.layout.padded, dtype=flat.dtype, device=flat.device)
     comm.all_gather_flat(full, flat, unit.op.axis)
     return full

@@ -242,6 +242,11 @@ class FullyShardedDataParallel(nn.Module):
         """The FlattenParamsWrapper around the user's module (``.module`` again for the user's)."""
         return self._fsdp_wrapped_module
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This instance's own shard parameters (not nested instances'), as FairScale's ``params``."""
+        return [u.flat for u in self._units]
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
