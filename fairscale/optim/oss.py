@@ -234,15 +234,15 @@ class OSS(torch.optim.Optimizer):
                 flat = torch.empty(sum(p.numel() for p in params), device=params[0].device,
                                    dtype=torch.float16 if fp16 else params[0].dtype)
             pending.append((_broadcast_async(flat, self.axis, owner), owner, params, flat))
-        for work, owner, params, flat in pending:
+        for work, owner, params, received in pending:
             if work is not None:
                 work.wait()
-            if flat is None or owner == self.rank:
+            if received is None or owner == self.rank:
                 continue
             offset = 0
             for p in params:
                 n = p.numel()
-                p.data.copy_(flat[offset:offset + n].view_as(p))
+                p.data.copy_(received[offset:offset + n].view_as(p))
                 offset += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -272,7 +272,7 @@ class OSS(torch.optim.Optimizer):
         local = [p for p in self.per_device_params[self.rank] if p.grad is not None]
         if filter_params_fn is not None:
             local = filter_params_fn(local)
-        grads = [p.grad.detach().float() for p in local]
+        grads = [p.grad.detach().float() for p in local if p.grad is not None]
         if norm_type == float("inf"):
             part = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
             total = part.reshape(1).clone()

@@ -129,7 +129,7 @@ class ShardedDataParallel(nn.Module):
 
     def _current_trainable(self) -> list[torch.Tensor]:
         seen: set[int] = set()
-        out = []
+        out: list[torch.Tensor] = []
         for p in self.module.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))

@@ -124,7 +124,7 @@ class Pipe(nn.Module):
                 raise ValueError(f"device {d} was given but CUDA is not available; use devices=['cpu'] * "
                                  f"{len(balance)} (or leave devices unset)")
         if deferred_batch_norm:
-            module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
+            DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)  # replaces children in place
         self.balance = balance
         self.devices = devs[:len(balance)]
         self.chunks = chunks
