@@ -29,6 +29,16 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
+# Bound eagerly, as FairScale did: the name ``wrap`` is both a subpackage and a function, and the
+# function must win (importing the subpackage later would otherwise rebind the attribute to it).
+from fairscale.nn.wrap.auto_wrap import (  # noqa: E402
+    auto_wrap,
+    config_auto_wrap_policy,
+    default_auto_wrap_policy,
+    enable_wrap,
+    wrap,
+)
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
