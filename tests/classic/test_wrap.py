@@ -146,3 +146,18 @@ def test_auto_wrapped_fsdp_trains_exactly(world):
 
     for got in _launch(fn, world):
         compare(ref, got)
+
+
+def test_public_import_paths():
+    import fairscale.nn
+    import fairscale.nn.wrap  # noqa: F401 - importing the subpackage must not shadow the function
+    from fairscale.experimental.nn import OffloadModel  # noqa: F401
+    from fairscale.nn.checkpoint import checkpoint_wrapper as cw
+    from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel  # noqa: F401
+    from fairscale.nn.misc import FlattenParamsWrapper  # noqa: F401
+
+    assert fairscale.nn.wrap is wrap and callable(fairscale.nn.wrap)
+    assert fairscale.nn.checkpoint_wrapper is cw
+    assert fairscale.nn.FullyShardedDataParallel is FullyShardedDataParallel is FSDP
+    for name in fairscale.nn.__all__:
+        assert getattr(fairscale.nn, name) is not None, name
