@@ -35,6 +35,8 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     The device count is ``devices`` if given, else the count of ``cluster`` (an int, a dict or an
     object with ``num_devices``/``devices``/``world_size``, or ``nodes`` × ``gpus_per_node``), else
     the count recorded in ``plan.cluster``; with none of these the mesh product is not checked.
+    ``source`` (a file name) heads the error message. A plan whose fingerprint names another model
+    gets only the checks that do not depend on the model, since every selector would miss too.
     """
     problems: list[str] = []
     if plan.version not in READABLE_VERSIONS:
