@@ -189,6 +189,7 @@ class FullyShardedDataParallel(nn.Module):
         self.training_state = TrainingState.IDLE
         self._summoned = 0
         self._local_mode = False
+        self.__dict__["_summon_fulls"] = []  # this instance's gathered full tensors while summoned
         self._build(module)
 
     # ---------------------------------------------------------------------------------------------
