@@ -32,7 +32,9 @@ class Case:
 def lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     """Next-token-free LM loss: cross-entropy of logits against labels, mean over tokens."""
     logits = out if isinstance(out, torch.Tensor) else out.logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the loss of half-precision logits is taken in fp32
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------

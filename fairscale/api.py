@@ -1,0 +1,169 @@
+"""The public entry points: ``fairscale.search``, ``fairscale.plan`` and ``fairscale.parallelize``.
+
+Typical use, on a laptop with CPU ranks::
+
+    import fairscale
+
+    result = fairscale.search(model, batch, devices=8)      # capture + plan, in this process
+    print(result.table())                                    # the winner, the runners-up, and why
+
+    def train(rank, world):
+        pm = fairscale.parallelize(model, example_inputs=batch, plan=result.plan)
+        for step in range(100):
+            loss = pm.train_step(next_batch(step))           # same global batch on every rank
+
+    fairscale.launch(train, devices=8)
+
+Under ``torchrun`` call ``parallelize`` in the script directly: ``devices`` defaults to the launched
+world size. Captures and searches are cached in this process, so ranks forked after the parent
+planned reuse its work instead of capturing eight times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.runtime.engine import OptimizerSpec, ParallelModule
+from passes.tp_patterns import propose_tp_rules
+from planner.capture import capture
+from planner.cluster import Cluster
+from planner.graph import ModelGraph
+from planner.plan import Plan, PlanError
+from planner.search import SearchResult, cost_plan
+from planner.search import search as _search
+
+__all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster"]
+
+_CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
+_SEARCHES: dict[tuple[Any, ...], SearchResult] = {}
+
+
+def captured(model: nn.Module, example_inputs: Sequence[Any], *,
+             loss_fn: Callable[..., torch.Tensor] | None = None) -> ModelGraph:
+    """``planner.capture.capture`` with an in-process cache keyed by the model, shapes and loss.
+    The captured graph shares the model's parameters, so a cached capture never holds stale weights."""
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
+    key = (id(model), shapes, id(loss_fn))
+    if key not in _CAPTURES:
+        _CAPTURES[key] = capture(model, tuple(example_inputs), loss_fn=loss_fn)
+    return _CAPTURES[key]
+
+
+def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None) -> Cluster:
+    """The cluster to plan for: ``cluster`` (a Cluster or a preset name), else the detected GPUs,
+    else ``devices`` CPU ranks (``devices`` defaults to the launched world size)."""
+    if devices is None and dist.is_initialized():
+        devices = dist.get_world_size()
+    if isinstance(cluster, str):
+        per_node = Cluster.preset(cluster).devices_per_node
+        nodes = max(1, -(-(devices or per_node) // per_node))
+        cluster = Cluster.preset(cluster, nodes=nodes)
+    if cluster is None:
+        detected = Cluster.detect()
+        if torch.cuda.is_available():
+            cluster = detected
+        else:
+            cluster = Cluster.cpu(devices or int(os.environ.get("WORLD_SIZE", "1")))
+    if devices is not None and cluster.devices != devices:
+        raise ValueError(f"devices={devices} but the cluster has {cluster.devices} "
+                         f"({cluster.nodes} nodes × {cluster.devices_per_node}); give matching numbers")
+    return cluster
+
+
+def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | None = None,
+           cluster: Cluster | str | None = None, global_batch: int | None = None,
+           loss_fn: Callable[..., torch.Tensor] | None = None, constraints: dict[str, Any] | Plan | None = None,
+           top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+    """Capture ``model`` and search plans for the cluster; returns the best plan and runners-up.
+
+    Args:
+        example_inputs: one batch (a tuple), as ``planner.capture`` takes it.
+        devices: number of devices (default: the launched world size, or the detected GPUs).
+        cluster: a ``planner.cluster.Cluster`` or a preset name such as ``"a100-80gb"``.
+        global_batch: samples per optimizer step (default: the example batch's size).
+        constraints: fields to fix, in the plan's JSON shape, e.g. ``{"mesh": {"tp": 2}}``.
+    """
+    graph = captured(model, example_inputs, loss_fn=loss_fn)
+    cl = resolve_cluster(devices, cluster)
+    gb = global_batch or graph.batch_size
+    ckey = json.dumps(constraints.to_dict() if isinstance(constraints, Plan) else constraints, sort_keys=True)
+    key = (graph.fingerprint, id(graph), json.dumps(cl.to_dict(), sort_keys=True), gb, ckey, top_k)
+    if key not in _SEARCHES:
+        _SEARCHES[key] = _search(graph, cl, global_batch=gb, constraints=constraints, top_k=top_k, progress=progress,
+                                 tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
+    return _SEARCHES[key]
+
+
+def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan:
+    """The best plan for ``model``; arguments as :func:`search`."""
+    return search(model, example_inputs, **kwargs).plan
+
+
+def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs: Sequence[Any],
+                loss_fn: Callable[..., torch.Tensor] | None = None, plan: Plan | str | Path | None = None,
+                cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
+                global_batch: int | None = None, constraints: dict[str, Any] | None = None) -> ParallelModule:
+    """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
+
+    Call it on every rank (inside ``fairscale.launch`` or torchrun) with the same model and batch.
+
+    Args:
+        model: the model, initialized (every rank must hold the same weights, e.g. the same seed
+            or a model inherited through fork).
+        devices: number of ranks; default the launched world size.
+        example_inputs: one global batch (a tuple); fixes shapes and the default global batch.
+        loss_fn: ``loss_fn(model(batch[0]), *batch[1:])``; without it ``model(*batch)`` returns
+            the loss (or an object with ``.loss``).
+        plan: a Plan, or the path of a plan file, to use instead of searching. It is validated
+            against the model and re-costed; a plan predicted not to fit in memory warns.
+        cluster: what to plan for (default: detected GPUs, else CPU ranks).
+        optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3).
+        global_batch: samples per step (default: the example batch's size).
+        constraints: fields the search must keep (ignored when ``plan`` is given).
+
+    Returns:
+        :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
+        for pp = 1, ``pm.plan``, ``pm.report()``, ``pm.state_dict()``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize runs on every rank: call it inside fairscale.launch(fn, devices=N), "
+                           "`python -m fairscale run --devices N script.py`, or torchrun; to inspect a plan "
+                           "without ranks, use fairscale.search or `python -m fairscale plan`")
+    devices = devices or dist.get_world_size()
+    if devices != dist.get_world_size():
+        raise ValueError(f"devices={devices}, but {dist.get_world_size()} ranks were launched")
+    cl = resolve_cluster(devices, cluster)
+    if plan is None:
+        chosen = search(model, example_inputs, devices=devices, cluster=cl, global_batch=global_batch,
+                        loss_fn=loss_fn, constraints=constraints).plan
+    else:
+        chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
+                                global_batch=global_batch)
+    return ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+
+
+def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,
+                   global_batch: int | None = None) -> Plan:
+    """Load ``plan`` if it is a path, validate it against ``graph`` and ``cluster`` (raising
+    PlanError with every problem), and re-cost it; warn if it is predicted not to fit in memory."""
+    loaded = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    loaded.validate(graph, cluster, devices=cluster.devices)
+    gb = global_batch or loaded.schedule.global_batch or graph.batch_size
+    if not loaded.schedule.global_batch:
+        loaded.schedule.global_batch = gb
+    cost = cost_plan(loaded, graph, cluster, global_batch=gb, validate=False)
+    loaded.predicted = cost.predicted
+    if not cost.fits:
+        worst = max(range(len(cost.memory_bytes)), key=lambda r: cost.memory_bytes[r])
+        warnings.warn(f"plan predicted not to fit: pipeline rank {worst} needs "
+                      f"{cost.memory_bytes[worst] / 2**30:.2f} GiB of {cost.memory_cap / 2**30:.2f} GiB usable",
+                      stacklevel=3)
+    return loaded
