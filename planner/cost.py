@@ -182,7 +182,10 @@ def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str,
              layer_params: int) -> TPInfo:
     if not styles:
         return TPInfo()
-    rowwise = sum(1 for s in styles.values() if s in ("rowwise", "vocab_embedding"))
+    # expert-sharded weights (the TP pass's expert parallelism) leave partial sums: one forward
+    # all-reduce per expert group, and the replicated input's gradient is all-reduced backward
+    experts = {m.rpartition(".")[0] for m, s in styles.items() if s == "expert"}
+    rowwise = sum(1 for s in styles.values() if s in ("rowwise", "vocab_embedding")) + len(experts)
     col_parents = {m.rpartition(".")[0] for m, s in styles.items() if s in ("colwise", "colwise_gather",
                                                                           "vocab_loss", "expert")}
     heads = attention.get("heads", 0) if attention else 0

@@ -191,3 +191,20 @@ def test_pipeline_sends_cost_latency_plus_bytes_over_bandwidth():
     b = evaluate(ctx, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2)))
     assert b.step_time_s == pytest.approx(1 * 3.1 + 6.2)
     assert b.p2p_s == pytest.approx(2 * 0.1)
+
+
+def test_tp_collectives_per_layer_follow_the_rules():
+    from planner.cost import layer_facts
+
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    rules = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+             "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise", "wte": "vocab_embedding",
+             "lm_head": "vocab_loss"}
+    facts = {f.name: f.tp for f in layer_facts(g, rules)}
+    # a block: o_proj and down_proj all-reduce forward; attn (q,k,v share it) and mlp inputs backward
+    assert (facts["layers.0"].allreduce_fwd, facts["layers.0"].allreduce_bwd) == (2, 2)
+    assert facts["layers.0"].param_count == 12 * 64 * 64 + 9 * 64  # split weights and their split biases
+    assert (facts["wte"].allreduce_fwd, facts["lm_head"].allreduce_bwd) == (1, 1)
+    assert not facts["ln_f"].sharded
+    experts = {f.name: f.tp for f in layer_facts(g, {"layers.*.mlp.up_proj": "expert"})}
+    assert (experts["layers.1"].allreduce_fwd, experts["layers.1"].allreduce_bwd) == (1, 1)
