@@ -388,7 +388,14 @@ def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if pw.is_r:
         want = _resolve_partials(rw, node)
         px = want.get(x, rw.p(x))
-        if px.is_s and px.dim != last and px.parts == 1:
+        # A replicated weight on a sequence/batch shard computes locally, but its gradient is then
+        # a sum over shards (an all-reduce of |W|); gathering the input instead moves |x|. Take the
+        # cheaper (a replicated LM head under sequence parallelism gathers its input).
+        w_numel = rw.shape(w)[0] * rw.shape(w)[1]
+        x_numel = 1
+        for size in rw.shape(x):
+            x_numel *= size
+        if px.is_s and px.dim != last and px.parts == 1 and w_numel < x_numel:
             return rw.finish(node, want, px), px
         want[x] = R
         return rw.finish(node, want, R), R

@@ -54,9 +54,12 @@ EXPECTED = {
                      "vocab_parallel_cross_entropy": 1},
     ("bert", False): {"vocab_parallel_embedding": 1, "reduce_from_group": 5, "copy_to_group": 5,
                       "vocab_parallel_cross_entropy": 1},
-    ("bert", True): {"vocab_parallel_embedding": 1, "reduce_scatter_seq": 5, "gather_seq": 5,
+    ("bert", True): {"vocab_parallel_embedding": 1, "reduce_scatter_seq": 5, "gather_seq": 4,
                      "scatter_to_group": 2,  # token-type and position embeddings
-                     "copy_to_group": 18,  # 6 LayerNorms ×2, row biases 4, MLM transform weight+bias 2
+                     # the MLM head's replicated transform (64×64 weight) reads a [2, 16, 64] activation:
+                     # gathering it (2048 floats) beats all-reducing the weight's gradient (4096)
+                     "gather_from_group": 1,
+                     "copy_to_group": 15,  # 5 LayerNorms ×2 in the SP region, row biases 4, decoder input 1
                      "vocab_parallel_cross_entropy": 1},
     ("mixtral", False): {"vocab_parallel_embedding": 1, "reduce_from_group": 5, "expert_grouped_mm": 4,
                          "copy_to_group": 7,  # attention 2, LM head 1, MoE input + routing weights 2 per layer
