@@ -149,7 +149,12 @@ def _rank_dependent_unused(rank: int, world: int) -> dict:
         comm.all_reduce_(g, "zero")
         if opt.param_to_rank[p] == rank:
             err = max(err, (p.grad - g / world).abs().max().item())
-    return {"err": err}
+    # now no rank uses `extra`: its owner must keep grad None, not a zero gradient
+    opt.zero_grad(set_to_none=True)
+    model(x, False).backward()
+    unused_none = all(p.grad is None for p in net.extra.parameters())
+    used_owned = all(p.grad is not None for p in net.a.parameters() if opt.param_to_rank[p] == rank)
+    return {"err": err, "unused_none": unused_none, "used_owned": used_owned}
 
 
 def _traffic(rank: int, world: int, *, reduce_fp16: bool) -> dict:
@@ -223,6 +228,7 @@ def test_parameter_unused_on_some_ranks(runs) -> None:
     _, results = runs
     for r in results:
         assert r["branchy"]["err"] < 1e-6
+        assert r["branchy"]["unused_none"] and r["branchy"]["used_owned"]
 
 
 def test_errors_name_the_fix(runs) -> None:
@@ -234,13 +240,15 @@ def test_errors_name_the_fix(runs) -> None:
 
 def test_collectives_are_one_reduce_and_one_broadcast_per_parameter(runs) -> None:
     _, results = runs
-    nbytes = sum(p.numel() * 4 for p in build("mlp").model.parameters())
+    params = list(build("mlp").model.parameters())
+    nbytes = sum(p.numel() * 4 for p in params)
+    flags = 4 * len(params)  # one "had a gradient" flag per parameter rides with its bucket
     for r in results:
         snap = r["traffic"]["snap"]
-        assert snap["reduce:zero"]["payload"] == nbytes  # ZeRO-2: reduce, never all-reduce
+        assert snap["reduce:zero"]["payload"] == nbytes + flags  # ZeRO-2: reduce, never all-reduce
         assert "all_reduce:zero" not in snap
         assert snap["broadcast:zero"]["payload"] == nbytes
-        assert r["traffic16"]["snap"]["reduce:zero"]["payload"] == nbytes // 2  # fp16 halves it
+        assert r["traffic16"]["snap"]["reduce:zero"]["payload"] == (nbytes + flags) // 2  # fp16 halves it
 
 
 def test_reduce_fp16_rounds_gradients_only_slightly(runs, reference) -> None:

@@ -21,6 +21,8 @@ was launched, the bucket is *copied* into a fresh flat buffer and reduced asynch
 of backward, remaining buckets (parameters that got no gradient on this rank) are launched in
 the same order with zeros, so every rank issues the same collectives in the same order. The owner
 then writes the averaged result into ``param.grad``; other ranks set ``param.grad = None``.
+Each bucket also carries one flag per parameter saying whether this rank produced a gradient
+for it, so a parameter that no rank used keeps ``grad = None`` (as in single-process training).
 No gradient ever aliases a long-lived bucket buffer, so replacing ``param.grad`` between steps
 cannot leave a stale view behind (FairScale 0.4.13 kept ``.grad`` as views into its buckets and
 reduced stale data after ``set_to_none``).
@@ -245,7 +247,11 @@ class ShardedDataParallel(nn.Module):
         dtype = torch.float16 if self.reduce_fp16 and b.params[0].dtype == torch.float32 else b.params[0].dtype
         parts = [(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
                  for p in b.params]
-        b.flat = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+        # one "had a gradient" flag per parameter rides along: a parameter no rank used keeps
+        # grad None on its owner, as in single-process training (not a zero gradient)
+        parts.append(torch.tensor([float(p.grad is not None) for p in b.params], dtype=dtype,
+                                  device=b.params[0].device))
+        b.flat = torch.cat(parts)
         b.work = reduce_(b.flat, self.axis, dst_rank=b.owner, async_op=True)
 
     def _finish_backward(self) -> None:
@@ -259,13 +265,14 @@ class ShardedDataParallel(nn.Module):
                         p.grad = None
                     continue
                 assert b.flat is not None
+                used = b.flat[-len(b.params):] > 0
                 b.flat.div_(self.world_size)
                 offset = 0
-                for p in b.params:
+                for p, had_grad in zip(b.params, used.tolist()):
                     n = p.numel()
                     g = b.flat[offset:offset + n].view_as(p).to(p.dtype)
                     offset += n
-                    if not p.requires_grad:  # frozen since the buckets were built: no gradient
+                    if not p.requires_grad or not had_grad:  # frozen, or used by no rank: no gradient
                         p.grad = None
                         continue
                     if p.grad is None:
