@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             theirs_name, theirs = None, None
             if f"native:{kind}" in per_rank[0]:
                 theirs_name, theirs = NATIVE[kind], _slowest([r[f"native:{kind}"] for r in per_rank])
-            elif kind in ORIGINAL and "error" not in original:
+            elif kind in ORIGINAL and ORIGINAL[kind] in original:
                 theirs_name = f"FairScale 0.4.13 {ORIGINAL[kind].replace('_', '+').upper()}"
                 theirs = _slowest(original[ORIGINAL[kind]])
             elif kind in ORIGINAL:
-                theirs_name = "FairScale 0.4.13 (unavailable)"
+                theirs_name = "FairScale 0.4.13 (skipped)" if args.no_original else "FairScale 0.4.13 (failed)"
             mib = per_rank[0][f"bytes:{kind}"] / 2**20
             rows.append((world, kind, ours, theirs_name or "-", theirs, mib, model_bytes / 2**20))
         if "error" in original:
