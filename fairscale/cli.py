@@ -40,6 +40,8 @@ from planner.validate import device_count, validate_plan
 
 __all__ = ["main", "render_report", "load_factory", "UsageError"]
 
+from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
+
 CAPTURE_BATCH = 2
 """Samples in the example batch a Case is captured with (per-layer facts scale linearly with it)."""
 
@@ -330,135 +332,6 @@ def _recost(plan: Plan, graph: ModelGraph | None, cluster: Cluster | None, args:
                         source=args.plan)
 
 
-# --- the text report ---------------------------------------------------------------------------
-
-
-def render_report(plan: Plan, graph: ModelGraph | None) -> str:
-    """The plan as a readable table: mesh, schedule, stages with their layers and parameter counts,
-    per-device memory, predicted step time and collectives per step (what the plan holds)."""
-    m, s, dp = plan.mesh, plan.schedule, plan.data_parallel
-    lines = [f"plan for {plan.model.class_ or '(unnamed model)'}"
-             + (f" (fingerprint {plan.model.fingerprint}, {plan.model.parameters:,} parameters)"
-                if plan.model.fingerprint else ""),
-             f"mesh: pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size} devices",
-             f"schedule: {s.kind}, {s.microbatches} microbatch{'es' if s.microbatches != 1 else ''}"
-             + (f", {s.virtual_stages} model chunks per rank" if s.virtual_stages > 1 else ""),
-             f"data parallel: {dp.kind}, params {dp.param_dtype}, gradients reduced in {dp.reduce_dtype}"
-             + (f", units {dp.units}, {'reshard' if dp.reshard_after_forward else 'keep'} after forward"
-                if dp.kind == "fsdp" else f", {dp.bucket_mb:g} MiB buckets")
-             + (", offloaded to CPU" if dp.offload else "")]
-    tp = plan.tensor_parallel
-    if tp.rules:
-        lines.append("tensor parallel" + (" (sequence parallel)" if tp.sequence_parallel else "") + ":")
-        lines.extend(f"  {k:<40} {v}" for k, v in tp.rules.items())
-    else:
-        lines.append("tensor parallel: none")
-    if plan.recompute:
-        lines.append("recompute:")
-        lines.extend(f"  {k:<40} {v}" for k, v in plan.recompute.items())
-    else:
-        lines.append("recompute: none")
-    lines.append("")
-    lines.extend(_stage_table(plan, graph))
-    lines.append("")
-    lines.extend(_predictions(plan))
-    return "\n".join(lines)
-
-
-def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:
-    memory = plan.predicted.memory_gib
-    stages = plan.stages or [Stage(layers="**")]
-    rows = [("stage", "pp rank", "layers", "params", "memory GiB")]
-    for i, stage in enumerate(stages):
-        mem = f"{memory[i]:.3g}" if len(memory) == len(stages) else "-"
-        rank = str(i % plan.mesh.pp) if plan.mesh.pp >= 1 else "?"
-        groups = _layer_groups(stage.layers, graph)
-        for j, (names, params) in enumerate(groups):
-            rows.append((str(i) if j == 0 else "", rank if j == 0 else "", names, params, mem if j == 0 else ""))
-        if graph is not None and len(groups) > 1:
-            total = sum(graph.layer(n).param_count for n in parse_selector(stage.layers).select(
-                [layer.name for layer in graph.layers]))
-            rows.append(("", "", "  total", f"{total:,}", ""))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
-    out = []
-    for r in rows:
-        out.append(f"{r[0]:>{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  "
-                   f"{r[4]:>{widths[4]}}".rstrip())
-    return out
-
-
-def _layer_groups(text: str, graph: ModelGraph | None) -> list[tuple[str, str]]:
-    """(names, params) rows for a stage: runs of one repeated block fold into one row."""
-    if graph is None:
-        return [(text, "-")]
-    try:
-        names = parse_selector(text).select([layer.name for layer in graph.layers])
-    except SelectorError:
-        return [(text, "-")]
-    rows: list[tuple[str, str]] = []
-    run: list[str] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        counts = {graph.layer(n).param_count for n in run}
-        each = counts.pop() if len(counts) == 1 else None
-        params = (f"{len(run)} × {each:,}" if len(run) > 1 else f"{each:,}") if each is not None else \
-            f"{sum(graph.layer(n).param_count for n in run):,}"
-        if params == "0" and any(graph.layer(n).params for n in run):
-            params = "0 (tied)"  # its parameters are counted where they are first used
-        rows.append((format_layers(run), params))
-        run.clear()
-
-    for name in names:
-        if run and _block_of(name) != _block_of(run[-1]):
-            flush()
-        run.append(name)
-        if _block_of(name) is None:
-            flush()
-    flush()
-    return rows
-
-
-def _block_of(name: str) -> str | None:
-    head, _, last = name.rpartition(".")
-    return head if last.isdigit() else None
-
-
-def _predictions(plan: Plan) -> list[str]:
-    p, m, s = plan.predicted, plan.mesh, plan.schedule
-    lines = []
-    if p.step_time_s > 0:
-        peak = f", peak memory {max(p.memory_gib):.3g} GiB/device" if p.memory_gib else ""
-        lines.append(f"predicted: {p.step_time_s:.4g} s/step, {p.tflops_per_device:.3g} TFLOP/s per device{peak}, "
-                     f"pipeline bubble {100 * p.bubble:.1f}%")
-        lines.append(f"collectives per step: {p.comm_gib_per_step:.3g} GiB sent per device")
-    else:
-        lines.append("predicted: none (this plan was not costed; planner.search fills these in)")
-        lines.append("collectives per step:")
-    # What the plan's structure implies, whatever the cost model says.
-    if m.pp > 1:
-        sends = 2 * (m.pp * s.virtual_stages - 1) * s.microbatches
-        cuts = m.pp * s.virtual_stages - 1
-        lines.append(f"  pp: {sends} point-to-point sends per pipeline replica (activations forward, gradients "
-                     f"backward, at {cuts} cut{'s' if cuts > 1 else ''} × {s.microbatches} microbatch"
-                     f"{'es' if s.microbatches > 1 else ''})")
-    if m.dp > 1:
-        kind = plan.data_parallel.kind
-        what = {"ddp": "all-reduce of every gradient, in buckets",
-                "zero1": "all-reduce of gradients, then all-gather of the updated parameter shards",
-                "zero2": "reduce-scatter of gradients, then all-gather of the updated parameter shards",
-                "fsdp": "all-gather of each unit's parameters (forward, and again in backward when resharded), "
-                        "reduce-scatter of its gradients"}.get(kind, kind)
-        lines.append(f"  dp: {what}, over {m.dp} ranks")
-    if m.tp > 1:
-        lines.append(f"  tp: all-reduces inside each sharded column→row pair, forward and backward, over {m.tp} "
-                     "ranks, per microbatch")
-    if m.size == 1 or (m.pp == 1 and m.dp == 1 and m.tp == 1):
-        lines.append("  none (one device)")
-    return lines
-
-
 # --- entry point -------------------------------------------------------------------------------
 
 
@@ -503,7 +376,32 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--global-batch", type=int, metavar="B",
                        help="samples per step for re-costing (default: the plan's schedule.global_batch)")
         p.set_defaults(run=run)
+
+    p = sub.add_parser("run", help="run a script on N CPU ranks, as torchrun would", description=(
+        "Run SCRIPT on N forked ranks with torch.distributed initialized (gloo on CPU) and RANK, WORLD_SIZE, "
+        "LOCAL_RANK set. Arguments after the script are passed to it."))
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument("script", metavar="SCRIPT.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
+    p.set_defaults(run=_cmd_run)
+
+    p = sub.add_parser("demo", help="plan, report and train a small GPT on CPU ranks", add_help=False,
+                       description="See `python -m fairscale demo --help`.")
+    p.add_argument("demo_args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fairscale.runtime.run_cli import run_script
+
+    return run_script(args.script, args.devices, args.script_args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fairscale.demo import main as demo_main
+
+    return demo_main(args.demo_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
