@@ -96,6 +96,9 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
     cfg = plan.data_parallel if isinstance(plan, Plan) else plan
     if cfg.kind not in DP_KINDS:
         raise ValueError(f"data_parallel.kind = {cfg.kind!r}; choose one of {list(DP_KINDS)}")
+    if isinstance(plan, Plan) and plan.mesh.dp != dp_size:
+        raise ValueError(f"plan.mesh.dp = {plan.mesh.dp} but dp_size = {dp_size}: compile each rank with the "
+                         "plan's dp degree")
     if not 0 <= dp_index < dp_size:
         raise ValueError(f"dp_index {dp_index} is outside [0, dp_size={dp_size})")
     if cfg.offload and cfg.kind == "ddp":

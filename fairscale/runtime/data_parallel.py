@@ -111,6 +111,11 @@ class DataParallelRunner:
         if isinstance(plan, Plan) and (plan.mesh.pp, plan.mesh.tp) != (1, 1):
             raise ValueError(f"DataParallelRunner runs pp=tp=1 plans; this plan has mesh pp={plan.mesh.pp}, "
                              f"tp={plan.mesh.tp}: use the full engine (fairscale.parallelize)")
+        if dist.get_backend() != "gloo":
+            raise NotImplementedError(
+                f"DataParallelRunner runs CPU ranks on gloo; this process group uses {dist.get_backend()!r}. "
+                "Launch with fairscale.launch(fn, devices=N, backend='gloo'); GPU placement belongs to the "
+                "full engine")
         world, rank = dist.get_world_size(), dist.get_rank()
         if comm.get_group(axis) is None or comm.group_size(axis) != world:
             comm.set_group(axis, dist.group.WORLD if world > 1 else None)

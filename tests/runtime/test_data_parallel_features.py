@@ -16,7 +16,7 @@ from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes import comm
 from passes.shard_data_parallel import shard_data_parallel_pass
 from planner.capture import LossModule, capture
-from planner.plan import DataParallel, Plan
+from planner.plan import DataParallel, Mesh, Plan
 
 from dp_harness import GLOBAL_BATCH, KINDS, config, make_case
 
@@ -172,7 +172,10 @@ def test_errors_say_what_to_do():
         shard_data_parallel_pass(graph.gm, DataParallel(kind="fsdp", units="blocks.*"), dp_index=0, dp_size=2)
     with pytest.raises(ValueError, match="param_dtype = 'fp8'; choose one of"):
         shard_data_parallel_pass(graph.gm, DataParallel(kind="fsdp", param_dtype="fp8"), dp_index=0, dp_size=2)
-    gm = shard_data_parallel_pass(graph.gm, Plan(data_parallel=DataParallel(kind="zero2")), dp_index=0, dp_size=2)
+    with pytest.raises(ValueError, match="plan.mesh.dp = 1 but dp_size = 2"):
+        shard_data_parallel_pass(graph.gm, Plan(data_parallel=DataParallel(kind="zero2")), dp_index=0, dp_size=2)
+    plan = Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="zero2"))
+    gm = shard_data_parallel_pass(graph.gm, plan, dp_index=0, dp_size=2)
     with pytest.raises(ValueError, match="LBFGS may not be elementwise; kind='zero2' shards"):
         DataParallelOptimizer(gm, torch.optim.LBFGS, lr=1.0)
     from fairscale.runtime.data_parallel import local_slice
