@@ -1,12 +1,26 @@
 """fairscale: a declarative auto-parallel compiler for PyTorch, and FairScale's classic modules.
 
     import fairscale
-    pm = fairscale.parallelize(model, devices=8, example_inputs=(batch,))
+
+    def train(rank, world):
+        pm = fairscale.parallelize(model, example_inputs=batch)    # capture → plan → passes
+        for step in range(steps):
+            loss = pm.train_step(next_batch(step))
+
+    fairscale.launch(train, devices=8)       # or run the script under torchrun
+
+The classic FairScale modules keep their import paths: ``fairscale.nn``, ``fairscale.optim``,
+``fairscale.experimental``.
 """
 
-from planner.plan import Plan, PlanError
+from fairscale.api import parallelize, plan, search
+from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.launch import RankFailedError, launch
+from passes.comm import COUNTER as comm_counter
+from planner.cluster import Cluster
+from planner.plan import Plan, PlanError
 
 __version__ = "1.0.0.dev0"
 
-__all__ = ["Plan", "PlanError", "launch", "RankFailedError", "__version__"]
+__all__ = ["parallelize", "plan", "search", "launch", "ParallelModule", "Plan", "PlanError", "Cluster",
+           "RankFailedError", "comm_counter", "__version__"]
