@@ -141,15 +141,26 @@ class PipelineExecutor:
             yield from (p for p in self.modules[s].parameters() if p.requires_grad)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers by user state_dict key (tied names expanded)."""
+        """This rank's stages' parameters and buffers by user state_dict key (tied names expanded).
+
+        FSDP flat shards (``shard_data_parallel_pass`` with kind fsdp) are all-gathered over their
+        dp axis, so every dp replica must call this together. Tensor-parallel slices are refused.
+        """
         out: dict[str, torch.Tensor] = {}
         for s in self.local_stages:
             layout = self._layout(s)
-            if layout.flat or layout.tp:
-                raise PipelineError(f"stage {s} holds sharded parameters (tensor-parallel or FSDP); gather them "
-                                    "with the runtime's sharded state_dict instead of PipelineExecutor.state_dict")
+            if layout.tp:
+                raise PipelineError(f"stage {s} holds tensor-parallel slices; gather them with the runtime's "
+                                    "sharded state_dict instead of PipelineExecutor.state_dict")
+            items: list[tuple[str, torch.Tensor]] = []
             for attr, key in layout.keys.items():
-                value = _fetch(self.modules[s], attr).detach()
+                items.append((key, _fetch(self.modules[s], attr).detach()))
+            for attr, flat in layout.flat.items():
+                shard = _fetch(self.modules[s], attr).detach()
+                full = torch.empty(flat.padded, dtype=shard.dtype)
+                comm.all_gather_flat(full, shard.reshape(-1), flat.axis)
+                items.extend(flat.split(full).items())
+            for key, value in items:
                 for name in self.program.aliases.get(key, [key]):
                     out[name] = value
         return out
