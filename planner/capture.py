@@ -19,6 +19,9 @@ returns the loss, so every rank graph derived from it does too. Shapes are speci
 example batch; the runtime re-captures (``annotate=False``, well under a second for small models)
 for other microbatch shapes.
 
+Mode: torch.export bakes the model's train/eval mode into the graph (``ep.module().train()`` raises),
+so capture the model in the mode it will run in (training: ``model.train()``, the default).
+
 Pipeline: trace (:mod:`planner.fx_capture`) -> module paths on nodes -> one get_attr per use of a
 tied parameter (:func:`planner.layers.split_tied_uses`) -> per-node facts on fake tensors
 (:mod:`planner.annotate`) -> layers, blocks, attention shapes, layer sums (:mod:`planner.layers`).
@@ -137,12 +140,15 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     stats = None
     layers, containers = group_layers(gm, model)
     blocks = find_blocks(model, layers, containers)
+    grouped = time.perf_counter()
+    replicas: dict[str, str] = {}
     if annotate:
         replicas = replica_map(gm, layers, blocks) if replicate else {}
         try:
             stats = annotate_graph(gm, tuple(x for x in tree_flatten(batch)[0]), replicas=replicas)
         except AnnotateError as exc:
             raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+    annotated = time.perf_counter()
     config = model_config(model)
     for layer in layers:
         layer.attention = attention_facts(model, layer.name, config=config)
@@ -152,8 +158,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     graph.blocks = blocks
     graph.tracer = used
     graph.batch_size = _batch_size(batch)
-    graph.extra.update({"trace_s": traced - start, "capture_s": time.perf_counter() - start,
-                        "nodes": len(gm.graph.nodes)})
+    graph.extra.update({"trace_s": traced - start, "group_s": grouped - traced, "annotate_s": annotated - grouped,
+                        "capture_s": time.perf_counter() - start, "nodes": len(gm.graph.nodes)})
     if stats is not None:
         graph.extra.update({"annotate_runs": stats.runs, "annotate_backward_runs": stats.backward_runs,
                             "replicated_nodes": len(replicas)})

@@ -18,7 +18,7 @@ import os
 import sysconfig
 import traceback
 from types import FunctionType, TracebackType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx
@@ -70,7 +70,7 @@ class _Tracer(torch.fx.Tracer):
         if name not in parameter_proxy_cache:
             parameter_proxy_cache[name] = self.create_proxy(
                 "get_attr", name, (), {},
-                proxy_factory_fn=lambda node: ParameterProxy(self, node, name, attr_val))
+                proxy_factory_fn=lambda node: ParameterProxy(self, node, name, cast(nn.Parameter, attr_val)))
         return parameter_proxy_cache[name]
 
     def create_arg(self, a: Any) -> Any:
