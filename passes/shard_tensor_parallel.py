@@ -65,7 +65,7 @@ from torch.fx import Node
 from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp_placement import Placement, R, S
-from passes.tp_rewrite import META_TP, Rewriter, TPShardError, fmt
+from passes.tp_rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
 from passes.tp_rules import VIEWS, rule_for
 from planner.plan import TP_STYLES, Plan
 from planner.selectors import parse_selector
@@ -95,7 +95,7 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many of each tp collective (and vocab-parallel loss) a rank graph calls."""
     from passes import tp_ops
 
-    named = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
+    named: dict[Any, str] = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
              tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",
              tp_ops.expert_grouped_mm: "expert_grouped_mm"}
     counts: Counter[str] = Counter()
@@ -131,7 +131,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         rw.grad[node] = rw.compute_grad(node)
         if node.op == "placeholder":
             new = rw.graph.placeholder(str(node.target), type_expr=node.type,
-                                       default_value=node.args[0] if node.args else inspect.Signature.empty)
+                                       default_value=args_of(node)[0] if node.args else inspect.Signature.empty)
             new.meta = dict(node.meta)
             place: Any = R if rw.is_tensor(node) else None
         elif node.op == "get_attr":
@@ -148,7 +148,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
                 raise
         elif node.op == "output":
             want = {a: R for a in node.all_input_nodes if rw.is_tensor(a)}
-            rw.graph.output(rw.map_args(node.args[0], want, R), type_expr=node.type)
+            rw.graph.output(rw.map_args(args_of(node)[0], want, R), type_expr=node.type)
             continue
         else:
             raise TPShardError(f"{fmt(node)}: {node.op} nodes are not supported; capture with planner.capture")
@@ -203,11 +203,10 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
         matched_without_param.setdefault(text, node)
     for text, node in matched_without_param.items():
         if text not in used_rules and styles[node] != "replicate":
-            exc = TPShardError(f"tensor_parallel rule {text!r} ({styles[node]}) matches module "
-                               f"{node.meta.get('fs_module')!r}, which has no linear/embedding/expert parameter "
-                               f"to shard (first node: {fmt(node)}); name the projection modules instead")
-            exc.node = node
-            raise exc
+            raise _at(node, TPShardError(
+                f"tensor_parallel rule {text!r} ({styles[node]}) matches module {node.meta.get('fs_module')!r}, "
+                f"which has no linear/embedding/expert parameter to shard (first node: {fmt(node)}); name the "
+                "projection modules instead"))
     params: dict[str, Placement] = {}
     for target, uses in claims.items():
         first = uses[0]
@@ -230,7 +229,7 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
 
 
 def _at(node: Node, exc: TPShardError) -> TPShardError:
-    exc.node = node  # type: ignore[attr-defined]
+    exc.node = node
     return exc
 
 
@@ -245,8 +244,8 @@ def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> lis
     t = node.target
     if t in _MATMULS:
         wpos, bpos, col, row = _MATMULS[t]
-        w = node.args[wpos] if len(node.args) > wpos else None
-        b = node.args[bpos] if bpos is not None and len(node.args) > bpos else None
+        w = args_of(node)[wpos] if len(args_of(node)) > wpos else None
+        b = args_of(node)[bpos] if bpos is not None and len(args_of(node)) > bpos else None
         if not (isinstance(w, Node) and w in params and _attr(gm, str(w.target)).dim() == 2):
             return []
         if style in ("colwise", "colwise_gather", "vocab_loss"):
@@ -263,7 +262,7 @@ def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> lis
         raise TPShardError(f"style {style!r} does not apply to the matmul {fmt(node)}; use colwise, "
                            "colwise_gather, rowwise, vocab_loss or replicate")
     if t == aten.embedding.default:
-        w = node.args[0]
+        w = args_of(node)[0]
         if style in ("vocab_embedding", "rowwise"):
             return [(str(w.target), S(0))]
         if style == "colwise":
@@ -289,7 +288,7 @@ def _infer_parts(node: Node) -> int:
             return 1
         last = val.dim() - 1
         if user.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            dim: Any = args_of(user)[2] if len(args_of(user)) > 2 else user.kwargs.get("dim", 0)
             if dim % val.dim() != last:
                 return 1
             sizes = {int(v.shape[last]) for v in user.meta.get("val", [])}
@@ -318,7 +317,7 @@ def _fuse_gather_copy(graph: torch.fx.Graph) -> None:
         cur = node
         while len(cur.users) == 1:
             (user,) = cur.users
-            if user.target in _PASSTHROUGH and user.args[0] is cur:
+            if user.target in _PASSTHROUGH and args_of(user)[0] is cur:
                 cur = user
                 continue
             break

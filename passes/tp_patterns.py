@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes.tp_rewrite import TPShardError
+from passes.tp_rewrite import TPShardError, args_of
 from passes.tp_rules import ELEMENTWISE, VIEWS
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
@@ -90,7 +90,7 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
                and _param_weight(n, params) is not None]
     role: dict[Node, str] = {}
     for b in matmuls:  # topological order; a matmul is in at most one pair (Megatron's f ... g)
-        sources = _column_sources(b.args[0] if b.target != aten.addmm.default else b.args[1], params, act)
+        sources = _column_sources(args_of(b)[0] if b.target != aten.addmm.default else args_of(b)[1], params, act)
         if sources and b not in role and all(role.get(a) in (None, "colwise") for a in sources):
             for a in sources:
                 role[a] = "colwise"
@@ -103,8 +103,8 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target == aten.embedding.default and n.args[0] in params:
-            if _from_int_input(n.args[1]):
+        if n.target == aten.embedding.default and args_of(n)[0] in params:
+            if _from_int_input(args_of(n)[1]):
                 claim(n, "vocab_embedding")
         elif str(n.target) == "transformers.grouped_mm_fallback.default":
             claim(n, "expert")
@@ -122,7 +122,8 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
 
 
 def _param_weight(node: Node, params: set[Node]) -> Node | None:
-    w = node.args[_MATMUL_W[node.target]] if len(node.args) > _MATMUL_W[node.target] else None
+    pos = _MATMUL_W[node.target]  # type: ignore[index]
+    w = args_of(node)[pos] if len(args_of(node)) > pos else None
     if isinstance(w, Node) and w in params and isinstance(w.meta.get("val"), torch.Tensor) and w.meta["val"].dim() == 2:
         return w
     return None
@@ -175,7 +176,7 @@ def _reaches_loss(node: Node) -> bool:
         nxt = []
         for n in cur:
             for u in n.users:
-                if u.target in _LOSSES and u.args[0] is n:
+                if u.target in _LOSSES and args_of(u)[0] is n:
                     return True
                 if u.target in _TO_LOSS:
                     nxt.append(u)
@@ -188,13 +189,13 @@ def _reaches_loss(node: Node) -> bool:
 def _from_int_input(ids: Any) -> bool:
     cur = ids
     while isinstance(cur, Node) and cur.op == "call_function" and cur.target in VIEWS | {aten.to.dtype}:
-        cur = cur.args[0]
+        cur = args_of(cur)[0]
     v = cur.meta.get("val") if isinstance(cur, Node) else None
     return isinstance(cur, Node) and cur.op == "placeholder" and isinstance(v, torch.Tensor) and not v.is_floating_point()
 
 
 def _heads(node: Node) -> dict[str, int]:
-    q, k = node.args[0], node.args[1]
+    q, k = args_of(node)[0], args_of(node)[1]
     qv, kv = q.meta.get("val"), _kv_source(k).meta.get("val")
     return {"heads": int(qv.shape[1]), "kv_heads": int(kv.shape[1]) if kv is not None else int(qv.shape[1]),
             "head_dim": int(qv.shape[-1])}
@@ -203,10 +204,10 @@ def _heads(node: Node) -> dict[str, int]:
 def _kv_source(k: Node) -> Node:
     """Undo GQA's repeat (reshape <- expand <- unsqueeze) to see the KV heads."""
     cur = k
-    if cur.target == aten.reshape.default and cur.args[0].target == aten.expand.default:
-        src = cur.args[0].args[0]
+    if cur.target == aten.reshape.default and args_of(cur)[0].target == aten.expand.default:
+        src = args_of(cur)[0].args[0]
         if src.target == aten.unsqueeze.default:
-            return src.args[0]
+            return args_of(src)[0]
     return cur
 
 
@@ -256,8 +257,8 @@ def _group(styles: dict[str, str], paths: set[str] | None = None) -> dict[str, s
         same = all(styles.get(p) == style for p in paths if p and sel.matches(p))
         flat[general if same else path] = style
     grouped: dict[tuple[str, str], list[str]] = {}
-    for sel, style in flat.items():
-        parent, _, leaf = sel.rpartition(".")
+    for text, style in flat.items():
+        parent, _, leaf = text.rpartition(".")
         grouped.setdefault((parent, style), []).append(leaf)
     out: dict[str, str] = {}
     for (parent, style), leaves in grouped.items():

@@ -27,7 +27,7 @@ from torch.fx import Node
 from passes import comm
 from passes.tp_placement import Placement, R, S, local_shape
 
-__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM"]
+__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt"]
 
 META_TP = "fs_tp"
 """str on every rewritten node: the placement of its rank-local value (``R``, ``S(2)``, ``P``)."""
@@ -40,8 +40,18 @@ _COPY_META = ("fs_module", "fs_layer", "nn_module_stack", "stack_trace", "fs_par
 class TPShardError(ValueError):
     """The tensor-parallel pass cannot shard a node correctly; the message quotes the node."""
 
+    node: Node | None = None
+    """The node being rewritten when the error was raised (set by the pass)."""
 
-def fmt(node: Node) -> str:
+
+def args_of(node: Node) -> Any:
+    """``node.args`` typed loosely: fx types them as any argument, rules know what they hold."""
+    return node.args
+
+
+def fmt(node: Node | None) -> str:
+    if node is None:
+        return "<no node>"
     return node.format_node() or node.name
 
 
@@ -225,7 +235,7 @@ class Rewriter:
         local shapes; old nodes in them are converted) on converted inputs."""
         new_args = self.map_args(node.args if args is None else args, want, out)
         new_kwargs = self.map_args(node.kwargs if kwargs is None else kwargs, want, out)
-        new = self.emit(target or node.target, new_args, new_kwargs, place=out)
+        new = self.emit(target or node.target, new_args, new_kwargs, place=out)  # type: ignore[arg-type]
         self.set_local_val(new, node, out)
         return new
 

@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from passes import tp_ops
 from passes.tp_placement import PD, Placement, P, R, S, local_shape, map_view_dim
-from passes.tp_rewrite import Rewriter, TPShardError, fmt
+from passes.tp_rewrite import Rewriter, TPShardError, args_of, fmt
 
 aten = torch.ops.aten
 Rule = Callable[[Rewriter, Node], tuple[Node, Any]]
@@ -151,7 +151,7 @@ def assert_meta(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def view(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     out_shape = rw.shape(node)
     if px.is_r or px.is_p:
@@ -163,35 +163,35 @@ def view(rw: Rewriter, node: Node) -> tuple[Node, Any]:
                                "With attention, the number of (key/value) heads must divide by tp")
         return rw.finish(node, {x: R}, R), R
     out = S(k, px.parts)
-    return rw.finish(node, {}, out, args=(x, local_shape(out_shape, out, rw.tp), *node.args[2:])), out
+    return rw.finish(node, {}, out, args=(x, local_shape(out_shape, out, rw.tp), *args_of(node)[2:])), out
 
 
 def expand(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     if not px.is_s:
         return rw.finish(node, {}, px), px
     out = S(px.dim + rw.ndim(node) - rw.ndim(x), px.parts)
-    return rw.finish(node, {}, out, args=(x, local_shape(rw.shape(node), out, rw.tp), *node.args[2:])), out
+    return rw.finish(node, {}, out, args=(x, local_shape(rw.shape(node), out, rw.tp), *args_of(node)[2:])), out
 
 
 def _dim_map(rw: Rewriter, node: Node) -> Callable[[int], int | None]:
     """Old dim of the input -> dim of the output for pure dim-permuting/inserting ops."""
-    x, t = node.args[0], node.target
+    x, t = args_of(node)[0], node.target
     n_in = rw.ndim(x)
     if t == aten.transpose.int:
-        a, b = _nd(node.args[1], n_in), _nd(node.args[2], n_in)
+        a, b = _nd(args_of(node)[1], n_in), _nd(args_of(node)[2], n_in)
         return lambda d: b if d == a else a if d == b else d
     if t == aten.permute.default:
-        perm = [_nd(d, n_in) for d in node.args[1]]
+        perm = [_nd(d, n_in) for d in args_of(node)[1]]
         return lambda d: perm.index(d)
     if t == aten.t.default:
         return lambda d: 1 - d if n_in == 2 else d
     if t == aten.unsqueeze.default:
-        u = _nd(node.args[1], n_in + 1)
+        u = _nd(args_of(node)[1], n_in + 1)
         return lambda d: d + 1 if d >= u else d
     if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        dims = node.args[1] if len(node.args) > 1 else [i for i, s in enumerate(rw.shape(x)) if s == 1]
+        dims = args_of(node)[1] if len(args_of(node)) > 1 else [i for i, s in enumerate(rw.shape(x)) if s == 1]
         dims = [_nd(d, n_in) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
         dims = [d for d in dims if rw.shape(x)[d] == 1]
         return lambda d: None if d in dims else d - sum(1 for q in dims if q < d)
@@ -199,7 +199,7 @@ def _dim_map(rw: Rewriter, node: Node) -> Callable[[int], int | None]:
 
 
 def dim_op(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     if not px.is_s:
         return rw.finish(node, {}, px), px
@@ -210,10 +210,10 @@ def dim_op(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 def slice_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """slice.Tensor / select.int: fine unless they cut the sharded dim."""
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     n_in = rw.ndim(x)
-    dim = _nd(node.args[1] if len(node.args) > 1 else 0, n_in)
+    dim = _nd(args_of(node)[1] if len(args_of(node)) > 1 else 0, n_in)
     if px.is_p and node.target == aten.slice.Tensor:
         return rw.finish(node, {}, px), px
     if not px.is_s:
@@ -226,7 +226,7 @@ def slice_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
             return rw.finish(node, {x: R}, R), R
         out = px
         end = local_shape(rw.shape(x), px, rw.tp)[dim]
-        return rw.finish(node, {}, out, args=(x, dim, 0, end, *node.args[4:])), out
+        return rw.finish(node, {}, out, args=(x, dim, 0, end, *args_of(node)[4:])), out
     if node.target == aten.select.int:
         out = S(px.dim - (1 if dim < px.dim else 0), px.parts)
     else:
@@ -236,12 +236,13 @@ def slice_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 def split(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """split.Tensor / split_with_sizes / chunk: along another dim, or into the fused blocks."""
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     count = len(rw.val(node))
     n_in = rw.ndim(x)
     default_dim = 0
-    dim = _nd(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim), n_in)
+    dim_arg: Any = args_of(node)[2] if len(args_of(node)) > 2 else node.kwargs.get("dim", default_dim)
+    dim = _nd(dim_arg, n_in)
     if px.is_p:
         return rw.finish(node, {}, [px] * count), [px] * count
     if not px.is_s:
@@ -267,8 +268,8 @@ def split(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def cat(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    tensors = node.args[0]
-    dim = _nd(node.args[1] if len(node.args) > 1 else 0, rw.ndim(node))
+    tensors = args_of(node)[0]
+    dim = _nd(args_of(node)[1] if len(args_of(node)) > 1 else 0, rw.ndim(node))
     places = [rw.p(t) for t in tensors]
     first = next((p for p in places if p.is_s and p.dim != dim and p.parts == 1), None)
     if all(p.is_p for p in places):
@@ -281,7 +282,7 @@ def cat(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def getitem(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    src, i = node.args
+    src, i = args_of(node)
     places = rw.place.get(src)
     out = places[i] if isinstance(places, list) else R
     new = rw.emit(operator.getitem, (rw.env[src], i), place=out)
@@ -293,20 +294,20 @@ def getitem(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def _dims_arg(node: Node, n: int, pos: int = 1) -> list[int]:
-    dims = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim")
+    dims = args_of(node)[pos] if len(args_of(node)) > pos else node.kwargs.get("dim")
     if dims is None:
         return list(range(n))
-    dims = dims if isinstance(dims, (list, tuple)) else [dims]
-    return [_nd(d, n) for d in dims] or list(range(n))
+    listed: list[Any] = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    return [_nd(d, n) for d in listed] or list(range(n))
 
 
 def reduction(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """sum/mean/amax over dims (keepdim at arg 2)."""
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
     n = rw.ndim(x)
     dims = _dims_arg(node, n)
-    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    keep = bool(args_of(node)[2]) if len(args_of(node)) > 2 else bool(node.kwargs.get("keepdim", False))
     is_sum = node.target == aten.sum.dim_IntList
     if px.is_p:
         if is_sum:
@@ -328,10 +329,10 @@ def reduction(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x = node.args[0]
+    x = args_of(node)[0]
     want = _resolve_partials(rw, node)
     px = want.get(x, rw.p(x))
-    dim = _nd(node.args[1], rw.ndim(x))
+    dim = _nd(args_of(node)[1], rw.ndim(x))
     if px.is_s and px.parts == 1 and px.dim != dim:
         return rw.finish(node, want, px), px
     want[x] = R
@@ -339,10 +340,10 @@ def softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def layer_norm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x = node.args[0]
+    x = args_of(node)[0]
     want = _resolve_partials(rw, node)
     px = want.get(x, rw.p(x))
-    normalized = len(node.args[1])
+    normalized = len(args_of(node)[1])
     for a in rw.tensor_inputs(node)[1:]:
         if not rw.p(a).is_r:
             raise TPShardError(f"{fmt(node)}: norm weight {fmt(a)} is sharded ({rw.p(a)}); keep norms replicated")
@@ -369,19 +370,19 @@ def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """aten.linear (weight [out, in]) and addmm/mm/matmul with a 2-D parameter (weight [in, out])."""
     t = node.target
     if t == aten.linear.default:
-        x, w = node.args[0], node.args[1]
-        b = node.args[2] if len(node.args) > 2 else None
+        x, w = args_of(node)[0], args_of(node)[1]
+        b = args_of(node)[2] if len(args_of(node)) > 2 else None
         col_dim, row_dim = 0, 1
     elif t == aten.addmm.default:
-        b, x, w = node.args[0], node.args[1], node.args[2]
+        b, x, w = args_of(node)[0], args_of(node)[1], args_of(node)[2]
         col_dim, row_dim = 1, 0
     else:
-        x, w = node.args[0], node.args[1]
+        x, w = args_of(node)[0], args_of(node)[1]
         b = None
         col_dim, row_dim = 1, 0
     if not isinstance(w, Node) or rw.ndim(w) != 2 or (t == aten.matmul.default and w.op != "get_attr"):
         return batched_matmul(rw, node)
-    if t == aten.addmm.default and (node.kwargs or len(node.args) > 3):
+    if t == aten.addmm.default and (node.kwargs or len(args_of(node)) > 3):
         raise TPShardError(f"{fmt(node)}: addmm with beta/alpha is not supported by the tensor-parallel pass")
     pw = rw.p(w)
     last = rw.ndim(x) - 1
@@ -448,7 +449,7 @@ def _add_bias(rw: Rewriter, node: Node, mm: Node, b: Node) -> tuple[Node, Any]:
 
 def batched_matmul(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """Activation x activation matmul/bmm: both sharded on the same batch dim, else replicated."""
-    a, b = node.args[0], node.args[1]
+    a, b = args_of(node)[0], args_of(node)[1]
     want = _resolve_partials(rw, node)
     pa, pb = want.get(a, rw.p(a)), want.get(b, rw.p(b))
     if pa.is_s and pa == pb and pa.parts == 1 and pa.dim < rw.ndim(a) - 2 and rw.ndim(a) == rw.ndim(b):
@@ -460,16 +461,16 @@ def batched_matmul(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def embedding(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    w, ids = node.args[0], node.args[1]
+    w, ids = args_of(node)[0], args_of(node)[1]
     pw = rw.p(w)
-    if len(node.args) > 3 and (node.args[3] or (len(node.args) > 4 and node.args[4])):
+    if len(args_of(node)) > 3 and (args_of(node)[3] or (len(args_of(node)) > 4 and args_of(node)[4])):
         if not pw.is_r:
             raise TPShardError(f"{fmt(node)}: scale_grad_by_freq/sparse embeddings cannot be vocab-sharded")
     if pw.is_r:
         want = {ids: R} if not rw.p(ids).is_r else {}
         return rw.finish(node, want, R), R
     if pw == S(0):
-        padding = int(node.args[2]) if len(node.args) > 2 else -1
+        padding = int(args_of(node)[2]) if len(args_of(node)) > 2 else -1
         start = rw.index * (rw.shape(w)[0] // rw.tp)
         new = rw.finish(node, {ids: R}, P, target=tp_ops.vocab_parallel_embedding, args=(w, ids, start, padding),
                         kwargs={})
@@ -481,10 +482,11 @@ def embedding(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 def cross_entropy(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    x, target = node.args[0], node.args[1]
-    args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    x, target = args_of(node)[0], args_of(node)[1]
+    args: list[Any] = list(args_of(node)) + [None, 1, -100, 0.0][len(args_of(node)) - 2:]
     weight, reduction, ignore, smoothing = args[2], args[3], args[4], args[5]
-    for k, v in node.kwargs.items():
+    kwargs: dict[str, Any] = dict(node.kwargs)
+    for k, v in kwargs.items():
         if k == "weight":
             weight = v
         elif k == "reduction":
@@ -511,37 +513,37 @@ def _vocab_ce(rw: Rewriter, node: Node, logits: Node, target: Node, ignore: int,
 
 def log_softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """log_softmax over a vocab-sharded dim feeding only nll_loss: fused into vocab-parallel CE."""
-    x = node.args[0]
+    x = args_of(node)[0]
     px = rw.p(x)
-    dim = _nd(node.args[1], rw.ndim(x))
+    dim = _nd(args_of(node)[1], rw.ndim(x))
     nll = [u for u in node.users if str(u.target).startswith("aten.nll_loss")]
     if px.is_s and px.dim == dim == 1 and px.parts == 1 and rw.ndim(x) == 2 and node.users and \
-            len(nll) == len(node.users) and all(u.args[0] is node for u in nll):
+            len(nll) == len(node.users) and all(args_of(u)[0] is node for u in nll):
         rw.place[node] = ("log_softmax", x)
         return rw.env[x], ("log_softmax", x)
     return softmax(rw, node)
 
 
 def nll_loss(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    src = node.args[0]
+    src = args_of(node)[0]
     marker = rw.place.get(src)
     if isinstance(marker, tuple) and marker[0] == "log_softmax":
-        args = list(node.args) + [None, 1, -100][len(node.args) - 2:]
+        args: list[Any] = list(args_of(node)) + [None, 1, -100][len(args_of(node)) - 2:]
         if args[2] is not None:
             raise TPShardError(f"{fmt(node)}: vocab-parallel nll_loss supports no class weights")
-        return _vocab_ce(rw, node, marker[1], node.args[1], int(args[4]), int(args[3]))
+        return _vocab_ce(rw, node, marker[1], args_of(node)[1], int(args[4]), int(args[3]))
     return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
 
 
 def sdpa(rw: Rewriter, node: Node) -> tuple[Node, Any]:
-    q, k, v = node.args[:3]
+    q, k, v = args_of(node)[:3]
     want = _resolve_partials(rw, node)
     heads = [want.get(t, rw.p(t)) for t in (q, k, v)]
     if any(h.is_s and h.dim == 1 and h.parts == 1 for h in heads):
         out = S(1)
         for t in (q, k, v):
             want[t] = out
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask = args_of(node)[3] if len(args_of(node)) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, Node):
             pm = want.get(mask, rw.p(mask))
             mshape = rw.shape(mask)
@@ -556,7 +558,7 @@ def sdpa(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 def grouped_mm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """transformers::grouped_mm_fallback(x [T, K] sorted by expert, w [E, K, N], offsets [E])."""
-    x, w, offs = node.args[:3]
+    x, w, offs = args_of(node)[:3]
     pw = rw.p(w)
     if pw.is_r:
         return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
@@ -573,7 +575,7 @@ def grouped_mm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 def index(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     """x[idx] with index tensors on leading dims: partial sums stay partial, later-dim shards stay."""
-    x, idx = node.args[0], node.args[1]
+    x, idx = args_of(node)[0], args_of(node)[1]
     px = rw.p(x)
     tensors = [i for i in idx if isinstance(i, Node)]
     if any(not rw.p(i).is_r for i in tensors):
