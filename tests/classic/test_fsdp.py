@@ -85,6 +85,7 @@ def _case(family: str):
 # name -> (model family, wrap function, accumulate microbatches with no_sync)
 CONFIGS = {
     "mlp_flat": ("mlp", lambda m: FSDP(m), 1),
+    "mlp_predivide": ("mlp", lambda m: FSDP(m, gradient_predivide_factor=2.0), 1),
     "mlp_no_flatten": ("mlp", lambda m: FSDP(m, flatten_parameters=False, reshard_after_forward=False), 1),
     "gpt_nested_ckpt": ("gpt", lambda m: _wrap_gpt_blocks(m, reshard_after_forward=True), 1),
     "gpt_nested_keep": ("gpt", lambda m: _wrap_gpt_blocks(m, reshard_after_forward=False), 1),

@@ -114,6 +114,18 @@ def _rank_checks(rank: int, world: int) -> bytes:
     _train(resumed, opt2, range(3, 4), rank, world)
     out["resumed_state"] = resumed.state_dict()
 
+    # gradient_predivide_factor: the same (scale-sensitive) gradients as without it
+    case = build("mlp")
+    x, y = case.make_batch(0, BATCH)
+    per = BATCH // world
+    grads = {}
+    for pre in (None, 4.0):
+        model = FSDP(build("mlp").model, gradient_predivide_factor=pre)
+        LossModule(model, case.loss_fn)(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        grads[pre] = [p.grad.clone() for p in model.parameters()]
+    out["predivide_equal"] = all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(grads[None], grads[4.0]))
+    out["predivide_nonzero"] = all(bool(g.abs().sum() > 0) for g in grads[4.0])
+
     # clipping, inf norm
     _, model = _nested_mlp()
     case = build("mlp")
@@ -179,6 +191,10 @@ def test_optim_state_round_trip_continues_exactly(ranks):
     for r in ranks:
         for k, v in ref.items():
             assert (r["resumed_state"][k] - v).abs().max() <= 1e-5, k
+
+
+def test_gradient_predivide_factor_keeps_the_mean(ranks):
+    assert all(r["predivide_equal"] and r["predivide_nonzero"] for r in ranks)
 
 
 def test_clip_inf_norm(ranks):
@@ -265,12 +281,12 @@ def test_unapplied_options_warn_once():
     fsdp_mod._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        FSDP(nn.Linear(2, 2), gradient_predivide_factor=2.0)
-        FSDP(nn.Linear(2, 2), gradient_predivide_factor=2.0)
+        FSDP(nn.Linear(2, 2), bucket_cap_mb=50)
         FSDP(nn.Linear(2, 2), bucket_cap_mb=50)
     texts = [str(w.message) for w in caught]
-    assert sum("gradient_predivide_factor=2.0 is not applied" in t for t in texts) == 1
     assert sum("bucket_cap_mb=50 is not applied" in t for t in texts) == 1
+    with pytest.raises(ValueError, match="gradient_predivide_factor must be > 0"):
+        FSDP(nn.Linear(2, 2), gradient_predivide_factor=0.0)
 
 
 def test_tied_weights_in_one_instance():

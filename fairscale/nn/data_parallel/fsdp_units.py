@@ -26,7 +26,7 @@ from passes import comm
 from passes.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 
-__all__ = ["Unit", "make_units", "pre_backward", "gather_full"]
+__all__ = ["Unit", "make_units", "pre_backward", "scale_grads", "gather_full"]
 
 
 @dataclass
@@ -117,6 +117,22 @@ def pre_backward(units: Sequence[FSDPUnit], free: bool, tensors: Sequence[torch.
     """Identity on ``tensors`` (a forward's outputs that require grad); frees ``units`` now if
     ``free``; in backward, gathers them again before the forward's own backward ops run."""
     return _PreBackward.apply(list(units), free, *tensors)
+
+
+class _ScaleGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, factor: float, *xs: torch.Tensor) -> Any:
+        ctx.factor = factor
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        return (None,) + tuple(g * ctx.factor if g is not None else None for g in grads)
+
+
+def scale_grads(tensors: Sequence[torch.Tensor], factor: float) -> tuple[torch.Tensor, ...]:
+    """Identity in forward; multiplies the gradients by ``factor`` in backward."""
+    return _ScaleGrads.apply(factor, *tensors)
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fairscale.nn.data_parallel import fsdp_state
-from fairscale.nn.data_parallel.fsdp_units import gather_full, make_units, pre_backward
+from fairscale.nn.data_parallel.fsdp_units import gather_full, make_units, pre_backward, scale_grads
 from fairscale.nn.misc.flatten_params_wrapper import (
     FlattenParamsWrapper,
     bind_views,
@@ -116,9 +116,9 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: alias of ``move_params_to_cpu``.
         state_dict_on_rank_0_only: ``state_dict()`` returns the tensors on rank 0 and an empty
             dict elsewhere (every rank still takes part in the gather).
-        gradient_predivide_factor: FairScale divided gradients by this before the reduce-scatter
-            and by n/factor after. Here the sum is divided once by n after the reduce-scatter; a
-            value other than None or 1 warns once (use ``fp32_reduce_scatter=True`` against fp16 overflow).
+        gradient_predivide_factor: divide gradients by this before the reduce-scatter (against
+            fp16 overflow in the sum); the total division is still by n (the rest after the
+            reduction, the compensating multiplication in the fp32 master dtype).
         allow_reset_parameters: allow ``reset_parameters()`` inside ``summon_full_params()``.
     """
 
@@ -176,10 +176,6 @@ class FullyShardedDataParallel(nn.Module):
         self.state_dict_on_rank_0_only = bool(state_dict_on_rank_0_only)
         self.gradient_predivide_factor = gradient_predivide_factor
         self.allow_reset_parameters = bool(allow_reset_parameters)
-        if gradient_predivide_factor not in (None, 1, 1.0):
-            _warn_once("predivide", f"FullyShardedDataParallel: gradient_predivide_factor={gradient_predivide_factor} "
-                       "is not applied: gradients are summed by the reduce-scatter and divided once by the world size "
-                       "(the same mean). Pass fp32_reduce_scatter=True to avoid fp16 overflow instead.")
         if bucket_cap_mb not in (0, 25):
             _warn_once("bucket", f"FullyShardedDataParallel: bucket_cap_mb={bucket_cap_mb} is not applied: each instance "
                        "reduce-scatters its flat parameter in one call as soon as its gradient is ready (unbucketed, "
@@ -191,6 +187,12 @@ class FullyShardedDataParallel(nn.Module):
         self._local_mode = False
         self.__dict__["_summon_fulls"] = []  # this instance's gathered full tensors while summoned
         self._build(module)
+        if gradient_predivide_factor not in (None, 1):
+            if gradient_predivide_factor <= 0:
+                raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+            for u in self._units:
+                if u.flat.requires_grad:  # the reduce-scatter divided by n: undo the predivision
+                    u.flat.register_hook(lambda g, f=float(gradient_predivide_factor): g * f)
 
     # ---------------------------------------------------------------------------------------------
     # construction
@@ -297,8 +299,12 @@ class FullyShardedDataParallel(nn.Module):
         # a checkpoint_wrapper recomputing this forward during backward: the original graph's
         # backward owns freeing; the recomputed outputs are never backpropagated
         recomputing = torch._C._current_graph_task_id() != -1
+        pre = self.gradient_predivide_factor
         for u in self._units:
-            bind_views(u.group, dp_ops.fsdp_unshard(u.op, u.flat))
+            views = dp_ops.fsdp_unshard(u.op, u.flat)
+            if pre not in (None, 1) and u.flat.requires_grad:
+                views = scale_grads(views, 1.0 / pre)  # the unit's reduce-scatter then sums g/pre
+            bind_views(u.group, views)
         self.training_state = TrainingState.FORWARD
         _FORWARD_DEPTH[0] += 1
         try:
