@@ -115,6 +115,7 @@ class OSS(torch.optim.Optimizer):
         self.optim = self._build_local_optimizer()
         self._all_states: list[dict[str, Any]] = []
         self._buckets: list[tuple[int, list[torch.Tensor]]] | None = None
+        self._bucket_trainable: tuple[bool, ...] = ()
 
     # -------------------------------------------------------------------------------- partition
 
@@ -171,11 +172,9 @@ class OSS(torch.optim.Optimizer):
         self._buckets = None
 
     def refresh_trainable(self) -> None:
-        """Forget the broadcast buckets after parameters changed ``requires_grad``.
-
-        The partition itself covers every parameter, trainable or not (the local optimizer skips
-        parameters without gradients), so ownership and optimizer state are unaffected.
-        """
+        """Rebuild the broadcast buckets after parameters changed ``requires_grad`` (only trainable
+        parameters are broadcast). The partition itself covers every parameter, trainable or not,
+        so ownership and optimizer state are unaffected."""
         self._buckets = None
 
     # -------------------------------------------------------------------------------- step
@@ -203,6 +202,8 @@ class OSS(torch.optim.Optimizer):
             cur: list[torch.Tensor] = []
             size = 0
             for p in params:
+                if not p.requires_grad:  # frozen: never updated, nothing to broadcast
+                    continue
                 nbytes = p.numel() * p.element_size()
                 if cur and (size + nbytes > self.broadcast_buffer_size or p.dtype != cur[0].dtype
                             or p.device != cur[0].device):
@@ -219,8 +220,9 @@ class OSS(torch.optim.Optimizer):
         """Every bucket's broadcast is issued asynchronously, then all are awaited (they overlap)."""
         if self.world_size == 1:
             return
-        if self._buckets is None:
-            self._buckets = self._bucketize()
+        trainable = tuple(p.requires_grad for g in self.param_groups for p in g["params"])
+        if self._buckets is None or trainable != self._bucket_trainable:  # (un)frozen since: rebuild
+            self._buckets, self._bucket_trainable = self._bucketize(), trainable
         pending: list[tuple[Any, int, list[torch.Tensor], torch.Tensor | None]] = []
         for owner, params in self._buckets:
             fp16 = self.broadcast_fp16 and params[0].dtype == torch.float32

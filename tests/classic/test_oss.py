@@ -138,6 +138,20 @@ def _run(rank: int, world: int) -> dict:
     sched.step()
     opt.step()  # no grads: no update, but syncs hyper-parameters
     results["local_lr"] = opt.optim.param_groups[0]["lr"]
+
+    # freeze, step, unfreeze, step: the unfrozen parameter is broadcast again (ranks stay identical)
+    case4 = build("mlp")
+    opt4 = OSS(case4.model.parameters(), optim=torch.optim.SGD, lr=0.5)
+    first = next(case4.model.parameters())
+    for step, frozen in enumerate((True, False)):
+        first.requires_grad_(not frozen)
+        opt4.zero_grad()
+        LossModule(case4.model, case4.loss_fn)(*_local(case4.make_batch(step, BATCH), rank, world)).backward()
+        for p in case4.model.parameters():
+            if p.grad is not None:
+                comm.all_reduce_(p.grad, "zero")
+        opt4.step()
+    results["refreeze"] = {k: v.clone() for k, v in case4.model.state_dict().items()}
     return _pack(results)
 
 
@@ -214,3 +228,10 @@ def test_oss_needs_distributed() -> None:
         pytest.skip("a process group exists")
     with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
         OSS([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+def test_unfrozen_parameters_are_broadcast_again(runs) -> None:
+    _, results = runs
+    for r in results[1:]:
+        for k, v in results[0]["refreeze"].items():
+            assert torch.equal(r["refreeze"][k], v), k
