@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -165,11 +166,12 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
             node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
     out = next(n for n in graph.nodes if n.op == "output")
 
-    def fp32(res: object) -> object:
+    def fp32(res: Any) -> Any:
         if isinstance(res, (tuple, list)):
             return type(res)(fp32(r) for r in res)
         val = res.meta.get("val") if isinstance(res, torch.fx.Node) else None
-        if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+        if isinstance(res, torch.fx.Node) and isinstance(val, torch.Tensor) and val.dim() == 0 \
+                and val.is_floating_point():
             with graph.inserting_before(out):
                 return graph.call_method("float", (res,))
         return res

@@ -133,6 +133,7 @@ class _Bucket(torch.autograd.Function):
         if b.kind == "zero2":
             out = torch.empty(hi - lo, dtype=b.reduce_dtype, device=ctx.device)
             comm.reduce_scatter_flat(out, flat, b.axis)
+            assert b.shard is not None
             return (None, out.div_(b.n).to(b.shard.dtype)) + nones
         comm.all_reduce_(flat, b.axis)
         flat.div_(b.n)
@@ -142,7 +143,7 @@ class _Bucket(torch.autograd.Function):
             n = shape.numel()
             param_grads.append(flat[start:start + n].view(shape).to(dtype))
             start += n
-        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.kind == "zero1" else None
+        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.shard is not None else None
         return (None, shard_grad) + tuple(param_grads)
 
 
