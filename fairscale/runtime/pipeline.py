@@ -15,7 +15,7 @@ Usage (every rank of the pp × dp × tp mesh)::
 rank's lowered action list (``planner.schedule``): ``F``/``B`` call the stage GraphModule and
 ``torch.autograd.backward`` on its outputs; ``SF``/``SB`` post a tagged ``isend`` of the stage's
 outputs or input gradients to the neighbouring stage's rank, ``RF``/``RB`` post the ``irecv``
-that the next compute waits on. Each microbatch's loss is scaled by ``1 / microbatches``, so the
+that a later compute waits on (posted two computes early, so transfers overlap compute). Each microbatch's loss is scaled by ``1 / microbatches``, so the
 accumulated gradients are those of the mean loss over the step's batch. After the last action,
 copies of parameters held by several stages (tied embeddings) get the sum of all copies'
 gradients, added in stage order on every holder so the copies stay bitwise identical; then the
@@ -132,6 +132,15 @@ class PipelineExecutor:
             if a.kind == "B":
                 last_b[a.stage] = a
         self._last_backward = set(last_b.values())
+        # Post each receive when the compute two steps before the one that needs it starts, so the
+        # transfer overlaps that compute instead of starting when the receiver is already waiting.
+        self._prefetch: dict[int, list[Action]] = {}
+        computes = [i for i, a in enumerate(self.actions) if a.kind in ("F", "B")]
+        for i, a in enumerate(self.actions):
+            if a.kind in ("RF", "RB"):
+                before = [c for c in computes if c < i]
+                at = before[-2] if len(before) >= 2 else 0
+                self._prefetch.setdefault(at, []).append(a)
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -180,8 +189,11 @@ class PipelineExecutor:
             self._shaken = True
         self.trace = StepTrace(start=time.perf_counter())
         st = _State()
-        for a in self.actions:
-            getattr(self, "_do_" + a.kind)(a, micro, st)
+        for i, a in enumerate(self.actions):
+            for r in self._prefetch.get(i, ()):
+                getattr(self, "_do_" + r.kind)(r, micro, st)
+            if a.kind not in ("RF", "RB"):  # receives were posted by the prefetch above
+                getattr(self, "_do_" + a.kind)(a, micro, st)
         for work, _ in st.sends:
             work.wait()
         self._sync_shared()
