@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from planner.cluster import Cluster
 from planner.cost_comm import all_reduce_time, all_reduce_volume
-from planner.cost_memory import DTYPE_BYTES
+from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
 from planner.graph import ModelGraph
 from planner.selectors import parse_selector
 
@@ -103,6 +103,9 @@ class LayerFacts:
     """Tensor-parallel facts under the chosen rules."""
     attention: bool = False
     """Holds attention (selects the replicated-activation factor under tp)."""
+    selective: float = 0.0
+    """Bytes per sample of the matmul/attention outputs selective recompute caches
+    (``planner.cost_memory.selective_output_bytes``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,6 +130,10 @@ class LayerCost:
     """Bytes of the output a stage ending here sends (per rank)."""
     tp_s: float = 0.0
     """Exposed tensor-parallel seconds inside ``fwd`` + ``bwd``."""
+    act_selective: float = 0.0
+    """Activation bytes kept under selective recompute (input + cached matmul/attention outputs)."""
+    rec_selective: float = 0.0
+    """Seconds the backward spends recomputing the cheap (memory-bound) ops under selective recompute."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -162,6 +169,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         for key in layer.params:
             first_user.setdefault(key, layer.index)
     modules = sorted(graph.modules)
+    selective = selective_output_bytes(graph)
     out: list[LayerFacts] = []
     for layer in graph.layers:
         prefix = layer.name + "."
@@ -174,7 +182,8 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
                               output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
-                              tp=info, attention=layer.attention is not None))
+                              tp=info, attention=layer.attention is not None,
+                              selective=selective.get(layer.name, 0) / batch))
     return out
 
 
@@ -209,6 +218,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Memory-bound traffic: a forward writes each saved tensor once and its elementwise kernels read
     about as much, so forward traffic ≈ the saved bytes; backward reads them and writes the
     gradients, ≈ 2× (an estimate; it is the second term of :func:`compute_time`).
+
+    Selective recompute (Korthikanti et al. 2022, §5) keeps the input plus the matmul/attention
+    outputs (:func:`planner.cost_memory.kept_bytes`) and recomputes the rest: the memory-bound
+    traffic of the saved bytes that are not matmul/attention outputs, ``max(0, act - sel)/(bw·e_mem)``
+    (no counted FLOPs: capture counts only GEMM and attention FLOPs, which are not redone).
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -221,6 +235,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         div = tp if sharded else 1
         saved = f.saved * micro * scale
         inp = f.input * micro * scale
+        sel = f.selective * micro * scale
         if sharded and not sequence_parallel:
             rep = min(saved, (ATTENTION_REPLICATED_INPUTS if f.attention else 1.0) * inp)
             act = rep + (saved - rep) / tp
@@ -228,6 +243,10 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         else:
             act = saved / div
             kept = inp / div
+        # matmul outputs of a split layer are split too (column shards; row-parallel partial sums
+        # are full size but half the matmuls): an estimate, exact at tp = 1
+        sel_out = sel / div
+        act_sel = kept_bytes("selective", saved=act, input=kept, selective=sel_out)
         # rowwise / vocab-embedding outputs are all-reduced forward; colwise input grads backward
         out_b = f.output * micro * scale
         t_f, v_f = (all_reduce_time(out_b, tp, bandwidth=bw, latency=lat), all_reduce_volume(out_b, tp)) \
@@ -243,8 +262,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
         output = f.output * micro * scale / (tp if sharded and sequence_parallel else 1)
+        rec_sel = compute_time(0.0, max(0.0, act - sel_out), peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+                               matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         out.append(LayerCost(fwd=fwd + exposed * n_fwd * t_f, bwd=bwd + exposed * n_bwd * t_b, act=act,
                              act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
                              tp_bytes_recompute=n_fwd * v_f, output=output,
-                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b)))
+                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b), act_selective=act_sel,
+                             rec_selective=rec_sel + exposed * n_fwd * t_f))
     return out

@@ -9,6 +9,10 @@ per-layer facts that capture would annotate, written from closed forms:
   paper's ``F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` per step (:func:`megatron_flops`).
 * Saved activations (Korthikanti et al. 2022, Eq. 1, fp16 bytes, no tensor parallelism): a block
   saves ``s·b·h·34 + 5·a·s²·b``; the head keeps its input and the logits.
+* Selective recompute caches the outputs of the block's matmuls and attention
+  (``planner.cost_memory.selective_output_bytes``): q, k, v, o (4·sbh elements), MLP up (4·sbh)
+  and down (sbh), attention output (sbh): 10·sbh elements, plus the attention log-sum-exp
+  (a·s·b fp32). Written to ``extra["selective_bytes"]`` since the graph module is empty.
 
 Byte facts are in fp32 (``itemsize`` 4), like a capture of an fp32 model on ``meta``; the cost
 model rescales them to the compute dtype. The graph module is empty: this object only feeds the
@@ -78,9 +82,11 @@ def gpt_graph(*, layers: int, hidden: int, heads: int, seq: int, vocab: int, bat
                      flops_fwd=head, flops_bwd=2 * head, saved_bytes=(sbh + s * b * v) * _FP32,
                      input_bytes=sbh * _FP32, output_bytes=_FP32))
     blocks = {"layers.*": [f"layers.{i}" for i in range(layers)]}
+    selective = {f"layers.{i}": 10 * sbh * _FP32 + a * s * b * 4 for i in range(layers)}
+    selective["lm_head"] = s * b * v * _FP32
     num = v * h + s * h + layers * block_params + 2 * h
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     return ModelGraph(gm=gm, layers=out, model_class="GPT", fingerprint=f"gpt-analytic-{layers}x{hidden}x{heads}",
                       num_parameters=num, param_shapes=shapes, param_dtypes={k: "float32" for k in shapes},
                       modules=modules, blocks=blocks, tied=[["wte.weight", "lm_head.weight"]], batch_size=batch,
-                      tracer="analytic", extra={"seq": seq, "vocab": vocab})
+                      tracer="analytic", extra={"seq": seq, "vocab": vocab, "selective_bytes": selective})

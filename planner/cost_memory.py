@@ -12,14 +12,29 @@ FSDP also the parameters).
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_BYTES", "model_state_bytes", "activation_bytes", "unshard_buffer_bytes"]
+import math
+from typing import Any, Mapping
+
+from planner.graph import META_LAYER, META_VAL, ModelGraph
+from planner.selectors import parse_selector
+
+__all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
+           "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str = "fp32",
                       optimizer: str = "adam") -> float:
-    """Bytes of parameters + gradients + optimizer states one rank keeps between steps.
+    """Bytes of parameters + gradients + optimizer states one rank keeps between steps
+    (the sum of :func:`model_state_parts`)."""
+    return sum(model_state_parts(params, dp_kind=dp_kind, dp=dp, param_dtype=param_dtype,
+                                 optimizer=optimizer).values())
+
+
+def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str = "fp32",
+                      optimizer: str = "adam") -> dict[str, float]:
+    """Bytes of ``parameters``, ``gradients`` and ``optimizer`` states one rank keeps between steps.
 
     Per parameter element (ZeRO §3.1): parameters ``P`` = bytes of ``param_dtype``, gradients
     ``G`` = the same, optimizer ``K`` = 8 for Adam in fp32 (momentum + variance; the parameter is
@@ -36,18 +51,17 @@ def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str 
         k = 4 if p == 4 else 8
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows adam and sgd")
-    per: float
     if dp_kind == "ddp":
-        per = p + g + k
+        parts = (p, g, k)
     elif dp_kind == "zero1":
-        per = p + g + k / dp
+        parts = (p, g, k / dp)
     elif dp_kind == "zero2":
-        per = p + (g + k) / dp
+        parts = (p, g / dp, k / dp)
     elif dp_kind == "fsdp":
-        per = (p + g + k) / dp
+        parts = (p / dp, g / dp, k / dp)
     else:
         raise ValueError(f"unknown data-parallel kind {dp_kind!r}; use ddp, zero1, zero2 or fsdp")
-    return params * per
+    return {"parameters": params * parts[0], "gradients": params * parts[1], "optimizer": params * parts[2]}
 
 
 def activation_bytes(saved_per_microbatch: float, in_flight: float) -> float:
@@ -75,3 +89,112 @@ def unshard_buffer_bytes(unit_params: list[float], *, param_dtype: str, reshard_
     else:
         gathered = sum(unit_params)
     return (gathered + largest[0]) * b
+
+
+# --- activations kept for backward under recompute ------------------------------------------------
+
+SELECTIVE_SAVED_OPS = frozenset({
+    "linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "convolution", "conv1d", "conv2d", "conv3d",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention"})
+"""Captured aten op names whose outputs selective recompute saves. The runtime's policy
+(``passes.insert_recompute``) marks mm/addmm/bmm/baddbmm/convolution and the SDPA kernels
+MUST_SAVE; the captured graph holds them before dispatch (``aten.linear``, ``aten.matmul``,
+``aten.scaled_dot_product_attention``), which lower to exactly those kernels with outputs of the
+same size."""
+
+_SDPA = "scaled_dot_product"
+
+
+def selective_output_bytes(graph: ModelGraph) -> dict[str, int]:
+    """Per layer, bytes of the outputs of :data:`SELECTIVE_SAVED_OPS` nodes that depend on an
+    activation, for the captured batch: what selective recompute caches besides the layer's input.
+
+    Attention kernels also return the row-wise log-sum-exp of the scores (fp32, batch × heads ×
+    queries), which the cache keeps too (FlashAttention, Dao et al. 2022, Alg. 1 saves it for the
+    backward). Example: GPT block with batch 8, 32 tokens, width 64, 4 heads, fp32: six linears
+    (5 × 8·32·64 + 8·32·256 elements × 4 B = 589,824 B) + attention output 65,536 B + log-sum-exp
+    8·4·32·4 = 4,096 B = 659,456 B.
+
+    A graph without nodes (an analytic one, ``planner.cost_gpt``) gives these facts in
+    ``graph.extra["selective_bytes"]`` (layer -> bytes), which take precedence.
+    """
+    given = graph.extra.get("selective_bytes")
+    if given is not None:
+        return {layer.name: int(given.get(layer.name, 0)) for layer in graph.layers}
+    out: dict[str, int] = {layer.name: 0 for layer in graph.layers}
+    depends: set[Any] = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "placeholder" or any(a in depends for a in node.all_input_nodes):
+            depends.add(node)
+        if node.op != "call_function" or node not in depends or META_LAYER not in node.meta:
+            continue
+        name = _op_name(node.target)
+        if name not in SELECTIVE_SAVED_OPS:
+            continue
+        val = node.meta.get(META_VAL)
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        nbytes = sum(_tensor_bytes(v) for v in vals)
+        if _SDPA in name and not isinstance(val, (tuple, list)) and getattr(val, "dim", lambda: 0)() >= 2:
+            nbytes += math.prod(val.shape[:-1]) * 4
+        layer = node.meta[META_LAYER]
+        out[layer] = out.get(layer, 0) + nbytes
+    return out
+
+
+def _op_name(target: Any) -> str:
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _tensor_bytes(v: Any) -> int:
+    shape = getattr(v, "shape", None)
+    if shape is None or not hasattr(v, "element_size"):
+        return 0
+    return int(math.prod(shape)) * int(v.element_size())
+
+
+def kept_bytes(kind: str, *, saved: float, input: float, selective: float) -> float:
+    """Bytes one layer keeps for backward after its forward, by recompute kind.
+
+    none: what autograd saves (``Layer.saved_bytes``). full: only the layer's input
+    (``Layer.input_bytes``; non-reentrant checkpointing holds the region's inputs). selective:
+    the input plus the cached outputs of matmuls and attention (:func:`selective_output_bytes`),
+    Korthikanti et al. 2022, §5. Example: input 65,536 B + 659,456 B of matmul outputs = 724,992 B.
+    """
+    if kind == "none":
+        return saved
+    if kind == "full":
+        return input
+    if kind == "selective":
+        return input + selective
+    raise ValueError(f"recompute kind must be full, selective or none, got {kind!r}")
+
+
+def recompute_kinds(layer_names: list[str], recompute: Mapping[str, str]) -> dict[str, str]:
+    """Layer name -> recompute kind for a plan's ``recompute`` map (selector or layer name -> kind;
+    later entries win; unmatched layers are ``none``)."""
+    out = {name: "none" for name in layer_names}
+    for text, kind in recompute.items():
+        if kind not in ("full", "selective", "none"):
+            raise ValueError(f'recompute["{text}"]: kind must be full, selective or none, got {kind!r}')
+        for name in parse_selector(text).select(layer_names):
+            out[name] = kind
+    return out
+
+
+def saved_activation_bytes(graph: ModelGraph, recompute: Mapping[str, str] | None = None, *,
+                           microbatch_rows: int | None = None) -> float:
+    """Bytes of activations held for backward after one forward of ``microbatch_rows`` samples
+    (default: the captured batch), with ``recompute`` (selector -> full/selective/none) applied.
+
+    The sum over layers of :func:`kept_bytes`, scaled linearly from the captured batch; the cost
+    model (``planner.cost.layer_costs``) uses the same per-layer rule per microbatch.
+    """
+    kinds = recompute_kinds([layer.name for layer in graph.layers], recompute or {})
+    sel = selective_output_bytes(graph)
+    total = sum(kept_bytes(kinds[layer.name], saved=layer.saved_bytes, input=layer.input_bytes,
+                           selective=sel.get(layer.name, 0)) for layer in graph.layers)
+    rows = graph.batch_size if microbatch_rows is None else microbatch_rows
+    return total * rows / max(1, graph.batch_size)

@@ -28,7 +28,7 @@ from planner.cluster import Cluster
 from planner.cost import CostOptions
 from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
-from planner.search.core import fixed_cuts, fixed_recompute, make_context, run_search
+from planner.search.core import fixed_cuts, fixed_recompute, fixed_selective, make_context, run_search
 from planner.search.evaluate import Breakdown, Config, evaluate
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult
 from planner.search.tp import default_tp_rules
@@ -87,15 +87,17 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
         raise PlanError([f"stages: {len(cuts) - 1} given, but pp({mesh.pp}) × virtual_stages({sched.virtual_stages})"
                          f" = {stages} are needed"], source="plan")
     rec = fixed_recompute(ctx, plan.recompute) if plan.recompute else frozenset()
+    sel = fixed_selective(ctx, plan.recompute) if plan.recompute else frozenset()
     units = None
     if dp.kind == "fsdp" and dp.units:
         from planner.selectors import parse_selector
 
-        sel = parse_selector(dp.units)
-        units = frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+        unit_sel = parse_selector(dp.units)
+        units = frozenset(i for i, f in enumerate(ctx.facts) if unit_sel.matches(f.name))
     cfg = Config(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, microbatches=sched.microbatches, kind=sched.kind,
                  v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
                  sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,
-                 bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, units=units, offload=dp.offload)
+                 bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, selective=sel, units=units,
+                 offload=dp.offload)
     return evaluate(ctx, cfg)
 

@@ -35,7 +35,7 @@ from planner.search.space import Fixed, divisors, parse_constraints
 from planner.search.tp import default_tp_rules, tp_allowed
 from planner.selectors import parse_selector
 
-__all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute"]
+__all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
 
 Progress = Callable[[int, int, "float | None"], None]
 _KIND_ORDER = {"1f1b": 0, "interleaved": 1, "gpipe": 2}
@@ -108,26 +108,33 @@ def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def fixed_recompute(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
-    """Recompute selectors -> indices of fully recomputed layers (a later ``none`` wins)."""
+def fixed_recompute(ctx: Context, recompute: dict[str, str], kind: str = "full") -> frozenset[int]:
+    """Recompute selectors -> indices of the layers recomputed with ``kind`` (full or selective;
+    a later entry of another kind wins)."""
     names = [f.name for f in ctx.facts]
     chosen: set[int] = set()
-    for text, kind in recompute.items():
+    for text, k in recompute.items():
         sel = parse_selector(text)
         idx = {i for i, n in enumerate(names) if sel.matches(n)}
-        if not idx and kind == "full":
+        if not idx and k != "none":
             raise PlanError([f'recompute["{text}"]: matches no whole layer; the cost model recomputes whole layers '
                              f"({names[0]} … {names[-1]})"], source="constraints")
-        chosen = chosen | idx if kind == "full" else chosen - idx
+        chosen = chosen | idx if k == kind else chosen - idx
     return frozenset(chosen)
+
+
+def fixed_selective(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
+    """Recompute selectors -> indices of selectively recomputed layers."""
+    return fixed_recompute(ctx, recompute, "selective")
 
 
 class _Totals:
     """Sums over one layer-cost list, for the lower bounds."""
 
-    def __init__(self, costs: list[LayerCost], rec: frozenset[int] | None) -> None:
+    def __init__(self, costs: list[LayerCost], rec: frozenset[int] | None,
+                 sel: frozenset[int] = frozenset()) -> None:
         if rec is not None:  # a fixed recompute set: fold it in, nothing more to recompute
-            costs = _apply_recompute(costs, rec)
+            costs = _apply_recompute(costs, rec, sel)
         self.time = sum(c.fwd + c.bwd for c in costs)
         self.max_layer = max(c.fwd + c.bwd for c in costs)
         self.params = sum(c.params for c in costs)
@@ -207,6 +214,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)
     cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
     rec = fixed_recompute(ctx, fixed.recompute) if fixed.recompute is not None else None
+    sel = fixed_selective(ctx, fixed.recompute) if fixed.recompute is not None else frozenset()
     units = _units(ctx, fixed.units)
     cands, notes = _enumerate(graph, ctx, fixed, rules, cuts, rec)
     if not cands:
@@ -218,7 +226,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     for cfg in cands:
         key = (cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
         if key not in totals:
-            totals[key] = _Totals(ctx.costs(*key), rec)
+            totals[key] = _Totals(ctx.costs(*key), rec, sel)
         lb, mem_lb = _bounds(ctx, cfg, totals[key])
         if mem_lb > ctx.cap or math.isinf(lb):
             mem_fail.append((mem_lb - ctx.cap, cfg))
@@ -243,7 +251,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         if progress is not None and n % 64 == 0:
             progress(n, len(bounded), times[0] if times else None)
         evaluated += 1
-        b = _cost(ctx, cfg, cuts, rec)
+        b = _cost(ctx, cfg, cuts, rec, sel)
         if b is None:
             continue
         if not b.fits:
@@ -255,7 +263,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     if progress is not None:
         progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
     if not best:
-        closest = _closest(ctx, mem_fail, closest, cuts, rec)
+        closest = _closest(ctx, mem_fail, closest, cuts, rec, sel)
         fixes = _fixed_notes(fixed)
         offloaded = None
         if not fixed.offload and fixed.dp_kind in (None, "fsdp") and isinstance(constraints, (dict, type(None))):
@@ -289,32 +297,37 @@ def _units(ctx: Context, text: str | None) -> frozenset[int] | None:
     return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
 
 
-def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> Breakdown | None:
+def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+          sel: frozenset[int] = frozenset()) -> Breakdown | None:
     """Cut, choose recompute, cost. None when no cut fits (the segment model says so)."""
     costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
     if cuts is None:
-        model = SegmentModel(ctx, cfg, _apply_recompute(costs, rec) if rec is not None else costs)
+        model = SegmentModel(ctx, cfg, _apply_recompute(costs, rec, sel) if rec is not None else costs)
         bottleneck, found = partition(model)
         if not found:
             return None
         cuts = found
-    cfg = dataclasses.replace(cfg, cuts=cuts)
+    cfg = dataclasses.replace(cfg, cuts=cuts, selective=sel)
     cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
     return evaluate(ctx, cfg)
 
 
-def _apply_recompute(costs: list[LayerCost], rec: frozenset[int]) -> list[LayerCost]:
-    """Costs with a fixed recompute set folded in, and no further recompute possible."""
+def _apply_recompute(costs: list[LayerCost], rec: frozenset[int], sel: frozenset[int] = frozenset()) -> list[LayerCost]:
+    """Costs with a fixed recompute map (full ``rec``, selective ``sel``) folded in, and no further
+    recompute possible."""
     out = []
     for i, c in enumerate(costs):
         if i in rec:
             c = dataclasses.replace(c, bwd=c.bwd + c.fwd, act=c.act_recompute)
+        elif i in sel:
+            c = dataclasses.replace(c, bwd=c.bwd + c.rec_selective, act=c.act_selective)
         out.append(dataclasses.replace(c, act_recompute=c.act))
     return out
 
 
 def _closest(ctx: Context, mem_fail: list[tuple[float, Config]], closest: Breakdown | None,
-             cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> Breakdown | None:
+             cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+             sel: frozenset[int] = frozenset()) -> Breakdown | None:
     """Exact shortfall of the configurations whose memory bound failed by the least."""
     L = len(ctx.facts)
     for _, cfg in sorted(mem_fail, key=lambda x: x[0])[:8]:
@@ -324,7 +337,7 @@ def _closest(ctx: Context, mem_fail: list[tuple[float, Config]], closest: Breakd
         c = dataclasses.replace(cfg, cuts=cuts or stage_cuts_even(L, stages))
         costs = ctx.costs(c.tp, ctx.micro(c), c.param_dtype, c.sp)
         all_rec = frozenset(i for i, x in enumerate(costs) if x.act > x.act_recompute)
-        b = evaluate(ctx, dataclasses.replace(c, recompute=rec if rec is not None else all_rec))
+        b = evaluate(ctx, dataclasses.replace(c, recompute=rec if rec is not None else all_rec, selective=sel))
         if closest is None or b.shortfall < closest.shortfall:
             closest = b
     return closest

@@ -18,7 +18,7 @@ from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
 from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume, p2p_time,
                                reduce_scatter_time)
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes, unshard_buffer_bytes
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes, model_state_parts, unshard_buffer_bytes
 from planner.plan import Predicted
 from planner.schedule_cost import in_flight, pipeline_time
 
@@ -59,6 +59,8 @@ class Config:
     """Stage boundaries as layer indices: 0 = c_0 < c_1 < … < c_{pp·v} = L."""
     recompute: frozenset[int] = frozenset()
     """Indices of fully recomputed layers."""
+    selective: frozenset[int] = frozenset()
+    """Indices of selectively recomputed layers (matmul/attention outputs kept; disjoint from ``recompute``)."""
     units: frozenset[int] | None = None
     """FSDP: indices of layers that are units of their own (None: every repeated-block layer)."""
     offload: bool = False
@@ -91,6 +93,22 @@ class Breakdown:
     """Optimizer step of the slowest rank."""
     memory_bytes: list[float]
     """Peak bytes per pipeline rank."""
+    memory_parts: list[dict[str, float]] = field(default_factory=list)
+    """Per pipeline rank, ``memory_bytes[r]`` split into ``parameters``, ``gradients``,
+    ``optimizer`` (model states after data-parallel sharding; 0 on the device when offloaded),
+    ``activations`` (saved for backward by the microbatches in flight, plus the one layer a
+    recompute rebuilds during backward) and ``buffers`` (temporary FSDP unshard buffers: gathered
+    parameters and unsharded gradients). Bytes; the five parts sum to ``memory_bytes[r]``."""
+    stage_f_s: list[float] = field(default_factory=list)
+    """Per pipeline stage (``pp·v`` entries in stage order; stage k runs on rank k mod pp): one
+    microbatch's forward, seconds, including exposed tensor-parallel collectives. With
+    ``stage_b_s`` this is what ``planner.schedule.simulate(schedule, f_cost=..., b_cost=...)``
+    takes to draw the pipeline timeline."""
+    stage_b_s: list[float] = field(default_factory=list)
+    """Per pipeline stage: one microbatch's backward, seconds, including recompute and exposed
+    tensor-parallel collectives."""
+    stage_comm_s: float = 0.0
+    """Seconds of the largest pipeline send of one microbatch (``comm_cost`` for the simulator; 0 if pp = 1)."""
     memory_cap: float
     """Usable bytes per device."""
     host_memory_bytes: float = 0.0
@@ -193,23 +211,42 @@ def rank_params(ctx: Context, costs: list[LayerCost], layers: list[int], tp: int
     return total
 
 
+def kept_act(costs: list[LayerCost], i: int, recompute: frozenset[int], selective: frozenset[int]) -> float:
+    """Bytes layer i keeps for backward per microbatch under its recompute kind."""
+    if i in recompute:
+        return costs[i].act_recompute
+    if i in selective:
+        return costs[i].act_selective
+    return costs[i].act
+
+
 def rank_memory(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
-                layers: list[int] | None = None) -> float:
+                layers: list[int] | None = None, selective: frozenset[int] | None = None) -> float:
     """Peak bytes of one pipeline rank: model states + activations in flight + recompute transient
-    + FSDP unshard buffers."""
+    + FSDP unshard buffers (the sum of :func:`rank_memory_parts`)."""
+    return sum(rank_memory_parts(ctx, cfg, costs, rank, recompute, layers, selective).values())
+
+
+def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
+                      layers: list[int] | None = None,
+                      selective: frozenset[int] | None = None) -> dict[str, float]:
+    """Peak bytes of one pipeline rank by part: parameters, gradients, optimizer, activations, buffers."""
     layers = rank_layers(cfg, rank) if layers is None else layers
+    selective = cfg.selective if selective is None else selective
     params = rank_params(ctx, costs, layers, cfg.tp)
-    states = 0.0 if cfg.offload else model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp,
-                                                       param_dtype=cfg.param_dtype, optimizer=ctx.options.optimizer)
+    parts = model_state_parts(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                              optimizer=ctx.options.optimizer)
+    if cfg.offload:
+        parts = {k: 0.0 for k in parts}
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
-    kept = sum(costs[i].act_recompute if i in recompute else costs[i].act for i in layers)
+    kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
     # the backward of a recomputed layer rebuilds its full activations for one microbatch
-    transient = max((costs[i].act for i in layers if i in recompute), default=0.0)
+    transient = max((costs[i].act for i in layers if i in recompute or i in selective), default=0.0)
     buffers = 0.0
     if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
         buffers = unshard_buffer_bytes(_unit_params(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
                                        reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch)
-    return states + flight * kept + transient + buffers
+    return {**parts, "activations": flight * kept + transient, "buffers": buffers}
 
 
 def _unit_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> list[float]:
@@ -272,18 +309,19 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     pp_bw, pp_lat = c.link(cfg.tp * cfg.dp * cfg.pp)
     pp_bw *= net
     pbytes, rbytes = DTYPE_BYTES[cfg.param_dtype], DTYPE_BYTES[cfg.reduce_dtype]
-    rec = cfg.recompute
+    rec, sel = cfg.recompute, cfg.selective
     opts = ctx.options
-    times, mems, comm = [], [], []
+    times, mems, comm, parts = [], [], [], []
     host = 0.0
     worst = dict(compute=0.0, recompute=0.0, tp=0.0, p2p=0.0, dp=0.0, opt=0.0, tail=0.0)
     for rank in range(cfg.pp):
         layers = rank_layers(cfg, rank)
         compute = sum(_pure(ctx, costs, i, cfg) for i in layers)
         t = sum(costs[i].fwd + costs[i].bwd for i in layers)
-        t_rec = sum(costs[i].fwd for i in layers if i in rec)
+        t_rec = sum(_recompute_s(costs, i, rec, sel) for i in layers)
         tp_s = t - compute
-        tp_bytes = sum(costs[i].tp_bytes + (costs[i].tp_bytes_recompute if i in rec else 0.0) for i in layers)
+        tp_bytes = sum(costs[i].tp_bytes + (costs[i].tp_bytes_recompute if i in rec or i in sel else 0.0)
+                       for i in layers)
         # pipeline sends: each chunk boundary sends activations forward and gradients backward
         p2p_s, p2p_bytes = 0.0, 0.0
         for k in range(rank, cfg.pp * cfg.v, cfg.pp):
@@ -343,7 +381,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         host = max(host, state) if cfg.offload else host
         rank_t = busy + p2p_s + fsdp_s
         times.append(rank_t)
-        mems.append(rank_memory(ctx, cfg, costs, rank, rec, layers))
+        parts.append(rank_memory_parts(ctx, cfg, costs, rank, rec, layers))
+        mems.append(sum(parts[-1].values()))
         comm.append(m * (tp_bytes + p2p_bytes) + dp_bytes)
         if tail + opt_s >= worst["tail"]:
             worst["tail"], worst["dp"], worst["opt"] = tail + opt_s, tail, opt_s
@@ -351,13 +390,28 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             worst.update(compute=compute * m, recompute=t_rec * m, tp=tp_s * m, p2p=p2p_s * m, fsdp=fsdp_s * m)
     pipe = pipeline_time(cfg.kind, times, m, v=cfg.v)
     step = pipe + worst["tail"]
+    chunks = list(zip(cfg.cuts, cfg.cuts[1:]))
+    stage_f = [sum(costs[i].fwd for i in range(a, b)) for a, b in chunks]
+    stage_b = [sum(costs[i].bwd + _recompute_s(costs, i, rec, sel) for i in range(a, b)) for a, b in chunks]
+    sends = [costs[b - 1].output for _, b in chunks[:-1]]
+    stage_comm = 0.0 if opts.overlap_p2p or not sends else p2p_time(max(sends), bandwidth=pp_bw, latency=pp_lat)
     bubble = max(0.0, (pipe - m * max(times)) / pipe) if pipe > 0 else 0.0
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
                      compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
                      p2p_s=worst["p2p"], dp_comm_s=worst["dp"] + worst.get("fsdp", 0.0), optimizer_s=worst["opt"],
-                     memory_bytes=mems, memory_cap=ctx.cap, host_memory_bytes=host, host_memory_cap=ctx.host_cap,
+                     memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f, stage_b_s=stage_b,
+                     stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host, host_memory_cap=ctx.host_cap,
                      comm_bytes=max(comm), model_flops=ctx.model_flops,
                      devices=cfg.pp * cfg.dp * cfg.tp, config=cfg)
+
+
+def _recompute_s(costs: list[LayerCost], i: int, rec: frozenset[int], sel: frozenset[int]) -> float:
+    """Seconds layer i spends recomputing per microbatch: its whole forward (full) or its cheap ops (selective)."""
+    if i in rec:
+        return costs[i].fwd
+    if i in sel:
+        return costs[i].rec_selective
+    return 0.0
 
 
 def _pure(ctx: Context, costs: list[LayerCost], i: int, cfg: Config) -> float:

@@ -33,6 +33,7 @@ class Candidate:
         dp = c.dp_kind + ("" if c.dp_kind != "fsdp" else ("+reshard" if c.reshard else "+keep"))
         dp += "+offload" if c.offload else ""
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
+        rec += f", selective {len(c.selective)}" if c.selective else ""
         return (f"pp={c.pp} dp={c.dp} tp={c.tp}{' sp' if c.sp else ''} {sched} m={c.microbatches} {dp} {rec}: "
                 f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device, "
                 f"{max(b.memory_bytes) / GiB:.3g} GiB peak, {b.comm_bytes / GiB:.3g} GiB sent/device")
@@ -81,6 +82,8 @@ def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdow
     if cfg.pp * cfg.v > 1:
         stages = [Stage(layers=format_layers(names[a:b])) for a, b in zip(cfg.cuts, cfg.cuts[1:])]
     recompute = {format_layers([names[i] for i in sorted(cfg.recompute)]): "full"} if cfg.recompute else {}
+    if cfg.selective:
+        recompute[format_layers([names[i] for i in sorted(cfg.selective)])] = "selective"
     fsdp = cfg.dp_kind == "fsdp"
     dp = DataParallel(kind=cfg.dp_kind, units=(units or _block_selector(ctx)) if fsdp else "",
                       reshard_after_forward=cfg.reshard if fsdp else True, param_dtype=cfg.param_dtype,

@@ -153,14 +153,11 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
     if "recompute" in nested:
         rec = nested["recompute"]
         if not isinstance(rec, dict):
-            problems.append("recompute: expected an object of selector -> full/none")
+            problems.append("recompute: expected an object of selector -> full/selective/none")
         else:
             for sel, kind in rec.items():
                 if kind not in RECOMPUTE_KINDS:
                     problems.append(f'recompute["{sel}"]: "{kind}" is not one of {", ".join(RECOMPUTE_KINDS)}')
-                elif kind == "selective":
-                    problems.append(f'recompute["{sel}"]: "selective" is not modeled by the cost model yet; '
-                                    'use "full" or "none"')
             out.recompute = dict(rec)
     if isinstance(constraints, Plan):
         _fill_plan_defaults(out, constraints)

@@ -1,0 +1,111 @@
+"""Selective recompute costs, the memory breakdown by part, and per-stage times for the timeline."""
+
+import pytest
+
+from planner.cluster import Cluster
+from planner.cost import LayerFacts, layer_costs
+from planner.cost_gpt import gpt_graph
+from planner.cost_memory import kept_bytes, model_state_bytes, model_state_parts, recompute_kinds, saved_activation_bytes
+from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
+from planner.schedule import build_schedule, simulate
+from planner.search import cost_plan, search
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+def test_kept_bytes_per_kind():
+    # a GPT block: saves 1,056,768 B; its input is 65,536 B; matmul/attention outputs 659,456 B
+    assert kept_bytes("none", saved=1056768, input=65536, selective=659456) == 1056768
+    assert kept_bytes("full", saved=1056768, input=65536, selective=659456) == 65536
+    assert kept_bytes("selective", saved=1056768, input=65536, selective=659456) == 724992
+    with pytest.raises(ValueError, match="kind must be full, selective or none"):
+        kept_bytes("some", saved=1, input=1, selective=1)
+
+
+def test_model_state_parts_split_zero_accounting():
+    # 1e9 bf16 parameters, ZeRO-2 over 4: params 2e9, grads 2e9/4, Adam 12e9/4
+    parts = model_state_parts(1e9, dp_kind="zero2", dp=4, param_dtype="bf16")
+    assert parts == pytest.approx({"parameters": 2e9, "gradients": 0.5e9, "optimizer": 3e9})
+    assert sum(parts.values()) == pytest.approx(model_state_bytes(1e9, dp_kind="zero2", dp=4, param_dtype="bf16"))
+    fsdp = model_state_parts(1e9, dp_kind="fsdp", dp=8)  # fp32 Adam: (4 + 4 + 8)/8 bytes each
+    assert fsdp == pytest.approx({"parameters": 0.5e9, "gradients": 0.5e9, "optimizer": 1e9})
+
+
+def test_layer_cost_selective_keeps_input_and_matmul_outputs():
+    c = Cluster.preset("a100-80gb")
+    f = LayerFacts(name="layers.0", index=0, block="layers.*", flops_fwd=2e12, flops_bwd=4e12, saved=1e9, input=1e8,
+                   output=1e8, params=1000, selective=4e8)
+    (lc,) = layer_costs([f], c, tp=1, micro=2, compute_dtype="fp32")
+    # micro 2, fp32: input 2e8 + matmul outputs 8e8 kept
+    assert lc.act_selective == pytest.approx(1e9)
+    # recomputed: the memory-bound traffic of the other saved bytes, (2e9 - 8e8) / (2039e9 · 0.7)
+    assert lc.rec_selective == pytest.approx(1.2e9 / (2039e9 * 0.7))
+    assert lc.rec_selective == pytest.approx(0.00084076, rel=1e-4)
+
+
+def test_saved_activation_bytes_sums_kept_bytes_per_layer():
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    sbh = 32 * 8 * 64
+    none = saved_activation_bytes(g, {})
+    assert none == sum(layer.saved_bytes for layer in g.layers)
+    full = saved_activation_bytes(g, {"layers.*": "full"})
+    assert none - full == pytest.approx(2 * (2 * (34 * sbh + 5 * 4 * 32 * 32 * 8) - 4 * sbh))
+    selective = saved_activation_bytes(g, {"layers.*": "selective", "layers.1": "none"})
+    # layers.0 keeps its input (sbh fp32) + 10·sbh fp32 matmul outputs + the 4·32·8 fp32 log-sum-exp
+    assert none - selective == pytest.approx(2 * (34 * sbh + 5 * 4 * 32 * 32 * 8) - (11 * sbh * 4 + 4 * 32 * 8 * 4))
+    assert saved_activation_bytes(g, {}, microbatch_rows=2) == pytest.approx(none / 4)
+    assert recompute_kinds(["a", "layers.0"], {"layers.*": "full"}) == {"a": "none", "layers.0": "full"}
+
+
+def _plan(recompute, *, pp=2, kind="1f1b", v=1, dp_kind="ddp"):
+    stages = [Stage(layers="wte,wpe,layers.[0-1]"), Stage(layers="layers.[2-3],ln_f,lm_head")] if pp == 2 else []
+    if v == 2:
+        stages = [Stage(layers="wte,wpe,layers.0"), Stage(layers="layers.1"), Stage(layers="layers.2"),
+                  Stage(layers="layers.3,ln_f,lm_head")]
+    return Plan(mesh=Mesh(pp=pp, dp=8 // pp, tp=1), stages=stages,
+                schedule=Schedule(kind=kind, microbatches=4, virtual_stages=v, global_batch=16),
+                data_parallel=DataParallel(kind=dp_kind, units="layers.*" if dp_kind == "fsdp" else ""),
+                recompute=recompute)
+
+
+def test_cost_plan_costs_selective_between_none_and_full():
+    g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    c = Cluster.preset("a100-80gb")
+    none, full, sel = (cost_plan(_plan(r), g, c, validate=False)
+                       for r in ({}, {"layers.*": "full"}, {"layers.*": "selective"}))
+    for r in range(2):
+        assert full.memory_parts[r]["activations"] < sel.memory_parts[r]["activations"] \
+            < none.memory_parts[r]["activations"]
+    assert none.recompute_s == 0 < sel.recompute_s < full.recompute_s
+    assert none.step_time_s < sel.step_time_s < full.step_time_s
+
+
+@pytest.mark.parametrize("dp_kind,kind,v", [("ddp", "1f1b", 1), ("fsdp", "interleaved", 2), ("zero2", "gpipe", 1)])
+def test_memory_parts_sum_to_memory_and_stage_times_rebuild_rank_times(dp_kind, kind, v):
+    g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    b = cost_plan(_plan({"layers.0": "selective"}, kind=kind, v=v, dp_kind=dp_kind), g, Cluster.preset("a100-80gb"),
+                  validate=False)
+    assert len(b.memory_parts) == 2
+    for r, parts in enumerate(b.memory_parts):
+        assert tuple(parts) == PARTS
+        assert sum(parts.values()) == pytest.approx(b.memory_bytes[r])
+    assert (b.memory_parts[0]["buffers"] > 0) == (dp_kind == "fsdp")
+    assert len(b.stage_f_s) == len(b.stage_b_s) == 2 * v
+    if dp_kind != "fsdp":  # rank time = its chunks' forward + backward + its pipeline sends
+        for r in range(2):
+            chunks = range(r, 2 * v, 2)
+            compute = sum(b.stage_f_s[k] + b.stage_b_s[k] for k in chunks)
+            assert b.rank_times_s[r] >= compute
+            assert b.rank_times_s[r] - compute <= 2 * v * b.stage_comm_s * (1 + 1e-9)
+    timeline = simulate(build_schedule(kind, pp=2, microbatches=4, virtual_stages=v), f_cost=b.stage_f_s,
+                        b_cost=b.stage_b_s, comm_cost=b.stage_comm_s)
+    assert timeline.makespan > 0
+
+
+def test_search_keeps_a_fixed_selective_map():
+    g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    res = search(g, Cluster.preset("a100-80gb"), global_batch=16,
+                 constraints={"recompute": {"layers.*": "selective"}, "mesh": {"pp": 2}})
+    assert res.plan.recompute == {"layers.[0-3]": "selective"}
+    assert res.best.breakdown.config.selective == frozenset({2, 3, 4, 5})
+    assert "selective 4" in res.best.summary()
