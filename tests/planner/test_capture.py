@@ -258,3 +258,26 @@ def test_bad_tracer_options_say_what_is_allowed():
         capture(case.model, batch, loss_fn=case.loss_fn, tracer="jit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"leaf_modules= and concrete_args= are torch.fx options"):
         capture(case.model, batch, loss_fn=case.loss_fn, tracer="export", leaf_modules=(torch.nn.ReLU,))
+
+
+def test_glue_joins_the_next_layer(captured):
+    """Llama's mask code (module path ``model``) and rotary_emb (no parameters) run before block 0
+    and join it; block 1 holds only its own nodes."""
+    _, _, graph, _, _, _ = captured["llama"]
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    outside = lambda layer: {nodes[n].meta["fs_module"] for n in graph.layer(layer).nodes  # noqa: E731
+                             if not nodes[n].meta["fs_module"].startswith(layer)}
+    assert outside("model.layers.0") == {"model", "model.rotary_emb"}
+    assert outside("model.layers.1") == set()
+    assert graph.layer("model.layers.0").buffers == ["model.rotary_emb.inv_freq"]
+
+
+def test_opaque_moe_op_stays_in_its_block_and_is_counted(captured):
+    """transformers runs Mixtral's experts through an opaque custom op (fake kernel only); it stays
+    in its block and planner.flops counts it as x[S,K] @ w[e][K,N] per routed row."""
+    _, _, graph, _, _, _ = captured["mixtral"]
+    ops = [n for n in graph.gm.graph.nodes if str(n.target) == "transformers.grouped_mm_fallback.default"]
+    assert [n.meta[META_LAYER] for n in ops] == ["model.layers.0"] * 2 + ["model.layers.1"] * 2
+    rows = B * 16 * 2  # tokens x top-2
+    assert [n.meta[META_FLOPS_FWD] for n in ops[:2]] == [2 * rows * 64 * 256, 2 * rows * 128 * 64]
+    assert all(n.meta[META_FLOPS_BWD] == 2 * n.meta[META_FLOPS_FWD] for n in ops)
