@@ -66,7 +66,8 @@ from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp_placement import Placement, R, S
 from passes.tp_rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
-from passes.tp_rules import VIEWS, rule_for
+from passes.tp_model_rules import rule_for
+from passes.tp_rules import VIEWS
 from planner.plan import TP_STYLES, Plan
 from planner.selectors import parse_selector
 

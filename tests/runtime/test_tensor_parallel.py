@@ -3,7 +3,7 @@
 One launch per (family, tp) runs both variants (with and without sequence parallelism) on graphs
 captured once in the parent. The rules come from the pattern detector, so what the planner would
 propose is what is checked. Llama and Mixtral at tp=4 use 8 query / 4 KV heads (GQA with KV heads
-divisible by 4; the 4/2 default raises, see tests/passes/test_tensor_parallel.py).
+divisible by 4; the 4/2 default raises, see tests/passes/test_tensor_parallel_pass.py).
 
 Why float64: with Adam at lr 1e-2, parameters whose true gradient is ~eps (q/k weights at init)
 get an update of ±lr·g/(|g|+eps) from rounding noise alone, so the reassociated fp32 sums of a
