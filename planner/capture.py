@@ -158,6 +158,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     graph.blocks = blocks
     graph.tracer = used
     graph.batch_size = _batch_size(batch)
+    graph.extra["input_shapes"] = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in batch]
     graph.extra.update({"trace_s": traced - start, "group_s": grouped - traced, "annotate_s": annotated - grouped,
                         "capture_s": time.perf_counter() - start, "nodes": len(gm.graph.nodes)})
     if stats is not None:
@@ -175,10 +176,10 @@ def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_mo
     fx_only = bool(leaf_modules) or concrete_args is not None
     if fx_only and tracer == "export":
         raise ValueError("leaf_modules= and concrete_args= are torch.fx options; use tracer='fx' or 'auto'")
-    if not fx_supports(batch):
+    if not fx_supports(batch, concrete_args):
         if tracer == "fx" or fx_only:
-            raise ValueError("tracer='fx' takes a flat tuple of tensors as example_inputs; "
-                             "use tracer='export' for nested inputs")
+            raise ValueError("tracer='fx' takes a flat tuple of tensors as example_inputs (other values "
+                             "only where concrete_args fixes them); use tracer='export' for nested inputs")
         return ["export"]
     if tracer != "auto":
         return [tracer]

@@ -228,7 +228,7 @@ def _depth(tb: TracebackType) -> int:
     return depth
 
 
-def fx_supports(batch: Sequence[Any]) -> bool:
-    """fx traces a flat tuple of tensors; pytrees of inputs need export."""
-    return all(isinstance(x, torch.Tensor) for x in batch)
-
+def fx_supports(batch: Sequence[Any], concrete_args: dict[str, Any] | None = None) -> bool:
+    """fx traces a flat tuple of tensors (non-tensors only where ``concrete_args`` fixes them)."""
+    fixed = concrete_args or {}
+    return all(isinstance(x, torch.Tensor) or f"batch_{i}" in fixed for i, x in enumerate(batch))

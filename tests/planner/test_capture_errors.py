@@ -71,3 +71,25 @@ def test_following_the_advice_captures_the_model():
 def test_single_tracer_failure_says_cannot():
     with pytest.raises(CaptureError, match=r"^could not capture Branchy: torch.fx cannot trace it.\n"):
         capture(Branchy(), (torch.randn(2, 4),), tracer="fx")
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, square: bool) -> torch.Tensor:
+        y = self.fc(x)
+        if square:
+            y = y * y
+        return y.mean()
+
+
+def test_concrete_args_fix_a_python_branch_for_fx():
+    model, x = Flagged(), torch.randn(2, 4)
+    graph = capture(model, (x, True), tracer="fx", concrete_args={"batch_1": True})
+    assert graph.tracer == "fx"
+    torch.testing.assert_close(graph.gm(x, True), model(x, True))
+    assert graph.flops_per_step == 2 * 2 * 4 * 4 * 2  # fwd + weight grad; x needs no gradient
+    with pytest.raises(ValueError, match=r"^tracer='fx' takes a flat tuple of tensors as example_inputs \(other "):
+        capture(model, (x, True), tracer="fx")
