@@ -77,7 +77,8 @@ def test_reshard_without_a_selector_is_one_root_unit(gpt):
 
 @pytest.mark.parametrize("kind,extra", [("ddp", {}), ("zero1", {}), ("zero2", {}),
                                         ("fsdp", dict(reshard_after_forward=True)),
-                                        ("fsdp", dict(reshard_after_forward=False, prefetch=False))])
+                                        ("fsdp", dict(reshard_after_forward=False, prefetch=False)),
+                                        ("fsdp", dict(offload=True)), ("zero2", dict(offload=True))])
 def test_numbers_match_the_unrewritten_graph(gpt, kind, extra):
     case, graph = gpt
     before = graph.gm.code
@@ -181,3 +182,22 @@ def test_mixed_precision_casts_float_inputs_and_the_loss():
     assert loss.dtype == torch.float32
     loss.backward()
     assert all(u.flat.grad.dtype == torch.float32 for u in gm.meta[META_DP].units)
+
+
+def test_prefetch_gathers_the_next_unit_early_in_both_directions(gpt, monkeypatch):
+    """Forward: unshard of unit k starts unit k+1's gather; backward: re-gathering unit k starts
+    unit k-1's. Recorded as (event, unit) in execution order."""
+    case, graph = gpt
+    gm = shard_data_parallel_pass(graph.gm, DataParallel(kind="fsdp", units="layers.*"), dp_index=0, dp_size=1)
+    events = []
+    for name in ("start_gather", "gather", "free"):
+        original = getattr(dp_ops.FSDPUnit, name)
+
+        def spy(self, _original=original, _name=name):
+            events.append(f"{_name[0] if _name != 'start_gather' else 'p'}{self.index}")
+            return _original(self)
+
+        monkeypatch.setattr(dp_ops.FSDPUnit, name, spy)
+    gm(*case.make_batch(0, 2)).backward()
+    assert " ".join(events) == ("g0 p1 g1 p2 f1 g2 p3 f2 g3 f3 "   # forward: gather k, prefetch k+1, free k
+                                "g3 p2 f3 g2 p1 f2 g1 f1 f0")      # backward: re-gather k, prefetch k-1, free
