@@ -12,6 +12,9 @@ record into :data:`passes.comm.COUNTER` like every other collective.
   them: an all-reduce(max) of [N] and one all-reduce(sum) of [2, N] (sum of exp and target logit).
   Megatron-LM ``_VocabParallelCrossEntropy`` (which uses three all-reduces; the two sums are fused
   here).
+* :func:`sharded_dropout` - dropout of a tensor-parallel shard with a mask stream of its own per
+  tp rank (Megatron's model-parallel RNG region), while the shared stream advances alike on
+  every rank so replicated dropouts stay identical.
 * :func:`expert_grouped_mm` - the expert-parallel form of ``transformers::grouped_mm_fallback``:
   rows are sorted by expert, and this rank multiplies only the rows of its own experts, leaving
   zeros elsewhere (a disjoint partial sum).
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from passes import comm
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm"]
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm", "sharded_dropout"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int,
@@ -111,3 +114,18 @@ def expert_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
         x[lo:hi], weight, (offsets[expert_start:expert_start + local] - lo).to(offsets.dtype))
     n = weight.shape[-1]
     return torch.cat([x.new_zeros((lo, n)), part, x.new_zeros((x.shape[0] - hi, n))], dim=0)
+
+
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, tp_index: int) -> torch.Tensor:
+    """``dropout(x, p, train)`` for a shard ``x``: every tp rank draws one seed from the default
+    generator (so all ranks advance it equally and replicated regions keep matching masks), then
+    masks its shard from a generator seeded by that seed and its ``tp_index`` (independent masks
+    across shards; Megatron-LM's ``model_parallel_cuda_manual_seed`` offsets by tp rank the same way)."""
+    if not train or p == 0.0:
+        return x.clone()
+    if p == 1.0:
+        return x * 0.0
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen = torch.Generator(device=x.device).manual_seed((seed + 2718281 * (tp_index + 1)) % 2**63)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
+    return x * keep / (1.0 - p)

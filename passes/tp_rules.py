@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
+from passes import tp_ops
 from passes.tp_placement import PD, Placement, P, R, S, local_shape, map_view_dim
 from passes.tp_rewrite import Rewriter, TPShardError, args_of, fmt
 
@@ -124,6 +125,11 @@ def elementwise(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if inplace and ins and want.get(ins[0], rw.p(ins[0])) != rw.p(ins[0]):
         raise TPShardError(f"in-place {fmt(node)} would need its input converted from {rw.p(ins[0])}")
     del out_shape
+    if node.target == aten.dropout.default and args_of(node)[1] > 0 and args_of(node)[2]:
+        # each shard needs its own mask (the same mask on every rank would correlate the shards)
+        new = rw.finish(node, want, chosen, target=tp_ops.sharded_dropout,
+                        args=(args_of(node)[0], args_of(node)[1], args_of(node)[2], rw.index))
+        return new, chosen
     return rw.finish(node, want, chosen), chosen
 
 

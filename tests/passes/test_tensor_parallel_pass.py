@@ -241,3 +241,29 @@ def test_detector_rules_shard_like_the_hand_written_ones() -> None:
     for family in ("llama", "gpt2", "bert", "mixtral"):
         rules = propose_tp_rules(graph_of(family).gm, tp=2).rules
         assert collective_counts(shard(family, rules=rules)) == EXPECTED[(family, False)]
+
+
+class _DropMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.dropout(torch.relu(self.up(x)), 0.5, training=True)).sum()
+
+
+def test_dropout_on_a_shard_gets_its_own_mask_per_rank() -> None:
+    g = capture(_DropMLP(), (torch.randn(4, 8),))
+    gm = shard_tensor_parallel_pass(g.gm, plan({"up": "colwise", "down": "rowwise"}), tp_index=1, tp_size=2)
+    (drop,) = [n for n in gm.graph.nodes if n.target is tp_ops.sharded_dropout]
+    assert drop.args[1:] == (0.5, True, 1) and drop.meta["fs_tp"] == "S(1)"
+    x = torch.ones(64, 64)
+    masks, after = [], []
+    for index in range(2):
+        torch.manual_seed(0)
+        masks.append(tp_ops.sharded_dropout(x, 0.5, True, index))
+        after.append(torch.rand(1))
+    assert not torch.equal(masks[0], masks[1])  # independent shards
+    assert torch.equal(after[0], after[1])  # the shared stream advanced alike on both ranks
+    assert set(masks[0].unique().tolist()) == {0.0, 2.0}
