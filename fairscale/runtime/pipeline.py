@@ -292,7 +292,7 @@ class PipelineExecutor:
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         nbytes = t.numel() * t.element_size()
         comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-        return dist.isend(t, peer, group=comm.get_group(self.axis), tag=tag), t
+        return _send(t, peer, group=comm.get_group(self.axis), tag=tag), t
 
     def _irecv_all(self, specs: Sequence[ValueSpec], peer: int, kind: str, mb: int,
                    stage: int) -> list[tuple[Any, torch.Tensor]]:
@@ -301,7 +301,7 @@ class PipelineExecutor:
             buf = torch.empty(spec.shape, dtype=spec.dtype)
             nbytes = buf.numel() * buf.element_size()
             comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
-            out.append((dist.irecv(buf, peer, group=comm.get_group(self.axis), tag=_tag(kind, mb, stage, i)), buf))
+            out.append((_recv(buf, peer, group=comm.get_group(self.axis), tag=_tag(kind, mb, stage, i)), buf))
         return out
 
     def _handshake(self) -> None:
@@ -322,16 +322,16 @@ class PipelineExecutor:
             tag = _tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
             peer = self._peer(peer_stage)
             group = comm.get_group(self.axis)
-            sends += [dist.isend(size, peer, group=group, tag=tag), dist.isend(code, peer, group=group, tag=tag + 2)]
+            sends += [_send(size, peer, group=group, tag=tag), _send(code, peer, group=group, tag=tag + 2)]
             other = torch.zeros(1, dtype=torch.int64)
             other_tag = _tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
-            recvs.append((dist.irecv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
+            recvs.append((_recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
                           role, specs))
         problems = []
         for work, size, peer, other_tag, boundary, role, specs in recvs:
             work.wait()
             code = torch.zeros(int(size.item()), dtype=torch.int64)
-            dist.irecv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
+            _recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
             theirs = _decode(code.tolist())
             ours = [(tuple(s.shape), s.dtype) for s in specs]
             if theirs != ours:
@@ -365,11 +365,11 @@ class PipelineExecutor:
                     t = grads[own].contiguous()
                     nbytes = t.numel() * t.element_size()
                     comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-                    works.append(dist.isend(t, peer, group=group, tag=_tag("TIED", k_index, own, 0)))
+                    works.append(_send(t, peer, group=group, tag=_tag("TIED", k_index, own, 0)))
                 for s in holders:
                     if self.schedule.stage_rank(s) == r:
                         buf = torch.empty_like(grads[mine[0]])
-                        works.append(dist.irecv(buf, peer, group=group, tag=_tag("TIED", k_index, s, 0)))
+                        works.append(_recv(buf, peer, group=group, tag=_tag("TIED", k_index, s, 0)))
                         grads[s] = buf
             for w in works:
                 w.wait()
@@ -438,6 +438,20 @@ def _tag(kind: str, mb: int, stage: int, index: int) -> int:
         raise ScheduleError(f"too many stages ({stage}), microbatches ({mb}) or boundary values ({index}) "
                             "for message tags; at most 1024 stages, 8192 microbatches, 64 values")
     return ((_KIND_CODE[kind] * 1024 + stage) * 8192 + mb) * 64 + index
+
+
+def _send(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
+    work = dist.isend(t, peer, group=group, tag=tag)
+    if work is None:
+        raise PipelineError(f"this rank is not in the pipeline group of peer {peer}")
+    return work
+
+
+def _recv(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
+    work = dist.irecv(t, peer, group=group, tag=tag)
+    if work is None:
+        raise PipelineError(f"this rank is not in the pipeline group of peer {peer}")
+    return work
 
 
 def _wait(pending: list[tuple[Any, torch.Tensor]]) -> list[torch.Tensor]:
