@@ -75,6 +75,8 @@ class _Record:
 
 @dataclass
 class _State:
+    """Per-run tables, keyed by node name (or storage key for ``counted``/``params``/``alias``)."""
+
     env: dict[str, Any] = field(default_factory=dict)
     prov: dict[str, list[tuple[str, int] | None]] = field(default_factory=dict)
     keys: dict[str, Any] = field(default_factory=dict)
@@ -105,7 +107,6 @@ class _Annotator:
         self.stats = AnnotateStats()
         self.formulas = flop_formulas()
         self.s = _State()
-        self._tmp = itertools.count(-1, -1)
 
     # -- helpers -----------------------------------------------------------------------------
 
