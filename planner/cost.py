@@ -50,6 +50,21 @@ class CostOptions:
     """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
 
     @classmethod
+    def for_runtime(cls, cluster: Cluster) -> CostOptions:
+        """What fairscale's own runtime overlaps on ``cluster``.
+
+        * DDP / ZeRO buckets reduce synchronously inside the last microbatch's backward
+          (``passes.dp_ops._Bucket.backward`` calls a blocking all-reduce / reduce-scatter): not overlapped.
+        * Tensor-parallel collectives are blocking autograd functions: not overlapped.
+        * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
+        * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
+          overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
+          competes for the same oversubscribed cores, so it is counted as exposed.
+        """
+        cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
+        return cls(overlap_dp=False, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False)
+
+    @classmethod
     def megatron2021(cls) -> CostOptions:
         """The runtime of Narayanan et al. 2021: no DP/TP/P2P overlap (gradient all-reduce after
         the pipeline flush, blocking p2p), Adam."""

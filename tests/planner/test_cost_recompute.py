@@ -109,3 +109,16 @@ def test_search_keeps_a_fixed_selective_map():
     assert res.plan.recompute == {"layers.[0-3]": "selective"}
     assert res.best.breakdown.config.selective == frozenset({2, 3, 4, 5})
     assert "selective 4" in res.best.summary()
+
+
+def test_runtime_overlap_options_for_cpu_and_gpu():
+    from planner.cost import CostOptions
+    from planner.search.core import make_context
+
+    cpu = CostOptions.for_runtime(Cluster.cpu(8))
+    assert (cpu.overlap_dp, cpu.overlap_fsdp, cpu.overlap_tp, cpu.overlap_p2p) == (False, False, False, False)
+    gpu = CostOptions.for_runtime(Cluster.preset("h100"))
+    assert (gpu.overlap_dp, gpu.overlap_fsdp) == (False, True)
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    assert make_context(g, Cluster.cpu(8), global_batch=8, rules={}, options=None).options == cpu
+    assert make_context(g, Cluster.preset("h100"), global_batch=8, rules={}, options=None).options == CostOptions()

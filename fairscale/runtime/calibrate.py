@@ -1,0 +1,277 @@
+"""Measure what one CPU rank gets when ``ranks`` gloo ranks share this machine, as a planner Cluster.
+
+Usage::
+
+    from fairscale.runtime.calibrate import calibrate_cpu, save_calibration, load_calibration
+    cal = calibrate_cpu(8)                   # ~10-30 s: forks 8 ranks with fairscale.launch
+    print(cal.table())                       # every measured rate and the fitted alpha-beta
+    save_calibration(cal, "benchmarks/end_to_end/cpu_cluster.json")
+    cluster = load_calibration("benchmarks/end_to_end/cpu_cluster.json")   # a planner.cluster.Cluster
+
+Everything is measured with all ranks busy at once, since that is what a rank sees in training:
+
+* **matmul FLOP/s**: every rank multiplies fp32 matrices of transformer-like shapes with one
+  intra-op thread (what ``fairscale.launch`` gives each rank); the median over shapes of the
+  slowest rank. It becomes ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX run them
+  no faster).
+* **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
+  It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
+* **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
+  fitted jointly (least squares on relative error) to the ring formulas of
+  ``planner.cost_comm`` to get the latency alpha and the bandwidth beta; point-to-point
+  send/recv between rank pairs is fitted to ``alpha + n/beta`` and reported (the Cluster holds one
+  intra-node link, the collectives' fit, since collectives carry nearly all of a step's bytes).
+
+The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``.
+The runtime's overlap on CPU gloo (see :func:`planner.cost.CostOptions.for_runtime`): DDP/ZeRO
+buckets reduce synchronously inside backward, pipeline sends are posted asynchronously but
+receives wait, and FSDP's asynchronous prefetch shares the rank's cores with compute, so nothing
+is counted as overlapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.cluster import Cluster, Efficiency
+
+__all__ = ["Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
+           "fit_alpha_beta"]
+
+_MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
+_COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
+_BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
+
+
+@dataclass(kw_only=True)
+class Calibration:
+    """Measured rates of one rank when ``ranks`` ranks run at once, and the Cluster fitted to them."""
+
+    cluster: Cluster
+    """The planner cluster to plan with (achieved rates, efficiencies 1)."""
+    ranks: int
+    """Ranks that ran concurrently."""
+    matmul_flops: dict[str, float]
+    """Shape ``MxKxN`` -> FLOP/s of the slowest rank."""
+    memory_bandwidth: float
+    """Bytes/s one rank streams while all do (``add``: 12 bytes per element)."""
+    collectives: dict[str, dict[int, float]]
+    """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
+    fits: dict[str, dict[str, float]]
+    """Per collective and ``combined``: ``latency_s`` and ``bandwidth`` (bytes/s) of the alpha-beta fit,
+    and ``max_rel_error`` of the fit over the measured sizes."""
+    machine: dict[str, Any] = field(default_factory=dict)
+    """Where it was measured (:func:`machine_description`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
+                "memory_bandwidth": self.memory_bandwidth,
+                "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
+                "fits": self.fits, "machine": self.machine}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        return cls(cluster=Cluster.from_dict(data["cluster"]), ranks=int(data["ranks"]),
+                   matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
+                   memory_bandwidth=float(data["memory_bandwidth"]),
+                   collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
+                   fits=data["fits"], machine=data.get("machine", {}))
+
+    def table(self) -> str:
+        lines = [f"CPU calibration: {self.ranks} ranks on {self.machine.get('cpu', '?')} "
+                 f"({self.machine.get('cores', '?')} cores)"]
+        for shape, f in self.matmul_flops.items():
+            lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
+        lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
+        for name, fit in self.fits.items():
+            lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
+                         f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
+        return "\n".join(lines)
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU model, core count, memory, OS, torch version and the time of measurement."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": _host_memory(), "os": platform.platform(),
+            "torch": torch.__version__, "load_average_1m": load,
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Fit ``t = a·x_lat + x_bytes / beta`` to ``(x_lat, x_bytes, t)`` points, minimizing the
+    relative error ``Σ((pred - t)/t)²`` (so small messages weigh as much as large ones).
+
+    Returns ``(alpha seconds, beta bytes/s, max relative error)``. Negative coefficients are
+    clamped (alpha to 0, beta to a huge rate) and the other refitted alone.
+    Example: points (1, 0, 1e-4), (1, 1e6, 1.1e-3) give alpha = 1e-4 s, beta = 1e9 B/s.
+    """
+    rows = [(xl / t, xb / t) for xl, xb, t in points]
+    s11 = sum(a * a for a, _ in rows)
+    s12 = sum(a * b for a, b in rows)
+    s22 = sum(b * b for _, b in rows)
+    y1 = sum(a for a, _ in rows)
+    y2 = sum(b for _, b in rows)
+    det = s11 * s22 - s12 * s12
+    alpha, inv_beta = ((y1 * s22 - y2 * s12) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, -1.0)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, (y2 / s22 if s22 > 0 else 0.0)
+    if inv_beta <= 0:
+        alpha, inv_beta = (y1 / s11 if s11 > 0 else 0.0), 1e-15
+    err = max(abs(alpha * xl + xb * inv_beta - t) / t for xl, xb, t in points)
+    return alpha, 1.0 / inv_beta, err
+
+
+def _time(fn: Any, *, repeat: int, sync: bool = True) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs, ranks aligned by a barrier before each."""
+    times = []
+    for _ in range(repeat):
+        if sync:
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _slowest(value: float, *, largest: bool) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    out: dict[str, Any] = {"matmul": {}, "coll": {}}
+    for m, k, n in _MATMUL_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        t = _time(lambda: torch.mm(a, b), repeat=repeat)
+        out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _slowest(t, largest=True)
+    x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
+    torch.add(x, y, out=z)
+    t = _time(lambda: torch.add(x, y, out=z), repeat=repeat)
+    out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _slowest(t, largest=True)
+    for nbytes in _COLLECTIVE_BYTES:
+        elems = max(world, nbytes // 4 // world * world)
+        full = torch.ones(elems)
+        shard = torch.ones(elems // world)
+        dist.all_reduce(full)  # warm-up: the first call of each collective sets up its buffers
+        _all_gather(full, shard)
+        _reduce_scatter(shard, full)
+        times = {
+            "all_reduce": _time(lambda: dist.all_reduce(full), repeat=repeat),
+            "all_gather": _time(lambda: _all_gather(full, shard), repeat=repeat),
+            "reduce_scatter": _time(lambda: _reduce_scatter(shard, full), repeat=repeat),
+        }
+        peer = rank ^ 1  # pairs (0,1), (2,3), ...: every rank sends and receives at once
+
+        def pingpong() -> None:
+            if peer >= world:
+                return
+            if rank % 2 == 0:
+                dist.send(full, peer)
+                dist.recv(full, peer)
+            else:
+                dist.recv(full, peer)
+                dist.send(full, peer)
+        times["p2p"] = _time(pingpong, repeat=repeat) / 2
+        for name, t in times.items():
+            out["coll"].setdefault(name, {})[elems * 4] = _slowest(t, largest=True)
+    return out
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, shard)
+
+
+def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, full)
+
+
+def calibrate_cpu(ranks: int, *, repeat: int = 9, memory_bytes: int | None = None) -> Calibration:
+    """Measure ``ranks`` concurrent gloo ranks on this machine and fit a :class:`Cluster` to them."""
+    if ranks < 2:
+        raise ValueError(f"calibrate_cpu needs at least 2 ranks to measure collectives, got {ranks}")
+    from fairscale.runtime.launch import launch
+
+    res = launch(_measure, devices=ranks, args=(repeat,), backend="gloo")[0]
+    coll: dict[str, dict[int, float]] = res["coll"]
+    p = ranks
+    shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
+              "reduce_scatter": (p - 1, (p - 1) / p), "p2p": (1, 1.0)}
+    fits: dict[str, dict[str, float]] = {}
+    combined: list[tuple[float, float, float]] = []
+    for name, sizes in coll.items():
+        lat, per = shapes[name]
+        pts = [(lat, per * n, t) for n, t in sorted(sizes.items())]
+        alpha, beta, err = fit_alpha_beta(pts)
+        fits[name] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
+        if name != "p2p":
+            combined += pts
+    alpha, beta, err = fit_alpha_beta(combined)
+    fits["combined"] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
+    flops = statistics.median(res["matmul"].values())
+    bw = float(res["bandwidth"])
+    host = memory_bytes if memory_bytes is not None else _host_memory() // ranks
+    cluster = dataclasses.replace(
+        Cluster.cpu(ranks, memory_bytes=host), name="cpu-calibrated",
+        device=f"cpu ({ranks} gloo ranks, 1 thread each)",
+        peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
+        hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=beta, intra_latency=alpha,
+        inter_bandwidth=beta, inter_latency=alpha, efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
+    return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
+                       collectives=coll, fits=fits, machine=machine_description())
+
+
+def save_calibration(cal: Calibration, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cal.to_dict(), indent=1, sort_keys=True) + "\n")
+
+
+def load_calibration(path: str | Path) -> Cluster:
+    """The Cluster stored by :func:`save_calibration` (or a bare ``Cluster.to_dict`` JSON)."""
+    data = json.loads(Path(path).read_text())
+    return Calibration.from_dict(data).cluster if "cluster" in data else Cluster.from_dict(data)
+
+
+def _host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+if __name__ == "__main__":  # python -m fairscale.runtime.calibrate [ranks] [out.json]
+    import sys
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    result = calibrate_cpu(n)
+    print(result.table())
+    if len(sys.argv) > 2:
+        save_calibration(result, sys.argv[2])

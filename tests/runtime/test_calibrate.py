@@ -1,0 +1,40 @@
+"""CPU calibration: the alpha-beta fit by hand, and a tiny real run that yields a usable Cluster."""
+
+import json
+
+import pytest
+
+from fairscale.runtime.calibrate import Calibration, calibrate_cpu, fit_alpha_beta, load_calibration, save_calibration
+from planner.cluster import Cluster
+
+
+def test_fit_alpha_beta_recovers_exact_points():
+    # t = 1e-4 + n / 1e9: (1, 0) -> 1e-4 s; (1, 1e6) -> 1.1e-3 s; (1, 4e6) -> 4.1e-3 s
+    alpha, beta, err = fit_alpha_beta([(1, 0, 1e-4), (1, 1e6, 1.1e-3), (1, 4e6, 4.1e-3)])
+    assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e9) and err < 1e-9
+    # all-reduce shape over 4 ranks: 2·3·alpha + 1.5·n/beta with alpha 10 us, beta 2 GB/s
+    pts = [(6, 1.5 * n, 6e-5 + 1.5 * n / 2e9) for n in (4096, 65536, 2**20)]
+    alpha, beta, _ = fit_alpha_beta(pts)
+    assert alpha == pytest.approx(1e-5) and beta == pytest.approx(2e9)
+    # a negative latency is clamped to 0 and beta refitted alone: with r_i = n_i/t_i = 1e9 and
+    # 9.0909e8, 1/beta = Σr/Σr² = 1.90909e9 / 1.82645e18, beta = 9.5671e8 B/s
+    alpha, beta, _ = fit_alpha_beta([(1, 1e6, 1e-3), (1, 2e6, 2.2e-3)])
+    assert alpha == 0.0 and beta == pytest.approx(9.5671e8, rel=1e-4)
+
+
+def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
+    cal = calibrate_cpu(2, repeat=1)
+    c = cal.cluster
+    assert c.devices == 2 and c.efficiency.matmul == 1.0
+    assert c.peak_flops["fp32"] > 1e8 and c.hbm_bandwidth > 1e8
+    assert c.intra_bandwidth > 0 and c.intra_latency >= 0
+    assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
+    assert "GFLOP/s" in cal.table()
+    path = tmp_path / "cpu.json"
+    save_calibration(cal, path)
+    assert load_calibration(path) == c
+    assert Calibration.from_dict(json.loads(path.read_text())).ranks == 2
+    path.write_text(json.dumps(c.to_dict()))
+    assert load_calibration(path) == Cluster.from_dict(c.to_dict())
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        calibrate_cpu(1)
