@@ -154,6 +154,14 @@ class PipelineSchedule:
         return PipelineSchedule(kind=self.kind, pp=self.pp, stages=self.stages,
                                 microbatches=self.microbatches, actions=out)
 
+    def forward_only(self) -> PipelineSchedule:
+        """The forwards alone, microbatch-major on each rank (for evaluation): every forward waits
+        only on forwards of smaller (microbatch, stage), so this order cannot deadlock."""
+        acts = [[Action("F", mb, s) for mb in range(self.microbatches) for s in self.rank_stages(r)]
+                for r in range(self.pp)]
+        return PipelineSchedule(kind="forward", pp=self.pp, stages=self.stages, microbatches=self.microbatches,
+                                actions=acts)
+
     def compute_only(self) -> PipelineSchedule:
         return PipelineSchedule(kind=self.kind, pp=self.pp, stages=self.stages, microbatches=self.microbatches,
                                 actions=[[a for a in acts if a.kind in COMPUTE] for acts in self.actions])

@@ -214,8 +214,9 @@ def _check_coverage(sched: PipelineSchedule) -> None:
             if key in seen:
                 raise ScheduleError(f"rank {r}: {a} appears twice")
             seen[key] = r
+    kinds = COMPUTE if any(k == "B" for k, _, _ in seen) else ("F",)  # a forward-only schedule has no B
     missing = [f"{k}{mb}@{s}" for s in range(sched.stages) for mb in range(sched.microbatches)
-               for k in COMPUTE if (k, mb, s) not in seen]
+               for k in kinds if (k, mb, s) not in seen]
     if missing:
         raise ScheduleError(f"{len(missing)} compute action(s) missing, e.g. {', '.join(missing[:4])}")
 

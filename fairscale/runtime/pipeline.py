@@ -119,6 +119,9 @@ class PipelineExecutor:
         self.axis = axis
         self.rank = comm.group_rank(axis)
         self.actions: list[Action] = schedule.lower().actions[self.rank]
+        forward = schedule.forward_only()
+        simulate(forward)
+        self._eval_actions: list[Action] = forward.lower().actions[self.rank]
         self.local_stages = schedule.rank_stages(self.rank)
         self.modules: dict[int, nn.Module] = {s: (modules or {}).get(s, program.stages[s].gm)
                                               for s in self.local_stages}
@@ -178,6 +181,27 @@ class PipelineExecutor:
         meta = getattr(self.modules[stage], "meta", {})
         return meta.get(META_LAYOUT) or self.program.stages[stage].gm.meta[META_LAYOUT]
 
+    @torch.no_grad()
+    def eval_step(self, batch: Sequence[Any]) -> float:
+        """The mean loss of ``batch`` without backward (the forwards of the schedule alone, in
+        microbatch order); same value on every rank, averaged over ``dp_axis`` replicas."""
+        micro = self._split(batch, self.schedule.microbatches)
+        if not self._shaken:
+            self._handshake()
+            self._shaken = True
+        st = _State()
+        for a in self._eval_actions:
+            if a.kind == "F":
+                self._do_F(a, micro, st)
+            else:
+                getattr(self, "_do_" + a.kind)(a, micro, st)
+            if a.kind == "SF":  # nothing comes back in evaluation: drop the sent activations
+                st.outputs.pop((a.mb, a.stage))
+                st.inputs.pop((a.mb, a.stage), None)
+        for work, _ in st.sends:
+            work.wait()
+        return self._report_loss(st.losses)
+
     def step(self, batch: Sequence[Any]) -> float:
         """Forward and backward of ``batch`` (this dp replica's rows) over all microbatches;
         returns the step's mean loss on every rank (averaged over ``dp_axis`` replicas).
@@ -197,14 +221,19 @@ class PipelineExecutor:
         for work, _ in st.sends:
             work.wait()
         self._sync_shared()
+        out = self._report_loss(st.losses)
+        self.trace.end = time.perf_counter()
+        return out
+
+    def _report_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean of the last stage's microbatch losses, broadcast over pp and averaged over dp."""
         loss = torch.zeros((), dtype=torch.float64)
-        if st.losses:
-            loss = torch.stack([x.double() for x in st.losses]).sum() / m
+        if losses:
+            loss = torch.stack([x.double() for x in losses]).sum() / self.schedule.microbatches
         comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))
         if self.dp_axis is not None and comm.group_size(self.dp_axis) > 1:
             comm.all_reduce_(loss, self.dp_axis)
             loss /= comm.group_size(self.dp_axis)
-        self.trace.end = time.perf_counter()
         return float(loss.item())
 
     # --- actions --------------------------------------------------------------------------------

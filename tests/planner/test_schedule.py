@@ -133,3 +133,11 @@ def test_bad_arguments_say_what_to_do() -> None:
         build_schedule("zb", pp=2, microbatches=2)
     with pytest.raises(ScheduleError, match="bad action token 'X1'"):
         parse_actions("F0 X1", stage=0)
+
+
+@pytest.mark.parametrize("kind,pp,m,v", CONFIGS)
+def test_forward_only_schedule_runs_every_forward_once(kind: str, pp: int, m: int, v: int) -> None:
+    fwd = build_schedule(kind, pp=pp, microbatches=m, virtual_stages=v).forward_only()
+    tl = simulate(fwd, f_cost=1.0)
+    assert sorted((s.action.mb, s.action.stage) for s in tl.slots) == [(i, s) for i in range(m) for s in range(pp * v)]
+    assert tl.makespan == m * v + pp - 1 if v == 1 else tl.makespan >= m * v

@@ -150,12 +150,15 @@ def _train(graph: ModelGraph, plan: Plan, batch_of: Callable[[int], tuple[torch.
     program = split_stages_pass(graph.gm, plan, graph=graph)
     pipe = PipelineExecutor(program, schedule_for(plan), modules=modules(program) if modules else None)
     opt = make_optimizer(pipe.parameters())
+    evaluated = pipe.eval_step(batch_of(0))   # forward only: the step-0 loss, and no gradients
+    assert all(p.grad is None for p in pipe.parameters()), "eval_step left gradients"
     losses = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         losses.append(pipe.step(batch_of(step)))
         opt.step()
     # numpy, not tensors: torch would pass tensors to the parent as shared memory of an exited process
+    assert abs(evaluated - losses[0]) <= 1e-6 * abs(losses[0]), (evaluated, losses[0])
     return losses, {k: v.numpy().copy() for k, v in pipe.state_dict().items()}
 
 
