@@ -236,28 +236,17 @@ def aggregate(gm: torch.fx.GraphModule, layers: list[Layer]) -> None:
         if any(u.meta.get(META_LAYER) not in (None, name) and index[u.meta[META_LAYER]] > layer.index
                for u in node.users):
             layer.output_bytes += _nbytes(node.meta.get(META_VAL))
+    table = {n.name: n for n in gm.graph.nodes}
     for layer in layers:
         seen: set[str] = set()
         for node_name in layer.nodes:
-            node = _node(gm, node_name)
+            node = table[node_name]
             for arg in node.all_input_nodes:
                 if arg.name in seen or arg.op == "get_attr":
                     continue
                 if arg.op == "placeholder" or arg.meta.get(META_LAYER) != layer.name:
                     seen.add(arg.name)
                     layer.input_bytes += _nbytes(arg.meta.get(META_VAL))
-
-
-_NODE_CACHE: dict[int, dict[str, torch.fx.Node]] = {}
-
-
-def _node(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
-    table = _NODE_CACHE.get(id(gm.graph))
-    if table is None or name not in table:
-        table = {n.name: n for n in gm.graph.nodes}
-        _NODE_CACHE.clear()
-        _NODE_CACHE[id(gm.graph)] = table
-    return table[name]
 
 
 def find_blocks(model: nn.Module, layers: list[Layer], containers: list[str]) -> dict[str, list[str]]:
