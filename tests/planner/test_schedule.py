@@ -140,4 +140,5 @@ def test_forward_only_schedule_runs_every_forward_once(kind: str, pp: int, m: in
     fwd = build_schedule(kind, pp=pp, microbatches=m, virtual_stages=v).forward_only()
     tl = simulate(fwd, f_cost=1.0)
     assert sorted((s.action.mb, s.action.stage) for s in tl.slots) == [(i, s) for i in range(m) for s in range(pp * v)]
-    assert tl.makespan == m * v + pp - 1 if v == 1 else tl.makespan >= m * v
+    if v == 1:  # microbatch-major forwards fill the pipeline once: m + p - 1 forward times
+        assert tl.makespan == m + pp - 1
