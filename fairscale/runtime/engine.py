@@ -143,11 +143,23 @@ class ParallelModule:
             out.update(part or {})
         return out
 
+    def save_checkpoint(self, path: str) -> None:
+        """Save model and optimizer state so any plan can resume it (``fairscale.runtime.engine_checkpoint``)."""
+        from fairscale.runtime import engine_checkpoint
+
+        engine_checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from a checkpoint saved under this or any other plan of the same model."""
+        from fairscale.runtime import engine_checkpoint
+
+        engine_checkpoint.load(self, path)
+
     def report(self) -> str:
         """The plan's text report (stages, memory, predicted time, collectives)."""
-        from fairscale.cli import render_report
+        from fairscale.report.text import render_report
 
-        return render_report(self.plan, None)
+        return render_report(self.plan, self.graph)
 
     def comm_summary(self) -> str:
         """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""
