@@ -54,7 +54,13 @@ def make_case(family: str, tp: int) -> Case:
     if family == "mixtral":  # HF's MoE grouped matmul has no float64 kernel: experts stay float32
         for layer in case.model.model.layers:
             layer.mlp.experts.float()
-    return dataclasses.replace(case, loss_fn=lm_loss64)
+    make = case.make_batch
+
+    def batch(step: int, n: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(torch.float64) if t.is_floating_point() else t for t in make(step, n))
+
+    loss_fn = lm_loss64 if case.loss_fn is not None and case.loss_fn.__name__ == "lm_loss" else case.loss_fn
+    return dataclasses.replace(case, make_batch=batch, loss_fn=loss_fn)
 
 
 def gather_state(gm: torch.fx.GraphModule, tied: list[list[str]]) -> dict[str, Any]:
@@ -136,6 +142,17 @@ def test_matches_single_process(family: str, tp: int, sp: bool) -> None:
     styles = set(rules.values())
     assert {"colwise", "vocab_embedding", "vocab_loss"} <= styles
     assert ("expert" in styles) == (family == "mixtral")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "t5", "vit", "encoder", "mlp"])
+def test_other_families_match_single_process(family: str) -> None:
+    """Whatever the detector proposes for the other zoo families is exact too (tp=2, both variants)."""
+    ref, results, rules = run(family, 2)
+    assert rules
+    for sp in (False, True):
+        losses, state, _ = results[0][sp]
+        compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}))
 
 
 # ------------------------------------------------------------------------------------------ composition
