@@ -450,8 +450,12 @@ def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | No
     if pp == 1:
         opts = [("1f1b", 1)] if fixed.kind in (None, "1f1b") else ([(fixed.kind, 1)] if fixed.kind == "gpipe" else [])
     else:
-        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for
-        opts = [("1f1b", 1)] + ([("gpipe", 1)] if fixed.kind == "gpipe" else [])
+        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for,
+        # or when there are fewer microbatches than stages: 1F1B's warm-up needs m >= pp (the runtime
+        # and planner.validate refuse less), and there both hold all m microbatches anyway
+        opts = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
+        if fixed.kind == "gpipe" and m >= pp:
+            opts.append(("gpipe", 1))
         if m % pp == 0:
             vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
             opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]

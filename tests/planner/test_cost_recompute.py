@@ -122,3 +122,14 @@ def test_runtime_overlap_options_for_cpu_and_gpu():
     g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
     assert make_context(g, Cluster.cpu(8), global_batch=8, rules={}, options=None).options == cpu
     assert make_context(g, Cluster.preset("h100"), global_batch=8, rules={}, options=None).options == CostOptions()
+
+
+def test_search_never_proposes_1f1b_with_fewer_microbatches_than_stages():
+    g = gpt_graph(layers=8, hidden=64, heads=4, seq=32, vocab=256)
+    res = search(g, Cluster.cpu(8, memory_bytes=2**30), global_batch=8, top_k=8)
+    for cand in [res.best, *res.runners_up]:
+        s, pp = cand.plan.schedule, cand.plan.mesh.pp
+        assert not (s.kind == "1f1b" and s.microbatches < pp), cand.summary()
+    forced = search(g, Cluster.cpu(8, memory_bytes=2**30), global_batch=8,
+                    constraints={"mesh": {"pp": 8}, "schedule": {"microbatches": 1}})
+    assert forced.plan.schedule.kind == "gpipe"
