@@ -135,6 +135,7 @@ class PipelineExecutor:
             if a.kind == "B":
                 last_b[a.stage] = a
         self._last_backward = set(last_b.values())
+        self._check_shared_params()
         # Post each receive when the compute two steps before the one that needs it starts, so the
         # transfer overlaps that compute instead of starting when the receiver is already waiting.
         self._prefetch: dict[int, list[Action]] = {}
@@ -407,6 +408,23 @@ class PipelineExecutor:
                 total += grads[s]
             for p in params.values():
                 p.grad = total.clone()
+
+    def _check_shared_params(self) -> None:
+        """Tied copies are summed through ``.grad`` after the step; sharded data-parallel kinds
+        step master shards filled inside backward, which that sum would miss, so refuse them."""
+        for key, holders in self.program.shared.items():
+            for s in holders:
+                if s not in self.local_stages:
+                    continue
+                info = getattr(self.modules[s], "meta", {}).get("fs_dp")
+                kind = getattr(info, "kind", "ddp")
+                if kind != "ddp":
+                    raise PipelineError(
+                        f"{key} is used by stages {holders} (tied weights), and stage {s} is data-parallel "
+                        f"with kind {kind!r}: the pipeline sums tied copies' gradients after backward, which "
+                        f"sharded kinds (zero1, zero2, fsdp) do not see. Use data_parallel.kind 'ddp', or put "
+                        f"every use of {key} in one stage")
+                self._param_of(s, key)
 
     def _param_of(self, stage: int, key: str) -> nn.Parameter:
         for attr, k in self._layout(stage).keys.items():

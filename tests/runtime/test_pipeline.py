@@ -310,3 +310,17 @@ def test_wrong_microbatch_shape_is_a_clear_error() -> None:
         pipe.step(case.make_batch(0, 6))
     with pytest.raises(PipelineError, match="the schedule has 4 stages but the program has 2"):
         PipelineExecutor(program, build_schedule("interleaved", pp=1, microbatches=4, virtual_stages=4))
+
+
+def test_tied_weights_across_stages_with_sharded_dp_are_refused() -> None:
+    from passes.shard_data_parallel import shard_data_parallel_pass
+
+    case = MODELS["gpt"]()
+    graph = capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn, annotate=False)
+    plan = _plan(graph, 1, "interleaved", 4)
+    plan.data_parallel = DataParallel(kind="zero2")
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    modules = {s: shard_data_parallel_pass(st.gm, plan, dp_index=0, dp_size=1) for s, st in enumerate(program.stages)}
+    with pytest.raises(PipelineError, match=re.escape(
+            "wte.weight is used by stages [0, 1] (tied weights), and stage 0 is data-parallel with kind 'zero2'")):
+        PipelineExecutor(program, schedule_for(plan), modules=modules)
