@@ -37,6 +37,7 @@ gradients are reduced over dp once per step.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -142,8 +143,8 @@ class PipelineExecutor:
         computes = [i for i, a in enumerate(self.actions) if a.kind in ("F", "B")]
         for i, a in enumerate(self.actions):
             if a.kind in ("RF", "RB"):
-                before = [c for c in computes if c < i]
-                at = before[-2] if len(before) >= 2 else 0
+                k = bisect.bisect_left(computes, i)  # computes before action i
+                at = computes[k - 2] if k >= 2 else 0
                 self._prefetch.setdefault(at, []).append(a)
 
     # --- public ---------------------------------------------------------------------------------
