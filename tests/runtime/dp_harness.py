@@ -55,7 +55,9 @@ def make_case(family: str, dtype: torch.dtype = torch.float64, *, freeze_key_bia
 
 
 def config(family: str, name: str, **extra: Any) -> DataParallel:
-    return DataParallel(units=UNITS[family], bucket_mb=0.05, **{**KINDS[name], **extra})
+    options = {**KINDS[name], **extra}
+    units = UNITS[family] if options["kind"] == "fsdp" else ""
+    return DataParallel(units=units, bucket_mb=0.05, **options)
 
 
 def run_kinds(family: str, world: int, *, dtype: torch.dtype = torch.float64, kinds: list[str] | None = None,
