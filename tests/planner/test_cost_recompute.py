@@ -6,7 +6,7 @@ from planner.cluster import Cluster
 from planner.cost import LayerFacts, layer_costs
 from planner.cost_gpt import gpt_graph
 from planner.cost_memory import kept_bytes, model_state_bytes, model_state_parts, recompute_kinds, saved_activation_bytes
-from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
+from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage
 from planner.schedule import build_schedule, simulate
 from planner.search import cost_plan, search
 
@@ -133,3 +133,12 @@ def test_search_never_proposes_1f1b_with_fewer_microbatches_than_stages():
     forced = search(g, Cluster.cpu(8, memory_bytes=2**30), global_batch=8,
                     constraints={"mesh": {"pp": 8}, "schedule": {"microbatches": 1}})
     assert forced.plan.schedule.kind == "gpipe"
+
+
+def test_tied_weights_on_two_stages_need_ddp():
+    g = gpt_graph(layers=4, hidden=64, heads=4, seq=32, vocab=256)  # wte tied to lm_head
+    c = Cluster.cpu(8, memory_bytes=2**30)
+    res = search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}}, top_k=0)
+    assert res.plan.data_parallel.kind == "ddp"
+    with pytest.raises(PlanError, match='different stages.*only under data_parallel.kind "ddp", not "zero2"'):
+        search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}, "data_parallel": {"kind": "zero2"}})
