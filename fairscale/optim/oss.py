@@ -114,7 +114,7 @@ class OSS(torch.optim.Optimizer):
         self._sizes = [0] * self.world_size
         self.optim = self._build_local_optimizer()
         self._all_states: list[dict[str, Any]] = []
-        self._buckets: list[tuple[int, list[torch.Tensor]]] | None = None
+        self._buckets: list[tuple[int, list[torch.Tensor], torch.Tensor | None]] | None = None
         self._bucket_trainable: tuple[bool, ...] = ()
 
     # -------------------------------------------------------------------------------- partition
@@ -196,8 +196,12 @@ class OSS(torch.optim.Optimizer):
         self._broadcast_params()
         return loss
 
-    def _bucketize(self) -> list[tuple[int, list[torch.Tensor]]]:
-        buckets: list[tuple[int, list[torch.Tensor]]] = []
+    def _bucketize(self) -> list[tuple[int, list[torch.Tensor], torch.Tensor | None]]:
+        """Group each owner's trainable parameters into buckets of at most ``broadcast_buffer_size``
+        bytes. A bucket of several parameters gets one flat buffer and its parameters become views
+        into it (as FairScale's parameter buckets), so the broadcast moves the buffer in place with
+        no copies; with ``broadcast_fp16`` the buffer is a half-precision copy instead."""
+        groups: list[tuple[int, list[torch.Tensor]]] = []
         for r, params in enumerate(self.per_device_params):
             cur: list[torch.Tensor] = []
             size = 0
@@ -207,12 +211,24 @@ class OSS(torch.optim.Optimizer):
                 nbytes = p.numel() * p.element_size()
                 if cur and (size + nbytes > self.broadcast_buffer_size or p.dtype != cur[0].dtype
                             or p.device != cur[0].device):
-                    buckets.append((r, cur))
+                    groups.append((r, cur))
                     cur, size = [], 0
                 cur.append(p)
                 size += nbytes
             if cur:
-                buckets.append((r, cur))
+                groups.append((r, cur))
+        buckets: list[tuple[int, list[torch.Tensor], torch.Tensor | None]] = []
+        for r, params in groups:
+            flat = None
+            fp16 = self.broadcast_fp16 and params[0].dtype == torch.float32
+            if len(params) > 1 and not fp16:
+                with torch.no_grad():
+                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                    offset = 0
+                    for p in params:
+                        p.data = flat[offset:offset + p.numel()].view_as(p)
+                        offset += p.numel()
+            buckets.append((r, params, flat))
         return buckets
 
     @torch.no_grad()
@@ -224,18 +240,19 @@ class OSS(torch.optim.Optimizer):
         if self._buckets is None or trainable != self._bucket_trainable:  # (un)frozen since: rebuild
             self._buckets, self._bucket_trainable = self._bucketize(), trainable
         pending: list[tuple[Any, int, list[torch.Tensor], torch.Tensor | None]] = []
-        for owner, params in self._buckets:
-            fp16 = self.broadcast_fp16 and params[0].dtype == torch.float32
-            if len(params) == 1 and not fp16:
+        for owner, params, flat in self._buckets:
+            if flat is not None:  # parameters are views into it: broadcast in place
+                pending.append((_broadcast_async(flat, self.axis, owner), owner, params, None))
+                continue
+            if len(params) == 1 and not (self.broadcast_fp16 and params[0].dtype == torch.float32):
                 pending.append((_broadcast_async(params[0].data, self.axis, owner), owner, params, None))
                 continue
+            # broadcast_fp16: a half-precision copy travels; non-owners read it back
             if owner == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                flat = flat.half() if fp16 else flat
+                half = torch.cat([p.detach().reshape(-1) for p in params]).half()
             else:
-                flat = torch.empty(sum(p.numel() for p in params), device=params[0].device,
-                                   dtype=torch.float16 if fp16 else params[0].dtype)
-            pending.append((_broadcast_async(flat, self.axis, owner), owner, params, flat))
+                half = torch.empty(sum(p.numel() for p in params), device=params[0].device, dtype=torch.float16)
+            pending.append((_broadcast_async(half, self.axis, owner), owner, params, half))
         for work, owner, params, received in pending:
             if work is not None:
                 work.wait()
