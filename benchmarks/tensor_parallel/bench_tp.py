@@ -13,7 +13,8 @@ against the theoretical Megatron volume:
     per all-reduce of B bytes on n ranks: 2(n-1)/n · B   (Thakur et al. 2005)
 
 Sequence parallelism replaces each all-reduce by an all-gather plus a reduce-scatter of the same
-total volume (Korthikanti et al. 2022, table 1), plus one all-reduce of each norm weight's gradient.
+total volume (Korthikanti et al. 2022, table 1), plus one all-reduce of each norm weight's gradient
+and one all-gather of the final hidden state for the replicated LM head.
 The "ours: detector plan" line adds what the pattern detector proposes (vocab-parallel embedding and
 loss), whose extra volume is one [b, t, d] all-reduce forward (embedding), one backward (LM head
 input), and the loss's all-reduces of [N] and [2, N].
@@ -142,7 +143,9 @@ def main() -> None:
     ar = 2 * (n - 1) / n
     act = b * t * d * 4
     theory_blocks = L * 4 * ar * act
-    theory_sp = theory_blocks + (2 * L + 1) * ar * d * 4
+    # SP: same block volume; the replicated LM head gathers the sequence-sharded final hidden state
+    # once, and every norm weight's gradient is all-reduced
+    theory_sp = theory_blocks + (n - 1) / n * act + (2 * L + 1) * ar * d * 4
     theory_vocab = theory_blocks + 2 * ar * act + ar * (b * t * 4 + 2 * b * t * 4)
     base = median("dtensor")
     print(f"llama dim={d} layers={L} heads={args.heads}/{args.kv_heads} vocab={args.vocab} seq={t} batch={b} "
