@@ -100,6 +100,7 @@ class _Annotator:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.fakes: dict[int, torch.Tensor] = {}
         self.shared: dict[Any, torch.Tensor] = {}
+        self.remaps: dict[int, torch.fx.GraphModule] = {}
         self.replicas = replicas
         self.by_name: dict[str, torch.fx.Node] = {}
         self.fwd_cache: dict[Any, _OpFacts] = {}
@@ -157,9 +158,27 @@ class _Annotator:
                 return self._fake(a, False)
             return self._fix_device(a) if self.remap_meta else a
 
-        args = tuple(sub(a) for a in node.args)
-        kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+        def sub_value(v: Any) -> Any:
+            # a higher-order op's body (export's wrap_with_set_grad_enabled) is a GraphModule whose
+            # nodes carry device=meta for a meta model: run a copy that says the annotation device
+            if self.remap_meta and isinstance(v, torch.fx.GraphModule):
+                return self._remapped(v)
+            return v
+
+        args = tuple(sub_value(sub(a)) for a in node.args)
+        kwargs = {k: sub_value(sub(v)) for k, v in node.kwargs.items()}
         return args, kwargs, prov
+
+    def _remapped(self, sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        copy = self.remaps.get(id(sub))
+        if copy is None:
+            copy = torch.fx.GraphModule(sub, copy_graph(sub.graph))
+            for node in copy.graph.nodes:
+                node.args = _map_devices(node.args, self._fix_device)
+                node.kwargs = _map_devices(node.kwargs, self._fix_device)
+            copy.recompile()
+            self.remaps[id(sub)] = copy
+        return copy
 
     def _call(self, node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if node.op == "call_function":
@@ -435,6 +454,21 @@ class _Annotator:
         return self.stats
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _map_devices(a: Any, fix: Any) -> Any:
+    if isinstance(a, (tuple, list)):
+        return type(a)(_map_devices(x, fix) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_devices(v, fix) for k, v in a.items()}
+    return a if isinstance(a, torch.fx.Node) else fix(a)
+
+
 class AnnotateError(RuntimeError):
     """A node could not run on fake tensors (its value depends on data, or an op has no fake kernel)."""
 
@@ -442,11 +476,13 @@ class AnnotateError(RuntimeError):
 def _explain(node: torch.fx.Node, exc: BaseException) -> str:
     site = failure_site(exc)
     where = f" at {site[0]}:{site[1]}: `{site[3]}`" if site is not None else ""
+    data_dependent = "DataDependent" in type(exc).__name__ or "data-dependent" in str(exc)
+    why = ("It needs a tensor's value, which a fake tensor does not have. Make that code independent of "
+           "the data (torch.where instead of `if`), or capture" if data_dependent else
+           "The op has no fake-tensor kernel or rejects fake inputs; report it with this message, or capture")
     return (f"cannot compute facts for {node.format_node()} on fake tensors{where}\n"
             f"    {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}\n"
-            "It needs a tensor's value, which a fake tensor does not have. Make that code independent of "
-            "the data (torch.where instead of `if`), or capture with annotate=False: the graph still runs, "
-            "only FLOPs and bytes are missing.")
+            f"{why} with annotate=False: the graph still runs, only FLOPs and bytes are missing.")
 
 
 def _resolve(gm: torch.nn.Module, target: str) -> Any:

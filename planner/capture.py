@@ -142,12 +142,22 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     blocks = find_blocks(model, layers, containers)
     grouped = time.perf_counter()
     replicas: dict[str, str] = {}
+    graph_device = "cpu" if _on_meta(model) else str(next(model.parameters(), torch.empty(0)).device)
     if annotate:
         replicas = replica_map(gm, layers, blocks) if replicate else {}
+        flat = tuple(x for x in tree_flatten(batch)[0])
         try:
-            stats = annotate_graph(gm, tuple(x for x in tree_flatten(batch)[0]), replicas=replicas)
+            stats = annotate_graph(gm, flat, replicas=replicas)
         except AnnotateError as exc:
-            raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+            if not _on_meta(model):
+                raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+            # code traced on meta can take device-specific branches that CPU kernels reject
+            # (Mixtral's int32 histc); count on meta then, where attention runs the math path
+            graph_device = "meta"
+            try:
+                stats = annotate_graph(gm, flat, replicas=replicas, device="meta")
+            except AnnotateError as again:
+                raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {again}") from again
     annotated = time.perf_counter()
     config = model_config(model)
     for layer in layers:
@@ -158,6 +168,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     graph.blocks = blocks
     graph.tracer = used
     graph.batch_size = _batch_size(batch)
+    graph.extra["annotate_device"] = graph_device
     graph.extra["input_shapes"] = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in batch]
     graph.extra.update({"trace_s": traced - start, "group_s": grouped - traced, "annotate_s": annotated - grouped,
                         "capture_s": time.perf_counter() - start, "nodes": len(gm.graph.nodes)})
@@ -183,8 +194,11 @@ def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_mo
         return ["export"]
     if tracer != "auto":
         return [tracer]
-    on_meta = any(p.device.type == "meta" for p in model.parameters())
-    return ["fx", "export"] if on_meta or fx_only else ["export", "fx"]
+    return ["fx", "export"] if _on_meta(model) or fx_only else ["export", "fx"]
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:

@@ -166,8 +166,9 @@ def _user_frames(exc: BaseException) -> list[tuple[TracebackType, str]]:
         seen.add(id(chain))
         tb = chain.__traceback__
         while tb is not None:
-            file = os.path.abspath(tb.tb_frame.f_code.co_filename)
-            if _is_user_file(file):
+            raw = tb.tb_frame.f_code.co_filename
+            file = os.path.abspath(raw)
+            if not raw.startswith("<") and _is_user_file(file):  # <eval_with_key>: fx-generated code
                 frames.append((tb, file))
             tb = tb.tb_next
         chain = chain.__cause__ or chain.__context__

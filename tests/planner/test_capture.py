@@ -281,3 +281,29 @@ def test_opaque_moe_op_stays_in_its_block_and_is_counted(captured):
     rows = B * 16 * 2  # tokens x top-2
     assert [n.meta[META_FLOPS_FWD] for n in ops[:2]] == [2 * rows * 64 * 256, 2 * rows * 128 * 64]
     assert all(n.meta[META_FLOPS_BWD] == 2 * n.meta[META_FLOPS_FWD] for n in ops)
+
+
+def test_hugging_face_model_on_meta_falls_back_to_export_with_the_real_facts(captured):
+    """fx cannot trace Llama (mask code branches on shapes), so auto falls back to export; the
+    graph traced on meta is annotated as CPU fakes and gives exactly the real model's facts."""
+    case, batch, graph, _, _, _ = captured["llama"]
+    with torch.device("meta"):
+        meta = build("llama").model
+    got = capture(meta, tuple(x.to("meta") for x in batch), loss_fn=case.loss_fn)
+    assert got.tracer == "export" and got.extra["annotate_device"] == "cpu"
+    assert got.extra["fallback_from"][0].startswith("  torch.fx failed at ")
+    facts = lambda g: [(x.name, x.flops_fwd, x.flops_bwd, x.saved_bytes, x.param_count, x.attention)  # noqa: E731
+                       for x in g.layers]
+    assert facts(got) == facts(graph)
+
+
+def test_meta_trace_with_device_specific_branches_is_counted_on_meta(captured):
+    """Mixtral traced on meta takes a non-CPU branch (int32 histc) that CPU kernels reject, so its
+    facts are counted on meta; attention then runs the math path and backward FLOPs differ a little."""
+    case, batch, graph, _, fwd, bwd = captured["mixtral"]
+    with torch.device("meta"):
+        meta = build("mixtral").model
+    got = capture(meta, tuple(x.to("meta") for x in batch), loss_fn=case.loss_fn)
+    assert got.extra["annotate_device"] == "meta"
+    assert sum(x.flops_fwd for x in got.layers) == fwd
+    assert abs(sum(x.flops_bwd for x in got.layers) / bwd - 1) < 0.02
