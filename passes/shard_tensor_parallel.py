@@ -42,6 +42,12 @@ sequence (dim 1), norm/dropout/residual regions run on sequence shards, and the 
 front of a column-parallel block is ``gather_seq`` (reduce-scatter in backward). A node that cannot
 be sharded correctly raises :class:`TPShardError` quoting ``node.format_node()``.
 
+Dropout with p > 0 on a sharded value draws an independent mask per tp rank
+(``tp_ops.sharded_dropout``); replicated dropouts stay identical across tp ranks provided every tp
+rank starts from the same RNG seed (the runtime's job). Expert parallelism combines expert outputs
+with the all-reduce (or reduce-scatter) of the block output, the tokens being replicated on the tp
+ranks; an all-to-all token dispatch for token-sharded inputs is not implemented.
+
 node.meta keys read: ``val`` (shapes), ``fs_module`` (rule matching), ``fs_param`` (user keys).
 node.meta keys written (on the returned graph): ``fs_tp`` (placement of every value: ``R``,
 ``S(d)``, ``P``), ``fs_tp_comm`` (on inserted collectives: why), ``fs_tp_style`` (the style that

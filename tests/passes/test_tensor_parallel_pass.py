@@ -110,22 +110,39 @@ def _consumers(node: torch.fx.Node) -> set[str]:
 
 def _producer(node: torch.fx.Node) -> str:
     src = node.args[0]
-    while src.target in (torch.ops.aten.view.default, torch.ops.aten.to.dtype):
-        src = src.args[0]
+    while src.target in (torch.ops.aten.view.default, torch.ops.aten.to.dtype, torch.ops.aten.add.Tensor):
+        src = src.args[0]  # through views, casts and a row-parallel bias
     if src.target is tp_ops.vocab_parallel_embedding:
         return "embed"
     return src.meta["fs_module"].rsplit(".", 1)[-1]
 
 
+PLACES = {  # (family, sp) -> (modules fed by each block entry, in order; producers of the block exits)
+    ("llama", False): ([{"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}] * 2 + [{"lm_head"}],
+                       {"embed": 1, "o_proj": 2, "down_proj": 2}),
+    ("gpt2", False): ([{"c_attn"}, {"c_fc"}] * 2 + [{"lm_head"}], {"embed": 1, "c_proj": 4}),
+    ("bert", False): ([{"query", "key", "value"}, {"dense"}] * 2 + [{"decoder"}], {"embed": 1, "dense": 4}),
+}
+PLACES.update({
+    ("llama", True): PLACES[("llama", False)],
+    ("gpt2", True): PLACES[("gpt2", False)],
+    # the MLM head reads a gathered activation (see EXPECTED), so its entry is a plain copy_to_group
+    ("bert", True): (PLACES[("bert", False)][0][:-1], PLACES[("bert", False)][1]),
+})
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_llama_collectives_sit_between_the_right_blocks(sp: bool) -> None:
-    gm = shard("llama", sp)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_collectives_sit_between_the_right_blocks(family: str, sp: bool) -> None:
+    gm = shard(family, sp)
     enter, leave = (comm.gather_seq, comm.reduce_scatter_seq) if sp else (comm.copy_to_group, comm.reduce_from_group)
     entries = [_consumers(n) for n in gm.graph.nodes if n.target is enter]
     exits = Counter(_producer(n) for n in gm.graph.nodes if n.target is leave)
-    assert entries == [{"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}] * 2 + [{"lm_head"}]
-    assert exits == {"embed": 1, "o_proj": 2, "down_proj": 2}
-    if sp:  # norm weights: the only copies left
+    if not sp:  # parameters never need copy_to_group without sequence parallelism
+        assert all(n.args[0].op != "get_attr" for n in gm.graph.nodes if n.target is comm.copy_to_group)
+    assert entries == PLACES[(family, sp)][0]
+    assert exits == PLACES[(family, sp)][1]
+    if sp and family == "llama":  # norm weights: the only copies left
         copies = [n.args[0].target for n in gm.graph.nodes if n.target is comm.copy_to_group]
         assert all(str(t).endswith("norm.weight") for t in copies) and len(copies) == 5
 
