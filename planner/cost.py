@@ -179,10 +179,16 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     batch = max(1, graph.batch_size)
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     owned = _module_params(graph)
+    # a tied weight may be listed under each alias (``lm_head.weight`` for GPT's ``wte.weight``):
+    # count it under the one key param_shapes holds
+    alias: dict[str, str] = {}
+    for group in graph.tied:
+        canon = next((k for k in group if k in graph.param_shapes), group[0])
+        alias.update({k: canon for k in group})
     first_user: dict[str, int] = {}
     for layer in graph.layers:
         for key in layer.params:
-            first_user.setdefault(key, layer.index)
+            first_user.setdefault(alias.get(key, key), layer.index)
     modules = sorted(graph.modules)
     selective = selective_output_bytes(graph)
     out: list[LayerFacts] = []
@@ -191,7 +197,8 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         inside = [m for m in modules if m == layer.name or m.startswith(prefix)]
         styles = {m: style for m in inside for sel, style in rules if sel.matches(m)}
         info = _tp_info(styles, owned, layer.attention, layer.param_count)
-        tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in layer.params
+        keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
+        tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
                      if k in graph.param_shapes and first_user[k] < layer.index)
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,

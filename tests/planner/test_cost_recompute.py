@@ -142,3 +142,12 @@ def test_tied_weights_on_two_stages_need_ddp():
     assert res.plan.data_parallel.kind == "ddp"
     with pytest.raises(PlanError, match='different stages.*only under data_parallel.kind "ddp", not "zero2"'):
         search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}, "data_parallel": {"kind": "zero2"}})
+
+
+def test_a_tied_weight_listed_under_its_alias_is_still_tied():
+    from planner.cost import layer_facts
+
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    g.layers[-1].params = ["lm_head.weight"]  # capture lists the alias the head module uses
+    head = layer_facts(g, {})[-1]
+    assert head.tied == ((0, 256 * 64),)
