@@ -35,6 +35,7 @@ import torch.utils.flop_counter as fc
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.fx_capture import failure_site
 from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
@@ -133,11 +134,7 @@ class _Annotator:
         return self.s.alias.get(key, key)
 
     def _fix_device(self, a: Any) -> Any:
-        if isinstance(a, torch.device) and a.type == "meta":
-            return self.device
-        if isinstance(a, str) and a == "meta":
-            return str(self.device)
-        return a
+        return fix_device(a, self.device)
 
     def _substitute(self, node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, int] | None]]:
         """Node arguments with values filled in, plus where each tensor in the flat list came from."""
@@ -172,12 +169,7 @@ class _Annotator:
     def _remapped(self, sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
         copy = self.remaps.get(id(sub))
         if copy is None:
-            copy = torch.fx.GraphModule(sub, copy_graph(sub.graph))
-            for node in copy.graph.nodes:
-                node.args = _map_devices(node.args, self._fix_device)
-                node.kwargs = _map_devices(node.kwargs, self._fix_device)
-            copy.recompile()
-            self.remaps[id(sub)] = copy
+            copy = self.remaps[id(sub)] = with_device(sub, self.device)
         return copy
 
     def _call(self, node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -452,21 +444,6 @@ class _Annotator:
                     self.backward(node, received)
         self.s.records.clear()
         return self.stats
-
-
-def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    new = torch.fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new
-
-
-def _map_devices(a: Any, fix: Any) -> Any:
-    if isinstance(a, (tuple, list)):
-        return type(a)(_map_devices(x, fix) for x in a)
-    if isinstance(a, dict):
-        return {k: _map_devices(v, fix) for k, v in a.items()}
-    return a if isinstance(a, torch.fx.Node) else fix(a)
 
 
 class AnnotateError(RuntimeError):
