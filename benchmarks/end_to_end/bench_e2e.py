@@ -1,0 +1,302 @@
+"""End-to-end benchmark: the plan ``fairscale.search`` picks against a grid of hand-picked plans,
+trained on CPU gloo ranks, with the cost model's predicted step time and memory next to the
+measured ones (issue 7).
+
+    python benchmarks/end_to_end/bench_e2e.py                      # 8 ranks, the default GPT
+    python benchmarks/end_to_end/bench_e2e.py --calibrate          # re-measure the CPU first
+    python benchmarks/end_to_end/bench_e2e.py --tiny               # smoke run (seconds, numbers meaningless)
+
+Steps:
+
+1. The cluster: ``cpu_cluster.json`` next to this file (written by ``--calibrate``, which runs
+   ``fairscale.runtime.calibrate.calibrate_cpu`` for the same number of ranks), else a fresh
+   calibration. The cost model uses it with ``CostOptions.for_runtime`` (nothing overlapped on CPU).
+2. The plans: pure data parallelism over all ranks (DDP, ZeRO-2, FSDP), the (pp, dp, tp) meshes
+   2×2×2, 2×1×4, 4×2×1, 1×2×4, 1×1×8, 8×1×1, and the searched plan (``search``). Hand plans
+   take the TP pass's proposed rules and stages with the repeated blocks spread evenly.
+3. Each plan is predicted (``planner.search.cost_plan``) and then trained in ONE launch: every
+   rank builds each plan with ``fairscale.parallelize``, runs ``--warmup`` steps, then times
+   ``--steps`` steps (barrier, step, barrier; the median), then one more step measures memory.
+4. Memory per rank: model states are the bytes of this rank's parameter, gradient and optimizer
+   state storages (distinct storages, parameters and shards both); activations are the peak of the
+   bytes saved for backward (saved-tensor hooks plus what recompute regions retain) during a step.
+   Predictions are the plan's ``Breakdown.memory_parts`` of the rank's pipeline stage.
+
+Prints a table per plan (predicted vs measured, errors) and the ratio of the searched plan's
+measured step time to the best hand-picked one (goal <= 1.05). ``--out`` writes every number as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import fairscale
+from fairscale.api import captured, parallelize, search
+from fairscale.runtime.calibrate import calibrate_cpu, load_calibration, machine_description, save_calibration
+from fairscale.testing.models import build
+from passes import insert_recompute
+from passes.tp_patterns import propose_tp_rules
+from planner.cluster import Cluster
+from planner.graph import ModelGraph
+from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from planner.search import Breakdown, cost_plan
+from planner.selectors import format_layers
+
+HERE = Path(__file__).resolve().parent
+CLUSTER_JSON = HERE / "cpu_cluster.json"
+
+# name: (pp, dp, tp, schedule, microbatches, dp kind, recompute)
+GRID: dict[str, tuple[int, int, int, str, int, str, dict[str, str]]] = {
+    "1x8x1 ddp": (1, 8, 1, "1f1b", 1, "ddp", {}),
+    "1x8x1 zero2": (1, 8, 1, "1f1b", 1, "zero2", {}),
+    "1x8x1 fsdp": (1, 8, 1, "1f1b", 1, "fsdp", {}),
+    "2x2x2 1f1b": (2, 2, 2, "1f1b", 4, "ddp", {}),
+    "2x1x4 1f1b": (2, 1, 4, "1f1b", 4, "ddp", {}),
+    "4x2x1 1f1b": (4, 2, 1, "1f1b", 4, "ddp", {}),
+    "1x2x4 ddp": (1, 2, 4, "1f1b", 1, "ddp", {}),
+    "1x1x8 tp": (1, 1, 8, "1f1b", 1, "ddp", {}),
+    "8x1x1 1f1b": (8, 1, 1, "1f1b", 8, "ddp", {}),
+    "2x2x2 recompute": (2, 2, 2, "1f1b", 4, "ddp", {"layers.*": "full"}),
+}
+SEARCHED = "searched"
+
+
+def stages_for(layers: list[str], n: int) -> list[Stage]:
+    """n contiguous stages with the repeated blocks spread evenly (embeddings first, head last)."""
+    blocks = [i for i, name in enumerate(layers) if name.startswith("layers.")]
+    if len(blocks) < n:
+        raise ValueError(f"{n} stages need at least {n} blocks; the model has {len(blocks)}")
+    cuts = [0] + [blocks[round(k * len(blocks) / n)] for k in range(1, n)] + [len(layers)]
+    return [Stage(layers=format_layers(layers[a:b])) for a, b in zip(cuts, cuts[1:])]
+
+
+def hand_plan(graph: ModelGraph, spec: tuple[Any, ...], global_batch: int) -> Plan:
+    pp, dp, tp, kind, micro, dp_kind, recompute = spec
+    names = [layer.name for layer in graph.layers]
+    rules = propose_tp_rules(graph.gm, tp=tp).rules if tp > 1 else {}
+    return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp),
+                schedule=Schedule(kind=kind, microbatches=micro, global_batch=global_batch),
+                stages=stages_for(names, pp) if pp > 1 else [],
+                tensor_parallel=TensorParallel(rules=rules),
+                data_parallel=DataParallel(kind=dp_kind, units="layers.*" if dp_kind == "fsdp" else ""),
+                recompute=dict(recompute))
+
+
+class PeakSavedBytes:
+    """Peak bytes of distinct storages held for backward during a step: what autograd saves
+    (outside checkpoint regions) and what recompute regions retain, excluding ``exclude``."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+        self._hooks: Any = None
+
+    def _add(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr and ptr not in self.exclude and ptr not in self.live:
+                self.live = {p: v for p, v in self.live.items() if not v[0].expired()}
+                self.live[ptr] = (StorageWeakRef(s), s.nbytes())
+                self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return t
+
+    def _retained(self, args: tuple[Any, ...]) -> None:
+        for a in args:
+            self._add(a)
+
+    def __enter__(self) -> PeakSavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._add, lambda t: t)
+        self._hooks.__enter__()
+        insert_recompute.RETAIN_LISTENERS.append(self._retained)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        insert_recompute.RETAIN_LISTENERS.remove(self._retained)
+        self._hooks.__exit__(*exc)
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
+            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return out
+
+
+def state_bytes(pm: Any) -> dict[str, int]:
+    """Bytes of this rank's parameters (module tensors and optimizer shards), gradients and optimizer states."""
+    params: list[torch.Tensor] = [p for s in pm.local_stages for p in pm.modules[s].parameters()]
+    params += list(pm.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for opt in pm.optimizer.optimizers for st in opt.optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor) and v.numel() > 1]
+    p, g, o = _storages(params), _storages(grads), _storages(states)
+    return {"parameters": sum(p.values()), "gradients": sum(v for k, v in g.items() if k not in p),
+            "optimizer": sum(o.values())}
+
+
+def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan], cluster: Cluster) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, plan in plans.items():
+        case = build("gpt", **cfg["model"])
+        batch = case.make_batch(0, cfg["batch"])
+        pm = parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan, cluster=cluster,
+                         optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
+        for step in range(cfg["warmup"]):
+            pm.train_step(case.make_batch(step, cfg["batch"]))
+        times = []
+        for step in range(cfg["steps"]):
+            b = case.make_batch(100 + step, cfg["batch"])
+            dist.barrier()
+            start = time.perf_counter()
+            loss = pm.train_step(b)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        exclude = set(_storages([p for s in pm.local_stages for p in pm.modules[s].parameters()]))
+        exclude |= set(_storages([t for s in pm.local_stages for t in pm.modules[s].buffers()]))
+        with PeakSavedBytes(exclude) as meter:
+            pm.train_step(case.make_batch(999, cfg["batch"]))
+        out[name] = {"step_s": statistics.median(times), "times": times, "loss": loss,
+                     "pp_index": pm.mesh.pp_index, "activations": meter.peak, **state_bytes(pm)}
+        del pm
+    return out
+
+
+def predict(plan: Plan, graph: ModelGraph, cluster: Cluster, global_batch: int) -> Breakdown:
+    return cost_plan(plan, graph, cluster, global_batch=global_batch, validate=False)
+
+
+def _err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas * 100 if meas else float("nan")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--calibrate", action="store_true", help="measure the CPU and write cpu_cluster.json")
+    ap.add_argument("--cluster", type=Path, default=CLUSTER_JSON)
+    ap.add_argument("--plans", default="", help="comma-separated subset of the grid (and/or 'searched')")
+    ap.add_argument("--tiny", action="store_true", help="smoke test: tiny model, 1 step, few plans")
+    ap.add_argument("--out", type=Path, default=None, help="write every number as JSON here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.dim, args.layers, args.seq, args.vocab, args.steps, args.warmup = 32, 8, 16, 64, 1, 0
+        args.plans = args.plans or "1x8x1 ddp,2x2x2 1f1b,searched"
+
+    if args.calibrate or not args.cluster.exists():
+        cal = calibrate_cpu(args.ranks)
+        print(cal.table())
+        if not args.tiny:
+            save_calibration(cal, args.cluster)
+        cluster = cal.cluster
+    else:
+        cluster = load_calibration(args.cluster)
+        if cluster.devices != args.ranks:
+            sys.exit(f"{args.cluster} is for {cluster.devices} ranks; rerun with --calibrate for {args.ranks}")
+    model_cfg = dict(dim=args.dim, layers=args.layers, heads=args.heads, seq=args.seq, vocab=args.vocab)
+    case = build("gpt", **model_cfg)
+    batch = case.make_batch(0, args.batch)
+    graph = captured(case.model, batch, loss_fn=case.loss_fn)
+    wanted = [p.strip() for p in args.plans.split(",") if p.strip()] or [*GRID, SEARCHED]
+    plans: dict[str, Plan] = {}
+    for name in wanted:
+        if name == SEARCHED:
+            t0 = time.perf_counter()
+            res = search(case.model, batch, devices=args.ranks, cluster=cluster, loss_fn=case.loss_fn)
+            print(f"search: {time.perf_counter() - t0:.2f} s\n{res.table()}\n")
+            plans[SEARCHED] = res.plan
+        elif name in GRID:
+            plans[name] = hand_plan(graph, GRID[name], args.batch)
+        else:
+            sys.exit(f"unknown plan {name!r}; the grid has {', '.join(GRID)} and {SEARCHED}")
+    predicted = {name: predict(plan, graph, cluster, args.batch) for name, plan in plans.items()}
+    cfg = {"model": model_cfg, "batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    t0 = time.perf_counter()
+    ranks = fairscale.launch(run_plans, devices=args.ranks, args=(cfg, plans, cluster), timeout_s=3600)
+    wall = time.perf_counter() - t0
+
+    rows = []
+    for name, plan in plans.items():
+        b = predicted[name]
+        meas_step = max(r[name]["step_s"] for r in ranks)
+        by_stage: dict[int, dict[str, float]] = {}
+        for r in ranks:
+            m = r[name]
+            cur = by_stage.setdefault(m["pp_index"], {"states": 0.0, "activations": 0.0})
+            cur["states"] = max(cur["states"], m["parameters"] + m["gradients"] + m["optimizer"])
+            cur["activations"] = max(cur["activations"], m["activations"])
+        mem_err = []
+        for s, meas in sorted(by_stage.items()):
+            parts = b.memory_parts[s]
+            pred_states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
+            mem_err.append({"stage": s, "pred_states": pred_states, "meas_states": meas["states"],
+                            "pred_act": parts["activations"], "meas_act": meas["activations"],
+                            "pred_buffers": parts["buffers"]})
+        rows.append({"plan": name, "mesh": f"{plan.mesh.pp}x{plan.mesh.dp}x{plan.mesh.tp}",
+                     "schedule": f"{plan.schedule.kind} m={plan.schedule.microbatches}",
+                     "dp_kind": plan.data_parallel.kind, "recompute": plan.recompute,
+                     "pred_step_s": b.step_time_s, "meas_step_s": meas_step, "memory": mem_err,
+                     "loss": ranks[0][name]["loss"]})
+
+    print(f"\nGPT {model_cfg}, global batch {args.batch}, {args.ranks} gloo ranks; "
+          f"median of {args.steps} steps after {args.warmup} warm-up; launch wall {wall:.1f} s")
+    print(f"cluster: {cluster.device}: {cluster.peak_flops['fp32'] / 1e9:.2f} GFLOP/s, "
+          f"{cluster.hbm_bandwidth / 1e9:.2f} GB/s memory, link alpha {cluster.intra_latency * 1e6:.0f} us "
+          f"beta {cluster.intra_bandwidth / 1e9:.3f} GB/s")
+    head = (f"{'plan':18s} {'mesh':6s} {'schedule':10s} {'dp':6s} {'pred s':>8s} {'meas s':>8s} {'err':>6s}   "
+            f"{'states MiB pred/meas (err)':>28s}   {'act MiB pred/meas (err)':>26s}")
+    print(head)
+    print("-" * len(head))
+    mib = 2**20
+    for row in rows:
+        worst = max(row["memory"], key=lambda m: m["meas_states"] + m["meas_act"])
+        print(f"{row['plan']:18s} {row['mesh']:6s} {row['schedule']:10s} {row['dp_kind']:6s} "
+              f"{row['pred_step_s']:8.3f} {row['meas_step_s']:8.3f} {_err(row['pred_step_s'], row['meas_step_s']):+5.0f}%   "
+              f"{worst['pred_states'] / mib:9.2f} /{worst['meas_states'] / mib:8.2f} ({_err(worst['pred_states'], worst['meas_states']):+4.0f}%)   "
+              f"{worst['pred_act'] / mib:8.2f} /{worst['meas_act'] / mib:8.2f} ({_err(worst['pred_act'], worst['meas_act']):+4.0f}%)")
+    summary: dict[str, Any] = {}
+    hand = [r for r in rows if r["plan"] != SEARCHED]
+    chosen = next((r for r in rows if r["plan"] == SEARCHED), None)
+    if hand:
+        best = min(hand, key=lambda r: r["meas_step_s"])
+        pred_best = min(hand, key=lambda r: r["pred_step_s"])
+        print(f"\nbest hand-picked (measured): {best['plan']} {best['meas_step_s']:.3f} s; "
+              f"the cost model ranks {pred_best['plan']} first among them")
+        summary = {"best_hand": best["plan"], "best_hand_s": best["meas_step_s"]}
+        if chosen is not None:
+            ratio = chosen["meas_step_s"] / best["meas_step_s"]
+            print(f"searched plan {chosen['mesh']} {chosen['schedule']} {chosen['dp_kind']}: "
+                  f"{chosen['meas_step_s']:.3f} s; chosen / best hand-picked = {ratio:.3f} (goal <= 1.05)")
+            summary.update(chosen_s=chosen["meas_step_s"], ratio=ratio)
+        errs = [abs(_err(r["pred_step_s"], r["meas_step_s"])) for r in rows]
+        print(f"step-time error: median {statistics.median(errs):.0f}%, max {max(errs):.0f}%")
+    result = {"config": {**cfg, "ranks": args.ranks}, "cluster": cluster.to_dict(), "machine": machine_description(),
+              "rows": rows, "summary": summary, "plans": {k: p.to_dict() for k, p in plans.items()}}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
