@@ -188,6 +188,10 @@ def main() -> None:
         args.pp, args.microbatches, args.layers, args.dim, args.seq, args.vocab = 2, 4, 4, 32, 16, 64
         args.batch, args.steps, args.warmup = 8, 2, 1
     args.kinds = args.kinds.split(",")
+    for kind in args.kinds:
+        if kind not in ("gpipe", "1f1b", "interleaved"):
+            raise SystemExit(f"--kinds {kind}: torch.distributed.pipelining has no matching schedule (its V "
+                             "schedules split weight gradients); compare gpipe, 1f1b or interleaved")
     if args.batch % args.microbatches:
         raise SystemExit(f"--batch {args.batch} must divide by --microbatches {args.microbatches}")
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, heads=args.heads, dim=args.dim, tied=False)

@@ -1,4 +1,5 @@
-"""Pipeline parallelism on real gloo ranks: every schedule, pp = 2 and 4, microbatches = pp and 2·pp,
+"""Pipeline parallelism on real gloo ranks: every schedule (GPipe, 1F1B, interleaved 1F1B, V-shape),
+pp = 2 and 4, microbatches = pp and 2·pp,
 on GPT (tied embeddings), Hugging Face Llama and a model with skip connections across stages,
 plus pp × dp = 2 × 2 with the data-parallel pass. 3 Adam steps must match single-process training.
 
@@ -36,7 +37,7 @@ from planner.schedule import build_schedule, schedule_for
 
 GB = 8
 STEPS = 3
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "v")
 
 
 class SkipNet(nn.Module):
@@ -140,7 +141,7 @@ def accumulated_reference(build_case: Callable[[], Case], pieces: int, *, dp: in
 
 
 def _plan(graph: ModelGraph, pp: int, kind: str, m: int, dp: int = 1) -> Plan:
-    v = 2 if kind == "interleaved" else 1
+    v = 2 if kind in ("interleaved", "v") else 1
     return Plan(mesh=Mesh(pp=pp, dp=dp), schedule=Schedule(kind=kind, microbatches=m, virtual_stages=v),
                 stages=even_stages(graph, pp * v), data_parallel=DataParallel(kind="ddp"))
 
