@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from fairscale.testing.models import build
 from passes.tp_patterns import propose_tp_rules
 from planner.capture import capture
-from planner.graph import ModelGraph
-
-
-@functools.lru_cache(maxsize=None)
-def graph_of(family: str, **over: int) -> ModelGraph:
-    case = build(family, **over)
-    return capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn)
+from test_tensor_parallel_pass import graph_of  # captures shared with the pass tests (same batch shape)
 
 
 def test_llama_attention_swiglu_vocab() -> None:
