@@ -89,6 +89,10 @@ class Cluster:
     """Host (CPU) memory per device, bytes: the node's RAM divided by its devices."""
     host_memory_bandwidth: float = 50e9
     """Host DRAM bandwidth per device (the node's divided by its devices), bytes/s; bounds a CPU optimizer step."""
+    op_overhead_s: float = 0.0
+    """Host seconds per executed graph op in forward (dispatch, autograd bookkeeping) that the
+    device does not hide; backward pays twice as many. 0 for GPUs, whose kernels queue ahead of
+    the host; tens of microseconds for CPU ranks sharing cores (``fairscale.runtime.calibrate``)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,6 +105,8 @@ class Cluster:
                     "host_memory_bytes", "host_memory_bandwidth"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be > 0 (got {getattr(self, key)})")
+        if self.op_overhead_s < 0:
+            problems.append(f"op_overhead_s must be >= 0 (got {self.op_overhead_s})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))
 

@@ -121,6 +121,8 @@ class LayerFacts:
     selective: float = 0.0
     """Bytes per sample of the matmul/attention outputs selective recompute caches
     (``planner.cost_memory.selective_output_bytes``)."""
+    ops: int = 0
+    """Graph ops the layer executes per forward (each pays ``Cluster.op_overhead_s``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -191,6 +193,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
             first_user.setdefault(alias.get(key, key), layer.index)
     modules = sorted(graph.modules)
     selective = selective_output_bytes(graph)
+    calls = {n.name for n in graph.gm.graph.nodes if n.op == "call_function"}
     out: list[LayerFacts] = []
     for layer in graph.layers:
         prefix = layer.name + "."
@@ -205,7 +208,8 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
                               output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
                               tp=info, attention=layer.attention is not None,
-                              selective=selective.get(layer.name, 0) / batch))
+                              selective=selective.get(layer.name, 0) / batch,
+                              ops=sum(1 for n in layer.nodes if n in calls)))
     return out
 
 
@@ -245,6 +249,9 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     outputs (:func:`planner.cost_memory.kept_bytes`) and recomputes the rest: the memory-bound
     traffic of the saved bytes that are not matmul/attention outputs, ``max(0, act - sel)/(bw·e_mem)``
     (no counted FLOPs: capture counts only GEMM and attention FLOPs, which are not redone).
+
+    Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
+    that backward (autograd runs about two kernels per forward op: input and weight gradients).
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -284,8 +291,12 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
         output = f.output * micro * scale / (tp if sharded and sequence_parallel else 1)
+        # host overhead per op: not hidden on CPU ranks (0 on GPUs); backward runs ~2 ops per forward op
+        fwd += f.ops * cluster.op_overhead_s
+        bwd += 2 * f.ops * cluster.op_overhead_s
         rec_sel = compute_time(0.0, max(0.0, act - sel_out), peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                                matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        rec_sel += f.ops * cluster.op_overhead_s
         out.append(LayerCost(fwd=fwd + exposed * n_fwd * t_f, bwd=bwd + exposed * n_bwd * t_b, act=act,
                              act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
                              tp_bytes_recompute=n_fwd * v_f, output=output,

@@ -14,6 +14,9 @@ Everything is measured with all ranks busy at once, since that is what a rank se
   intra-op thread (what ``fairscale.launch`` gives each rank); the median over shapes of the
   slowest rank. It becomes ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX run them
   no faster).
+* **host overhead per op**: every rank runs a chain of tiny ops forward and backward; it becomes
+  ``op_overhead_s`` (on CPU ranks the dispatcher and autograd cost as much as the arithmetic of
+  a small model).
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
@@ -53,6 +56,7 @@ __all__ = ["Calibration", "calibrate_cpu", "save_calibration", "load_calibration
 _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
+_CHAIN_OPS = 200
 
 
 @dataclass(kw_only=True)
@@ -67,6 +71,8 @@ class Calibration:
     """Shape ``MxKxN`` -> FLOP/s of the slowest rank."""
     memory_bandwidth: float
     """Bytes/s one rank streams while all do (``add``: 12 bytes per element)."""
+    op_overhead_s: float = 0.0
+    """Host seconds per tiny op (forward + 2× backward, per forward-op unit) while all ranks run."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -77,7 +83,7 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
-                "memory_bandwidth": self.memory_bandwidth,
+                "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
 
@@ -86,6 +92,7 @@ class Calibration:
         return cls(cluster=Cluster.from_dict(data["cluster"]), ranks=int(data["ranks"]),
                    matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
                    memory_bandwidth=float(data["memory_bandwidth"]),
+                   op_overhead_s=float(data.get("op_overhead_s", 0.0)),
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
                    fits=data["fits"], machine=data.get("machine", {}))
 
@@ -95,6 +102,7 @@ class Calibration:
         for shape, f in self.matmul_flops.items():
             lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
+        lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
         for name, fit in self.fits.items():
             lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
@@ -168,6 +176,18 @@ def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
         torch.mm(a, b)
         t = _time(lambda: torch.mm(a, b), repeat=repeat)
         out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _slowest(t, largest=True)
+    # host overhead per op: a chain of tiny ops forward and backward, where no arithmetic counts;
+    # the cost model charges an op once forward and twice backward, so divide by 3 per op
+    w = torch.randn(16, requires_grad=True)
+
+    def chain() -> None:
+        h = w
+        for _ in range(_CHAIN_OPS // 2):
+            h = torch.tanh(h * 1.01)
+        h.sum().backward()
+    chain()
+    t = _time(chain, repeat=repeat)
+    out["op_overhead"] = _slowest(t, largest=True) / (3 * _CHAIN_OPS)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
     t = _time(lambda: torch.add(x, y, out=z), repeat=repeat)
@@ -241,8 +261,10 @@ def calibrate_cpu(ranks: int, *, repeat: int = 9, memory_bytes: int | None = Non
         device=f"cpu ({ranks} gloo ranks, 1 thread each)",
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=beta, intra_latency=alpha,
+        op_overhead_s=float(res["op_overhead"]),
         inter_bandwidth=beta, inter_latency=alpha, efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
+                       op_overhead_s=float(res["op_overhead"]),
                        collectives=coll, fits=fits, machine=machine_description())
 
 

@@ -151,3 +151,17 @@ def test_a_tied_weight_listed_under_its_alias_is_still_tied():
     g.layers[-1].params = ["lm_head.weight"]  # capture lists the alias the head module uses
     head = layer_facts(g, {})[-1]
     assert head.tied == ((0, 256 * 64),)
+
+
+def test_host_overhead_per_op_adds_to_forward_and_twice_to_backward():
+    import dataclasses
+
+    c = Cluster.preset("a100-80gb")
+    f = LayerFacts(name="layers.0", index=0, block=None, flops_fwd=2e12, flops_bwd=4e12, saved=1e9, input=1e8,
+                   output=1e8, params=1000, ops=30)
+    (base,) = layer_costs([f], c, tp=1, micro=1, compute_dtype="fp32")
+    (slow,) = layer_costs([f], dataclasses.replace(c, op_overhead_s=1e-5), tp=1, micro=1, compute_dtype="fp32")
+    assert slow.fwd - base.fwd == pytest.approx(30 * 1e-5)   # 0.3 ms
+    assert slow.bwd - base.bwd == pytest.approx(60 * 1e-5)   # 0.6 ms
+    with pytest.raises(ValueError, match="op_overhead_s must be >= 0"):
+        dataclasses.replace(c, op_overhead_s=-1.0)
