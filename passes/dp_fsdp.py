@@ -190,8 +190,8 @@ def _insert_reshard(graph: torch.fx.Graph, unit: FSDPUnit, views: list[torch.fx.
         if node not in dependent or node in aliases:
             continue
         val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-            continue
+        if val is not None and not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue  # ints and tuples carry no gradient; unknown values (no shape meta) pass through
         if any(pos[u] > pos[end] for u in node.users):
             live.append(node)
     with graph.inserting_after(end):

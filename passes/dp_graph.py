@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from passes import dp_ops
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -160,18 +161,27 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
         if node.op != "placeholder":
             continue
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
+        if val is None:  # no shape meta (an fx trace without annotation): decide at run time
+            with graph.inserting_after(node):
+                cast = graph.call_function(dp_ops.cast_floating, (node, dtype))
+        elif isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
             with graph.inserting_after(node):
                 cast = graph.call_method("to", (node, dtype))
-            node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+        else:
+            continue
+        node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
     out = next(n for n in graph.nodes if n.op == "output")
 
     def fp32(res: Any) -> Any:
         if isinstance(res, (tuple, list)):
             return type(res)(fp32(r) for r in res)
-        val = res.meta.get("val") if isinstance(res, torch.fx.Node) else None
-        if isinstance(res, torch.fx.Node) and isinstance(val, torch.Tensor) and val.dim() == 0 \
-                and val.is_floating_point():
+        if not isinstance(res, torch.fx.Node):
+            return res
+        val = res.meta.get("val")
+        if val is None:
+            with graph.inserting_before(out):
+                return graph.call_function(dp_ops.float_scalar, (res,))
+        if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
             with graph.inserting_before(out):
                 return graph.call_method("float", (res,))
         return res
@@ -183,11 +193,22 @@ def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:
     """Whether ``node``'s output may share storage with one of its inputs in ``aliases``."""
     if not any(isinstance(a, torch.fx.Node) and a in aliases for a in node.all_input_nodes):
         return False
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_method"):
         return True  # conservative
     if node.target is operator.getitem:
         return True
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True  # unknown function: assume it may return a view
-    return any(r.alias_info is not None for r in schema.returns)
+    if schema is not None:  # aten op: its schema says whether the result aliases an input
+        return any(r.alias_info is not None for r in schema.returns)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _VIEW_NAMES  # torch-level call in an fx trace
+
+
+_VIEW_NAMES = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "expand", "expand_as", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind", "tensor_split",
+    "as_strided", "contiguous", "detach", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "unfold",
+    "real", "imag", "T", "mT", "H", "mH", "alias", "__getitem__", "type_as", "to", "float", "half", "bfloat16",
+    "clone"})
+"""Torch-level calls whose result may share storage with an input (``to``/``float`` return their
+input when no conversion is needed; ``clone`` is listed only to stay conservative)."""

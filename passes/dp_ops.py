@@ -273,10 +273,12 @@ class _Unshard(torch.autograd.Function):
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, unit: FSDPUnit, *xs: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: FSDPUnit, *xs: Any) -> Any:
         ctx.unit = unit
+        ctx.set_materialize_grads(False)
         unit.free()
-        return tuple(x.view_as(x) for x in xs)
+        # values of unknown type (graphs without shape meta) may be ints or tuples: pass them through
+        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
@@ -293,7 +295,17 @@ def fsdp_unshard(unit: FSDPUnit, flat: torch.Tensor) -> tuple[torch.Tensor, ...]
     return _Unshard.apply(unit, flat)
 
 
-def fsdp_reshard(unit: FSDPUnit, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    """``x.to(dtype)`` if ``x`` is a floating-point tensor, else ``x`` (inputs of unknown dtype)."""
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def float_scalar(x: Any) -> Any:
+    """A 0-d floating-point tensor (a loss) in fp32; anything else unchanged."""
+    return x.float() if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point() else x
+
+
+def fsdp_reshard(unit: FSDPUnit, *xs: Any) -> tuple[Any, ...]:
     """Identity on the values live after the unit's last use; forward frees the unit's gathered
     storage, backward gathers it again before any of the unit's backward ops runs."""
     return _Reshard.apply(unit, *xs)

@@ -12,7 +12,7 @@ from torch import nn
 
 from fairscale.testing.models import build
 from passes import dp_ops
-from passes.layout import META_LAYOUT, TensorShard
+from passes.layout import META_LAYOUT, TensorShard, layout_of
 from passes.shard_data_parallel import META_DP, shard_data_parallel_pass
 from planner.capture import capture
 from planner.plan import DataParallel
@@ -85,7 +85,7 @@ def test_numbers_match_the_unrewritten_graph(gpt, kind, extra):
     batch = case.make_batch(1, 2)
     ref = graph.gm(*batch)
     ref.backward()
-    ref_grads = {graph.gm.meta[META_LAYOUT].keys[n]: p.grad.clone() for n, p in graph.gm.named_parameters()}
+    ref_grads = {layout_of(graph.gm).keys[n]: p.grad.clone() for n, p in graph.gm.named_parameters()}
     graph.gm.zero_grad(set_to_none=True)
     units = "layers.*" if kind == "fsdp" else ""
     gm = shard_data_parallel_pass(graph.gm, DataParallel(kind=kind, units=units, **extra), dp_index=0, dp_size=1)
@@ -203,3 +203,28 @@ def test_prefetch_gathers_the_next_unit_early_in_both_directions(gpt, monkeypatc
     gm(*case.make_batch(0, 2)).backward()
     assert " ".join(events) == ("g0 p1 g1 p2 f1 g2 p3 f2 g3 f3 "   # forward: gather k, prefetch k+1, free k
                                 "g3 p2 f3 g2 p1 f2 g1 f1 f0")      # backward: re-gather k, prefetch k-1, free
+
+
+def test_fx_trace_without_shape_meta():
+    """capture's fx tracer without annotation leaves no ``val`` meta: liveness then keeps every
+    value of unknown type, casts are decided at run time, and the numbers still match."""
+    case = build("gpt", layers=2)
+    graph = capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn, annotate=False, tracer="fx")
+    assert graph.tracer == "fx" and not any("val" in n.meta for n in graph.gm.graph.nodes)
+    batch = case.make_batch(1, 2)
+    ref = graph.gm(*batch)
+    ref.backward()
+    from passes.layout import layout_of
+
+    ref_grad = {layout_of(graph.gm).keys[n]: p.grad.clone() for n, p in graph.gm.named_parameters()}
+    gm = shard_data_parallel_pass(graph.gm, DataParallel(kind="fsdp", units="layers.*"), dp_index=0, dp_size=1)
+    assert len(_calls(gm, dp_ops.fsdp_reshard)) == 2
+    loss = gm(*batch)
+    loss.backward()
+    assert loss.item() == ref.item()
+    for u in gm.meta[META_DP].units:
+        for k, g in zip(u.keys, u.flat.grad.split([s.numel() for s in u.shapes])):
+            torch.testing.assert_close(g.view(ref_grad[k].shape), ref_grad[k], rtol=0, atol=0)
+    bf16 = shard_data_parallel_pass(graph.gm, DataParallel(kind="fsdp", units="layers.*", param_dtype="bf16"),
+                                    dp_index=0, dp_size=1)
+    assert bf16(*batch).dtype == torch.float32
