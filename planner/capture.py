@@ -29,9 +29,11 @@ tied parameter (:func:`planner.layers.split_tied_uses`) -> per-node facts on fak
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import time
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 import torch.fx
@@ -147,7 +149,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
         replicas = replica_map(gm, layers, blocks) if replicate else {}
         flat = tuple(x for x in tree_flatten(batch)[0])
         try:
-            stats = annotate_graph(gm, flat, replicas=replicas)
+            with _quiet(_on_meta(model)):  # a CPU-kernel refusal below is handled, not an error to log
+                stats = annotate_graph(gm, flat, replicas=replicas)
         except AnnotateError as exc:
             if not _on_meta(model):
                 raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
@@ -195,6 +198,19 @@ def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_mo
     if tracer != "auto":
         return [tracer]
     return ["fx", "export"] if _on_meta(model) or fx_only else ["export", "fx"]
+
+
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    """Silence FakeTensor's error log while a failure would be retried."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    if on:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _on_meta(model: nn.Module) -> bool:
