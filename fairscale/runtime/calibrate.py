@@ -57,6 +57,7 @@ _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048,
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _CHAIN_OPS = 200
+_SUSTAIN_S = 0.2
 
 
 @dataclass(kw_only=True)
@@ -150,16 +151,26 @@ def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, flo
     return alpha, 1.0 / inv_beta, err
 
 
-def _time(fn: Any, *, repeat: int, sync: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` runs, ranks aligned by a barrier before each."""
+def _time(fn: Any, *, repeat: int, inner: int = 1) -> float:
+    """Median seconds of one ``fn()``, over ``repeat`` runs of ``inner`` back-to-back calls,
+    ranks aligned by a barrier before each run."""
     times = []
     for _ in range(repeat):
-        if sync:
-            dist.barrier()
+        dist.barrier()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def _sustained(fn: Any, *, repeat: int, seconds: float = _SUSTAIN_S) -> float:
+    """Like :func:`_time`, with enough back-to-back calls that a run lasts about ``seconds`` on the
+    slowest rank: ranks sharing cores then really run at once (a single call is shorter than a
+    scheduler time slice, so it would see a core to itself)."""
+    one = _time(fn, repeat=1)
+    inner = max(1, int(_slowest(seconds / max(one, 1e-9), largest=False)))
+    return _time(fn, repeat=repeat, inner=inner)
 
 
 def _slowest(value: float, *, largest: bool) -> float:
@@ -174,7 +185,7 @@ def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
     for m, k, n in _MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
-        t = _time(lambda: torch.mm(a, b), repeat=repeat)
+        t = _sustained(lambda: torch.mm(a, b), repeat=repeat)
         out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _slowest(t, largest=True)
     # host overhead per op: a chain of tiny ops forward and backward, where no arithmetic counts;
     # the cost model charges an op once forward and twice backward, so divide by 3 per op
@@ -186,11 +197,11 @@ def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
             h = torch.tanh(h * 1.01)
         h.sum().backward()
     chain()
-    t = _time(chain, repeat=repeat)
+    t = _sustained(chain, repeat=repeat)
     out["op_overhead"] = _slowest(t, largest=True) / (3 * _CHAIN_OPS)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
-    t = _time(lambda: torch.add(x, y, out=z), repeat=repeat)
+    t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat)
     out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _slowest(t, largest=True)
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
@@ -231,7 +242,7 @@ def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
     fn(out, full)
 
 
-def calibrate_cpu(ranks: int, *, repeat: int = 9, memory_bytes: int | None = None) -> Calibration:
+def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = None) -> Calibration:
     """Measure ``ranks`` concurrent gloo ranks on this machine and fit a :class:`Cluster` to them."""
     if ranks < 2:
         raise ValueError(f"calibrate_cpu needs at least 2 ranks to measure collectives, got {ranks}")
