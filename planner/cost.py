@@ -48,6 +48,11 @@ class CostOptions:
     """Pipeline sends/receives overlap compute."""
     optimizer: str = "adam"
     """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
+    fsdp_accumulate_unsharded: bool = False
+    """With several microbatches, FSDP accumulates each unit's full (unsharded) gradient locally and
+    reduce-scatters once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds
+    full gradients of all its units between microbatches, and sends one reduce-scatter per step
+    instead of one per microbatch."""
 
     @classmethod
     def for_runtime(cls, cluster: Cluster) -> CostOptions:
@@ -57,12 +62,14 @@ class CostOptions:
           (``passes.dp_ops._Bucket.backward`` calls a blocking all-reduce / reduce-scatter): not overlapped.
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
+        * FSDP accumulates unsharded gradients over microbatches (``passes.dp_ops.no_sync``).
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
           competes for the same oversubscribed cores, so it is counted as exposed.
         """
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
-        return cls(overlap_dp=False, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False)
+        return cls(overlap_dp=False, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
+                   fsdp_accumulate_unsharded=True)
 
     @classmethod
     def megatron2021(cls) -> CostOptions:

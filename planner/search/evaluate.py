@@ -246,6 +246,8 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
         buffers = unshard_buffer_bytes(_unit_params(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
                                        reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch)
+        if ctx.options.fsdp_accumulate_unsharded and cfg.microbatches > 1:
+            buffers += params * DTYPE_BYTES[cfg.reduce_dtype]  # every unit's full gradient accumulator
     return {**parts, "activations": flight * kept + transient, "buffers": buffers}
 
 
@@ -345,7 +347,9 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             extra_lat = (len(units) - 1) * (cfg.dp - 1) * dp_lat if cfg.dp > 1 and units else 0.0
             ag = all_gather_time(params * pbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + extra_lat
             rs = reduce_scatter_time(params * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat) + extra_lat
-            per_mb = gathers * ag + rs
+            # reduce-scatter every microbatch, or once per step when gradients accumulate unsharded
+            once = opts.fsdp_accumulate_unsharded
+            per_mb = gathers * ag + (rs / m if once else rs)
             if cfg.offload:  # fp32 shards come up over PCIe before each gather, gradient shards go down
                 per_mb += (gathers * params / cfg.dp * 4 + params / cfg.dp * rbytes) / c.host_bandwidth
             if opts.overlap_fsdp and cfg.prefetch:
@@ -353,8 +357,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                 fsdp_s = max(0.0, per_mb - busy) + first
             else:
                 fsdp_s = per_mb
-            dp_bytes = m * (gathers * all_gather_volume(params * pbytes, cfg.dp)
-                            + all_gather_volume(params * rbytes, cfg.dp))
+            dp_bytes = m * gathers * all_gather_volume(params * pbytes, cfg.dp) \
+                + (1 if once else m) * all_gather_volume(params * rbytes, cfg.dp)
         elif cfg.dp > 1:
             # gradients travel in buckets: one collective (and its latency) per bucket
             buckets = max(1, math.ceil(params * rbytes / (cfg.bucket_mb * 2**20)))

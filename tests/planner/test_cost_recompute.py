@@ -165,3 +165,17 @@ def test_host_overhead_per_op_adds_to_forward_and_twice_to_backward():
     assert slow.bwd - base.bwd == pytest.approx(60 * 1e-5)   # 0.6 ms
     with pytest.raises(ValueError, match="op_overhead_s must be >= 0"):
         dataclasses.replace(c, op_overhead_s=-1.0)
+
+
+def test_fsdp_accumulating_unsharded_gradients_holds_them_and_reduces_once():
+    from planner.cost import CostOptions
+
+    g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    c = Cluster.preset("a100-80gb")
+    plan = _plan({}, pp=1, dp_kind="fsdp")  # dp 8, 4 microbatches
+    plain = cost_plan(plan, g, c, validate=False, options=CostOptions(), global_batch=64)
+    acc = cost_plan(plan, g, c, validate=False, options=CostOptions(fsdp_accumulate_unsharded=True), global_batch=64)
+    params = plain.memory_parts[0]["parameters"] * 8 / 4  # fp32: 4 bytes per element, sharded over 8
+    assert acc.memory_parts[0]["buffers"] - plain.memory_parts[0]["buffers"] == pytest.approx(params * 4)
+    # one reduce-scatter of the fp32 gradients instead of four: 3 × 7/8 × 4·params bytes fewer
+    assert plain.comm_bytes - acc.comm_bytes == pytest.approx(3 * 7 / 8 * params * 4)
