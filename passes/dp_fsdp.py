@@ -33,8 +33,8 @@ import torch.fx
 from torch import nn
 
 from passes import dp_ops
-from passes.dp_graph import ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op, positions, rebuild, \
-    replace_param_uses
+from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op,
+                             positions, real_copy, rebuild, replace_param_uses)
 from passes.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 from planner.plan import DataParallel
@@ -77,7 +77,7 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
     objects: dict[str, object] = {}
     for use in params:
         if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(use.tensor.detach().clone(), requires_grad=False)
+            objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
             info.replicated[use.attr] = use.key
             layout.keys[use.attr] = use.key
     trainable = [u for u in params if u.tensor.requires_grad]
@@ -94,7 +94,8 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
         per = padded // dp_size
         master = common_dtype([u.tensor for u in members], f"FSDP unit {name or '<root>'!r}")
         flat = torch.zeros(per, dtype=master)
-        _fill_shard(flat, [u.tensor.detach() for u in members], dp_index * per)
+        if not any(u.tensor.is_meta for u in members):  # meta: filled by materialize_sharded
+            _fill_shard(flat, [u.tensor.detach() for u in members], dp_index * per)
         reshard = cfg.reshard_after_forward and name != ""
         unit = FSDPUnit(index=i, name=name, keys=[u.key for u in members], shapes=list(shapes), n=dp_size,
                         rank=dp_index, axis=axis, param_dtype=param_dtype or master,

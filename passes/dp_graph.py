@@ -90,6 +90,14 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
     return out
 
 
+def real_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy; for a ``meta`` tensor, uninitialized CPU storage of its shape (filled later
+    by ``fairscale.runtime.init.materialize_sharded``)."""
+    if t.is_meta:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return t.detach().clone()
+
+
 def drop_aliases(params: list[ParamUse], layout: ParamLayout) -> dict[str, list[str]]:
     """Tied parameters are one tensor under their first attr: remove the other attrs from the
     layout and return canonical key -> alias keys (state dicts emit every name)."""

@@ -42,8 +42,8 @@ import torch.fx
 from torch import nn
 
 from passes import dp_ops
-from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout, positions, rebuild,
-                             replace_param_uses)
+from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
+                             positions, real_copy, rebuild, replace_param_uses)
 from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
 from passes.layout import FlatShard, ParamLayout
 from planner.plan import DP_KINDS, DataParallel, Plan
@@ -144,7 +144,7 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     trainable = [u for u in params if u.tensor.requires_grad]
     for use in params:
         if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(use.tensor.detach().clone(), requires_grad=False)
+            objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
             info.replicated[use.attr] = use.key
     pos = positions(graph)
     for i, bucket_params in enumerate(_buckets(trainable, cfg.bucket_mb * 2**20)):
@@ -155,7 +155,8 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
         full = torch.zeros(padded, dtype=master)
         start = 0
         for u in bucket_params:
-            full[start:start + u.tensor.numel()] = u.tensor.detach().reshape(-1)
+            if not u.tensor.is_meta:  # meta: filled by materialize_sharded
+                full[start:start + u.tensor.numel()] = u.tensor.detach().reshape(-1)
             start += u.tensor.numel()
         shard = None
         if sharded:
@@ -176,13 +177,15 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
                 start += n
         else:
             for u in bucket_params:
-                objects[u.attr] = nn.Parameter(u.tensor.detach().clone(), requires_grad=True)
+                objects[u.attr] = nn.Parameter(real_copy(u.tensor), requires_grad=True)
         for u in bucket_params:
             info.replicated[u.attr] = u.key
         handle_name = f"dp_bucket_{i}"
         objects[handle_name] = bucket
         info.buckets.append(bucket)
         first = min((user for u in bucket_params for n in u.nodes for user in n.users), key=lambda x: pos[x])
+        for u in bucket_params:  # fx traces place get_attr next to its use; the bucket needs them all here
+            first.prepend(u.nodes[0])
         with graph.inserting_before(first):
             h = graph.get_attr(handle_name)
             s_node = graph.get_attr(f"{handle_name}.shard") if sharded else None

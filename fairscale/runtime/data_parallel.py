@@ -122,7 +122,9 @@ class DataParallelRunner:
         gm = graph.gm if isinstance(graph, ModelGraph) else graph
         if sync is None:
             sync = under_torchrun() and not os.environ.get("FAIRSCALE_LAUNCHED")
-        if sync:
+        if any(p.is_meta for p in gm.parameters()):
+            pass  # a meta capture: fill the rank graph with fairscale.runtime.init.materialize_sharded
+        elif sync:
             sync_params(gm)
         else:
             check_replicas(gm)

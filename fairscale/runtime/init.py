@@ -22,19 +22,27 @@ Limits of the replay (it cannot see code, only modules):
   ``post_init``) must be passed as ``init_fn(model)``, which runs after the replay on the same RNG
   stream; it is exact when it consumes the RNG as the constructor did.
 * Buffers are left as ``to_empty`` made them unless ``init_fn`` fills them (e.g. position ids).
-* Every rank materializes the whole model (peak memory = the full model in fp32, once); the
-  data-parallel pass then keeps only this rank's shards and the full copy can be dropped.
+* :func:`materialize_meta` builds the whole model on every rank (peak = the full model once).
+  :func:`materialize_sharded` streams instead: capture the meta model, run the data-parallel pass
+  (whose shards then hold uninitialized memory), and replay module by module, copying each freshly
+  initialized module's parameters into this rank's shards and dropping them (peak = the largest
+  module). It needs ``reset_parameters`` to touch only the module's own parameters (true of torch.nn
+  layers except ``nn.MultiheadAttention``, whose reset reaches into its ``out_proj`` child) and takes
+  custom initialization as ``param_init(key, tensor) -> bool`` applied per parameter in
+  ``named_parameters`` order; buffers must not be on meta.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch.fx
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["materialize_meta", "sync_params", "check_replicas", "ReplicaMismatchError"]
+__all__ = ["materialize_meta", "materialize_sharded", "sync_params", "check_replicas", "ReplicaMismatchError"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -116,3 +124,87 @@ def check_replicas(module: nn.Module, *, group: object = None) -> None:
             f"ranks start from different weights for {len(bad)} parameter(s), e.g. {bad[:3]}; seed every rank "
             "the same before building the model, or call fairscale.runtime.init.sync_params(model) "
             "(DataParallelRunner.build(..., sync=True)) to copy rank 0's weights")
+
+
+def _locations(gm: torch.fx.GraphModule) -> dict[str, list[Callable[[torch.Tensor], None]]]:
+    """user key -> writers that copy a full tensor into this rank's storage for that key."""
+    from passes.dp_graph import resolve
+    from passes.layout import META_LAYOUT
+    from passes.shard_data_parallel import META_DP
+
+    layout, info = gm.meta[META_LAYOUT], gm.meta[META_DP]
+    out: dict[str, list[Callable[[torch.Tensor], None]]] = {}
+
+    def add(key: str, fn: Callable[[torch.Tensor], None]) -> None:
+        out.setdefault(key, []).append(fn)
+        for alias in info.aliases.get(key, []):
+            out.setdefault(alias, []).append(fn)
+
+    def into_range(dst: torch.Tensor, lo: int, start: int) -> Callable[[torch.Tensor], None]:
+        def write(full: torch.Tensor) -> None:  # elements [start, start+n) of the flat, clipped to dst
+            flat = full.reshape(-1)
+            a, b = max(start, lo), min(start + flat.numel(), lo + dst.numel())
+            if a < b:
+                dst[a - lo:b - lo] = flat[a - start:b - start]
+        return write
+
+    for attr, key in layout.keys.items():
+        try:
+            t = resolve(gm, attr)
+        except AttributeError:
+            continue
+        if isinstance(t, torch.Tensor):
+            add(key, lambda full, t=t: t.data.copy_(full))
+    for b in info.buckets:
+        start = 0
+        for key, shape in zip(b.keys, b.shapes):
+            if b.shard is not None:
+                add(key, into_range(b.shard.data, b.shard_range[0], start))
+            start += shape.numel()
+    for u in info.units:
+        start = 0
+        for key, shape in zip(u.keys, u.shapes):
+            add(key, into_range(u.flat.data, u.rank * u.flat.numel(), start))
+            start += shape.numel()
+    return out
+
+
+@torch.no_grad()
+def materialize_sharded(gm: torch.fx.GraphModule, meta_model: nn.Module, *, seed: int,
+                        param_init: Callable[[str, torch.Tensor], bool] | None = None) -> None:
+    """Fill the data-parallel rank graph ``gm`` (built from a capture of ``meta_model``) with the
+    values ``torch.manual_seed(seed); Model()`` gives, one module at a time (see the module
+    docstring). ``meta_model`` stays on meta."""
+    where = _locations(gm)
+    names = {id(m): n for n, m in meta_model.named_modules()}
+    torch.manual_seed(seed)
+    for m in _post_order(meta_model):
+        own = list(m.named_parameters(recurse=False))
+        reset = getattr(m, "reset_parameters", None)
+        if not own or not callable(reset):
+            continue
+        m.to_empty(device="cpu", recurse=False)
+        reset()
+        prefix = names[id(m)]
+        for name, p in m.named_parameters(recurse=False):
+            for write in where.get(f"{prefix}.{name}" if prefix else name, []):
+                write(p)
+        m.to_empty(device="meta", recurse=False)
+    if param_init is not None:
+        for key, p in meta_model.named_parameters():
+            full = torch.empty(p.shape, dtype=p.dtype)
+            if param_init(key, full):
+                for write in where.get(key, []):
+                    write(full)
+    from passes.shard_data_parallel import META_DP
+
+    info = gm.meta[META_DP]
+    for b in info.buckets:  # zero kinds: replicas from the filled master shards
+        if b.shard is not None:
+            b.gather_params()
+    for u in info.units:
+        u.free()
+    stale = [n for n, t in [*gm.named_parameters(), *gm.named_buffers()] if t.is_meta]
+    if stale:
+        raise ValueError(f"{stale[:3]} are still on meta after materialization: buffers created in __init__ "
+                         "cannot be replayed; build the model on CPU and use sync_params instead")

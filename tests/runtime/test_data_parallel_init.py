@@ -12,7 +12,8 @@ from torch import nn
 
 import fairscale
 from fairscale.runtime.data_parallel import DataParallelRunner
-from fairscale.runtime.init import ReplicaMismatchError, check_replicas, materialize_meta, sync_params
+from fairscale.runtime.init import (ReplicaMismatchError, check_replicas, materialize_meta, materialize_sharded,
+                                    sync_params)
 from fairscale.testing.models import CNN, GPT, GPTConfig, MLPNet, build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from planner.capture import capture
@@ -76,3 +77,39 @@ def test_diverged_ranks_are_caught_or_synced_from_rank_0():
     losses, params = fairscale.launch(run, devices=2)[0]
     compare(ref, Trajectory(losses, {k: torch.from_numpy(np.asarray(v)) for k, v in params.items()}))
     assert callable(sync_params)
+
+
+def _gpt_param_init(key: str, t: torch.Tensor) -> bool:
+    """GPT.__init__'s custom init, per parameter in named_parameters order (streaming form)."""
+    if key in ("wte.weight", "wpe.weight"):
+        nn.init.normal_(t, std=0.02)
+        return True
+    if key.endswith("o_proj.weight") or key.endswith("down_proj.weight"):
+        nn.init.normal_(t, std=0.02 / math.sqrt(2 * GPTConfig().layers))
+        return True
+    return False
+
+
+def test_sharded_materialization_of_a_meta_gpt_equals_single_process_init():
+    """Capture the GPT on meta, compile each rank, then fill only this rank's shards module by
+    module: the gathered weights equal ``torch.manual_seed(0); GPT()``, for every kind."""
+    with torch.device("meta"):
+        meta = GPT(GPTConfig())
+    case = build("gpt", seed=0)
+    expected = {k: v.numpy() for k, v in case.model.state_dict().items()}
+    graph = capture(meta, case.make_batch(0, GLOBAL_BATCH // 2), loss_fn=case.loss_fn, annotate=False)
+
+    def run(rank, world):
+        out = {}
+        for kind in ("fsdp_reshard", "zero2", "ddp"):
+            r = DataParallelRunner.build(graph, config("gpt", kind), torch.optim.Adam, lr=1e-2)
+            materialize_sharded(r.gm, meta, seed=0, param_init=_gpt_param_init)
+            assert all(p.is_meta for p in meta.parameters())  # the skeleton never holds the model
+            out[kind] = {k: v.numpy() for k, v in r.full_state_dict().items()}
+            r.train_step(case.make_batch(0, GLOBAL_BATCH))  # and it trains
+        return out
+
+    for kind, got in fairscale.launch(run, devices=2)[0].items():
+        assert set(got) == set(expected), kind
+        for k, v in expected.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"{kind}: {k}")
