@@ -89,6 +89,11 @@ class Cluster:
     """Host (CPU) memory per device, bytes: the node's RAM divided by its devices."""
     host_memory_bandwidth: float = 50e9
     """Host DRAM bandwidth per device (the node's divided by its devices), bytes/s; bounds a CPU optimizer step."""
+    shared_cores: int = 0
+    """CPU cores that the ranks of a node time-share (0: every device computes on its own, as
+    GPUs do). With fewer cores than ranks, the rates above are what a rank gets while all ranks
+    compute; a rank that waits (pipeline bubble, a receive) frees its share for the others
+    (``planner.search.evaluate.shared_core_pipeline_time``)."""
     op_overhead_s: float = 0.0
     """Host seconds per executed graph op in forward (dispatch, autograd bookkeeping) that the
     device does not hide; backward pays twice as many. 0 for GPUs, whose kernels queue ahead of
@@ -105,6 +110,8 @@ class Cluster:
                     "host_memory_bytes", "host_memory_bandwidth"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be > 0 (got {getattr(self, key)})")
+        if self.shared_cores < 0:
+            problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
         if self.op_overhead_s < 0:
             problems.append(f"op_overhead_s must be >= 0 (got {self.op_overhead_s})")
         if problems:
@@ -129,6 +136,13 @@ class Cluster:
         if span <= self.devices_per_node:
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
+
+    @property
+    def core_share(self) -> float:
+        """Ranks per core when a node's ranks time-share fewer cores than there are ranks, else 1."""
+        if self.shared_cores and self.shared_cores < self.devices_per_node:
+            return self.devices_per_node / self.shared_cores
+        return 1.0
 
     def with_nodes(self, nodes: int) -> Cluster:
         return dataclasses.replace(self, nodes=nodes)

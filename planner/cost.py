@@ -48,6 +48,9 @@ class CostOptions:
     """Pipeline sends/receives overlap compute."""
     optimizer: str = "adam"
     """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
+    zero_shard_copy: bool = False
+    """ZeRO-1/2 step a separate fp32 shard of the parameters (``P/dp`` more bytes when parameters are
+    fp32; with 16-bit parameters that shard is the master copy Adam's K = 12 already counts)."""
     fsdp_accumulate_unsharded: bool = False
     """With several microbatches, FSDP accumulates each unit's full (unsharded) gradient locally and
     reduce-scatters once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds
@@ -63,13 +66,14 @@ class CostOptions:
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
         * FSDP accumulates unsharded gradients over microbatches (``passes.dp_ops.no_sync``).
+        * ZeRO-1/2 keep the optimizer's parameter shard as its own tensor (``fairscale.runtime.optim``).
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
           competes for the same oversubscribed cores, so it is counted as exposed.
         """
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
         return cls(overlap_dp=False, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
-                   fsdp_accumulate_unsharded=True)
+                   fsdp_accumulate_unsharded=True, zero_shard_copy=True)
 
     @classmethod
     def megatron2021(cls) -> CostOptions:

@@ -25,7 +25,9 @@ Everything is measured with all ranks busy at once, since that is what a rank se
   send/recv between rank pairs is fitted to ``alpha + n/beta`` and reported (the Cluster holds one
   intra-node link, the collectives' fit, since collectives carry nearly all of a step's bytes).
 
-The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``.
+The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``,
+and ``shared_cores`` = this machine's cores: when there are fewer cores than ranks, a rank that
+waits frees its share (the cost model then charges a pipeline bubble no CPU time).
 The runtime's overlap on CPU gloo (see :func:`planner.cost.CostOptions.for_runtime`): DDP/ZeRO
 buckets reduce synchronously inside backward, pipeline sends are posted asynchronously but
 receives wait, and FSDP's asynchronous prefetch shares the rank's cores with compute, so nothing
@@ -272,7 +274,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
         device=f"cpu ({ranks} gloo ranks, 1 thread each)",
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=beta, intra_latency=alpha,
-        op_overhead_s=float(res["op_overhead"]),
+        op_overhead_s=float(res["op_overhead"]), shared_cores=os.cpu_count() or 1,
         inter_bandwidth=beta, inter_latency=alpha, efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]),

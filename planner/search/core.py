@@ -407,6 +407,9 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
     pipe = m * t + (pp - 1) * t / v if cfg.kind == "interleaved" else (m - 1 + pp) * t
+    share = c.core_share
+    if share > 1.0:  # ranks time-sharing cores: see evaluate.shared_core_pipeline_time
+        pipe = max(pipe / share, m * tot.time / pp)
     opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
     tail = 2 * state_per_param * params / (opt_bw * c.efficiency.memory)
     bw, lat = c.link(cfg.tp * cfg.dp)

@@ -22,7 +22,7 @@ from planner.cost_memory import DTYPE_BYTES, model_state_bytes, model_state_part
 from planner.plan import Predicted
 from planner.schedule_cost import in_flight, pipeline_time
 
-__all__ = ["Config", "Breakdown", "Context", "evaluate", "choose_recompute"]
+__all__ = ["Config", "Breakdown", "Context", "evaluate", "choose_recompute", "shared_core_pipeline_time"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -238,6 +238,8 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
                               optimizer=ctx.options.optimizer)
     if cfg.offload:
         parts = {k: 0.0 for k in parts}
+    elif ctx.options.zero_shard_copy and cfg.dp_kind in ("zero1", "zero2") and DTYPE_BYTES[cfg.param_dtype] == 4:
+        parts["parameters"] += params * 4 / cfg.dp
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
     kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
     # the backward of a recomputed layer rebuilds its full activations for one microbatch
@@ -392,7 +394,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             worst["tail"], worst["dp"], worst["opt"] = tail + opt_s, tail, opt_s
         if rank_t >= max(times):
             worst.update(compute=compute * m, recompute=t_rec * m, tp=tp_s * m, p2p=p2p_s * m, fsdp=fsdp_s * m)
-    pipe = pipeline_time(cfg.kind, times, m, v=cfg.v)
+    pipe = shared_core_pipeline_time(cfg.kind, times, m, v=cfg.v, share=c.core_share)
     step = pipe + worst["tail"]
     chunks = list(zip(cfg.cuts, cfg.cuts[1:]))
     stage_f = [sum(costs[i].fwd for i in range(a, b)) for a, b in chunks]
@@ -407,6 +409,23 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                      stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host, host_memory_cap=ctx.host_cap,
                      comm_bytes=max(comm), model_flops=ctx.model_flops,
                      devices=cfg.pp * cfg.dp * cfg.tp, config=cfg)
+
+
+def shared_core_pipeline_time(kind: str, times: list[float], m: int, *, v: int = 1, share: float = 1.0) -> float:
+    """Pipeline seconds when ranks time-share cores (``share`` ranks per core, 1 = dedicated).
+
+    ``times`` are per-rank microbatch times at the all-ranks-busy rate. A waiting rank's share
+    goes to the busy ones (processor sharing), so two bounds hold and the larger is the estimate:
+    the dependency chain with every rank at a full core, ``pipeline_time(times / share)``, and the
+    CPU work of the node spread over its cores, ``m · mean(times)`` (all ranks' busy seconds at
+    the shared rate, divided by the ranks: the bubble costs no CPU). With ``share`` = 1 this is
+    :func:`planner.schedule_cost.pipeline_time`. Example: 8 balanced stages of 1 s, m = 8, 8 ranks
+    on 2 cores (share 4): max(15 s / 4, 8 · 1 s) = 8 s instead of 15 s.
+    """
+    if share <= 1.0:
+        return pipeline_time(kind, times, m, v=v)
+    chain = pipeline_time(kind, [t / share for t in times], m, v=v)
+    return max(chain, m * sum(times) / len(times))
 
 
 def _recompute_s(costs: list[LayerCost], i: int, rec: frozenset[int], sel: frozenset[int]) -> float:

@@ -179,3 +179,38 @@ def test_fsdp_accumulating_unsharded_gradients_holds_them_and_reduces_once():
     assert acc.memory_parts[0]["buffers"] - plain.memory_parts[0]["buffers"] == pytest.approx(params * 4)
     # one reduce-scatter of the fp32 gradients instead of four: 3 × 7/8 × 4·params bytes fewer
     assert plain.comm_bytes - acc.comm_bytes == pytest.approx(3 * 7 / 8 * params * 4)
+
+
+def test_ranks_time_sharing_cores_pay_no_cpu_for_the_bubble():
+    import dataclasses
+
+    from planner.search.evaluate import shared_core_pipeline_time
+
+    # 8 balanced stages of 1 s, m = 8, 8 ranks on 2 cores: max(15 s / 4, 8 · 1 s) = 8 s
+    assert shared_core_pipeline_time("1f1b", [1.0] * 8, 8, share=4.0) == pytest.approx(8.0)
+    assert shared_core_pipeline_time("1f1b", [1.0] * 8, 8) == pytest.approx(15.0)
+    # few microbatches: the chain dominates, (1 + 7) · 1 s / 4 = 2 s > 1 · 1 s
+    assert shared_core_pipeline_time("1f1b", [1.0] * 8, 1, share=4.0) == pytest.approx(2.0)
+    c = Cluster.cpu(8, memory_bytes=2**30)
+    assert c.core_share == 1.0 and dataclasses.replace(c, shared_cores=2).core_share == 4.0
+    assert dataclasses.replace(c, shared_cores=16).core_share == 1.0
+    g = gpt_graph(layers=8, hidden=64, heads=4, seq=32, vocab=256)
+    plan = Plan(mesh=Mesh(pp=8, dp=1, tp=1), schedule=Schedule(kind="1f1b", microbatches=8, global_batch=8),
+                stages=[Stage(layers="wte,wpe,layers.0")] + [Stage(layers=f"layers.{i}") for i in range(1, 7)]
+                + [Stage(layers="layers.7,ln_f,lm_head")])
+    dedicated = cost_plan(plan, g, c, validate=False)
+    shared = cost_plan(plan, g, dataclasses.replace(c, shared_cores=2), validate=False)
+    assert shared.pipeline_s < dedicated.pipeline_s
+    assert shared.pipeline_s == pytest.approx(max(dedicated.pipeline_s / 4, 8 * sum(dedicated.rank_times_s) / 8))
+
+
+def test_zero_shard_copy_adds_a_parameter_shard():
+    from planner.cost import CostOptions
+
+    g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    c = Cluster.preset("a100-80gb")
+    plan = _plan({}, pp=1, dp_kind="zero2")
+    base = cost_plan(plan, g, c, validate=False, options=CostOptions(), global_batch=64)
+    copy = cost_plan(plan, g, c, validate=False, options=CostOptions(zero_shard_copy=True), global_batch=64)
+    # fp32 parameters: P·4 bytes held in full, plus the optimizer's shard P·4/8
+    assert copy.memory_parts[0]["parameters"] == pytest.approx(base.memory_parts[0]["parameters"] * 9 / 8)

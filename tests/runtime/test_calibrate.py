@@ -25,7 +25,7 @@ def test_fit_alpha_beta_recovers_exact_points():
 def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     cal = calibrate_cpu(2, repeat=1)
     c = cal.cluster
-    assert c.devices == 2 and c.efficiency.matmul == 1.0
+    assert c.devices == 2 and c.efficiency.matmul == 1.0 and c.shared_cores >= 1
     assert c.peak_flops["fp32"] > 1e8 and c.hbm_bandwidth > 1e8
     assert c.intra_bandwidth > 0 and c.intra_latency >= 0
     assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
