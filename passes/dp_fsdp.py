@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from typing import Collection
 
 import torch
 import torch.fx
@@ -66,8 +67,9 @@ def assign_units(keys: list[str], selector: str) -> dict[str, str]:
 
 
 def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> torch.fx.GraphModule:
-    from passes.shard_data_parallel import META_DP, DataParallelInfo
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 replicate: Collection[str] = ()) -> torch.fx.GraphModule:
+    from passes.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_replicated
 
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
@@ -81,6 +83,12 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
             info.replicated[use.attr] = use.key
             layout.keys[use.attr] = use.key
     trainable = [u for u in params if u.tensor.requires_grad]
+    plain, trainable = split_replicated(trainable, set(replicate))
+    if plain:
+        insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype)
+        for u in plain:
+            layout.keys[u.attr] = u.key
     owner = assign_units([u.key for u in trainable], cfg.units)
     groups: dict[str, list[ParamUse]] = {}
     for use in trainable:  # in order of first use, so units come out in forward order

@@ -93,6 +93,8 @@ class DDPBucket(nn.Module):
         self.shard = nn.Parameter(shard) if shard is not None else None
         self.flat: torch.Tensor | None = None
         """zero1/zero2: replicated flat storage the parameters are views of (set by the pass)."""
+        self.params: list[nn.Parameter] = []
+        """The bucket's parameters in flat order (set by the pass; a plain list, not registered)."""
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, index={self.index}, params={len(self.keys)}, numel={self.numel}, n={self.n}"

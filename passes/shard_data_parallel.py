@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass, field
+from typing import Collection
 
 import torch
 import torch.fx
@@ -74,6 +75,11 @@ class DataParallelInfo:
     """attr -> user key of parameters kept whole on every rank (all of them for ddp/zero; frozen
     ones for fsdp)."""
 
+    def plain_params(self) -> list[nn.Parameter]:
+        """Trainable parameters kept whole and all-reduced (every parameter for ddp; for the
+        sharded kinds, those compiled with ``replicate=``); a plain optimizer steps them."""
+        return [p for b in self.buckets if b.kind == "ddp" for p in b.params]
+
     def sharded_params(self) -> list[nn.Parameter]:
         """The tensors a sharded optimizer steps (zero: bucket shards; fsdp: unit flats)."""
         if self.kind == "fsdp":
@@ -84,7 +90,7 @@ class DataParallelInfo:
 
 
 def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel, *, dp_index: int, dp_size: int,
-                             axis: str = "dp") -> torch.fx.GraphModule:
+                             axis: str = "dp", replicate: Collection[str] = ()) -> torch.fx.GraphModule:
     """Rewrite ``gm`` for rank ``dp_index`` of ``dp_size`` data-parallel ranks per ``plan.data_parallel``.
 
     Args:
@@ -92,6 +98,10 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
         plan: the Plan, or just its ``DataParallel`` section.
         dp_index, dp_size: this rank's position on the dp axis and the axis size.
         axis: the comm axis name collectives use (bound with ``passes.comm.set_group``).
+        replicate: user keys (any name of a tied tensor) to keep whole and all-reduce DDP-style
+            whatever the kind, so ``p.grad`` is the full averaged gradient after backward: e.g.
+            weights tied across pipeline stages, whose copies' gradients the pipeline then sums.
+            The optimizer steps them unsharded.
     """
     cfg = plan.data_parallel if isinstance(plan, Plan) else plan
     if cfg.kind not in DP_KINDS:
@@ -110,9 +120,9 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
         from passes.dp_fsdp import rewrite_fsdp
 
         return rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype)
+                            reduce_dtype=reduce_dtype, replicate=set(replicate))
     return _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype)
+                            reduce_dtype=reduce_dtype, replicate=set(replicate))
 
 
 def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]]:
@@ -131,7 +141,8 @@ def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]
 
 
 def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
-                     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> torch.fx.GraphModule:
+                     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                     replicate: set[str]) -> torch.fx.GraphModule:
     if cfg.bucket_mb <= 0:
         raise ValueError(f"data_parallel.bucket_mb = {cfg.bucket_mb}; it must be > 0")
     layout = fresh_layout(gm)
@@ -140,14 +151,37 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     info = DataParallelInfo(kind=cfg.kind, axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg,
                             aliases=drop_aliases(params, layout))
     objects: dict[str, object] = {}
-    sharded = cfg.kind in ("zero1", "zero2")
     trainable = [u for u in params if u.tensor.requires_grad]
     for use in params:
         if not use.tensor.requires_grad:
             objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
             info.replicated[use.attr] = use.key
+    plain, rest = split_replicated(trainable, replicate)
+    if plain and cfg.kind != "ddp":
+        insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype)
+    else:
+        rest = trainable
+    insert_buckets(graph, info, objects, rest, kind=cfg.kind, bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype)
+    if param_dtype is not None:
+        cast_io(graph, param_dtype)
+    result = rebuild(gm, graph, objects, layout)
+    for attr in info.replicated:
+        layout.keys.setdefault(attr, info.replicated[attr])
+    result.meta[META_DP] = info
+    return result
+
+
+def insert_buckets(graph: torch.fx.Graph, info: DataParallelInfo, objects: dict[str, object],
+                   trainable: list[ParamUse], *, kind: str, bucket_mb: float, param_dtype: torch.dtype | None,
+                   reduce_dtype: torch.dtype | None) -> None:
+    """Bucket ``trainable`` and insert one ``dp_bucket`` call per bucket (``kind`` ddp, zero1 or
+    zero2), recording buckets and replicated parameters in ``info`` and tensors in ``objects``."""
+    dp_index, dp_size, axis = info.dp_index, info.dp_size, info.axis
+    sharded = kind in ("zero1", "zero2")
     pos = positions(graph)
-    for i, bucket_params in enumerate(_buckets(trainable, cfg.bucket_mb * 2**20)):
+    for i, bucket_params in enumerate(_buckets(trainable, bucket_mb * 2**20), start=len(info.buckets)):
         shapes = [u.tensor.shape for u in bucket_params]
         numel = sum(s.numel() for s in shapes)
         padded = -(-numel // dp_size) * dp_size
@@ -162,7 +196,7 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
         if sharded:
             s = padded // dp_size
             shard = full[dp_index * s:(dp_index + 1) * s].clone()
-        bucket = DDPBucket(kind=cfg.kind, index=i, keys=[u.key for u in bucket_params], shapes=list(shapes),
+        bucket = DDPBucket(kind=kind, index=i, keys=[u.key for u in bucket_params], shapes=list(shapes),
                            n=dp_size, rank=dp_index, axis=axis, param_dtype=param_dtype or master,
                            reduce_dtype=reduce_dtype or master, shard=shard)
         # replicated parameters: zero kinds keep them (in param_dtype) as views of one flat buffer
@@ -173,13 +207,14 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
             for u in bucket_params:
                 n = u.tensor.numel()
                 view = bucket.flat[start:start + n].view(u.tensor.shape)
-                objects[u.attr] = nn.Parameter(view, requires_grad=cfg.kind == "zero1")
+                objects[u.attr] = nn.Parameter(view, requires_grad=kind == "zero1")
                 start += n
         else:
             for u in bucket_params:
                 objects[u.attr] = nn.Parameter(real_copy(u.tensor), requires_grad=True)
         for u in bucket_params:
             info.replicated[u.attr] = u.key
+        bucket.params = [p for p in (objects[u.attr] for u in bucket_params) if isinstance(p, nn.Parameter)]
         handle_name = f"dp_bucket_{i}"
         objects[handle_name] = bucket
         info.buckets.append(bucket)
@@ -193,10 +228,12 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
             outs = [graph.call_function(operator.getitem, (call, j)) for j in range(len(bucket_params))]
         for u, out in zip(bucket_params, outs):
             replace_param_uses(graph, u, out, keep={call})
-    if param_dtype is not None:
-        cast_io(graph, param_dtype)
-    result = rebuild(gm, graph, objects, layout)
-    for attr in info.replicated:
-        layout.keys.setdefault(attr, info.replicated[attr])
-    result.meta[META_DP] = info
-    return result
+
+
+def split_replicated(params: list[ParamUse], replicate: set[str]) -> tuple[list[ParamUse], list[ParamUse]]:
+    """(parameters named in ``replicate`` by any of their keys, the others)."""
+    unknown = set(replicate) - {k for u in params for k in (u.key, *u.aliases.values())}
+    if unknown:
+        raise ValueError(f"replicate names {sorted(unknown)[:5]}, which this graph does not train")
+    chosen = [u for u in params if u.key in replicate or set(u.aliases.values()) & replicate]
+    return chosen, [u for u in params if u not in chosen]

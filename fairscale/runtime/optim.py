@@ -69,7 +69,7 @@ class DataParallelOptimizer:
     def _params(self) -> list[torch.nn.Parameter]:
         if self.info.kind == "ddp":
             return [p for p in self.gm.parameters() if p.requires_grad]
-        return self.info.sharded_params()
+        return self.info.sharded_params() + self.info.plain_params()
 
     # -- the torch.optim surface ------------------------------------------------------------------
 
@@ -116,24 +116,29 @@ class DataParallelOptimizer:
         nothing). ``reduce_axes`` names further axes whose ranks hold disjoint parameters (``pp``).
         """
         grads = [p.grad for p in self.params if p.grad is not None]
+        sharded_ids = {id(p) for p in self.info.sharded_params()}
+        # shards hold disjoint pieces (their partial norms add over dp); whole parameters are replicas
+        parts = ([p.grad for p in self.params if p.grad is not None and id(p) in sharded_ids],
+                 [p.grad for p in self.params if p.grad is not None and id(p) not in sharded_ids])
         acc = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
-        axes = list(reduce_axes) + ([self.info.axis] if self.info.kind != "ddp" else [])
         device = grads[0].device if grads else torch.device("cpu")
-        if math.isinf(norm_type):
-            local = max((g.detach().abs().max().to(acc) for g in grads), default=torch.zeros((), device=device))
-            total = local.clone().reshape(1)
-            for axis in axes:
-                if comm.group_size(axis) > 1:
-                    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=comm.get_group(axis))
-            total = total[0]
-        else:
-            local = sum((g.detach().to(acc).norm(norm_type) ** norm_type for g in grads),
+        inf = math.isinf(norm_type)
+        totals = []
+        for gs, axes in zip(parts, (list(reduce_axes) + [self.info.axis], list(reduce_axes))):
+            if not gs and self.info.kind == "ddp":  # every rank agrees: ddp has no shards to reduce
+                totals.append(torch.zeros((), dtype=acc, device=device))
+                continue
+            if inf:
+                t = max((g.detach().abs().max().to(acc) for g in gs), default=torch.zeros((), dtype=acc, device=device))
+            else:
+                t = sum((g.detach().to(acc).norm(norm_type) ** norm_type for g in gs),
                         torch.zeros((), dtype=acc, device=device))
-            total = local.clone().reshape(1)
+            t = t.clone().reshape(1)
             for axis in axes:
                 if comm.group_size(axis) > 1:
-                    dist.all_reduce(total, group=comm.get_group(axis))
-            total = total[0] ** (1.0 / norm_type)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=comm.get_group(axis))
+            totals.append(t[0])
+        total = torch.maximum(*totals) if inf else (totals[0] + totals[1]) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))

@@ -229,11 +229,12 @@ def _optim_targets(gm: torch.fx.GraphModule, optimizer: Any) -> list[tuple[torch
     layout = _layout(gm)
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     out = []
-    if info is not None and info.kind in ("zero1", "zero2"):
+    if info is not None and info.kind in ("zero1", "zero2", "fsdp"):
         for b in info.buckets:
             if b.shard is not None:
                 out.append((b.shard, list(zip(b.keys, b.shapes)), b.padded, 0))
-    elif info is not None and info.kind == "fsdp":
+            elif b.kind == "ddp":  # compiled with replicate=: whole parameters, plain optimizer state
+                out.extend((p, [(k, s)], -1, 0) for p, k, s in zip(b.params, b.keys, b.shapes))
         for attr, flat in layout.flat.items():
             out.append((resolve(gm, attr), [(k, torch.Size(s)) for k, s in flat.members], flat.padded, 0))
     else:

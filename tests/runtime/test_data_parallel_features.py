@@ -182,3 +182,44 @@ def test_errors_say_what_to_do():
 
     with pytest.raises(ValueError, match="8 rows, which does not divide over 3 data-parallel ranks"):
         local_slice((torch.zeros(8, 2),), 0, 3)
+
+
+def test_replicated_parameters_inside_sharded_kinds():
+    """``replicate=`` keeps the tied embedding whole (full averaged p.grad after backward, as a
+    pipeline needs to sum tied copies) while the rest is sharded; training with clipping still
+    matches one process."""
+    case, graph = _graph()
+    ref, ref_norms = _reference_with_clip("gpt", 0.05)
+
+    def run(rank, world):
+        out = {}
+        for name in ("zero1", "zero2", "fsdp_reshard"):
+            gm = shard_data_parallel_pass(graph.gm, config("gpt", name), dp_index=rank, dp_size=world,
+                                          replicate={"lm_head.weight"})
+            comm.set_group("dp", torch.distributed.group.WORLD)
+            opt = DataParallelOptimizer(gm, torch.optim.Adam, lr=1e-2)
+            info = opt.info
+            assert [b.kind for b in info.buckets if b.kind == "ddp"] == ["ddp"]
+            assert sorted(k for b in info.buckets if b.kind == "ddp" for k in b.keys) == ["wte.weight"]
+            losses, norms = [], []
+            for s in range(3):
+                opt.zero_grad(set_to_none=True)
+                loss = gm(*r_slice(case.make_batch(s, GLOBAL_BATCH), rank, world))
+                loss.backward()
+                whole = info.plain_params()[0]
+                assert whole.grad is not None and whole.grad.shape == (256, 64)
+                norms.append(opt.clip_grad_norm_(0.05).item())
+                opt.step()
+                t = torch.tensor([loss.item()], dtype=torch.float64)
+                torch.distributed.all_reduce(t)
+                losses.append(t.item() / world)
+            from fairscale.runtime.state import full_state_dict
+
+            out[name] = (losses, {k: v.numpy() for k, v in full_state_dict(gm, aliases=graph.tied).items()}, norms)
+        return out
+
+    for name, (losses, params, norms) in fairscale.launch(run, devices=WORLD)[0].items():
+        assert norms == pytest.approx(ref_norms, rel=1e-9), name
+        compare(ref, _traj(losses, params))
+    with pytest.raises(ValueError, match=r"replicate names \['nope'\], which this graph does not train"):
+        shard_data_parallel_pass(graph.gm, config("gpt", "zero2"), dp_index=0, dp_size=2, replicate={"nope"})
