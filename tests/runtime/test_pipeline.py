@@ -214,7 +214,8 @@ DP_CASES = [(name, "ddp") for name in MODELS] + [("llama", "fsdp")]
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
+def prepared() -> dict[str, Any]:
+    """Captures for every microbatch size, and the references, made once before any fork."""
     sizes = {GB // m for pp in (2, 4) for m in (pp, 2 * pp)}
     graphs = {}
     for name, make in MODELS.items():
@@ -224,18 +225,32 @@ def runs() -> dict[str, Any]:
     refs = {(name, GB // mb): accumulated_reference(make, GB // mb) for name, make in MODELS.items() for mb in sizes}
     refs.update({(name, 1): train_reference(make, steps=STEPS, global_batch=GB) for name, make in MODELS.items()})
     refs.update({(name, "dp2"): accumulated_reference(make, 4, dp=2) for name, make in MODELS.items()})
+    return {"graphs": graphs, "refs": refs}
+
+
+@pytest.fixture(scope="module")
+def runs(prepared: dict[str, Any]) -> dict[str, Any]:
+    """Every pp-only configuration: one launch per world size."""
     results = {}
     for pp in (2, 4):
-        per_rank = rt.launch(_pp_rank, pp, args=(CASES[pp], graphs))
+        per_rank = rt.launch(_pp_rank, pp, args=(CASES[pp], prepared["graphs"]))
         for i, case in enumerate(CASES[pp]):
             results[(pp, *case)] = _merge([r[i] for r in per_rank])
-    per_rank = rt.launch(_pp_dp_rank, 4, args=(DP_CASES, graphs))
+    return {"refs": prepared["refs"], "results": results}
+
+
+@pytest.fixture(scope="module")
+def dp_runs(prepared: dict[str, Any]) -> dict[str, Any]:
+    """pp × dp = 2 × 2 with the data-parallel pass, in one launch (separate, so that a data-parallel
+    failure does not hide the pipeline-only results)."""
+    per_rank = rt.launch(_pp_dp_rank, 4, args=(DP_CASES, prepared["graphs"]))
+    results = {}
     for i, (name, dp_kind) in enumerate(DP_CASES):
         results[("ppdp", name, dp_kind)] = _merge([per_rank[0][i], per_rank[2][i]])  # dp index 0 of each stage
         for r in (1, 3):  # the other dp replica holds identical parameters
             for k, v in per_rank[r][i][1].items():
                 assert (v == per_rank[r - 1][i][1][k]).all(), f"dp replicas differ on {k}"
-    return {"refs": refs, "results": results}
+    return {"refs": prepared["refs"], "results": results}
 
 
 def _merge(parts: list[tuple[list[float], dict[str, Any]]]) -> Trajectory:
@@ -266,8 +281,8 @@ def test_hand_edited_plan_moves_the_cut(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name,dp_kind", DP_CASES)
-def test_pipeline_times_data_parallel(runs: dict[str, Any], name: str, dp_kind: str) -> None:
-    _check(runs, name, "dp2", runs["results"][("ppdp", name, dp_kind)])
+def test_pipeline_times_data_parallel(dp_runs: dict[str, Any], name: str, dp_kind: str) -> None:
+    _check(dp_runs, name, "dp2", dp_runs["results"][("ppdp", name, dp_kind)])
 
 
 def test_tied_embedding_copies_are_summed_and_identical(runs: dict[str, Any]) -> None:
