@@ -20,10 +20,10 @@ Everything is measured with all ranks busy at once, since that is what a rank se
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
-  fitted jointly (least squares on relative error) to the ring formulas of
-  ``planner.cost_comm`` to get the latency alpha and the bandwidth beta; point-to-point
-  send/recv between rank pairs is fitted to ``alpha + n/beta`` and reported (the Cluster holds one
-  intra-node link, the collectives' fit, since collectives carry nearly all of a step's bytes).
+  each fitted (least squares on relative error) to its ring formula in ``planner.cost_comm`` to
+  get the latency alpha and the bandwidth beta; point-to-point send/recv between rank pairs is
+  fitted to ``alpha + n/beta``. The Cluster holds one intra-node link: the all-reduce fit (the
+  collective of every tensor-parallel layer and of DDP); all fits, and a joint one, are reported.
 
 The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``,
 and ``shared_cores`` = this machine's cores: when there are fewer cores than ranks, a rank that
@@ -266,6 +266,9 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
             combined += pts
     alpha, beta, err = fit_alpha_beta(combined)
     fits["combined"] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
+    # the Cluster has one link model: take the all-reduce fit, the collective of tensor
+    # parallelism (every layer) and of DDP; the others are reported in ``fits``
+    link = fits["all_reduce"]
     flops = statistics.median(res["matmul"].values())
     bw = float(res["bandwidth"])
     host = memory_bytes if memory_bytes is not None else _host_memory() // ranks
@@ -273,9 +276,10 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
         Cluster.cpu(ranks, memory_bytes=host), name="cpu-calibrated",
         device=f"cpu ({ranks} gloo ranks, 1 thread each)",
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
-        hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=beta, intra_latency=alpha,
+        hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=link["bandwidth"], intra_latency=link["latency_s"],
         op_overhead_s=float(res["op_overhead"]), shared_cores=os.cpu_count() or 1,
-        inter_bandwidth=beta, inter_latency=alpha, efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
+        inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
+        efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]),
                        collectives=coll, fits=fits, machine=machine_description())
