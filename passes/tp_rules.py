@@ -431,14 +431,16 @@ def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 def _add_bias(rw: Rewriter, node: Node, mm: Node, b: Node) -> tuple[Node, Any]:
     """Row-parallel output plus a replicated bias. The bias is added after the reduction (Megatron);
-    under sequence parallelism a 2-D output cannot be sequence-sharded, so the bias is added on tp
-    rank 0 only before the reduce-scatter (its gradient is all-reduced, as sequence parallelism
-    needs for every replicated parameter anyway)."""
+    under sequence parallelism a 2-D output cannot be sequence-sharded, so every rank adds bias/tp
+    before the reduce-scatter (exact for power-of-two tp) and the gradient of bias/tp is
+    all-reduced (tp · g/tp = g on every rank), as sequence parallelism needs for every replicated
+    parameter anyway. The parameter's direct user is the scaling, which makes a new tensor: no view
+    of the parameter outlives its FSDP unit."""
     target = rw.resolve_target(node)
     if rw.sp and target.is_r:
-        scale = 1.0 if rw.index == 0 else 0.0
-        bias = rw.copied(rw.env[b], b) if rw.grad.get(b, False) else rw.env[b]
-        scaled = rw.emit(aten.mul.Tensor, (bias, scale), place=R)
+        scaled = rw.emit(aten.mul.Tensor, (rw.env[b], 1.0 / rw.tp), place=R)
+        if rw.grad.get(b, False):
+            scaled = rw.copied(scaled, b)
         out = rw.emit(aten.add.Tensor, (mm, scaled), place=P)
         rw.set_local_val(out, node, P)
         return out, P
