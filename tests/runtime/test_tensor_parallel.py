@@ -243,3 +243,30 @@ def test_float32_llama() -> None:
         losses, state = results[0][sp]
         compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}),
                 atol=2e-4)
+
+
+def _engine_rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, Any]]:
+    import functools
+
+    from fairscale.runtime.engine import ParallelModule
+
+    case = make_case("gpt2", 2)
+    pm = ParallelModule(case.model, plan, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                        optimizer=functools.partial(torch.optim.Adam, lr=1e-2))
+    losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(STEPS)]
+    return losses, {k: v.detach().numpy() for k, v in pm.state_dict().items()}
+
+
+def test_tensor_and_sequence_parallel_under_fsdp() -> None:
+    """dp=2 × tp=2 through the engine (split → TP → recompute → FSDP): GPT-2 with sequence
+    parallelism and FSDP resharding after forward, where replicated biases meet freed unit storage."""
+    from planner.plan import DataParallel
+
+    case = make_case("gpt2", 2)
+    graph = capture(case.model, case.make_batch(0, BATCH // 2), loss_fn=case.loss_fn)
+    rules = propose_tp_rules(graph.gm, tp=2).rules
+    plan = Plan(mesh=Mesh(dp=2, tp=2), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True),
+                data_parallel=DataParallel(kind="fsdp", units="h.*", reshard_after_forward=True))
+    ref = train_reference(lambda: make_case("gpt2", 2), steps=STEPS, global_batch=BATCH)
+    losses, state = fairscale.launch(_engine_rank, devices=4, args=(plan,))[0]
+    compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}))
