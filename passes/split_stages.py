@@ -122,6 +122,12 @@ class StagedProgram:
         """The first name of ``key``'s tied group (``key`` itself when untied)."""
         return self.aliases.get(key, [key])[0]
 
+    def shared_keys(self, stage: int) -> list[str]:
+        """User keys (as this stage names them) of its parameters that other stages also hold: what
+        ``shard_data_parallel_pass(..., replicate=)`` must keep whole for the tied-gradient sum."""
+        keys = self.stages[stage].param_keys().values()
+        return sorted({k for k in keys if self.canonical(k) in self.shared})
+
     def boundary_specs(self) -> tuple[dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
                                       dict[int, list[tuple[tuple[int, ...], torch.dtype]]]]:
         """(send_specs, recv_specs) per stage for ``planner.schedule.simulate``'s shape check."""

@@ -411,21 +411,28 @@ class PipelineExecutor:
                 p.grad = total.clone()
 
     def _check_shared_params(self) -> None:
-        """Tied copies are summed through ``.grad`` after the step; sharded data-parallel kinds
-        step master shards filled inside backward, which that sum would miss, so refuse them."""
+        """Tied copies are summed through ``.grad`` after the step, so each copy must be a whole
+        parameter that the optimizer steps from its ``.grad``: any parameter without a
+        data-parallel pass, and under one the all-reduced ("plain") ones, which are every
+        parameter for ddp and those compiled with ``replicate=`` for zero1, zero2 and fsdp."""
         for key, holders in self.program.shared.items():
             for s in holders:
                 if s not in self.local_stages:
                     continue
                 info = getattr(self.modules[s], "meta", {}).get("fs_dp")
-                kind = getattr(info, "kind", "ddp")
-                if kind != "ddp":
+                if info is None:
+                    self._param_of(s, key)
+                    continue
+                plain = info.plain_params()
+                found = [p for a, k in self._layout(s).keys.items() if self.program.canonical(k) == key
+                         for p in [_fetch(self.modules[s], a)] if isinstance(p, nn.Parameter)]
+                if not any(p is q for p in found for q in plain):
                     raise PipelineError(
-                        f"{key} is used by stages {holders} (tied weights), and stage {s} is data-parallel "
-                        f"with kind {kind!r}: the pipeline sums tied copies' gradients after backward, which "
-                        f"sharded kinds (zero1, zero2, fsdp) do not see. Use data_parallel.kind 'ddp', or put "
-                        f"every use of {key} in one stage")
-                self._param_of(s, key)
+                        f"{key} is used by stages {holders} (tied weights), and stage {s} shards it with "
+                        f"data-parallel kind {info.kind!r}: the pipeline sums the tied copies' gradients after "
+                        f"backward, which a sharded master copy does not see. Compile the stage with "
+                        f"shard_data_parallel_pass(..., replicate={self.program.shared_keys(s)!r}) "
+                        f"(StagedProgram.shared_keys), use kind 'ddp', or put every use of {key} in one stage")
 
     def _param_of(self, stage: int, key: str) -> nn.Parameter:
         for attr, k in self._layout(stage).keys.items():

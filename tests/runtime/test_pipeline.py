@@ -146,11 +146,28 @@ def _plan(graph: ModelGraph, pp: int, kind: str, m: int, dp: int = 1) -> Plan:
                 stages=even_stages(graph, pp * v), data_parallel=DataParallel(kind="ddp"))
 
 
+class _StageOptimizers:
+    """One DataParallelOptimizer per local stage (sharded kinds step shards, not parameters)."""
+
+    def __init__(self, modules: dict[int, nn.Module]) -> None:
+        from fairscale.runtime.optim import DataParallelOptimizer
+
+        self.opts = [DataParallelOptimizer(gm, torch.optim.Adam, lr=1e-2) for gm in modules.values()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
 def _train(graph: ModelGraph, plan: Plan, batch_of: Callable[[int], tuple[torch.Tensor, ...]],
            modules: Callable[[Any], dict[int, nn.Module]] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     program = split_stages_pass(graph.gm, plan, graph=graph)
     pipe = PipelineExecutor(program, schedule_for(plan), modules=modules(program) if modules else None)
-    opt = make_optimizer(pipe.parameters())
+    opt: Any = _StageOptimizers(pipe.modules) if modules else make_optimizer(pipe.parameters())
     evaluated = pipe.eval_step(batch_of(0))   # forward only: the step-0 loss, and no gradients
     assert all(p.grad is None for p in pipe.parameters()), "eval_step left gradients"
     losses = []
@@ -201,7 +218,9 @@ def _pp_dp_rank(rank: int, world: int, cases: list[tuple[str, str]],
             return tuple(x[mesh.dp_index * half:(mesh.dp_index + 1) * half] for x in case.make_batch(step, GB))
 
         def modules(program: Any) -> dict[int, nn.Module]:
-            return {s: shard_data_parallel_pass(st.gm, plan, dp_index=mesh.dp_index, dp_size=2)
+            # tied copies (gpt) stay whole inside sharded kinds, so the pipeline can sum their grads
+            return {s: shard_data_parallel_pass(st.gm, plan, dp_index=mesh.dp_index, dp_size=2,
+                                                replicate=program.shared_keys(s))
                     for s, st in enumerate(program.stages) if s % 2 == mesh.pp_index}
 
         out.append(_train(graph, plan, batch_of, modules))  # the loss is averaged over dp by the executor
@@ -210,7 +229,7 @@ def _pp_dp_rank(rank: int, world: int, cases: list[tuple[str, str]],
 
 CASES = {pp: [(name, kind, m) for name in MODELS for kind in KINDS for m in (pp, 2 * pp)] for pp in (2, 4)}
 CASES[2].append(("gpt", "edited", 4))
-DP_CASES = [(name, "ddp") for name in MODELS] + [("llama", "fsdp")]
+DP_CASES = [(name, "ddp") for name in MODELS] + [("llama", "fsdp"), ("gpt", "zero2"), ("skip", "zero1")]
 
 
 @pytest.fixture(scope="module")
@@ -338,5 +357,11 @@ def test_tied_weights_across_stages_with_sharded_dp_are_refused() -> None:
     program = split_stages_pass(graph.gm, plan, graph=graph)
     modules = {s: shard_data_parallel_pass(st.gm, plan, dp_index=0, dp_size=1) for s, st in enumerate(program.stages)}
     with pytest.raises(PipelineError, match=re.escape(
-            "wte.weight is used by stages [0, 1] (tied weights), and stage 0 is data-parallel with kind 'zero2'")):
+            "wte.weight is used by stages [0, 1] (tied weights), and stage 0 shards it with data-parallel kind "
+            "'zero2'") + ".*" + re.escape("shard_data_parallel_pass(..., replicate=['wte.weight'])")):
         PipelineExecutor(program, schedule_for(plan), modules=modules)
+    # kept whole (all-reduced) inside zero2, the tied copies can be summed
+    assert [program.shared_keys(s) for s in range(2)] == [["wte.weight"], ["lm_head.weight"]]
+    modules = {s: shard_data_parallel_pass(st.gm, plan, dp_index=0, dp_size=1, replicate=program.shared_keys(s))
+               for s, st in enumerate(program.stages)}
+    PipelineExecutor(program, schedule_for(plan), modules=modules)
