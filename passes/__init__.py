@@ -5,6 +5,9 @@ The pipeline is one flat function, :func:`compile_rank`, with the verifier at bo
     verify → split_stages → for each of this rank's stages:
                  shard_tensor_parallel → insert_recompute → shard_data_parallel → verify
 
+Parameters that several stages hold (tied embeddings) are kept whole on the dp axis whatever the
+data-parallel kind, because the pipeline sums the stage copies' gradients after backward.
+
 Order matters once: recompute runs before data parallelism, so a recompute region holds the
 layer's compute (and its tensor-parallel collectives, repeated in backward as in Megatron-LM),
 while FSDP's gathers of parameters stay outside it and are never repeated by recomputation.
@@ -39,6 +42,8 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
         gm = program.stages[s].gm
         gm = shard_tensor_parallel_pass(gm, plan, tp_index=tp_index, tp_size=plan.mesh.tp)
         gm = insert_recompute_pass(gm, plan)
-        gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp)
+        # weights shared by several stages stay whole: the pipeline sums their copies' gradients
+        gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp,
+                                      replicate=program.shared_keys(s))
         modules[s] = verify_pass(gm, where=f"for stage {s}")
     return program, modules
