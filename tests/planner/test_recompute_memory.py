@@ -31,7 +31,7 @@ from planner.capture import capture
 from planner.cost_memory import saved_activation_bytes
 from planner.plan import Plan
 
-BATCH = 8
+BATCH = 4
 TOLERANCE = 0.10
 
 
@@ -71,6 +71,8 @@ class _HeldMeter(TorchDispatchMode):
         gc.collect()
         alive = {p: n for p, (ref, n) in self._created.items() if not ref.expired() and p not in self._exclude}
         alive.pop(loss.untyped_storage().data_ptr(), None)
+        self.hooked = sum(self._held.values())
+        """What the saved-tensor hooks and recompute listeners alone see (SavedActivationMeter's view)."""
         return loss, sum({**alive, **self._held}.values())
 
 
@@ -81,7 +83,6 @@ MAPS = {
     "full-first": {"{L}.0": "full"},
     "selective-last": {"{L}.1": "selective"},
     "mixed": {"{L}.*": "selective", "{L}.0": "full"},
-    "full-all-but-one": {"{L}.*": "full", "{L}.1": "none"},
 }
 
 
@@ -96,12 +97,17 @@ def measured(request):
     for name, template in {"none": {}, **MAPS}.items():
         recompute = {k.format(L=FAMILIES[family]): v for k, v in template.items()}
         gm = insert_recompute_pass(graph.gm, Plan(recompute=recompute)) if recompute else graph.gm
-        with SavedActivationMeter(case.model.parameters()) as meter:
-            loss = gm(*batch)
+        meter = None
+        if name in ("none", "full-all", "selective-all"):  # the runtime's meter, on a few maps
+            with SavedActivationMeter(case.model.parameters()) as saved:
+                loss = gm(*batch)
+            loss.backward()
+            meter = saved.bytes
+        held_meter = _HeldMeter(exclude)
+        loss, held = held_meter.run(gm, batch)
         loss.backward()
-        _, held = _HeldMeter(exclude).run(gm, batch)
-        out[name] = dict(predicted=saved_activation_bytes(graph, recompute), held=held, meter=meter.bytes,
-                         selective="selective" in recompute.values())
+        out[name] = dict(predicted=saved_activation_bytes(graph, recompute), held=held, hooked=held_meter.hooked,
+                         meter=meter, selective="selective" in recompute.values())
         case.model.zero_grad(set_to_none=True)
     return family, out
 
@@ -123,11 +129,21 @@ def test_measured_drop_matches_prediction(measured, name):
                                                                                predicted_drop)
     # absolute totals too (the capture's facts are exact up to a few shared small tensors)
     assert got["held"] == pytest.approx(got["predicted"], rel=0.02)
-    if not got["selective"]:  # the saved-tensor meter sees everything unless a selective cache is held
-        assert got["meter"] == pytest.approx(got["held"], rel=0.02)
+    if not got["selective"]:  # the saved-tensor hooks see everything unless a selective cache is held
+        assert got["hooked"] == pytest.approx(got["held"], rel=0.02)
+    if got["meter"] is not None:  # SavedActivationMeter counts what the hooks count (plus the batch ids)
+        assert got["meter"] == pytest.approx(got["hooked"], rel=0.02)
 
 
 def test_no_recompute_totals_match_capture(measured):
     family, out = measured
     assert out["none"]["held"] == pytest.approx(out["none"]["predicted"], rel=0.02)
     assert out["none"]["meter"] == pytest.approx(out["none"]["predicted"], rel=0.02)
+
+
+def test_saved_activation_meter_misses_the_selective_cache(measured):
+    """Documents the runtime meter's blind spot: under selective recompute it reads only what full
+    recompute keeps, since the cached matmul outputs live in the checkpoint's own dispatch mode."""
+    family, out = measured
+    assert out["selective-all"]["meter"] == pytest.approx(out["full-all"]["meter"], rel=0.01)
+    assert out["selective-all"]["held"] > 1.5 * out["full-all"]["held"]
