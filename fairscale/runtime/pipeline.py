@@ -47,17 +47,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.runtime import p2p
 from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout
 from passes.split_stages import StagedProgram, ValueSpec
-from planner.schedule import Action, PipelineSchedule, ScheduleError, simulate
+from planner.schedule import Action, PipelineSchedule, simulate
 
 __all__ = ["PipelineExecutor", "PipelineError", "StepTrace"]
-
-_KIND_CODE = {"F": 0, "B": 1, "SHAKE": 2, "TIED": 3}
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64]
-
 
 class PipelineError(RuntimeError):
     """A pipeline that cannot run as set up: wrong microbatch shapes, or stages that disagree."""
@@ -247,7 +243,7 @@ class PipelineExecutor:
         elif self.schedule.stage_rank(a.stage - 1) == self.rank:
             received = [t.detach() for t in st.outputs[(a.mb, a.stage - 1)]]
         else:
-            received = _wait(st.recvs.pop(("F", a.mb, a.stage)))
+            received = p2p.wait_all(st.recvs.pop(("F", a.mb, a.stage)))
         for t, spec in zip(received, stage.inputs):
             if spec.grad:
                 t.requires_grad_(True)
@@ -274,7 +270,7 @@ class PipelineExecutor:
             if self.schedule.stage_rank(a.stage + 1) == self.rank:
                 got = st.local_grads.pop((a.mb, a.stage + 1))
             else:
-                got = _wait(st.recvs.pop(("B", a.mb, a.stage)))
+                got = p2p.wait_all(st.recvs.pop(("B", a.mb, a.stage)))
             tensors, grads = [], []
             pairs = [(o, s) for o, s in zip(out, stage.outputs) if s.grad]
             for (o, _), g in zip(pairs, got):
@@ -300,12 +296,12 @@ class PipelineExecutor:
     def _do_SF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
         peer = self._peer(a.stage + 1)
         for i, t in enumerate(st.outputs[(a.mb, a.stage)]):
-            st.sends.append(self._isend(t.detach().contiguous(), peer, _tag("F", a.mb, a.stage + 1, i)))
+            st.sends.append(self._isend(t.detach().contiguous(), peer, p2p.tag("F", a.mb, a.stage + 1, i)))
 
     def _do_SB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
         peer = self._peer(a.stage - 1)
         for i, g in enumerate(st.grads_out.pop((a.mb, a.stage))):
-            st.sends.append(self._isend(g.contiguous(), peer, _tag("B", a.mb, a.stage - 1, i)))
+            st.sends.append(self._isend(g.contiguous(), peer, p2p.tag("B", a.mb, a.stage - 1, i)))
 
     def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
         specs = self.program.stages[a.stage].inputs
@@ -323,7 +319,7 @@ class PipelineExecutor:
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         nbytes = t.numel() * t.element_size()
         comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-        return _send(t, peer, group=comm.get_group(self.axis), tag=tag), t
+        return p2p.send(t, peer, group=comm.get_group(self.axis), tag=tag), t
 
     def _irecv_all(self, specs: Sequence[ValueSpec], peer: int, kind: str, mb: int,
                    stage: int) -> list[tuple[Any, torch.Tensor]]:
@@ -332,7 +328,7 @@ class PipelineExecutor:
             buf = torch.empty(spec.shape, dtype=spec.dtype)
             nbytes = buf.numel() * buf.element_size()
             comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
-            out.append((_recv(buf, peer, group=comm.get_group(self.axis), tag=_tag(kind, mb, stage, i)), buf))
+            out.append((p2p.recv(buf, peer, group=comm.get_group(self.axis), tag=p2p.tag(kind, mb, stage, i)), buf))
         return out
 
     def _handshake(self) -> None:
@@ -348,27 +344,27 @@ class PipelineExecutor:
             return
         sends, recvs = [], []
         for peer_stage, boundary, role, specs in mine:
-            code = torch.tensor(_encode(specs), dtype=torch.int64)
+            code = torch.tensor(p2p.encode_specs(specs), dtype=torch.int64)
             size = torch.tensor([code.numel()], dtype=torch.int64)
-            tag = _tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
+            tag = p2p.tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
             peer = self._peer(peer_stage)
             group = comm.get_group(self.axis)
-            sends += [_send(size, peer, group=group, tag=tag), _send(code, peer, group=group, tag=tag + 2)]
+            sends += [p2p.send(size, peer, group=group, tag=tag), p2p.send(code, peer, group=group, tag=tag + 2)]
             other = torch.zeros(1, dtype=torch.int64)
-            other_tag = _tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
-            recvs.append((_recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
+            other_tag = p2p.tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
+            recvs.append((p2p.recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
                           role, specs))
         problems = []
         for work, size, peer, other_tag, boundary, role, specs in recvs:
             work.wait()
             code = torch.zeros(int(size.item()), dtype=torch.int64)
-            _recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
-            theirs = _decode(code.tolist())
+            p2p.recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
+            theirs = p2p.decode_specs(code.tolist())
             ours = [(tuple(s.shape), s.dtype) for s in specs]
             if theirs != ours:
                 sent, expected = (ours, theirs) if role == "sends" else (theirs, ours)
-                problems.append(f"stage {boundary} sends {_fmt(sent)} but stage {boundary + 1} expects "
-                                f"{_fmt(expected)}")
+                problems.append(f"stage {boundary} sends {p2p.format_specs(sent)} but stage {boundary + 1} expects "
+                                f"{p2p.format_specs(expected)}")
         for w in sends:
             w.wait()
         if problems:
@@ -396,11 +392,11 @@ class PipelineExecutor:
                     t = grads[own].contiguous()
                     nbytes = t.numel() * t.element_size()
                     comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-                    works.append(_send(t, peer, group=group, tag=_tag("TIED", k_index, own, 0)))
+                    works.append(p2p.send(t, peer, group=group, tag=p2p.tag("TIED", k_index, own, 0)))
                 for s in holders:
                     if self.schedule.stage_rank(s) == r:
                         buf = torch.empty_like(grads[mine[0]])
-                        works.append(_recv(buf, peer, group=group, tag=_tag("TIED", k_index, s, 0)))
+                        works.append(p2p.recv(buf, peer, group=group, tag=p2p.tag("TIED", k_index, s, 0)))
                         grads[s] = buf
             for w in works:
                 w.wait()
@@ -487,34 +483,6 @@ def _default_no_sync() -> Callable[[], ContextManager[Any]]:
     return no_sync
 
 
-def _tag(kind: str, mb: int, stage: int, index: int) -> int:
-    """A unique message tag: 2 bits kind, 10 bits stage, 13 bits microbatch, 6 bits value index."""
-    if stage >= 1024 or mb >= 8192 or index >= 64:
-        raise ScheduleError(f"too many stages ({stage}), microbatches ({mb}) or boundary values ({index}) "
-                            "for message tags; at most 1024 stages, 8192 microbatches, 64 values")
-    return ((_KIND_CODE[kind] * 1024 + stage) * 8192 + mb) * 64 + index
-
-
-def _send(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
-    work = dist.isend(t, peer, group=group, tag=tag)
-    if work is None:
-        raise PipelineError(f"this rank is not in the pipeline group of peer {peer}")
-    return work
-
-
-def _recv(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
-    work = dist.irecv(t, peer, group=group, tag=tag)
-    if work is None:
-        raise PipelineError(f"this rank is not in the pipeline group of peer {peer}")
-    return work
-
-
-def _wait(pending: list[tuple[Any, torch.Tensor]]) -> list[torch.Tensor]:
-    for work, _ in pending:
-        work.wait()
-    return [buf for _, buf in pending]
-
-
 def _check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -> None:
     if len(values) != len(specs):
         raise PipelineError(f"{what}: {len(values)} values, expected {len(specs)} ({_fmt_specs(specs)})")
@@ -522,28 +490,6 @@ def _check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) 
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != spec.shape or v.dtype != spec.dtype:
             got = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
             raise PipelineError(f"{what} {spec.name} is {got} but the boundary expects {spec.describe()}")
-
-
-def _encode(specs: Sequence[ValueSpec]) -> list[int]:
-    out = [len(specs)]
-    for s in specs:
-        out += [len(s.shape), *s.shape, _DTYPES.index(s.dtype) if s.dtype in _DTYPES else 99]
-    return out
-
-
-def _decode(code: list[int]) -> list[tuple[tuple[int, ...], Any]]:
-    out, i = [], 1
-    for _ in range(code[0]):
-        nd = code[i]
-        shape = tuple(code[i + 1:i + 1 + nd])
-        d = code[i + 1 + nd]
-        out.append((shape, _DTYPES[d] if d < len(_DTYPES) else "other"))
-        i += 2 + nd
-    return out
-
-
-def _fmt(specs: list[tuple[tuple[int, ...], Any]]) -> str:
-    return "[" + ", ".join(f"{list(shape)}:{str(d).replace('torch.', '')}" for shape, d in specs) + "]"
 
 
 def _fmt_specs(specs: Sequence[ValueSpec]) -> str:
