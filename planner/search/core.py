@@ -241,7 +241,6 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     keep = top_k + 1
     best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = {}
     closest: Breakdown | None = None
-    tied_rejects: list[Config] = []
     evaluated = 0
     total = len(cands)
     for n, (lb, order, cfg, _) in enumerate(bounded):  # noqa: B007 - order is the tie-break key
@@ -255,7 +254,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         if progress is not None and n % 64 == 0:
             progress(n, len(bounded), times[0] if times else None)
         evaluated += 1
-        b = _cost(ctx, cfg, cuts, rec, sel, tied_rejects)
+        b = _cost(ctx, cfg, cuts, rec, sel)
         if b is None:
             continue
         if not b.fits:
@@ -266,12 +265,6 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
             best[mesh] = (b.step_time_s, order, b)
     if progress is not None:
         progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
-    if not best and tied_rejects and closest is None:
-        c0 = tied_rejects[0]
-        raise PlanError([f"pp={c0.pp} puts the uses of a tied weight ({', '.join(g[0] for g in graph.tied)}) on "
-                         f"different stages, and the runtime sums the copies' gradients only under data_parallel.kind "
-                         f'"ddp", not "{c0.dp_kind}": use "ddp", pp=1, or stages that keep the tied uses together'],
-                        source="search")
     if not best:
         closest = _closest(ctx, mem_fail, closest, cuts, rec, sel)
         fixes = _fixed_notes(fixed)
@@ -308,7 +301,7 @@ def _units(ctx: Context, text: str | None) -> frozenset[int] | None:
 
 
 def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
-          sel: frozenset[int] = frozenset(), tied_rejects: list[Config] | None = None) -> Breakdown | None:
+          sel: frozenset[int] = frozenset()) -> Breakdown | None:
     """Cut, choose recompute, cost. None when no cut fits (the segment model says so)."""
     costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
     if cuts is None:
@@ -317,24 +310,12 @@ def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozense
         if not found:
             return None
         cuts = found
-    if cfg.dp > 1 and cfg.dp_kind != "ddp" and tied_across_stages(ctx, cuts):
-        if tied_rejects is not None:
-            tied_rejects.append(cfg)
-        return None
     cfg = dataclasses.replace(cfg, cuts=cuts, selective=sel)
     cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
     return evaluate(ctx, cfg)
 
 
-def tied_across_stages(ctx: Context, cuts: tuple[int, ...]) -> bool:
-    """A tied weight (GPT's wte / lm_head) is used on two stages. The runtime then sums the
-    copies' gradients after backward, which only plain DDP supports (sharded kinds never see the
-    full gradient), so such cuts need ``ddp`` (``fairscale.runtime.pipeline`` refuses the rest)."""
-    stage = {}
-    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        for i in range(a, b):
-            stage[i] = k
-    return any(stage[f.index] != stage[owner] for f in ctx.facts for owner, _ in f.tied)
+
 
 
 def _apply_recompute(costs: list[LayerCost], rec: frozenset[int], sel: frozenset[int] = frozenset()) -> list[LayerCost]:

@@ -211,6 +211,26 @@ def rank_params(ctx: Context, costs: list[LayerCost], layers: list[int], tp: int
     return total
 
 
+def replicated_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> float:
+    """Parameter elements of this rank that stay whole under a sharded data-parallel kind: tied
+    weights whose uses sit on different stages (GPT's embedding and head). The runtime keeps them
+    unsharded and all-reduces their gradients like DDP, so the pipeline can sum the copies'
+    gradients (``passes.compile_rank(replicate=...)``). 0 for ddp or dp = 1."""
+    if cfg.dp_kind == "ddp" or cfg.dp <= 1 or cfg.pp * cfg.v <= 1:
+        return 0.0
+    stage = {}
+    for k, (a, b) in enumerate(zip(cfg.cuts, cfg.cuts[1:])):
+        for i in range(a, b):
+            stage[i] = k
+    held = set(layers)
+    out: dict[int, float] = {}
+    for f in ctx.facts_for(cfg.tp):
+        for owner, count in f.tied:
+            if stage.get(f.index) != stage.get(owner) and (f.index in held or owner in held):
+                out[owner] = count / (cfg.tp if f.tp.sharded and cfg.tp > 1 else 1)
+    return sum(out.values())
+
+
 def kept_act(costs: list[LayerCost], i: int, recompute: frozenset[int], selective: frozenset[int]) -> float:
     """Bytes layer i keeps for backward per microbatch under its recompute kind."""
     if i in recompute:
@@ -234,12 +254,17 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     layers = rank_layers(cfg, rank) if layers is None else layers
     selective = cfg.selective if selective is None else selective
     params = rank_params(ctx, costs, layers, cfg.tp)
-    parts = model_state_parts(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+    whole = replicated_params(ctx, cfg, costs, layers)
+    parts = model_state_parts(params - whole, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                               optimizer=ctx.options.optimizer)
+    if whole:
+        rep = model_state_parts(whole, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                optimizer=ctx.options.optimizer)
+        parts = {k: parts[k] + rep[k] for k in parts}
     if cfg.offload:
         parts = {k: 0.0 for k in parts}
     elif ctx.options.zero_shard_copy and cfg.dp_kind in ("zero1", "zero2") and DTYPE_BYTES[cfg.param_dtype] == 4:
-        parts["parameters"] += params * 4 / cfg.dp
+        parts["parameters"] += (params - whole) * 4 / cfg.dp
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
     kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
     # the backward of a recomputed layer rebuilds its full activations for one microbatch
@@ -379,6 +404,10 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                 bwd_last = sum(costs[i].bwd for i in layers)
                 sync = max(last, sync - bwd_last)
             tail = sync + after
+        whole = replicated_params(ctx, cfg, costs, layers)
+        if whole:  # tied weights kept whole: one more all-reduce of their gradients after the flush
+            tail += all_reduce_time(whole * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
+            dp_bytes += all_reduce_volume(whole * rbytes, cfg.dp)
         state = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=opts.optimizer)
         # Adam reads and writes every state byte once (memory-bound), on the host when offloaded

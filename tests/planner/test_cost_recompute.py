@@ -135,13 +135,23 @@ def test_search_never_proposes_1f1b_with_fewer_microbatches_than_stages():
     assert forced.plan.schedule.kind == "gpipe"
 
 
-def test_tied_weights_on_two_stages_need_ddp():
-    g = gpt_graph(layers=4, hidden=64, heads=4, seq=32, vocab=256)  # wte tied to lm_head
+def test_tied_weights_on_two_stages_stay_whole_under_sharded_kinds():
+    g = gpt_graph(layers=4, hidden=64, heads=4, seq=32, vocab=256)  # wte tied to lm_head: 256·64 elements
     c = Cluster.cpu(8, memory_bytes=2**30)
-    res = search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}}, top_k=0)
-    assert res.plan.data_parallel.kind == "ddp"
-    with pytest.raises(PlanError, match='different stages.*only under data_parallel.kind "ddp", not "zero2"'):
-        search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}, "data_parallel": {"kind": "zero2"}})
+    stages = [Stage(layers="wte,wpe,layers.[0-1]"), Stage(layers="layers.[2-3],ln_f,lm_head")]
+    plan = Plan(mesh=Mesh(pp=2, dp=4, tp=1), stages=stages, data_parallel=DataParallel(kind="zero2"),
+                schedule=Schedule(kind="1f1b", microbatches=2, global_batch=16))
+    zero = cost_plan(plan, g, c, validate=False)
+    plan.data_parallel = DataParallel(kind="ddp")
+    ddp = cost_plan(plan, g, c, validate=False)
+    tied = 256 * 64
+    for r in range(2):  # the tied weight keeps ddp's 4 + 4 + 8 bytes per element on both stages
+        z, d = zero.memory_parts[r], ddp.memory_parts[r]
+        others = d["parameters"] / 4 - tied
+        assert z["gradients"] == pytest.approx(tied * 4 + others * 4 / 4)
+        assert z["optimizer"] == pytest.approx(tied * 8 + others * 8 / 4)
+    res = search(g, c, global_batch=16, constraints={"mesh": {"pp": 2, "dp": 4}, "data_parallel": {"kind": "zero2"}})
+    assert res.plan.data_parallel.kind == "zero2"
 
 
 def test_a_tied_weight_listed_under_its_alias_is_still_tied():
