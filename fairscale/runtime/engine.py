@@ -100,9 +100,9 @@ class ParallelModule:
     def train_step(self, batch: Sequence[Any]) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.step(local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+        loss = self.executor.step(local_slice(batch, self.mesh.dp_index, self.mesh.dp))  # mean over pp and dp
         self.optimizer.step()
-        return self._dp_mean(loss)
+        return loss
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""
@@ -117,13 +117,6 @@ class ParallelModule:
         """This rank's trainable local tensors (slices and shards), as the optimizer sees them."""
         for opt in self._optimizers:
             yield from opt.params
-
-    def _dp_mean(self, value: float) -> float:
-        if self.mesh.dp == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=comm.get_group("dp"))
-        return float(t.item()) / self.mesh.dp
 
     # -- state ------------------------------------------------------------------------------------
 
