@@ -137,11 +137,8 @@ def _train(name: str, rank: int, world: int) -> dict:
     return out
 
 
-SLOW_AT_4 = {"llama_hf_auto_wrap"}  # runs on 2 ranks only, to keep this file's time in budget
-
-
 def _run(rank: int, world: int) -> bytes:
-    return _pack({name: _train(name, rank, world) for name in CONFIGS if world == 2 or name not in SLOW_AT_4})
+    return _pack({name: _train(name, rank, world) for name in CONFIGS})
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -149,11 +146,6 @@ def results(request):
     world = request.param
     per_rank = [_unpack(r) for r in fairscale.launch(_run, devices=world)]
     return world, per_rank
-
-
-def _ran(per_rank: list[dict], name: str) -> None:
-    if name not in per_rank[0]:
-        pytest.skip(f"{name} runs on 2 ranks only (time budget)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +167,6 @@ def _reference(family: str) -> tuple[Trajectory, dict]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trains_exactly(results, name):
     world, per_rank = results
-    _ran(per_rank, name)
     ref, _ = _reference(CONFIGS[name][0])
     assert train_reference  # the shared helper trains the same way; ours also keeps the optimizer state
     for r in per_rank:
@@ -187,7 +178,6 @@ def test_trains_exactly(results, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_consolidate_shard_weights(results, name):
     world, per_rank = results
-    _ran(per_rank, name)
     full = FSDP.consolidate_shard_weights([r[name]["local"] for r in per_rank], [r[name]["meta"] for r in per_rank])
     ref = per_rank[0][name]["state"]
     assert set(full) == set(ref)
@@ -198,7 +188,6 @@ def test_consolidate_shard_weights(results, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gather_full_optim_state(results, name):
     world, per_rank = results
-    _ran(per_rank, name)
     _, ref_osd = _reference(CONFIGS[name][0])
     got = per_rank[0][name]["optim"]
     assert all(r[name]["optim"] is None for r in per_rank[1:])
@@ -212,5 +201,4 @@ def test_gather_full_optim_state(results, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_reload_full_state(results, name):
     _, per_rank = results
-    _ran(per_rank, name)
     assert all(r[name]["reload_equal"] for r in per_rank)
