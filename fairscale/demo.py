@@ -17,6 +17,7 @@ import argparse
 import functools
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -59,8 +60,8 @@ def _progress(step: int, total: int, loss: float, started: float) -> None:
         sys.stdout.write("\n")
 
 
-def _train(rank: int, world: int, plan, steps: int, batch: int) -> list[float]:
-    case = build_case()
+def _train(rank: int, world: int, case: Case, plan, steps: int, batch: int) -> list[float]:
+    # ``case`` is the parent's, inherited through fork: its capture is cached, so ranks skip it
     pm = parallelize(case.model, example_inputs=case.make_batch(0, batch), loss_fn=case.loss_fn, plan=plan,
                      optimizer=functools.partial(torch.optim.Adam, lr=LR))
     losses, started = [], time.perf_counter()
@@ -80,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--html", default="fairscale-demo-plan.html", help="where to write the HTML report")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # torch's own deprecation notices (pytree internals) are not the user's business here
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
     case = build_case()
     batch = case.make_batch(0, args.batch)
@@ -109,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"training on {args.devices} gloo ranks:")
     t0 = time.perf_counter()
-    losses = launch(_train, devices=args.devices, args=(plan, args.steps, args.batch), timeout_s=600)[0]
+    losses = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), timeout_s=600)[0]
     parallel_s = time.perf_counter() - t0
     print(f"  {args.steps} steps in {parallel_s:.1f} s (process start and compile included)\n")
 

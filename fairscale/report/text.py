@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from planner.graph import ModelGraph
 from planner.plan import Plan, Stage
+from planner.schedule import ScheduleError, schedule_for
 from planner.selectors import SelectorError, format_layers, parse_selector
 
 __all__ = ["render_report"]
@@ -43,13 +44,26 @@ def render_report(plan: Plan, graph: ModelGraph | None) -> str:
     return "\n".join(lines)
 
 
+def _placement(plan: Plan, stages: int) -> list[int]:
+    """Pipeline rank of each stage, as the schedule places them (interleaved and V differ)."""
+    if plan.mesh.pp <= 1:
+        return [0] * stages
+    try:
+        schedule = schedule_for(plan)
+    except (ScheduleError, ValueError):
+        return [i % plan.mesh.pp for i in range(stages)]
+    return [schedule.stage_rank(i) for i in range(stages)]
+
+
 def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:
     memory = plan.predicted.memory_gib
     stages = plan.stages or [Stage(layers="**")]
-    rows = [("stage", "pp rank", "layers", "params", "memory GiB")]
+    rows = [("stage", "pp rank", "layers", "params", "rank memory GiB")]
+    placement = _placement(plan, len(stages))
     for i, stage in enumerate(stages):
-        mem = f"{memory[i]:.3g}" if len(memory) == len(stages) else "-"
-        rank = str(i % plan.mesh.pp) if plan.mesh.pp >= 1 else "?"
+        r = placement[i]
+        mem = f"{memory[r]:.3g}" if r < len(memory) else "-"
+        rank = str(r)
         groups = _layer_groups(stage.layers, graph)
         for j, (names, params) in enumerate(groups):
             rows.append((str(i) if j == 0 else "", rank if j == 0 else "", names, params, mem if j == 0 else ""))
