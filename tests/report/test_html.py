@@ -93,3 +93,24 @@ def test_report_renders_in_headless_chromium(tmp_path):
     # the mesh cells are filled #4e79a7: count pixels of that colour
     blue = sum(1 for row in rows for i in range(0, len(row), bpp) if row[i:i + 3] == b"\x4e\x79\xa7")
     assert blue > 8 * 20 * 20, f"only {blue} mesh-coloured pixels: the SVG did not render"
+
+
+def test_report_of_a_real_plan_has_the_cost_models_bars_and_the_simulated_timeline(tmp_path):
+    from fairscale.api import captured, resolve_cluster, search
+    from fairscale.report.build import report_data
+    from fairscale.testing.models import build
+
+    case = build("gpt")
+    batch = case.make_batch(0, 8)
+    result = search(case.model, batch, devices=8, loss_fn=case.loss_fn,
+                    constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}, "schedule": {"kind": "1f1b", "microbatches": 4}})
+    graph, cluster = captured(case.model, batch, loss_fn=case.loss_fn), resolve_cluster(8)
+    data = report_data(result.plan, graph, cluster, title="gpt")
+    assert data.mesh == (2, 2, 2)
+    assert len(data.memory) == 2 and all(sum(parts.values()) > 0 for parts in data.memory)
+    predicted = [gib * 2**30 for gib in result.plan.predicted.memory_gib]
+    assert [sum(parts.values()) for parts in data.memory] == pytest.approx(predicted, rel=1e-6)
+    # one forward and one backward box per stage and microbatch, on the two pipeline ranks
+    assert sorted((b.kind, b.row) for b in data.timeline) == sorted([(k, r) for k in "FB" for r in (0, 1)] * 4)
+    page = render_html(data)
+    assert page.count('class="action"') == 16 and page.count('class="rank"') == 8
