@@ -36,7 +36,7 @@ from passes.tp_patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
-from planner.plan import Plan, PlanError
+from planner.plan import Plan
 from planner.search import SearchResult, cost_plan
 from planner.search import search as _search
 

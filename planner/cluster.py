@@ -169,7 +169,7 @@ class Cluster:
         """
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
-        host = memory_bytes if memory_bytes is not None else _host_memory() // ranks
+        host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks
         cores = max(1, (os.cpu_count() or 1))
         per_rank = 50e9 * max(1.0, cores / ranks)
         return cls(name="cpu", device="cpu", nodes=1, devices_per_node=ranks, memory_bytes=host,
@@ -223,7 +223,8 @@ class Cluster:
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 
-def _host_memory() -> int:
+def host_memory_bytes() -> int:
+    """Total host RAM from /proc/meminfo (16 GiB where it cannot be read)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.cluster import Cluster, Efficiency
+from planner.cluster import Cluster, Efficiency, host_memory_bytes
 
 __all__ = ["Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta"]
@@ -124,7 +124,7 @@ def machine_description() -> dict[str, Any]:
     except OSError:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": _host_memory(), "os": platform.platform(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": host_memory_bytes(), "os": platform.platform(),
             "torch": torch.__version__, "load_average_1m": load,
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -271,7 +271,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
     link = fits["all_reduce"]
     flops = statistics.median(res["matmul"].values())
     bw = float(res["bandwidth"])
-    host = memory_bytes if memory_bytes is not None else _host_memory() // ranks
+    host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks
     cluster = dataclasses.replace(
         Cluster.cpu(ranks, memory_bytes=host), name="cpu-calibrated",
         device=f"cpu ({ranks} gloo ranks, 1 thread each)",
@@ -293,17 +293,6 @@ def load_calibration(path: str | Path) -> Cluster:
     """The Cluster stored by :func:`save_calibration` (or a bare ``Cluster.to_dict`` JSON)."""
     data = json.loads(Path(path).read_text())
     return Calibration.from_dict(data).cluster if "cluster" in data else Cluster.from_dict(data)
-
-
-def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 * 2**30
 
 
 if __name__ == "__main__":  # python -m fairscale.runtime.calibrate [ranks] [out.json]
