@@ -201,6 +201,30 @@ def build_encoder(seed: int = 0) -> Case:
     return Case("encoder", EncoderClassifier(), _classify((12, 8), 10), F.cross_entropy)
 
 
+class SkipNet(nn.Module):
+    """A mask computed once from the input and used by every block, and a skip connection from the
+    embedding to the head across every block (what a pipeline must relay between stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.abs().sum(-1, keepdim=True) > 6.0).to(x.dtype)
+        h0 = self.embed(x)
+        h = h0
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * mask + h
+        return self.head(h + h0)
+
+
+def build_skip(seed: int = 0) -> Case:
+    torch.manual_seed(seed)
+    return Case("skip", SkipNet(), _classify((8,), 10), F.cross_entropy)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hugging Face families (tiny random-init configs; transformers is a test extra)
 
@@ -291,13 +315,14 @@ def build_vit(seed: int = 0, *, layers: int = 2, heads: int = 4, dim: int = 64) 
 
 
 FAMILIES: dict[str, Callable[..., Case]] = {
-    "gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "encoder": build_encoder, "llama": build_llama,
+    "gpt": build_gpt, "mlp": build_mlp, "cnn": build_cnn, "encoder": build_encoder, "skip": build_skip,
+    "llama": build_llama,
     "gpt2": build_gpt2, "bert": build_bert, "t5": build_t5, "mixtral": build_mixtral, "vit": build_vit,
 }
 
 
 def build(name: str, seed: int = 0, **overrides: Any) -> Case:
-    """Build the named family: gpt, mlp, cnn, encoder, llama, gpt2, bert, t5, mixtral, vit."""
+    """Build the named family: gpt, mlp, cnn, encoder, skip, llama, gpt2, bert, t5, mixtral, vit."""
     try:
         factory = FAMILIES[name]
     except KeyError:

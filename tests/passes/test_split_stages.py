@@ -7,8 +7,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from fairscale.testing.models import Case, build
 from passes.layout import META_LAYOUT
@@ -17,34 +15,6 @@ from planner.capture import capture
 from planner.graph import ModelGraph
 from planner.plan import Mesh, Plan, PlanError, Schedule, Stage
 from planner.schedule import ScheduleError, build_schedule, simulate
-
-
-class SkipNet(nn.Module):
-    """A mask computed once from the input, used by every block; a skip from embed to head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 32)
-        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = (x.abs().sum(-1, keepdim=True) > 6.0).to(x.dtype)
-        h0 = self.embed(x)
-        h = h0
-        for block in self.blocks:
-            h = torch.tanh(block(h)) * mask + h
-        return self.head(h + h0)
-
-
-def _skip_case() -> Case:
-    torch.manual_seed(0)
-
-    def make(step: int, batch: int) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(batch, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-    return Case("skip", SkipNet(), make, F.cross_entropy)
 
 
 def _capture(case: Case, batch: int = 2) -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
@@ -59,7 +29,7 @@ def gpt() -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
 
 @pytest.fixture(scope="module")
 def skip() -> tuple[ModelGraph, tuple[torch.Tensor, ...]]:
-    return _capture(_skip_case())
+    return _capture(build("skip"))
 
 
 @pytest.fixture(scope="module")

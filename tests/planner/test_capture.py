@@ -21,6 +21,7 @@ LAYERS = {
     "mlp": ["layers.0", "layers.1", "layers.2", "layers.3"],
     "cnn": ["features.0", "features.1", "head"],
     "encoder": ["embed", "encoder.layers.0", "encoder.layers.1", "head"],
+    "skip": ["embed"] + [f"blocks.{i}" for i in range(6)] + ["head"],
     "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"],
     "gpt2": ["transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f",
              "lm_head"],
@@ -32,7 +33,7 @@ LAYERS = {
     "vit": ["vit.embeddings", "vit.layers.0", "vit.layers.1", "vit.layernorm", "classifier"],
 }
 
-MIN_NODES = {"gpt": 120, "mlp": 15, "cnn": 15, "encoder": 80, "llama": 150, "gpt2": 120, "bert": 100,
+MIN_NODES = {"gpt": 120, "mlp": 15, "cnn": 15, "encoder": 80, "skip": 30, "llama": 150, "gpt2": 120, "bert": 100,
              "t5": 300, "mixtral": 200, "vit": 100}
 
 BLOCKS = {
@@ -40,6 +41,7 @@ BLOCKS = {
     "mlp": {"layers.[0-2]": ["layers.0", "layers.1", "layers.2"]},
     "cnn": {"features.*": ["features.0", "features.1"]},
     "encoder": {"encoder.layers.*": ["encoder.layers.0", "encoder.layers.1"]},
+    "skip": {"blocks.*": [f"blocks.{i}" for i in range(6)]},
     "llama": {"model.layers.*": ["model.layers.0", "model.layers.1"]},
     "gpt2": {"transformer.h.*": ["transformer.h.0", "transformer.h.1"]},
     "bert": {"bert.encoder.layer.*": ["bert.encoder.layer.0", "bert.encoder.layer.1"]},
