@@ -17,6 +17,7 @@ import torch.fx
 
 from passes import comm
 from passes.layout import layout_of
+from passes.shard_data_parallel import META_DP
 
 __all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
 
@@ -66,7 +67,7 @@ def _recorded_tensors(gm: torch.fx.GraphModule) -> set[int]:
             out.add(id(_resolve(gm, attr)))
         except AttributeError:
             pass  # reported through the get_attr check when the graph uses it
-    info = gm.meta.get("fs_dp")
+    info = gm.meta.get(META_DP)
     if info is not None:
         out.update(id(p) for p in info.sharded_params())
     return out
