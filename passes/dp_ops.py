@@ -11,8 +11,17 @@ registers on the GraphModule, reached by a ``get_attr`` node) plus tensors::
     h = fsdp_reshard(unit, h1, h2)               # forward: identity + free the gathered storage;
                                                  #   backward: all-gather again before the unit's backward
 
-Gradients reach parameters only through autograd's return values (never by writing ``.grad``),
-so ``zero_grad(set_to_none=True)`` is always safe: AccumulateGrad assigns or adds as usual.
+Bucket reductions are asynchronous, as in PyTorch DDP's reducer: a bucket's backward launches its
+all-reduce / reduce-scatter (``async_op=True``) as soon as autograd has every gradient of the
+bucket, and returns without waiting, so the collective overlaps the rest of backward. A callback
+queued on the autograd engine (``Variable._execution_engine.queue_callback``, what DDP uses) runs
+when that backward call finishes: it waits for the call's reductions in launch order, divides by
+``n`` and accumulates the results into ``.grad`` with AccumulateGrad's rule (assign when ``None``,
+else add), so ``zero_grad(set_to_none=True)`` stays safe and every caller of ``backward`` sees
+final averaged gradients when it returns. Where autograd would not accumulate into the parameters
+(``torch.autograd.grad``, ``create_graph=True``, non-leaf inputs, parameters with hooks) a bucket
+reduces synchronously and returns its gradients through autograd instead. FSDP units reduce
+synchronously.
 
 Averaging over ``n`` data-parallel ranks is post-division: sum in ``reduce_dtype``, then divide by
 ``n`` (one rounding in fp32; PyTorch DDP does the same by default).
@@ -33,7 +42,8 @@ from torch import nn
 
 from passes import comm
 
-__all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled"]
+__all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
+           "pending_reductions", "wait_reductions"]
 
 _SYNC = [True]
 
@@ -58,13 +68,16 @@ def sync_enabled() -> bool:
 def _flat_grads(grads: tuple[torch.Tensor | None, ...], shapes: list[torch.Size], padded: int,
                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Concatenate member gradients (None = zero, unused member) into one padded flat tensor."""
-    flat = torch.zeros(padded, dtype=dtype, device=device)
+    flat = torch.empty(padded, dtype=dtype, device=device)  # one write per element, not zero-fill + copy
     start = 0
     for g, shape in zip(grads, shapes):
         n = shape.numel()
         if g is not None:
             flat[start:start + n].copy_(g.reshape(-1))
+        else:
+            flat[start:start + n].zero_()
         start += n
+    flat[start:].zero_()
     return flat
 
 
@@ -111,12 +124,135 @@ class DDPBucket(nn.Module):
         comm.all_gather_flat(self.flat, self.shard.detach().to(self.param_dtype), self.axis)
 
 
+class _Reduction:
+    """One bucket's reduction: launched in backward, finished (wait, divide, split) later."""
+
+    def __init__(self, bucket: DDPBucket, flat: torch.Tensor, dtypes: list[torch.dtype]) -> None:
+        self.bucket, self.flat, self.dtypes = bucket, flat, dtypes
+        self.out: torch.Tensor | None = None
+        self.work: Any = None
+        self.targets: tuple[torch.Tensor | None, ...] = ()
+        """Async only: the leaves (shard, *params) whose ``.grad`` receives the results."""
+
+    def start(self, *, async_op: bool) -> None:
+        b = self.bucket
+        if b.kind == "zero2":
+            lo, hi = b.shard_range
+            self.out = torch.empty(hi - lo, dtype=b.reduce_dtype, device=self.flat.device)
+            self.work = comm.reduce_scatter_flat(self.out, self.flat, b.axis, async_op=async_op)
+        else:
+            self.work = comm.all_reduce_(self.flat, b.axis, async_op=async_op)
+
+    @torch.no_grad()
+    def finish(self) -> tuple[torch.Tensor | None, ...]:
+        """Wait for the collective; return (shard gradient, *parameter gradients), averaged."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        b = self.bucket
+        nones = (None,) * len(self.dtypes)
+        if b.kind == "zero2":
+            assert b.shard is not None and self.out is not None
+            return (self.out.div_(b.n).to(b.shard.dtype),) + nones
+        flat = self.flat.div_(b.n)
+        param_grads = []
+        start = 0
+        for shape, dtype in zip(b.shapes, self.dtypes):
+            n = shape.numel()
+            param_grads.append(flat[start:start + n].view(shape).to(dtype))
+            start += n
+        lo, hi = b.shard_range
+        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.shard is not None else None
+        return (shard_grad, *param_grads)
+
+
+_INFLIGHT: list[tuple[int, _Reduction]] = []
+"""(autograd graph task id, reduction) of every bucket reduction launched and not yet finished."""
+_CALLBACK_TASKS: set[int] = set()
+"""Graph tasks that already have a finishing callback queued."""
+
+
+def pending_reductions() -> int:
+    """How many asynchronous bucket reductions are in flight (0 outside backward)."""
+    return len(_INFLIGHT)
+
+
+@torch.no_grad()
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """AccumulateGrad's rule: take the gradient when ``.grad`` is None, else add into it."""
+    if leaf.grad is None:
+        leaf.grad = grad
+    else:
+        leaf.grad += grad
+
+
+def _finish(items: list[tuple[int, _Reduction]], *, apply: bool = True) -> None:
+    for _, red in items:
+        grads = red.finish()
+        if apply:
+            for leaf, g in zip(red.targets, grads):
+                if leaf is not None and g is not None:
+                    _accumulate(leaf, g)
+
+
+def _finish_task(task: int) -> None:
+    mine = [item for item in _INFLIGHT if item[0] == task]
+    _INFLIGHT[:] = [item for item in _INFLIGHT if item[0] != task]
+    _CALLBACK_TASKS.discard(task)
+    _finish(mine)
+
+
+def wait_reductions() -> None:
+    """Finish every in-flight bucket reduction now (the end-of-backward callback does this on its
+    own; call it only to read gradients from inside a backward, e.g. in a hook)."""
+    items = list(_INFLIGHT)
+    _INFLIGHT.clear()
+    _CALLBACK_TASKS.clear()
+    _finish(items)
+
+
+def _drop_stale() -> None:
+    """Reductions still in flight outside any backward belong to a backward that raised before its
+    callback ran: complete the collectives (every rank issued them) and drop their partial results."""
+    items = list(_INFLIGHT)
+    _INFLIGHT.clear()
+    _CALLBACK_TASKS.clear()
+    _finish(items, apply=False)
+
+
+def _async_targets(ctx: Any) -> tuple[torch.Tensor | None, ...] | None:
+    """The leaves whose ``.grad`` an asynchronous reduction may write: (shard, *params), None for
+    inputs that take no gradient. None when autograd would not accumulate into every one of them
+    (``autograd.grad``, a subset ``inputs=``, non-leaves, hooks, ``create_graph``): reduce synchronously."""
+    if torch.is_grad_enabled():  # create_graph=True: gradients must stay differentiable graph values
+        return None
+    targets: list[torch.Tensor | None] = []
+    for t, (node, _) in zip(ctx.tensor_inputs, ctx.next_functions):
+        if not t.requires_grad:
+            targets.append(None)
+            continue
+        hooked = t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
+        if node is None or t.grad_fn is not None or hooked:  # hooks expect AccumulateGrad to run them
+            return None
+        try:
+            if not torch._C._will_engine_execute_node(node):
+                return None
+        except RuntimeError:  # autograd.grad(): the engine captures gradients instead of accumulating
+            return None
+        targets.append(t)
+    return tuple(targets) if ctx.has_shard else (None, *targets)
+
+
 class _Bucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> Any:
+        if _INFLIGHT and torch._C._current_graph_task_id() == -1:
+            _drop_stale()
         ctx.bucket = bucket
         ctx.dtypes = [p.dtype for p in params]
         ctx.device = params[0].device
+        ctx.has_shard = shard is not None
+        ctx.tensor_inputs = ((shard,) if shard is not None else ()) + params  # leaves: no reference cycle
         outs = tuple(p.view_as(p) if p.dtype == bucket.param_dtype else p.to(bucket.param_dtype) for p in params)
         return outs
 
@@ -131,28 +267,25 @@ class _Bucket(torch.autograd.Function):
         if b.acc is not None:
             flat.add_(b.acc)
             b.acc = None
-        lo, hi = b.shard_range
-        if b.kind == "zero2":
-            out = torch.empty(hi - lo, dtype=b.reduce_dtype, device=ctx.device)
-            comm.reduce_scatter_flat(out, flat, b.axis)
-            assert b.shard is not None
-            return (None, out.div_(b.n).to(b.shard.dtype)) + nones
-        comm.all_reduce_(flat, b.axis)
-        flat.div_(b.n)
-        param_grads = []
-        start = 0
-        for shape, dtype in zip(b.shapes, ctx.dtypes):
-            n = shape.numel()
-            param_grads.append(flat[start:start + n].view(shape).to(dtype))
-            start += n
-        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.shard is not None else None
-        return (None, shard_grad) + tuple(param_grads)
+        red = _Reduction(b, flat, ctx.dtypes)
+        targets = _async_targets(ctx) if comm.group_size(b.axis) > 1 else None
+        red.start(async_op=targets is not None)
+        if targets is None:
+            return (None, *red.finish())
+        red.targets = targets
+        task = torch._C._current_graph_task_id()
+        _INFLIGHT.append((task, red))
+        if task not in _CALLBACK_TASKS:
+            _CALLBACK_TASKS.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_task(task))
+        return (None, None) + nones
 
 
 def dp_bucket(bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Identity (or cast to ``param_dtype``) in forward; in backward, reduce the bucket's gradients:
     all-reduce for ddp/zero1 (averaged grads to every parameter, and for zero1 this rank's slice to
-    ``shard``), reduce-scatter for zero2 (only the slice, to ``shard``)."""
+    ``shard``), reduce-scatter for zero2 (only the slice, to ``shard``). The collective is launched
+    asynchronously and its results land in ``.grad`` when the backward call returns."""
     return _Bucket.apply(bucket, shard, *params)
 
 
