@@ -39,8 +39,12 @@ rewritten to local sizes (``view(b, t, h, d)`` -> ``view(b, t, h/tp, d)``), atte
 local heads, and collectives are inserted only where a consumer needs another placement. With
 sequence parallelism (Korthikanti et al. 2022) the partial sums become reduce-scatters along the
 sequence (dim 1), norm/dropout/residual regions run on sequence shards, and the all-gather in
-front of a column-parallel block is ``gather_seq`` (reduce-scatter in backward). A node that cannot
-be sharded correctly raises :class:`TPShardError` quoting ``node.format_node()``.
+front of a column-parallel block is ``gather_seq`` (reduce-scatter in backward). A replicated value
+that enters the sequence-sharded residual and also feeds a norm in front of a column-parallel block
+(a replicated embedding's output, a stage input) is copied once and split by ``tp_ops.local_chunk``,
+so its backward needs one all-reduce instead of an all-gather plus an all-reduce
+(``passes.tp_fuse``). A node that cannot be sharded correctly raises :class:`TPShardError` quoting
+``node.format_node()``.
 
 Dropout with p > 0 on a sharded value draws an independent mask per tp rank
 (``tp_ops.sharded_dropout``); replicated dropouts stay identical across tp ranks provided every tp
@@ -70,6 +74,7 @@ from torch.fx import Node
 
 from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
+from passes.tp_fuse import fuse_gather_copy, hoist_copy_over_scatter
 from passes.tp_placement import Placement, R, S
 from passes.tp_rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
 from passes.tp_model_rules import rule_for
@@ -104,7 +109,7 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 
     named: dict[Any, str] = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
              tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",
-             tp_ops.expert_grouped_mm: "expert_grouped_mm"}
+             tp_ops.expert_grouped_mm: "expert_grouped_mm", tp_ops.local_chunk: "local_chunk"}
     counts: Counter[str] = Counter()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in named:
@@ -164,7 +169,8 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         if node in styles:
             new.meta[META_STYLE] = styles[node]
         rw.env[node], rw.place[node] = new, place
-    _fuse_gather_copy(rw.graph)
+    fuse_gather_copy(rw.graph)
+    hoist_copy_over_scatter(rw.graph, gm)
     rw.graph.lint()
     return _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
 
@@ -312,31 +318,6 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ assembly
-
-
-def _fuse_gather_copy(graph: torch.fx.Graph) -> None:
-    """``gather_from_group -> (views) -> copy_to_group`` with no other users is ``gather_seq``:
-    all-gather forward, and in backward split∘all-reduce = one reduce-scatter (Korthikanti et al.
-    2022, section 4.2.2). Views are linear, so the all-reduce commutes with them."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not comm.gather_from_group:
-            continue
-        cur = node
-        while len(cur.users) == 1:
-            (user,) = cur.users
-            if user.target in _PASSTHROUGH and args_of(user)[0] is cur:
-                cur = user
-                continue
-            break
-        if len(cur.users) != 1:
-            continue
-        (copy_node,) = cur.users
-        if copy_node.target is not comm.copy_to_group:
-            continue
-        node.target = comm.gather_seq
-        node.meta["fs_tp_comm"] = node.meta.get("fs_tp_comm", "") + " (fused with copy_to_group)"
-        copy_node.replace_all_uses_with(cur)
-        graph.erase_node(copy_node)
 
 
 def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Placement], *, tp_index: int,

@@ -15,6 +15,9 @@ record into :data:`passes.comm.COUNTER` like every other collective.
 * :func:`sharded_dropout` - dropout of a tensor-parallel shard with a mask stream of its own per
   tp rank (Megatron's model-parallel RNG region), while the shared stream advances alike on
   every rank so replicated dropouts stay identical.
+* :func:`local_chunk` - this rank's chunk of a replicated value whose gradient is all-reduced
+  upstream (by a ``copy_to_group``): backward pads the chunk's gradient with zeros into a partial
+  sum instead of all-gathering it (``passes.tp_fuse.hoist_copy_over_scatter``). No communication.
 * :func:`expert_grouped_mm` - the expert-parallel form of ``transformers::grouped_mm_fallback``:
   rows are sorted by expert, and this rank multiplies only the rows of its own experts, leaving
   zeros elsewhere (a disjoint partial sum).
@@ -29,7 +32,8 @@ import torch.distributed as dist
 
 from passes import comm
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm", "sharded_dropout"]
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm", "sharded_dropout",
+           "local_chunk"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_start: int,
@@ -129,3 +133,26 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, tp_index: int) -> to
     gen = torch.Generator(device=x.device).manual_seed((seed + 2718281 * (tp_index + 1)) % 2**63)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
+
+
+class _LocalChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        n, r = comm.group_size(axis), comm.group_rank(axis)
+        dim = dim % x.dim()
+        if x.shape[dim] % n:
+            raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {n} ranks of axis {axis!r}")
+        ctx.shape, ctx.dim, ctx.start = x.shape, dim, r * (x.shape[dim] // n)
+        return x.narrow(dim, ctx.start, x.shape[dim] // n).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        full = grad.new_zeros(ctx.shape)
+        full.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim]).copy_(grad)
+        return full, None, None
+
+
+def local_chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """Chunk ``group_rank(axis)`` of ``x`` along ``dim``; the gradient comes back as that chunk in
+    zeros of ``x``'s shape (a partial sum, to be all-reduced by a ``copy_to_group`` in front)."""
+    return _LocalChunk.apply(x, axis, dim)

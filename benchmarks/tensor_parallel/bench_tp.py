@@ -2,6 +2,7 @@
 
     python benchmarks/tensor_parallel/bench_tp.py --tp 2 --dim 512 --layers 4 --seq 256 --batch 8
     python benchmarks/tensor_parallel/bench_tp.py --tiny          # a few-second smoke run
+    python benchmarks/tensor_parallel/bench_tp.py --bytes         # one step per variant: MiB only, per collective
 
 Both sides shard the same Hugging Face Llama blocks the Megatron way (q/k/v, gate/up column-parallel;
 o, down row-parallel; embedding and LM head replicated) on CPU gloo ranks, train with Adam and the
@@ -14,7 +15,11 @@ against the theoretical Megatron volume:
 
 Sequence parallelism replaces each all-reduce by an all-gather plus a reduce-scatter of the same
 total volume (Korthikanti et al. 2022, table 1), plus one all-reduce of each norm weight's gradient
-and one all-gather of the final hidden state for the replicated LM head.
+and one all-gather of the final hidden state for the replicated LM head. The replicated embedding's
+output enters the sequence-sharded residual at no cost: it is copied once (the all-reduce of layer
+0's block entry) and split locally, so its gradient needs no all-gather of its own
+(``passes.tp_fuse.hoist_copy_over_scatter``; Megatron-LM's ``scatter_to_sequence_parallel_region``
+would all-gather it, 0.5 MiB per step at the default sizes).
 The "ours: detector plan" line adds what the pattern detector proposes (vocab-parallel embedding and
 loss), whose extra volume is one [b, t, d] all-reduce forward (embedding), one backward (LM head
 input), and the loss's all-reduces of [N] and [2, N].
@@ -44,6 +49,11 @@ BLOCK_RULES = {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*
                "layers.*.mlp.[gate_proj,up_proj]": "colwise", "layers.*.mlp.down_proj": "rowwise"}
 
 
+def _variants(detector_rules: dict[str, str]) -> list[tuple[str, dict[str, str], bool]]:
+    return [("ours", BLOCK_RULES, False), ("ours+sp", BLOCK_RULES, True),
+            ("ours: detector plan", detector_rules, False)]
+
+
 def _timed_steps(step: Any, steps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         step()
@@ -57,7 +67,7 @@ def _timed_steps(step: Any, steps: int, warmup: int) -> list[float]:
 
 
 def _ours(gm: torch.fx.GraphModule, rules: dict[str, str], sp: bool, rank: int, tp: int, batch: tuple[Any, ...],
-          steps: int, warmup: int) -> tuple[list[float], float]:
+          steps: int, warmup: int) -> tuple[list[float], float, str]:
     plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
     local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=tp)
     opt = torch.optim.Adam(local.parameters(), lr=1e-3)
@@ -70,7 +80,7 @@ def _ours(gm: torch.fx.GraphModule, rules: dict[str, str], sp: bool, rank: int, 
     times = _timed_steps(step, steps, warmup)
     comm.COUNTER.reset()
     step()
-    return times, comm.COUNTER.total_bytes()
+    return times, comm.COUNTER.total_bytes(), comm.COUNTER.summary()
 
 
 def _dtensor(model: torch.nn.Module, mesh: Any, batch: tuple[Any, ...], steps: int, warmup: int) -> list[float]:
@@ -98,12 +108,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace, gm: torch.fx.GraphMod
     _, device_mesh = build_mesh(1, 1, world)
     tp_mesh = device_mesh["tp"]
     out: dict[str, Any] = {}
+    if args.bytes:
+        for name, rules, sp in _variants(detector_rules):
+            _, out[name + ":bytes"], out[name + ":summary"] = _ours(gm, rules, sp, rank, world, batch, 0, 0)
+        return out
     # interleave the two sides so machine noise hits both alike
     for rep in range(args.repeats):
         out.setdefault("dtensor", []).extend(_dtensor(model, tp_mesh, batch, args.steps, args.warmup))
-        for name, rules, sp in (("ours", BLOCK_RULES, False), ("ours+sp", BLOCK_RULES, True),
-                                ("ours: detector plan", detector_rules, False)):
-            times, moved = _ours(gm, rules, sp, rank, world, batch, args.steps, args.warmup)
+        for name, rules, sp in _variants(detector_rules):
+            times, moved, _ = _ours(gm, rules, sp, rank, world, batch, args.steps, args.warmup)
             out.setdefault(name, []).extend(times)
             out[name + ":bytes"] = moved
     return out
@@ -124,6 +137,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--tiny", action="store_true", help="smoke-test sizes")
+    p.add_argument("--bytes", action="store_true", help="no timing: one step per variant, MiB per collective")
     args = p.parse_args()
     if args.tiny:
         args.dim, args.layers, args.heads, args.kv_heads, args.vocab = 64, 2, 4, 2, 128
@@ -144,9 +158,18 @@ def main() -> None:
     act = b * t * d * 4
     theory_blocks = L * 4 * ar * act
     # SP: same block volume; the replicated LM head gathers the sequence-sharded final hidden state
-    # once, and every norm weight's gradient is all-reduced
+    # once, and every norm weight's gradient is all-reduced (2 per layer + the final norm); the
+    # embedding output's entry into the residual is free (see the module docstring)
     theory_sp = theory_blocks + (n - 1) / n * act + (2 * L + 1) * ar * d * 4
     theory_vocab = theory_blocks + 2 * ar * act + ar * (b * t * 4 + 2 * b * t * 4)
+    if args.bytes:
+        print(f"llama dim={d} layers={L} heads={args.heads}/{args.kv_heads} vocab={args.vocab} seq={t} batch={b} "
+              f"tp={n}: bytes per step and rank (ring volumes)")
+        for name, theory in (("ours", theory_blocks), ("ours+sp", theory_sp), ("ours: detector plan", theory_vocab)):
+            moved = res[0][name + ":bytes"]
+            print(f"\n{name}: {moved / 2**20:.3f} MiB moved, theory {theory / 2**20:.3f} MiB")
+            print(res[0][name + ":summary"])
+        return
     base = median("dtensor")
     print(f"llama dim={d} layers={L} heads={args.heads}/{args.kv_heads} vocab={args.vocab} seq={t} batch={b} "
           f"tp={n} (CPU gloo, {args.threads} thread/rank)")

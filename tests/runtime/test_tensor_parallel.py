@@ -28,6 +28,7 @@ import fairscale
 from fairscale.runtime.mesh import build_mesh
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, compare, make_optimizer, train_reference
+from passes import comm
 from passes.layout import META_LAYOUT
 from passes.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
 from passes.tp_patterns import propose_tp_rules
@@ -99,12 +100,14 @@ def _rank(rank: int, world: int, gm: torch.fx.GraphModule, rules: dict[str, str]
         losses = []
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
+            comm.COUNTER.reset()
             loss = local(*case.make_batch(step, BATCH))
             loss.backward()
+            moved = comm.COUNTER.total_bytes()  # of the last step
             opt.step()
             losses.append(loss.item())
         state = gather_state(local, tied)  # collective: every rank takes part
-        results[sp] = (losses, state if rank == 0 else None, collective_counts(local))
+        results[sp] = (losses, state if rank == 0 else None, collective_counts(local), moved)
     return results
 
 
@@ -127,7 +130,7 @@ def run(family: str, tp: int) -> tuple[Trajectory, list[dict[bool, Any]], dict[s
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_single_process(family: str, tp: int, sp: bool) -> None:
     ref, results, rules = run(family, tp)
-    losses, state, counts = results[0][sp]
+    losses, state, counts, _ = results[0][sp]
     for other in results[1:]:
         assert other[sp][0] == losses, "tp ranks disagree on the loss"
     got = Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()})
@@ -144,6 +147,33 @@ def test_matches_single_process(family: str, tp: int, sp: bool) -> None:
     assert ("expert" in styles) == (family == "mixtral")
 
 
+BLOCK_RULES = {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+               "layers.*.mlp.[gate_proj,up_proj]": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+
+
+def test_replicated_embedding_under_sequence_parallelism() -> None:
+    """Blocks only (embedding and LM head replicated, as in benchmarks/tensor_parallel): under SP the
+    embedding output enters the residual by local_chunk and layer 0's norm runs backward on partial
+    sums (passes.tp_fuse.hoist_copy_over_scatter); training still matches single-process."""
+    case = make_case("llama", 2)
+    graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
+    ref = train_reference(lambda: make_case("llama", 2), steps=STEPS, global_batch=BATCH)
+    results = fairscale.launch(_rank, devices=2, args=(graph.gm, BLOCK_RULES, "llama", 2, graph.tied))
+    b, t, d, layers = BATCH, 16, 64, 2  # build("llama") defaults; float64
+    act, ring = b * t * d * 8, (2 - 1) / 2  # bytes of one [b, t, d] activation; (n-1)/n on 2 ranks
+    theory = {  # Megatron: 4 all-reduces of [b, t, d] per layer (2 forward, 2 backward)
+        False: layers * 4 * 2 * ring * act,
+        # SP: the same volume as all-gather/reduce-scatter pairs, the final hidden state gathered for
+        # the replicated LM head, and the gradient of every norm weight all-reduced (2 per layer + final)
+        True: layers * 4 * 2 * ring * act + ring * act + (2 * layers + 1) * 2 * ring * d * 8}
+    for sp in (False, True):
+        losses, state, counts, moved = results[0][sp]
+        assert results[1][sp][0] == losses
+        compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}))
+        assert counts.get("local_chunk", 0) == (1 if sp else 0)
+        assert all(r[sp][3] == theory[sp] for r in results), (sp, [r[sp][3] for r in results], theory[sp])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "t5", "vit", "encoder", "mlp"])
 def test_other_families_match_single_process(family: str) -> None:
@@ -151,7 +181,7 @@ def test_other_families_match_single_process(family: str) -> None:
     ref, results, rules = run(family, 2)
     assert rules
     for sp in (False, True):
-        losses, state, _ = results[0][sp]
+        losses, state, _, _ = results[0][sp]
         compare(ref, Trajectory(losses=losses, params={k: torch.from_numpy(v) for k, v in state.items()}))
 
 
@@ -207,8 +237,10 @@ def test_tensor_parallel_on_pipeline_stage_graphs() -> None:
         # stage 0 holds the vocab embedding and one block, stage 1 one block and the vocab-parallel loss
         assert counts[0]["vocab_parallel_embedding"] == 1 and "vocab_parallel_cross_entropy" not in counts[0]
         assert counts[1]["vocab_parallel_cross_entropy"] == 1
-        if sp:  # the boundary activation leaves stage 0 gathered (stage outputs are replicated)
-            assert counts[0]["gather_from_group"] == 1 and counts[1]["scatter_to_group"] == 1
+        if sp:  # the boundary activation leaves stage 0 gathered (stage outputs are replicated) and
+            # enters stage 1's residual by local_chunk behind one copy_to_group (passes.tp_fuse)
+            assert counts[0]["gather_from_group"] == 1 and counts[1]["local_chunk"] == 1
+            assert "scatter_to_group" not in counts[1]
 
 
 def _fp32_rank(rank: int, world: int, gm: torch.fx.GraphModule, rules: dict[str, str],
