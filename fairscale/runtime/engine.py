@@ -26,7 +26,7 @@ from torch import nn
 
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.mesh import RankMesh, build_mesh
-from fairscale.runtime.optim import DataParallelOptimizer
+from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime import state as _state
 from passes import comm, compile_rank
@@ -75,7 +75,7 @@ class ParallelModule:
         m = plan.mesh
         self.plan = plan
         self.mesh: RankMesh
-        self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp)
+        self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp, ep=m.ep)
         gb = plan.schedule.global_batch or _batch_rows(example_inputs)
         micro = plan.schedule.microbatches
         if gb % (m.dp * micro):
@@ -94,15 +94,54 @@ class ParallelModule:
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
         self.optimizer = _StageOptimizers(self._optimizers)
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
 
     # -- training ---------------------------------------------------------------------------------
 
-    def train_step(self, batch: Sequence[Any]) -> float:
-        """One optimizer step on the global ``batch``; returns its mean loss (same on every rank)."""
+    def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None) -> float:
+        """One optimizer step on the global ``batch``; returns its mean loss (same on every rank).
+
+        ``clip_norm``: before the step, scale the gradients so the global 2-norm over the whole
+        model is at most ``clip_norm`` (see :meth:`clip_grad_norm_`); the norm before clipping is
+        kept in ``pm.last_grad_norm``.
+        """
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.executor.step(local_slice(batch, self.mesh.dp_index, self.mesh.dp))  # mean over pp and dp
+        if clip_norm is not None:
+            self.last_grad_norm = float(self.clip_grad_norm_(clip_norm))
         self.optimizer.step()
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale this rank's gradients so the norm over the FULL model's gradients is at most
+        ``max_norm``; return the norm before clipping (the same on every rank). Collective.
+
+        ``torch.nn.utils.clip_grad_norm_`` semantics (same 1e-6 epsilon) on the user's model: each
+        parameter element counts once. Slices (``TensorShard``) add over their own axis (tp, ep,
+        ...), data-parallel shards over dp, pipeline stages over pp; whole tensors (replicas on tp
+        or dp ranks) count once, and a weight tied across stages counts only on its first stage
+        (the pipeline has already given every copy the summed gradient). Use it in the manual loop
+        (``loss.backward(); pm.clip_grad_norm_(1.0); pm.optimizer.step()``); ``train_step``
+        calls it for ``clip_norm``.
+        """
+        parts = merge_grad_norm_parts(
+            (opt.grad_norm_parts(norm_type, skip_keys=self._tied_copies(s))
+             for s, opt in zip(self.local_stages, self._optimizers)), norm_type)
+        total = reduce_grad_norm(parts, norm_type, reduce_axes=("pp",))
+        coef = clip_coefficient(total, max_norm)
+        for opt in self._optimizers:
+            opt.scale_grads_(coef)
+        return total
+
+    def _tied_copies(self, stage: int) -> set[str]:
+        """Keys of ``stage``'s copies of weights whose first holder is an earlier stage."""
+        program = self.program
+        later = [k for k in program.shared_keys(stage) if min(program.shared[program.canonical(k)]) != stage]
+        return {name for k in later for name in program.aliases.get(k, [k])}
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""

@@ -26,16 +26,20 @@ cached gradient buffers and silently lost gradients after ``set_to_none``).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
 from passes import comm
+from passes.dp_graph import resolve
+from passes.layout import META_LAYOUT
 from passes.shard_data_parallel import META_DP, DataParallelInfo
 
-__all__ = ["DataParallelOptimizer", "ELEMENTWISE"]
+__all__ = ["DataParallelOptimizer", "ELEMENTWISE", "GradPiece", "merge_grad_norm_parts", "reduce_grad_norm",
+           "clip_coefficient"]
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
 """torch.optim classes whose update of an element depends only on that element's history."""
@@ -64,6 +68,7 @@ class DataParallelOptimizer:
                 f"flattened parameters, so it would see shards instead of whole tensors. Use one of {ELEMENTWISE}, "
                 "use kind='ddp', or pass allow_non_elementwise=True if its update is elementwise")
         self.params = self._params()
+        self._pieces: list[GradPiece] | None = None
         self.optimizer = optimizer_cls(self.params, **kwargs)
 
     def _params(self) -> list[torch.nn.Parameter]:
@@ -107,43 +112,175 @@ class DataParallelOptimizer:
 
     # -- clipping ---------------------------------------------------------------------------------
 
+    def grad_pieces(self) -> list[GradPiece]:
+        """Every element this optimizer steps, as pieces of user tensors (see :class:`GradPiece`).
+        Computed once: the pieces depend only on the compiled layout."""
+        if self._pieces is None:
+            self._pieces = _grad_pieces(self.gm, self.info, self.params)
+        return self._pieces
+
+    @torch.no_grad()
+    def grad_norm_parts(self, norm_type: float = 2.0, *, skip_keys: Collection[str] = ()) -> dict[tuple[str, ...], torch.Tensor]:
+        """This rank's partial gradient norms, keyed by the axes their pieces are split over.
+
+        Each value is the sum of ``|g|**norm_type`` (the max of ``|g|`` for ``inf``) over the
+        pieces whose user tensor is partitioned over exactly those axes: ``()`` for whole tensors,
+        ``("tp",)`` for tensor-parallel slices, ``("dp",)`` for data-parallel shards of whole
+        tensors, ``("dp", "tp")`` for shards of slices, and so on for any axis a ``TensorShard``
+        names (``"ep"``). Values are float64 scalars. Pieces of ``skip_keys`` (user keys) are left
+        out, e.g. the second copy of a weight tied across pipeline stages.
+        """
+        layout = self.gm.meta.get(META_LAYOUT)
+        tp = layout.tp if layout is not None else {}
+        inf = math.isinf(norm_type)
+        parts: dict[tuple[str, ...], torch.Tensor] = {}
+        for piece in self.grad_pieces():
+            if piece.key in skip_keys:
+                continue
+            axes = set(piece.axes)
+            spec = tp.get(piece.key)
+            if spec is not None and spec.count > 1:
+                axes.add(spec.axis)
+            key = tuple(sorted(axes))
+            acc = parts.setdefault(key, torch.zeros((), dtype=torch.float64))
+            g = piece.param.grad
+            if g is None or piece.stop <= piece.start:
+                continue  # no gradient (unused this step) adds nothing, but the key stays for the collectives
+            g = g.detach().reshape(-1)[piece.start:piece.stop]
+            dtype = torch.promote_types(g.dtype, torch.float32)
+            if inf:
+                parts[key] = torch.maximum(acc, g.abs().max().to(torch.float64))
+            else:
+                norm = torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(torch.float64)
+                parts[key] = acc + norm ** norm_type
+        return parts
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient this optimizer steps by ``coef`` (and, for zero1, the replicas'
+        full gradients too, so they stay consistent with the shards)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        if self.info.kind == "zero1":
+            stepped = {id(p) for p in self.params}
+            for p in self.gm.parameters():
+                if p.grad is not None and p.requires_grad and id(p) not in stepped:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, reduce_axes: Iterable[str] = ()) -> torch.Tensor:
         """Scale gradients so their global ``norm_type`` norm is at most ``max_norm``; return the
         norm before clipping (``torch.nn.utils.clip_grad_norm_`` semantics, same 1e-6 epsilon).
 
-        Sharded kinds sum the shards' partial norms over the dp axis (padding is zero and adds
-        nothing). ``reduce_axes`` names further axes whose ranks hold disjoint parameters (``pp``).
+        Shards and slices add their partial norms over their own axes (padding is zero and adds
+        nothing); whole tensors are replicas and count once. ``reduce_axes`` names further axes
+        whose ranks hold disjoint parameters (``pp``).
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        sharded_ids = {id(p) for p in self.info.sharded_params()}
-        # shards hold disjoint pieces (their partial norms add over dp); whole parameters are replicas
-        parts = ([p.grad for p in self.params if p.grad is not None and id(p) in sharded_ids],
-                 [p.grad for p in self.params if p.grad is not None and id(p) not in sharded_ids])
-        acc = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
-        device = grads[0].device if grads else torch.device("cpu")
-        inf = math.isinf(norm_type)
-        totals = []
-        for gs, axes in zip(parts, (list(reduce_axes) + [self.info.axis], list(reduce_axes))):
-            if not gs and self.info.kind == "ddp":  # every rank agrees: ddp has no shards to reduce
-                totals.append(torch.zeros((), dtype=acc, device=device))
-                continue
-            if inf:
-                t = max((g.detach().abs().max().to(acc) for g in gs), default=torch.zeros((), dtype=acc, device=device))
+        total = reduce_grad_norm(self.grad_norm_parts(norm_type), norm_type, reduce_axes=reduce_axes)
+        self.scale_grads_(clip_coefficient(total, max_norm))
+        return total.to(_grad_dtype(self.params))
+
+
+@dataclass(frozen=True)
+class GradPiece:
+    """Elements ``[start, stop)`` of ``param``'s flattened gradient belong to user tensor ``key``;
+    ``axes`` are the data-parallel axes ``param`` is a shard on (tensor-parallel slicing is read
+    from the layout by key)."""
+
+    param: torch.nn.Parameter
+    key: str
+    start: int
+    stop: int
+    axes: tuple[str, ...] = ()
+
+
+def _grad_pieces(gm: torch.fx.GraphModule, info: DataParallelInfo, params: list[torch.nn.Parameter]) -> list[GradPiece]:
+    pieces: list[GradPiece] = []
+
+    def flat(param: torch.nn.Parameter, keys: list[str], shapes: list[torch.Size], offset: int, axis: str) -> None:
+        # the shard holds [offset, offset + numel) of the padded flat concatenation of ``keys``
+        start = 0
+        for key, shape in zip(keys, shapes):
+            lo, hi = max(start, offset), min(start + shape.numel(), offset + param.numel())
+            pieces.append(GradPiece(param, key, lo - offset, max(hi, lo) - offset, (axis,)))
+            start += shape.numel()
+
+    for b in info.buckets:
+        if b.shard is not None:
+            flat(b.shard, b.keys, b.shapes, b.shard_range[0], b.axis)
+        elif b.kind == "ddp":
+            pieces += [GradPiece(p, k, 0, p.numel()) for p, k in zip(b.params, b.keys)]
+    for u in info.units:
+        flat(u.flat, u.keys, u.shapes, u.rank * u.flat.numel(), u.axis)
+    covered = {id(piece.param) for piece in pieces}
+    layout = gm.meta.get(META_LAYOUT)
+    by_id = {}
+    for attr, key in (layout.keys.items() if layout is not None else []):
+        try:
+            by_id[id(resolve(gm, attr))] = key
+        except AttributeError:
+            continue
+    for p in params:
+        if id(p) in covered:
+            continue
+        if id(p) not in by_id:
+            raise ValueError(f"a trainable tensor of shape {tuple(p.shape)} has no user key in the layout "
+                             "(gm.meta['fs_layout']), so its share of the gradient norm is unknown; compile the "
+                             "graph with passes.compile_rank or shard_data_parallel_pass")
+        pieces.append(GradPiece(p, by_id[id(p)], 0, p.numel()))
+    return pieces
+
+
+def merge_grad_norm_parts(parts: Iterable[dict[tuple[str, ...], torch.Tensor]], norm_type: float = 2.0,
+                          ) -> dict[tuple[str, ...], torch.Tensor]:
+    """Combine partial norms of several local graphs (a rank's pipeline stages)."""
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in out:
+                out[key] = value
             else:
-                t = sum((g.detach().to(acc).norm(norm_type) ** norm_type for g in gs),
-                        torch.zeros((), dtype=acc, device=device))
-            t = t.clone().reshape(1)
-            for axis in axes:
-                if comm.group_size(axis) > 1:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=comm.get_group(axis))
-            totals.append(t[0])
-        total = torch.maximum(*totals) if inf else (totals[0] + totals[1]) ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        if self.info.kind == "zero1":  # keep the replicas' full gradients consistent with the shards
-            for p in self.gm.parameters():
-                if p.grad is not None and p.requires_grad and not any(p is q for q in self.params):
-                    p.grad.mul_(coef.to(p.grad.dtype))
-        return total
+                out[key] = torch.maximum(out[key], value) if math.isinf(norm_type) else out[key] + value
+    return out
+
+
+@torch.no_grad()
+def reduce_grad_norm(parts: dict[tuple[str, ...], torch.Tensor], norm_type: float = 2.0, *,
+                     reduce_axes: Iterable[str] = ()) -> torch.Tensor:
+    """The global norm from partial norms (:meth:`DataParallelOptimizer.grad_norm_parts`). Collective.
+
+    Each part is reduced over its own axes (one all-reduce per axis, over the parts that name it),
+    after which it is the same on every rank holding that part; the parts are then added (or
+    maxed), and the total reduced over ``reduce_axes``, whose ranks hold disjoint tensors (``pp``).
+    Every rank of an axis's group must hold the same keys that name it (ranks of one pipeline
+    stage do: the keys follow the stage's layout, not which elements a shard happens to cover).
+    Returns a float64 scalar, the same on every rank.
+    """
+    inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    parts = dict(parts)
+    for axis in sorted({a for key in parts for a in key}):
+        if comm.group_size(axis) <= 1:
+            continue
+        keys = sorted(k for k in parts if axis in k)
+        vec = torch.stack([parts[k] for k in keys])
+        dist.all_reduce(vec, op=op, group=comm.get_group(axis))
+        parts.update(zip(keys, vec.unbind()))
+    values = list(parts.values()) or [torch.zeros((), dtype=torch.float64)]
+    total = torch.stack(values).max() if inf else torch.stack(values).sum()
+    total = total.reshape(1).clone()
+    for axis in reduce_axes:
+        if comm.group_size(axis) > 1:
+            dist.all_reduce(total, op=op, group=comm.get_group(axis))
+    return total[0] if inf else total[0] ** (1.0 / norm_type)
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _grad_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32

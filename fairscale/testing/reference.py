@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -19,6 +19,8 @@ class Trajectory:
     """Loss of each step (before its optimizer update)."""
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     """state_dict after the last step (detached clones)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Gradient 2-norm of each step before clipping (only when trained with ``clip_norm``)."""
 
 
 def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:
@@ -26,18 +28,29 @@ def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr)
 
 
-def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: int = 8,
-                    lr: float = 1e-2) -> Trajectory:
-    """Train ``build()``'s model for ``steps`` Adam steps on the full global batch, in one process."""
+def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: int = 8, lr: float = 1e-2,
+                    clip_norm: float | None = None,
+                    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+                    ) -> Trajectory:
+    """Train ``build()``'s model for ``steps`` optimizer steps on the full global batch, in one process.
+
+    Args:
+        clip_norm: clip each step's gradients with ``torch.nn.utils.clip_grad_norm_(params,
+            clip_norm)`` before the step, recording the returned norms in ``grad_norms``.
+        optimizer: ``optimizer(params)`` makes the optimizer (default :func:`make_optimizer` with
+            ``lr``). Clipping tests want SGD: Adam's update barely depends on the gradient's scale.
+    """
     case = build()
     wrapped = LossModule(case.model, case.loss_fn)
-    opt = make_optimizer(case.model.parameters(), lr)
+    opt = optimizer(case.model.parameters()) if optimizer is not None else make_optimizer(case.model.parameters(), lr)
     out = Trajectory()
     for step in range(steps):
         batch = case.make_batch(step, global_batch)
         opt.zero_grad(set_to_none=True)
         loss = wrapped(*batch)
         loss.backward()
+        if clip_norm is not None:
+            out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(case.model.parameters(), clip_norm)))
         opt.step()
         out.losses.append(loss.item())
     out.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
@@ -45,10 +58,15 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
 
 
 def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
-    """Assert ``got`` reproduces ``ref``: losses within ``rtol`` relative, parameters within ``atol``."""
+    """Assert ``got`` reproduces ``ref``: losses (and gradient norms, when ``ref`` has them) within
+    ``rtol`` relative, parameters within ``atol``."""
     assert len(ref.losses) == len(got.losses), (ref.losses, got.losses)
     for i, (a, b) in enumerate(zip(ref.losses, got.losses)):
         assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {i}: loss {b!r} != reference {a!r}"
+    if ref.grad_norms:
+        assert len(ref.grad_norms) == len(got.grad_norms), f"gradient norms {got.grad_norms} != {ref.grad_norms}"
+        for i, (a, b) in enumerate(zip(ref.grad_norms, got.grad_norms)):
+            assert abs(a - b) <= rtol * abs(a), f"step {i}: gradient norm {b!r} != reference {a!r}"
     missing = sorted(set(ref.params) - set(got.params))
     assert not missing, f"parameters missing from the parallel run: {missing[:5]}"
     for k, v in ref.params.items():

@@ -1,0 +1,187 @@
+"""Gradient clipping in the engine on 8 real gloo ranks: ``train_step(batch, clip_norm=...)`` over
+pp × dp × tp = 2 × 2 × 2 trains exactly like single-process ``torch.nn.utils.clip_grad_norm_``.
+
+The global norm must count every element of the user's model once: tensor-parallel slices add
+over tp, replicated parameters (layer norms, row-parallel biases) count once, ZeRO/FSDP shards add
+over dp, stages add over pp, and GPT's embedding tied to its head (one copy per stage) counts
+once. A norm that missed or double-counted any of these would differ from the reference norm.
+
+SGD with momentum, not Adam: Adam's update m/√v hardly depends on the gradients' scale, so it
+would hide a wrong clipping coefficient in the parameters. ``CLIP`` is far below every step's norm
+(asserted), so every step clips. Float64 as in ``tests/test_parallelize.py``: any mistake shows
+far above the 1e-10 / 1e-9 tolerances. All configurations of a family run in one launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fairscale
+from fairscale.api import captured, parallelize
+from fairscale.runtime.optim import DataParallelOptimizer, reduce_grad_norm
+from fairscale.testing.models import build
+from fairscale.testing.reference import Trajectory, compare, train_reference
+from passes import comm
+from passes.layout import META_LAYOUT, TensorShard
+from passes.shard_data_parallel import shard_data_parallel_pass
+from passes.tp_patterns import propose_tp_rules
+from planner.capture import LossModule, capture
+from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from planner.selectors import format_layers
+
+STEPS, BATCH, LR, MOMENTUM = 3, 8, 0.1, 0.9
+CLIP = 0.05
+
+# name: (pp, dp, tp, schedule, microbatches, dp kind, sequence parallel)
+CONFIGS = {
+    "2x2x2-1f1b-ddp": (2, 2, 2, "1f1b", 2, "ddp", False),
+    "2x2x2-1f1b-fsdp": (2, 2, 2, "1f1b", 2, "fsdp", False),
+    "2x2x2-gpipe-zero2-sp": (2, 2, 2, "gpipe", 2, "zero2", True),
+    "2x2x2-interleaved-zero1": (2, 2, 2, "interleaved", 2, "zero1", False),
+}
+
+FAMILY_CONFIGS = {"gpt": list(CONFIGS), "llama": ["2x2x2-1f1b-fsdp", "2x2x2-interleaved-zero1"]}
+"""GPT (tied embedding and head, biases, sequence parallelism) runs every configuration; Llama
+(no biases, RMSNorm, grouped KV heads) the sharded kinds, to keep the launch short."""
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _build(family: str):
+    case = build(family, layers=4)
+    case.model.to(torch.float64)
+    make = case.make_batch
+    case.make_batch = lambda step, n: tuple(t.to(torch.float64) if t.is_floating_point() else t for t in make(step, n))
+    return case
+
+
+def _plan(graph, config) -> Plan:
+    pp, dp, tp, kind, micro, dp_kind, sp = config
+    v = 2 if kind == "interleaved" else 1
+    names = [layer.name for layer in graph.layers]
+    blocks = [i for i, name in enumerate(names) if ".layers." in f".{name}."]
+    n = pp * v
+    cuts = [0] + [blocks[len(blocks) // n * k] for k in range(1, n)] + [len(names)]
+    return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp),
+                schedule=Schedule(kind=kind, microbatches=micro, virtual_stages=v, global_batch=BATCH),
+                stages=[Stage(layers=format_layers(names[a:b])) for a, b in zip(cuts, cuts[1:])],
+                tensor_parallel=TensorParallel(rules=propose_tp_rules(graph.gm, tp=tp, sequence_parallel=sp).rules,
+                                               sequence_parallel=sp),
+                data_parallel=DataParallel(kind=dp_kind, units="layers.*" if dp_kind == "fsdp" else ""))
+
+
+def _reduce_on_ep_axis(rank: int) -> float:
+    """reduce_grad_norm on an axis other than pp/dp/tp: "ep" groups of 2 ranks ({0,1}, {2,3}, ...)
+    hold disjoint expert slices (added over ep), whole tensors are the same on every rank (once)."""
+    groups = [dist.new_group([r, r + 1]) for r in range(0, dist.get_world_size(), 2)]
+    before = comm.get_group("ep")
+    comm.set_group("ep", groups[rank // 2])
+    try:
+        parts = {("ep",): torch.tensor(float((rank % 2 + 1) ** 2), dtype=torch.float64),  # squares 1 and 4
+                 (): torch.tensor(4.0, dtype=torch.float64)}
+        return float(reduce_grad_norm(parts))
+    finally:
+        comm.set_group("ep", before)
+
+
+def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, plan in plans.items():
+        case = _build(family)
+        pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
+                         optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM))
+        traj = Trajectory()
+        for step in range(STEPS):
+            traj.losses.append(pm.train_step(case.make_batch(step, BATCH), clip_norm=CLIP))
+            traj.grad_norms.append(pm.last_grad_norm)
+        traj.params = pm.state_dict()
+        out[name] = traj
+        if name == next(iter(plans)):
+            out["shared"] = dict(pm.program.shared)
+            try:
+                pm.train_step(case.make_batch(0, BATCH), clip_norm=0.0)
+            except ValueError as e:
+                out["error"] = str(e)
+    out["ep"] = _reduce_on_ep_axis(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """family -> (reference, per-rank results), one 8-rank launch per family, made on first use."""
+    cache: dict[str, tuple[Trajectory, list[dict[str, object]]]] = {}
+
+    def get(family: str) -> tuple[Trajectory, list[dict[str, object]]]:
+        if family not in cache:
+            case = _build(family)
+            graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
+            plans = {name: _plan(graph, CONFIGS[name]) for name in FAMILY_CONFIGS[family]}
+            reference = train_reference(lambda: _build(family), steps=STEPS, global_batch=BATCH, clip_norm=CLIP,
+                                        optimizer=_sgd)
+            cache[family] = reference, fairscale.launch(_train_all, devices=8, args=(family, plans), timeout_s=900)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family, config", [(f, c) for f, names in FAMILY_CONFIGS.items() for c in names])
+def test_clipped_3d_training_matches_single_process(runs, family, config):
+    reference, results = runs(family)
+    assert min(reference.grad_norms) > 4 * CLIP, "clip_norm must be small enough that every step clips"
+    got = results[0][config]
+    compare(reference, got, rtol=1e-10, atol=1e-9)  # losses, pre-clip norms and parameters
+    for rank, other in enumerate(results[1:], start=1):  # every rank reports the same norm and loss
+        assert other[config].grad_norms == got.grad_norms, f"rank {rank} reported other norms"
+        assert other[config].losses == got.losses, f"rank {rank} reported other losses"
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_tied_weight_is_held_by_both_stages(runs, family):
+    """GPT's wte.weight/lm_head.weight have a copy on each stage, so the exact norms above show the
+    copies count once; llama's embedding and head are separate weights."""
+    _, results = runs(family)
+    expected = {"wte.weight": [0, 1]} if family == "gpt" else {}
+    assert all(r["shared"] == expected for r in results)
+
+
+def test_clip_norm_must_be_positive(runs):
+    _, results = runs("gpt")
+    assert all(r["error"] == "clip_norm = 0.0; it must be a positive number (or None for no clipping)"
+               for r in results)
+
+
+def test_any_shard_axis_adds_over_its_own_group(runs):
+    _, results = runs("gpt")
+    # per ep group: 1² + 2² = 5 from the slices, plus 4 from the whole tensors, counted once
+    assert [r["ep"] for r in results] == [3.0] * 8
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "fsdp"])
+def test_parts_are_keyed_by_each_shards_own_axis(kind):
+    """One process, dp = 1: a parameter marked as an "ep" slice lands in its own part (with "dp"
+    for the sharded kinds), the other parameters in the whole-tensor (or dp-shard) part, and the
+    parts add up to the plain norm."""
+    case = build("mlp")
+    graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn, annotate=False)
+    gm = shard_data_parallel_pass(graph.gm, DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""),
+                                  dp_index=0, dp_size=1)
+    key, shape = next(iter(graph.param_shapes.items()))
+    gm.meta[META_LAYOUT].tp[key] = TensorShard(key=key, global_shape=(2 * shape[0], *shape[1:]), dim=0, index=0,
+                                               count=2, axis="ep")
+    opt = DataParallelOptimizer(gm, torch.optim.SGD, lr=0.1)
+    gm(*case.make_batch(0, BATCH)).backward()
+    parts = opt.grad_norm_parts()
+    dp = ("dp",) if kind != "ddp" else ()
+    assert sorted(parts) == sorted([dp, tuple(sorted(dp + ("ep",)))])
+    ref = build("mlp")
+    LossModule(ref.model, ref.loss_fn)(*ref.make_batch(0, BATCH)).backward()
+    grads = dict(ref.model.named_parameters())
+    assert float(parts[tuple(sorted(dp + ("ep",)))]) == pytest.approx(float(grads[key].grad.pow(2).sum()), rel=1e-6)
+    assert float(sum(parts.values())) == pytest.approx(sum(float(p.grad.pow(2).sum()) for p in grads.values()),
+                                                       rel=1e-6)
