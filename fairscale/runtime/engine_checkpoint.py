@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.tensor import DTensor
 
 from fairscale.runtime.checkpoint import _commit, checkpoint_path
-from fairscale.runtime.state import (_aliases, _gather_tp, _keys, _layout, _load_optim_state, _optim_state,
-                                     full_state_dict, load_full_state_dict)
+from fairscale.runtime.state import (full_state_dict, gather_tensor_shard, held_keys, load_full_state_dict,
+                                     load_optimizer_state_dict, optimizer_state_dict, param_layout, tied_aliases)
 
 if TYPE_CHECKING:
     from fairscale.runtime.engine import ParallelModule
@@ -43,12 +43,12 @@ def _stage_state(pm: ParallelModule) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for s, opt in zip(pm.local_stages, pm._optimizers):
         gm = pm.modules[s]
-        layout = _layout(gm)
+        layout = param_layout(gm)
         state.update(full_state_dict(gm, aliases=pm.graph.tied, rank0_only=False))
-        for name, value in _optim_state(gm, opt, dp_mesh).items():
+        for name, value in optimizer_state_dict(gm, opt, dp_mesh).items():
             if isinstance(value, DTensor):
                 key = name[len("optim."):].rsplit(".", 1)[0]
-                value = _gather_tp(key, value.full_tensor(), layout)
+                value = gather_tensor_shard(key, value.full_tensor(), layout)
             state[name] = value
     return state
 
@@ -77,8 +77,8 @@ def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
     wanted: set[str] = {"optim.param_groups"}
     for s in pm.local_stages:
         gm = pm.modules[s]
-        for key in _keys(gm):
-            names = [key, *_aliases(gm).get(key, [])]
+        for key in held_keys(gm):
+            names = [key, *tied_aliases(gm).get(key, [])]
             wanted.update(names)
             wanted.update(k for k in meta for n in names if k.startswith(f"optim.{n}."))
     template: dict[str, Any] = {}
@@ -91,7 +91,7 @@ def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
     dcp.load(template, storage_reader=reader)
     for s, opt in zip(pm.local_stages, pm._optimizers):
         gm = pm.modules[s]
-        layout = _layout(gm)
+        layout = param_layout(gm)
         load_full_state_dict(gm, {k: v for k, v in template.items() if not k.startswith("optim.")})
         optim: dict[str, Any] = {}
         for name, value in template.items():
@@ -101,7 +101,7 @@ def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
             spec = layout.tp.get(key)
             optim[name] = spec.slice(value) if spec is not None and isinstance(value, torch.Tensor) \
                 and value.dim() > 0 else value
-        _load_optim_state(gm, opt, optim)
+        load_optimizer_state_dict(gm, opt, optim)
         for bucket in opt.info.buckets:
             if bucket.shard is not None:
                 bucket.gather_params()

@@ -33,10 +33,12 @@ from passes.layout import META_LAYOUT, ParamLayout
 from passes.shard_data_parallel import META_DP, DataParallelInfo
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
-           "local_tensors"]
+           "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",
+           "optimizer_state_dict", "load_optimizer_state_dict"]
 
 
-def _layout(gm: torch.fx.GraphModule) -> ParamLayout:
+def param_layout(gm: torch.fx.GraphModule) -> ParamLayout:
+    """The :class:`~passes.layout.ParamLayout` the passes recorded on ``gm`` (raises if there is none)."""
     layout = gm.meta.get(META_LAYOUT)
     if layout is None:
         raise ValueError("the GraphModule has no parameter layout (gm.meta['fs_layout']); build it with "
@@ -72,7 +74,7 @@ def _zero_full(gm: torch.fx.GraphModule, info: DataParallelInfo, states: dict[in
 def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Every user key this rank can produce, as full (dp-unsharded) tensors; collective (call on
     every rank of the dp axis). Tensor-parallel slices stay local here."""
-    layout = _layout(gm)
+    layout = param_layout(gm)
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     out: dict[str, torch.Tensor] = {}
     for attr, key in layout.keys.items():
@@ -94,12 +96,15 @@ def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     return out
 
 
-def _aliases(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+def tied_aliases(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """Tied tensors of ``gm``: the user key it holds -> the user's other keys for the same tensor."""
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     return info.aliases if info is not None else {}
 
 
-def _gather_tp(key: str, t: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+def gather_tensor_shard(key: str, t: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """The full tensor ``key`` from this rank's slice ``t`` (``layout.tp[key]``), all-gathered over
+    the slice's own axis (tp, ep, ...); ``t`` itself when ``key`` is not sliced. Collective over that axis."""
     spec = layout.tp.get(key)
     if spec is None or comm.group_size(spec.axis) == 1:
         return t
@@ -117,8 +122,8 @@ def full_state_dict(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]
         rank0_only: only global rank 0 returns tensors (others get ``{}``).
         cpu: move tensors to the CPU.
     """
-    layout = _layout(gm)
-    out = {k: _gather_tp(k, v, layout) for k, v in local_tensors(gm).items()}
+    layout = param_layout(gm)
+    out = {k: gather_tensor_shard(k, v, layout) for k, v in local_tensors(gm).items()}
     for group in aliases:
         group = list(group)
         have = next((k for k in group if k in out), None)
@@ -133,10 +138,10 @@ def full_state_dict(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]
 @torch.no_grad()
 def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor]) -> None:
     """Copy a full state_dict (user keys; every rank passes it) into this rank's tensors."""
-    layout = _layout(gm)
+    layout = param_layout(gm)
     info: DataParallelInfo | None = gm.meta.get(META_DP)
 
-    aliases = _aliases(gm)
+    aliases = tied_aliases(gm)
     state = dict(state)
     for key, others in aliases.items():  # a tied tensor may have been saved under any of its names
         if key not in state:
@@ -148,7 +153,7 @@ def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor
         spec = layout.tp.get(key)
         return spec.slice(full) if spec is not None else full
 
-    missing = [k for k in _keys(gm) if k not in state]
+    missing = [k for k in held_keys(gm) if k not in state]
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} key(s) this rank holds, e.g. {missing[:5]}")
     for attr, key in layout.keys.items():
@@ -179,8 +184,10 @@ def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor
         unit.free()
 
 
-def _keys(gm: torch.fx.GraphModule) -> list[str]:
-    layout = _layout(gm)
+def held_keys(gm: torch.fx.GraphModule) -> list[str]:
+    """User keys of every tensor ``gm`` holds: whole (or sliced) parameters and buffers, and the
+    members of its FSDP flat shards (one name per tied group; see :func:`tied_aliases`)."""
+    layout = param_layout(gm)
     keys = list(layout.keys.values())
     for flat in layout.flat.values():
         keys += [k for k, _ in flat.members]
@@ -208,7 +215,7 @@ def sharded_state_dict(gm: torch.fx.GraphModule, mesh: DeviceMesh, *, optimizer:
     for key, full in local_tensors(gm).items():
         state[key] = _to_dtensor(full, mesh) if full.dim() > 0 else full.clone()
     if optimizer is not None:
-        state.update(_optim_state(gm, optimizer, mesh))
+        state.update(optimizer_state_dict(gm, optimizer, mesh))
     return state
 
 
@@ -218,7 +225,7 @@ def load_sharded_state_dict(gm: torch.fx.GraphModule, state: dict[str, Any], *, 
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
     load_full_state_dict(gm, {k: v for k, v in full.items() if not k.startswith("optim.")})
     if optimizer is not None:
-        _load_optim_state(gm, optimizer, full)
+        load_optimizer_state_dict(gm, optimizer, full)
 
 
 # -- optimizer state in user keys -----------------------------------------------------------------
@@ -226,7 +233,7 @@ def load_sharded_state_dict(gm: torch.fx.GraphModule, state: dict[str, Any], *, 
 
 def _optim_targets(gm: torch.fx.GraphModule, optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[str, torch.Size]], int, int]]:
     """(optimizer param, [(key, shape)], padded, shard offset) for each tensor the optimizer steps."""
-    layout = _layout(gm)
+    layout = param_layout(gm)
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     out = []
     if info is not None and info.kind in ("zero1", "zero2", "fsdp"):
@@ -251,7 +258,10 @@ def _is_param(gm: torch.fx.GraphModule, attr: str) -> bool:
         return False
 
 
-def _optim_state(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> dict[str, Any]:
+def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> dict[str, Any]:
+    """``optimizer``'s state in user keys: ``optim.<key>.<state name>`` as DTensors sharded on dim 0
+    over ``mesh`` (the dp mesh; tensor-parallel slices stay local), scalars (Adam's ``step``) as
+    plain tensors, and ``optim.param_groups`` as one JSON string. Collective over dp."""
     out: dict[str, Any] = {}
     axis = gm.meta[META_DP].axis if META_DP in gm.meta else "dp"
     for p, members, padded, _ in _optim_targets(gm, optimizer):
@@ -273,11 +283,13 @@ def _optim_state(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> 
     return out
 
 
-def _load_optim_state(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, Any]) -> None:
+def load_optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, Any]) -> None:
+    """Inverse of :func:`optimizer_state_dict`: ``full`` maps ``optim.<key>.<name>`` to full
+    (dp-unsharded, this rank's tensor-parallel slice) tensors; this rank takes its shards. Local."""
     info: DataParallelInfo | None = gm.meta.get(META_DP)
     n, i = (info.dp_size, info.dp_index) if info is not None else (1, 0)
     full = dict(full)
-    for key, others in _aliases(gm).items():  # saved under another name of a tied tensor
+    for key, others in tied_aliases(gm).items():  # saved under another name of a tied tensor
         for other in others:
             for k in [k for k in full if k.startswith(f"optim.{other}.")]:
                 full.setdefault(f"optim.{key}." + k[len(f"optim.{other}."):], full[k])
