@@ -134,6 +134,11 @@ class LayerFacts:
     (``planner.cost_memory.selective_output_bytes``)."""
     ops: int = 0
     """Graph ops the layer executes per forward (each pays ``Cluster.op_overhead_s``)."""
+    expert_params: int = 0
+    """Parameter elements of MoE expert weights the layer owns (split over ep under expert parallelism)."""
+    expert_rows: float = 0.0
+    """Bytes per sample of the rows the layer's experts take in and give back (what expert
+    parallelism's dispatch and combine all-to-alls carry, forward)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,6 +167,10 @@ class LayerCost:
     """Activation bytes kept under selective recompute (input + cached matmul/attention outputs)."""
     rec_selective: float = 0.0
     """Seconds the backward spends recomputing the cheap (memory-bound) ops under selective recompute."""
+    experts: float = 0.0
+    """MoE expert parameter elements on the rank without expert parallelism (part of ``params``)."""
+    expert_rows: float = 0.0
+    """Bytes of rows the experts take in and give back for one microbatch (dispatch + combine payload)."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -205,6 +214,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     modules = sorted(graph.modules)
     selective = selective_output_bytes(graph)
     calls = {n.name for n in graph.gm.graph.nodes if n.op == "call_function"}
+    experts = graph.experts()
     out: list[LayerFacts] = []
     for layer in graph.layers:
         prefix = layer.name + "."
@@ -214,13 +224,17 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
         tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
                      if k in graph.param_shapes and first_user[k] < layer.index)
+        moe = [e for m, e in experts.items() if m == layer.name or m.startswith(prefix)]
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
                               output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
                               tp=info, attention=layer.attention is not None,
                               selective=selective.get(layer.name, 0) / batch,
-                              ops=sum(1 for n in layer.nodes if n in calls)))
+                              ops=sum(1 for n in layer.nodes if n in calls),
+                              expert_params=sum(math.prod(graph.param_shapes[k]) for e in moe for k in e.keys
+                                                if k in graph.param_shapes),
+                              expert_rows=sum(e.dispatch_bytes + e.combine_bytes for e in moe) / batch))
     return out
 
 
@@ -312,5 +326,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                              act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
                              tp_bytes_recompute=n_fwd * v_f, output=output,
                              tp_s=exposed * (n_fwd * t_f + n_bwd * t_b), act_selective=act_sel,
-                             rec_selective=rec_sel + exposed * n_fwd * t_f))
+                             rec_selective=rec_sel + exposed * n_fwd * t_f,
+                             experts=float(f.expert_params),  # never tp-split when ep > 1 (validate)
+                             expert_rows=f.expert_rows * micro * scale))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx
 
 # node.meta keys written by planner.capture
@@ -37,6 +38,23 @@ META_SAVED_BYTES = "fs_saved_bytes"
 """int: bytes of tensors the node saves for backward that no other node already saved (deduplicated)."""
 META_PARAM = "fs_param"
 """str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
+GROUPED_MM = "transformers.grouped_mm_fallback.default"
+"""Hugging Face's grouped MoE matmul (``x [S, K]`` sorted by expert, ``w [E, K, N]``, ``offsets [E]``),
+matched by name since transformers registers it."""
+
+
+@dataclass(kw_only=True)
+class ExpertFacts:
+    """One MoE layer's experts (see :meth:`ModelGraph.experts`)."""
+
+    num_experts: int
+    """Experts in the layer (the length of the grouped matmuls' offsets)."""
+    keys: list[str] = field(default_factory=list)
+    """User keys of the expert weights (``[num_experts, ...]`` each)."""
+    dispatch_bytes: int = 0
+    """Bytes of the expert-sorted (token, expert) rows entering the experts, on the captured batch."""
+    combine_bytes: int = 0
+    """Bytes of the rows leaving the experts, on the captured batch."""
 
 
 @dataclass(kw_only=True)
@@ -112,6 +130,30 @@ class ModelGraph:
             if layer.name == name:
                 return layer
         raise KeyError(f"no layer named {name!r}; layers are {[l.name for l in self.layers]}")
+
+    def experts(self) -> dict[str, ExpertFacts]:
+        """MoE expert layers by module path: a group of Hugging Face grouped matmuls (``GROUPED_MM``)
+        sharing one offsets tensor; its weights are the parameters feeding their weight argument."""
+        out: dict[str, ExpertFacts] = {}
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function" or str(node.target) != GROUPED_MM:
+                continue
+            offsets = node.args[2].meta.get(META_VAL) if isinstance(node.args[2], torch.fx.Node) else None
+            module = str(node.meta.get(META_MODULE, node.name))
+            facts = out.setdefault(module, ExpertFacts(
+                num_experts=int(offsets.shape[0]) if isinstance(offsets, torch.Tensor) else 0))
+            src = node.args[1]
+            while isinstance(src, torch.fx.Node) and src.op != "get_attr" and src.all_input_nodes:
+                src = src.all_input_nodes[0]
+            key = src.meta.get(META_PARAM) if isinstance(src, torch.fx.Node) else None
+            if key and key not in facts.keys:
+                facts.keys.append(key)
+            rows, result = node.args[0].meta.get(META_VAL), node.meta.get(META_VAL)
+            if not facts.dispatch_bytes and isinstance(rows, torch.Tensor):  # the first matmul's rows go out
+                facts.dispatch_bytes = rows.numel() * rows.element_size()
+            if isinstance(result, torch.Tensor):  # the last matmul's rows come back
+                facts.combine_bytes = result.numel() * result.element_size()
+        return out
 
     @property
     def flops_per_step(self) -> int:

@@ -71,6 +71,10 @@ class Mesh:
     """Data-parallel degree."""
     tp: int = 1
     """Tensor-parallel degree (kept inside a node)."""
+    ep: int = 1
+    """Expert-parallel degree: MoE experts are split over groups of ``ep`` consecutive dp ranks and
+    tokens reach them by all-to-all. Must divide dp and every MoE layer's expert count; it adds no
+    devices (pp × dp × tp is still the device count)."""
 
     @property
     def size(self) -> int:

@@ -49,6 +49,7 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     _check_schedule(plan, problems)
     _check_stages(plan, graph, problems)
     _check_tensor_parallel(plan, graph, problems)
+    _check_experts(plan, graph, problems)
     _check_data_parallel(plan, graph, problems)
     _check_recompute(plan, graph, problems)
     if problems:
@@ -131,7 +132,10 @@ def _positive(path: str, value: int, problems: list[str]) -> bool:
 
 def _check_mesh(plan: Plan, n: int | None, where: str, problems: list[str]) -> None:
     m = plan.mesh
-    ok = all([_positive(f"mesh.{axis}", getattr(m, axis), problems) for axis in ("pp", "dp", "tp")])
+    ok = all([_positive(f"mesh.{axis}", getattr(m, axis), problems) for axis in ("pp", "dp", "tp", "ep")])
+    if ok and m.dp % m.ep:
+        problems.append(f"mesh.ep: {m.ep} does not divide mesh.dp ({m.dp}); experts are split over groups of "
+                        "ep data-parallel ranks, so choose an ep that divides dp")
     if not ok or n is None or m.size == n:
         return
     hint = ""
@@ -398,6 +402,26 @@ def _check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[
     _conflicts("tensor_parallel.rules", parsed, _modules(graph), "style", problems)
     if tp > 1 and parsed:
         _check_heads(plan, graph, parsed, problems)
+
+
+def _check_experts(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
+    ep = plan.mesh.ep
+    if graph is None or ep <= 1:
+        return
+    experts = graph.experts()
+    if not experts:
+        problems.append(f"mesh.ep: {ep}, but {graph.model_class} has no mixture-of-experts layer (Hugging Face "
+                        "grouped experts); set mesh.ep to 1")
+        return
+    for module, facts in experts.items():
+        if facts.num_experts % ep:
+            problems.append(f"mesh.ep: {ep} does not divide the {facts.num_experts} experts of {module}")
+            return
+    styled = [key for key, style in plan.tensor_parallel.rules.items() if style == "expert"]
+    if styled and plan.mesh.tp > 1:
+        problems.append(f"{json_path_key('tensor_parallel.rules', styled[0])}: the experts are split over the ep "
+                        f"axis (mesh.ep = {ep}); they cannot also be split over tp. Use 'replicate' for them, "
+                        "or set mesh.ep to 1")
 
 
 _ATTENTION = re.compile(r"Attention")

@@ -45,7 +45,7 @@ def test_plan_edit_validate_run(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert cli.main(["plan", FACTORY, "--devices", "8", "--global-batch", str(BATCH), "--constraints", constraints,
                      "-o", str(path)]) == 0
     made = json.loads(path.read_text())
-    assert made["mesh"] == {"pp": 2, "dp": 2, "tp": 2}
+    assert made["mesh"] == {"pp": 2, "dp": 2, "tp": 2, "ep": 1}
     [(selector, kind)] = made["recompute"].items()
     assert kind == "full" and parse_selector(selector).select(["wte", "layers.0", "layers.1"]) == ["layers.0", "layers.1"]
     before = made["predicted"]["step_time_s"]

@@ -98,6 +98,6 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
                  v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
                  sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,
                  bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, selective=sel, units=units,
-                 offload=dp.offload)
+                 offload=dp.offload, ep=mesh.ep)
     return evaluate(ctx, cfg)
 

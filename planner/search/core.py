@@ -141,6 +141,7 @@ class _Totals:
         self.time = sum(c.fwd + c.bwd for c in costs)
         self.max_layer = max(c.fwd + c.bwd for c in costs)
         self.params = sum(c.params for c in costs)
+        self.experts = sum(c.experts for c in costs)
         self.act = sum(c.act for c in costs)
         self.min_act = sum(min(c.act, c.act_recompute) for c in costs)
         self.rec_time = sum(c.fwd for c in costs if c.act > c.act_recompute)
@@ -366,11 +367,17 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
     per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=ctx.options.optimizer)
     params = tot.params / pp
+    if cfg.ep > 1 and tot.experts:  # split over ep, kept whole on dp: an average state cost per element
+        whole = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                  optimizer=ctx.options.optimizer)
+        share = tot.experts / tot.params
+        per_param = (1 - share) * per_param + share * whole
     state_per_param = per_param
     if cfg.offload:  # states on the host: the device holds none, the host must hold a rank's share
         per_param = 0.0
         if state_per_param * params > ctx.host_cap:
             return math.inf, ctx.cap * 1.0000001
+    dp_params = params - (tot.experts / pp if cfg.ep > 1 else 0.0)  # what the dp axis gathers and reduces
     extra, fixed_bytes = tot.buffers(ctx, cfg)
     mem_lb = (per_param + extra) * params + tot.min_act / pp + fixed_bytes
     flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
@@ -380,10 +387,10 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
         bw, lat = c.link(cfg.tp * cfg.dp)
         bw *= c.efficiency.network
         gathers = 2 if cfg.reshard else 1
-        comm = (gathers * all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
-                + all_gather_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
+        comm = (gathers * all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
+                + all_gather_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
         if cfg.offload:
-            comm += (gathers * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp / c.host_bandwidth
+            comm += (gathers * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * dp_params / cfg.dp / c.host_bandwidth
         t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
@@ -397,9 +404,9 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
     bw *= c.efficiency.network
     if cfg.dp > 1 and not ctx.options.overlap_dp:
         if cfg.dp_kind == "ddp":
-            tail += all_reduce_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat)
+            tail += all_reduce_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat)
     if cfg.dp > 1 and cfg.dp_kind in ("zero1", "zero2"):
-        tail += all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
+        tail += all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
     return pipe + tail, mem_lb
 
 
@@ -440,15 +447,27 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
                         for sp in ([False, True] if tp > 1 else [False]):
                             if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
                                 continue
-                            out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v, dp_kind=dp_kind,
-                                              reshard=reshard, sp=sp, param_dtype=dtype,
-                                              reduce_dtype=fixed.reduce_dtype or "fp32",
-                                              prefetch=True if fixed.prefetch is None else fixed.prefetch,
-                                              bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units),
-                                              offload=bool(fixed.offload)))
+                            for ep in _expert_degrees(graph, dp, fixed, rules(tp)):
+                                out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
+                                                  dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
+                                                  reduce_dtype=fixed.reduce_dtype or "fp32",
+                                                  prefetch=True if fixed.prefetch is None else fixed.prefetch,
+                                                  bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units),
+                                                  offload=bool(fixed.offload), ep=ep))
     if fixed.pp and fixed.pp > L:
         notes.append(f"pp={fixed.pp} is more than the {L} layers")
     return out, notes
+
+
+def _expert_degrees(graph: ModelGraph, dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for MoE models every divisor of dp that divides every
+    layer's expert count (not when the tp rules already split the experts)."""
+    if fixed.ep is not None:
+        return [fixed.ep] if dp % fixed.ep == 0 else []
+    counts = [e.num_experts for e in graph.experts().values()]
+    if not counts or "expert" in rules.values():
+        return [1]
+    return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
 
 
 def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:

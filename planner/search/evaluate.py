@@ -16,7 +16,8 @@ from typing import Callable
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
-from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume, p2p_time,
+from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume,
+                               all_to_all_time, all_to_all_volume, p2p_time,
                                reduce_scatter_time)
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes, model_state_parts, unshard_buffer_bytes
 from planner.plan import Predicted
@@ -65,6 +66,8 @@ class Config:
     """FSDP: indices of layers that are units of their own (None: every repeated-block layer)."""
     offload: bool = False
     """FSDP: parameter shards, gradients and optimizer states live in host memory (CPU Adam)."""
+    ep: int = 1
+    """Expert parallelism: MoE experts split over groups of ep dp ranks (divides dp)."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +90,8 @@ class Breakdown:
     """Slowest rank's exposed tensor-parallel time per step."""
     p2p_s: float
     """Slowest rank's exposed pipeline send/receive time per step."""
+    ep_comm_s: float = 0.0
+    """Slowest rank's expert-parallel all-to-all time per step (MoE token dispatch and combine)."""
     dp_comm_s: float
     """Exposed data-parallel time per step (gradient sync after the flush + FSDP per microbatch)."""
     optimizer_s: float
@@ -255,16 +260,19 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     selective = cfg.selective if selective is None else selective
     params = rank_params(ctx, costs, layers, cfg.tp)
     whole = replicated_params(ctx, cfg, costs, layers)
-    parts = model_state_parts(params - whole, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+    experts = expert_params(cfg, costs, layers)
+    params -= experts * (1 - 1 / cfg.ep)  # the rank holds E/ep of them
+    own = experts / cfg.ep
+    parts = model_state_parts(params - whole - own, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                               optimizer=ctx.options.optimizer)
-    if whole:
-        rep = model_state_parts(whole, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
+    if whole or own:  # kept whole on the dp axis and all-reduced: tied copies, this rank's experts
+        rep = model_state_parts(whole + own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
                                 optimizer=ctx.options.optimizer)
         parts = {k: parts[k] + rep[k] for k in parts}
     if cfg.offload:
         parts = {k: 0.0 for k in parts}
     elif ctx.options.zero_shard_copy and cfg.dp_kind in ("zero1", "zero2") and DTYPE_BYTES[cfg.param_dtype] == 4:
-        parts["parameters"] += (params - whole) * 4 / cfg.dp
+        parts["parameters"] += (params - whole - own) * 4 / cfg.dp
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
     kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
     # the backward of a recomputed layer rebuilds its full activations for one microbatch
@@ -276,6 +284,32 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
         if ctx.options.fsdp_accumulate_unsharded and cfg.microbatches > 1:
             buffers += params * DTYPE_BYTES[cfg.reduce_dtype]  # every unit's full gradient accumulator
     return {**parts, "activations": flight * kept + transient, "buffers": buffers}
+
+
+def expert_params(cfg: Config, costs: list[LayerCost], layers: list[int]) -> float:
+    """MoE expert parameter elements of the rank's layers that expert parallelism splits (all of
+    them, before the split; 0 when ep = 1)."""
+    return sum(costs[i].experts for i in layers) if cfg.ep > 1 else 0.0
+
+
+def expert_comm(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> tuple[float, float]:
+    """(seconds, bytes sent) of one microbatch's expert-parallel all-to-alls on a rank: dispatch
+    and combine forward, both again backward, and once more forward for recomputed layers. Each
+    rank keeps the 1/ep of its rows bound for its own experts (uniform routing)."""
+    if cfg.ep <= 1:
+        return 0.0, 0.0
+    bw, lat = ctx.cluster.link(cfg.tp * cfg.ep)
+    bw *= ctx.cluster.efficiency.network
+    seconds = volume = 0.0
+    for i in layers:
+        rows = costs[i].expert_rows
+        if rows <= 0:
+            continue
+        times = 3 if i in cfg.recompute or i in cfg.selective else 2
+        # dispatch and combine are two all-to-alls, each a (n-1)·α latency term
+        seconds += times * (all_to_all_time(rows, cfg.ep, bandwidth=bw, latency=lat) + (cfg.ep - 1) * lat)
+        volume += times * all_to_all_volume(rows, cfg.ep)
+    return seconds, volume
 
 
 def _unit_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> list[float]:
@@ -365,7 +399,11 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         if opts.overlap_p2p:
             p2p_s = 0.0
         params = rank_params(ctx, costs, layers, cfg.tp)
-        busy = t + t_rec
+        experts = expert_params(cfg, costs, layers)
+        own = experts / cfg.ep  # this rank's experts: averaged over the dp/ep ranks holding them
+        params -= experts  # what the dp kind shards and reduces
+        a2a_s, a2a_bytes = expert_comm(ctx, cfg, costs, layers)
+        busy = t + t_rec + a2a_s
         fsdp_s, dp_bytes, tail = 0.0, 0.0, 0.0
         if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
             gathers = 2 if cfg.reshard else 1
@@ -408,8 +446,12 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         if whole:  # tied weights kept whole: one more all-reduce of their gradients after the flush
             tail += all_reduce_time(whole * rbytes, cfg.dp, bandwidth=dp_bw, latency=dp_lat)
             dp_bytes += all_reduce_volume(whole * rbytes, cfg.dp)
+        if own:
+            tail += all_reduce_time(own * rbytes, cfg.dp // cfg.ep, bandwidth=dp_bw, latency=dp_lat)
+            dp_bytes += all_reduce_volume(own * rbytes, cfg.dp // cfg.ep)
         state = model_state_bytes(params, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                  optimizer=opts.optimizer)
+                                  optimizer=opts.optimizer) \
+            + model_state_bytes(own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype, optimizer=opts.optimizer)
         # Adam reads and writes every state byte once (memory-bound), on the host when offloaded
         opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
         opt_s = 2 * state / (opt_bw * c.efficiency.memory)
@@ -418,11 +460,12 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         times.append(rank_t)
         parts.append(rank_memory_parts(ctx, cfg, costs, rank, rec, layers))
         mems.append(sum(parts[-1].values()))
-        comm.append(m * (tp_bytes + p2p_bytes) + dp_bytes)
+        comm.append(m * (tp_bytes + p2p_bytes + a2a_bytes) + dp_bytes)
         if tail + opt_s >= worst["tail"]:
             worst["tail"], worst["dp"], worst["opt"] = tail + opt_s, tail, opt_s
         if rank_t >= max(times):
-            worst.update(compute=compute * m, recompute=t_rec * m, tp=tp_s * m, p2p=p2p_s * m, fsdp=fsdp_s * m)
+            worst.update(compute=compute * m, recompute=t_rec * m, tp=tp_s * m, ep=a2a_s * m, p2p=p2p_s * m,
+                         fsdp=fsdp_s * m)
     pipe = shared_core_pipeline_time(cfg.kind, times, m, v=cfg.v, share=c.core_share)
     step = pipe + worst["tail"]
     chunks = list(zip(cfg.cuts, cfg.cuts[1:]))
@@ -433,6 +476,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     bubble = max(0.0, (pipe - m * max(times)) / pipe) if pipe > 0 else 0.0
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
                      compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
+                     ep_comm_s=worst.get("ep", 0.0),
                      p2p_s=worst["p2p"], dp_comm_s=worst["dp"] + worst.get("fsdp", 0.0), optimizer_s=worst["opt"],
                      memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f, stage_b_s=stage_b,
                      stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host, host_memory_cap=ctx.host_cap,

@@ -29,7 +29,7 @@ from planner.cost import LayerCost
 from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import in_flight
-from planner.search.evaluate import Config, Context, fsdp_buffer_terms
+from planner.search.evaluate import Config, Context, expert_comm, fsdp_buffer_terms
 
 __all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
 
@@ -64,16 +64,22 @@ class SegmentModel:
         self.S = cfg.pp * cfg.v
         gain = [max(0.0, c.act - c.act_recompute) for c in costs]
         recomputable = [g > 0 for g in gain]
-        self.p = _Prefix(t=_prefix([c.fwd + c.bwd for c in costs]),
+        self.per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                           optimizer=ctx.options.optimizer)
+        # expert parallelism: a layer's experts are E/ep of them kept whole on dp, so their states
+        # cost ddp/ep per element instead of the kind's; count them as that many plain elements
+        a2a = [expert_comm(ctx, cfg, costs, [i])[0] for i in range(len(costs))]
+        ratio = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                  optimizer=ctx.options.optimizer) / self.per_param if cfg.ep > 1 else 1.0
+        eq = [c.params - c.experts + c.experts * ratio if cfg.ep > 1 else c.params for c in costs]
+        self.p = _Prefix(t=_prefix([c.fwd + c.bwd + a for c, a in zip(costs, a2a)]),
                          f=_prefix([c.fwd if r else 0.0 for c, r in zip(costs, recomputable)]),
                          save=_prefix(gain), act=_prefix([c.act for c in costs]),
                          n=[int(x) for x in _prefix([1.0 if r else 0.0 for r in recomputable])],
-                         params=_prefix([c.params for c in costs]))
+                         params=_prefix(eq))
         tp = cfg.tp
         facts = ctx.facts_for(tp)
         self.tied = [(i, o, n / (tp if f.tp.sharded and tp > 1 else 1)) for i, f in enumerate(facts) for o, n in f.tied]
-        self.per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                           optimizer=ctx.options.optimizer)
         self.flight = [in_flight(cfg.kind, cfg.pp, cfg.microbatches, r, v=cfg.v) for r in range(cfg.pp)]
         self.transient = max((c.act for c, r in zip(costs, recomputable) if r), default=0.0)
         self.host_per_param = 0.0

@@ -93,7 +93,7 @@ def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdow
     pred = breakdown.predicted
     return Plan(model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint,
                                parameters=graph.num_parameters),
-                cluster=ctx.cluster.to_dict(), mesh=Mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp),
+                cluster=ctx.cluster.to_dict(), mesh=Mesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep),
                 schedule=Schedule(kind=cfg.kind, microbatches=cfg.microbatches, virtual_stages=cfg.v,
                                   global_batch=ctx.global_batch),
                 stages=stages,
@@ -116,6 +116,7 @@ def loss_reason(b: Breakdown, w: Breakdown) -> str:
         "recompute": (b.recompute_s, w.recompute_s),
         "pipeline bubble": (b.bubble * b.pipeline_s, w.bubble * w.pipeline_s),
         "tensor-parallel all-reduces": (b.tp_comm_s, w.tp_comm_s),
+        "expert-parallel all-to-alls": (b.ep_comm_s, w.ep_comm_s),
         "data-parallel communication": (b.dp_comm_s, w.dp_comm_s),
         "pipeline sends": (b.p2p_s, w.p2p_s),
         "optimizer step": (b.optimizer_s, w.optimizer_s),

@@ -18,7 +18,7 @@ from planner.plan import DP_KINDS, DTYPES, RECOMPUTE_KINDS, SCHEDULES, Plan, Pla
 __all__ = ["Fixed", "parse_constraints", "divisors"]
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
-    "mesh": ("pp", "dp", "tp"),
+    "mesh": ("pp", "dp", "tp", "ep"),
     "schedule": ("kind", "microbatches", "virtual_stages", "global_batch"),
     "tensor_parallel": ("rules", "sequence_parallel"),
     "data_parallel": ("kind", "units", "reshard_after_forward", "param_dtype", "reduce_dtype", "offload",
@@ -40,6 +40,8 @@ class Fixed:
     """Fixed data-parallel degree."""
     tp: int | None = None
     """Fixed tensor-parallel degree."""
+    ep: int | None = None
+    """Fixed expert-parallel degree."""
     kind: str | None = None
     """Fixed schedule kind."""
     microbatches: int | None = None
@@ -107,7 +109,7 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
             problems.append(f"{key}: unknown constraint; use one of {', '.join(allowed)}")
     out = Fixed()
     mesh = nested.get("mesh", {})
-    for axis in ("pp", "dp", "tp"):
+    for axis in ("pp", "dp", "tp", "ep"):
         if axis in mesh:
             out_val = _positive_int(f"mesh.{axis}", mesh[axis], problems)
             setattr(out, axis, out_val)

@@ -18,7 +18,7 @@ def full_plan() -> Plan:
         model=ModelRef(class_="LlamaForCausalLM", fingerprint="3f2a9c", parameters=6738415616,
                        factory="mypkg.models:build_llama"),
         cluster={"preset": "h100-sxm", "nodes": 2, "gpus_per_node": 8, "bw": [1.5e11, 2.5e10], "x": None},
-        mesh=Mesh(pp=2, dp=4, tp=2),
+        mesh=Mesh(pp=2, dp=4, tp=2, ep=2),
         schedule=Schedule(kind="interleaved", microbatches=8, virtual_stages=2, global_batch=64),
         stages=[Stage(layers="embed_tokens, layers.[0-7]"), Stage(layers="layers.[8-15]"),
                 Stage(layers="layers.[16-23]"), Stage(layers="layers.[24-31], norm, lm_head")],
@@ -122,7 +122,7 @@ def test_all_schema_problems_are_reported_at_once() -> None:
         Plan.from_json(text, source="plan.json")
     assert info.value.problems == [
         'mesh.tp: expected an integer, got "2"',
-        'mesh.dpp: unknown key; did you mean "dp"? (allowed: pp, dp, tp)',
+        'mesh.dpp: unknown key; did you mean "dp"? (allowed: pp, dp, tp, ep)',
         'schedule.microbatch: unknown key; did you mean "microbatches"? (allowed: kind, microbatches, virtual_stages, '
         "global_batch)",
         "schedule.kind: expected a string, got 3",
