@@ -3,10 +3,14 @@
 The pipeline is one flat function, :func:`compile_rank`, with the verifier at both ends::
 
     verify → split_stages → for each of this rank's stages:
-                 shard_tensor_parallel → insert_recompute → shard_data_parallel → verify
+                 shard_tensor_parallel → shard_experts → insert_recompute → shard_data_parallel → verify
 
 Parameters that several stages hold (tied embeddings) are kept whole on the dp axis whatever the
 data-parallel kind, because the pipeline sums the stage copies' gradients after backward.
+
+Expert parallelism splits MoE experts over groups of ``mesh.ep`` consecutive dp ranks
+(``ep_index = dp_index % ep``); the data-parallel pass then averages those experts' gradients over
+the ranks that hold the same experts instead of sharding them.
 
 Order matters once: recompute runs before data parallelism, so a recompute region holds the
 layer's compute (and its tensor-parallel collectives, repeated in backward as in Megatron-LM),
@@ -19,6 +23,7 @@ from typing import Iterable
 
 import torch.fx
 
+from passes.expert_parallel import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
 from passes.shard_data_parallel import shard_data_parallel_pass
 from passes.shard_tensor_parallel import shard_tensor_parallel_pass
@@ -28,22 +33,31 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 
 __all__ = ["compile_rank", "split_stages_pass", "shard_tensor_parallel_pass", "insert_recompute_pass",
-           "shard_data_parallel_pass", "verify_pass", "StagedProgram"]
+           "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
 
 
 def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int,
                  tp_index: int) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
     """The rewritten graphs of one rank: for each stage in ``stages``, its tensor-parallel slice
-    ``tp_index``, recompute regions, and data-parallel shard ``dp_index``. ``graph`` is left intact."""
+    ``tp_index``, its experts (``dp_index % mesh.ep``), recompute regions, and data-parallel shard
+    ``dp_index``. ``graph`` is left intact."""
     verify_pass(graph.gm, where="after capture")
     program = split_stages_pass(graph.gm, plan, graph=graph)
     modules: dict[int, torch.fx.GraphModule] = {}
     for s in stages:
         gm = program.stages[s].gm
         gm = shard_tensor_parallel_pass(gm, plan, tp_index=tp_index, tp_size=plan.mesh.tp)
+        if plan.mesh.ep > 1 and _has_experts(gm):  # a pipeline stage may hold no MoE layer
+            gm = shard_experts_pass(gm, plan, ep_index=dp_index % plan.mesh.ep, ep_size=plan.mesh.ep)
         gm = insert_recompute_pass(gm, plan)
         # weights shared by several stages stay whole: the pipeline sums their copies' gradients
         gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp,
-                                      replicate=program.shared_keys(s))
+                                      replicate=program.shared_keys(s), ep_size=plan.mesh.ep)
         modules[s] = verify_pass(gm, where=f"for stage {s}")
     return program, modules
+
+
+def _has_experts(gm: torch.fx.GraphModule) -> bool:
+    from planner.graph import GROUPED_MM
+
+    return any(n.op == "call_function" and str(n.target) == GROUPED_MM for n in gm.graph.nodes)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Collection
+from typing import TYPE_CHECKING, Collection
 
 import torch
 import torch.fx
@@ -39,6 +39,9 @@ from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, find
 from passes.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 from planner.plan import DataParallel
+
+if TYPE_CHECKING:
+    from passes.shard_data_parallel import ExpertGroup
 
 __all__ = ["rewrite_fsdp", "assign_units"]
 
@@ -68,8 +71,8 @@ def assign_units(keys: list[str], selector: str) -> dict[str, str]:
 
 def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 replicate: Collection[str] = ()) -> torch.fx.GraphModule:
-    from passes.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_replicated
+                 replicate: Collection[str] = (), experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
+    from passes.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_experts, split_replicated
 
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
@@ -83,6 +86,13 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
             info.replicated[use.attr] = use.key
             layout.keys[use.attr] = use.key
     trainable = [u for u in params if u.tensor.requires_grad]
+    if experts is not None:
+        own, trainable = split_experts(graph, trainable, layout, experts)
+        if own:  # expert-parallel weights are this rank's own already: averaged, never flattened
+            insert_buckets(graph, info, objects, own, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
+                           reduce_dtype=reduce_dtype, group=experts)
+            for u in own:
+                layout.keys[u.attr] = u.key
     plain, trainable = split_replicated(trainable, set(replicate))
     if plain:
         insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,

@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes import dp_ops
+from passes import dp_ops, ep_ops
 from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
                              positions, real_copy, rebuild, replace_param_uses)
 from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
@@ -90,7 +90,8 @@ class DataParallelInfo:
 
 
 def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel, *, dp_index: int, dp_size: int,
-                             axis: str = "dp", replicate: Collection[str] = ()) -> torch.fx.GraphModule:
+                             axis: str = "dp", replicate: Collection[str] = (), ep_size: int = 1,
+                             expert_axis: str = "ep_rep") -> torch.fx.GraphModule:
     """Rewrite ``gm`` for rank ``dp_index`` of ``dp_size`` data-parallel ranks per ``plan.data_parallel``.
 
     Args:
@@ -102,6 +103,11 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
             whatever the kind, so ``p.grad`` is the full averaged gradient after backward: e.g.
             weights tied across pipeline stages, whose copies' gradients the pipeline then sums.
             The optimizer steps them unsharded.
+        ep_size: the expert-parallel degree (``plan.mesh.ep``). The expert weights that
+            :mod:`passes.expert_parallel` split (``layout.tp`` shards on axis ``"ep"``) are already
+            this rank's own: whatever the kind, they stay as they are and their gradients, which come
+            back summed over the ep group's tokens, are scaled by 1/ep and all-reduced DDP-style over
+            ``expert_axis``, the dp/ep ranks holding the same experts (rank ``dp_index // ep``).
     """
     cfg = plan.data_parallel if isinstance(plan, Plan) else plan
     if cfg.kind not in DP_KINDS:
@@ -116,13 +122,46 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
                          "replicated on the device); change kind or set offload=false")
     param_dtype = dtype_of(cfg.param_dtype, "param_dtype")
     reduce_dtype = dtype_of(cfg.reduce_dtype, "reduce_dtype")
+    if ep_size < 1 or dp_size % ep_size:
+        raise ValueError(f"ep_size = {ep_size} must divide dp_size = {dp_size}")
+    experts = ExpertGroup(axis=expert_axis, size=dp_size // ep_size, index=dp_index // ep_size, ep=ep_size)
     if cfg.kind == "fsdp":
         from passes.dp_fsdp import rewrite_fsdp
 
         return rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype, replicate=set(replicate))
+                            reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts)
     return _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype, replicate=set(replicate))
+                            reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Where expert-parallel weights average their gradients (see ``shard_data_parallel_pass``)."""
+
+    axis: str
+    """The comm axis of the ranks holding the same experts."""
+    size: int
+    """dp / ep."""
+    index: int
+    """This rank's position on that axis (dp_index // ep)."""
+    ep: int
+    """The expert-parallel degree; gradients are scaled by 1/ep before the average over ``size``."""
+
+
+def split_experts(graph: torch.fx.Graph, params: list[ParamUse], layout: ParamLayout,
+                  group: ExpertGroup) -> tuple[list[ParamUse], list[ParamUse]]:
+    """(the expert-parallel weights, the others). Each use of an expert weight is wrapped in
+    ``ep_ops.scale_grad(w, 1/ep)`` so the bucket's average over ``group.size`` gives the dp mean."""
+    experts = [u for u in params if (s := layout.tp.get(u.key)) is not None and s.axis == "ep"]
+    if experts and group.ep == 1:
+        raise ValueError(f"{experts[0].key} is split over the ep axis but ep_size is 1; pass the plan's mesh.ep")
+    for u in experts:
+        for node in u.nodes:
+            with graph.inserting_after(node):
+                scaled = graph.call_function(ep_ops.scale_grad, (node, 1.0 / group.ep))
+            scaled.meta = {k: v for k, v in node.meta.items() if k != "fs_param"}
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    return experts, [u for u in params if u not in experts]
 
 
 def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]]:
@@ -142,7 +181,7 @@ def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]
 
 def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                     replicate: set[str]) -> torch.fx.GraphModule:
+                     replicate: set[str], experts: ExpertGroup) -> torch.fx.GraphModule:
     if cfg.bucket_mb <= 0:
         raise ValueError(f"data_parallel.bucket_mb = {cfg.bucket_mb}; it must be > 0")
     layout = fresh_layout(gm)
@@ -156,6 +195,10 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
         if not use.tensor.requires_grad:
             objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
             info.replicated[use.attr] = use.key
+    own, trainable = split_experts(graph, trainable, layout, experts)
+    if own:
+        insert_buckets(graph, info, objects, own, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype, group=experts)
     plain, rest = split_replicated(trainable, replicate)
     if plain and cfg.kind != "ddp":
         insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
@@ -175,10 +218,13 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
 
 def insert_buckets(graph: torch.fx.Graph, info: DataParallelInfo, objects: dict[str, object],
                    trainable: list[ParamUse], *, kind: str, bucket_mb: float, param_dtype: torch.dtype | None,
-                   reduce_dtype: torch.dtype | None) -> None:
+                   reduce_dtype: torch.dtype | None, group: ExpertGroup | None = None) -> None:
     """Bucket ``trainable`` and insert one ``dp_bucket`` call per bucket (``kind`` ddp, zero1 or
-    zero2), recording buckets and replicated parameters in ``info`` and tensors in ``objects``."""
+    zero2), recording buckets and replicated parameters in ``info`` and tensors in ``objects``.
+    With ``group`` the buckets reduce over its axis instead of the dp axis."""
     dp_index, dp_size, axis = info.dp_index, info.dp_size, info.axis
+    if group is not None:
+        dp_index, dp_size, axis = group.index, group.size, group.axis
     sharded = kind in ("zero1", "zero2")
     pos = positions(graph)
     for i, bucket_params in enumerate(_buckets(trainable, bucket_mb * 2**20), start=len(info.buckets)):

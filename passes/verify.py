@@ -15,15 +15,16 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from passes import comm
+from passes import comm, ep_ops
 from passes.layout import layout_of
 from passes.shard_data_parallel import META_DP
 
 __all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
 
-COLLECTIVES = {comm.copy_to_group, comm.reduce_from_group, comm.gather_from_group, comm.scatter_to_group,
-               comm.gather_seq, comm.reduce_scatter_seq}
-"""Autograd-paired collectives whose second argument is the axis name."""
+COLLECTIVES = {comm.copy_to_group: 1, comm.reduce_from_group: 1, comm.gather_from_group: 1,
+               comm.scatter_to_group: 1, comm.gather_seq: 1, comm.reduce_scatter_seq: 1,
+               ep_ops.moe_dispatch: 2, ep_ops.moe_combine: 2}
+"""Collective calls the passes insert -> the position of their axis-name argument."""
 
 
 class VerifyError(RuntimeError):
@@ -44,7 +45,8 @@ def verify_pass(gm: torch.fx.GraphModule, *, where: str = "") -> torch.fx.GraphM
             except AttributeError:
                 problems.append(f"{node.format_node()}: get_attr target {node.target!r} does not exist")
         elif node.op == "call_function" and node.target in COLLECTIVES:
-            axis = node.args[1] if len(node.args) > 1 else node.kwargs.get("axis")
+            at = COLLECTIVES[node.target]
+            axis = node.args[at] if len(node.args) > at else node.kwargs.get("axis")
             if not isinstance(axis, str):
                 problems.append(f"{node.format_node()}: collective axis must be an axis name, got {axis!r}")
     recorded = _recorded_tensors(gm)

@@ -19,7 +19,8 @@ def render_report(plan: Plan, graph: ModelGraph | None) -> str:
     lines = [f"plan for {plan.model.class_ or '(unnamed model)'}"
              + (f" (fingerprint {plan.model.fingerprint}, {plan.model.parameters:,} parameters)"
                 if plan.model.fingerprint else ""),
-             f"mesh: pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size} devices",
+             f"mesh: pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size} devices"
+             + (f"; MoE experts split over ep({m.ep}) of the dp ranks" if m.ep > 1 else ""),
              f"schedule: {s.kind}, {s.microbatches} microbatch{'es' if s.microbatches != 1 else ''}"
              + (f", {s.virtual_stages} model chunks per rank" if s.virtual_stages > 1 else ""),
              f"data parallel: {dp.kind}, params {dp.param_dtype}, gradients reduced in {dp.reduce_dtype}"
@@ -143,6 +144,10 @@ def _predictions(plan: Plan) -> list[str]:
                 "fsdp": "all-gather of each unit's parameters (forward, and again in backward when resharded), "
                         "reduce-scatter of its gradients"}.get(kind, kind)
         lines.append(f"  dp: {what}, over {m.dp} ranks")
+    if m.ep > 1:
+        lines.append(f"  ep: per MoE layer and microbatch, all-to-alls that send tokens to their experts' ranks "
+                     f"and bring the results back (forward and backward), over {m.ep} ranks; expert gradients "
+                     f"all-reduced over the {m.dp // m.ep} ranks holding the same experts")
     if m.tp > 1:
         lines.append(f"  tp: all-reduces inside each sharded column→row pair, forward and backward, over {m.tp} "
                      "ranks, per microbatch")

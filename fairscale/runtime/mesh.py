@@ -7,6 +7,12 @@ Rank order puts tp innermost, then dp, then pp, so tensor-parallel groups are co
 
     pp=2, dp=2, tp=2:   stage 0: [0 1] [2 3]     stage 1: [4 5] [6 7]
                                tp↔      dp↕
+
+Expert parallelism (``ep`` dividing dp) splits the dp axis in two more groups: ``ep``, blocks of
+``ep`` consecutive dp ranks that share out the experts, and ``ep_rep``, the dp/ep ranks at the same
+place in their blocks, which hold the same experts::
+
+    dp=4, ep=2:   dp ranks 0 1 2 3   ep groups {0,1} {2,3}   ep_rep groups {0,2} {1,3}
 """
 
 from __future__ import annotations
@@ -64,8 +70,10 @@ class RankMesh:
         return self.rank_of(pp_index, d, t)
 
 
-def build_mesh(pp: int, dp: int, tp: int, *, device_type: str | None = None) -> tuple[RankMesh, DeviceMesh]:
-    """Create the DeviceMesh for pp × dp × tp on the current world and bind ``comm`` axes to it.
+def build_mesh(pp: int, dp: int, tp: int, *, ep: int = 1,
+               device_type: str | None = None) -> tuple[RankMesh, DeviceMesh]:
+    """Create the DeviceMesh for pp × dp × tp on the current world and bind ``comm`` axes to it
+    (``pp``, ``dp``, ``tp``, and with ``ep > 1`` the ``ep`` and ``ep_rep`` sub-axes of dp).
 
     Every rank must call this (it creates process groups). Size-1 axes are bound to ``None``.
     """
@@ -80,4 +88,25 @@ def build_mesh(pp: int, dp: int, tp: int, *, device_type: str | None = None) -> 
     sizes: dict[str, Any] = {"pp": pp, "dp": dp, "tp": tp}
     for axis in AXES:
         comm.set_group(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)
-    return RankMesh(pp, dp, tp, dist.get_rank()), device_mesh
+    mesh = RankMesh(pp, dp, tp, dist.get_rank())
+    _bind_expert_axes(mesh, ep)
+    return mesh, device_mesh
+
+
+def _bind_expert_axes(mesh: RankMesh, ep: int) -> None:
+    """Create the ``ep`` and ``ep_rep`` groups (every rank creates every group, in one order)."""
+    if ep < 1 or mesh.dp % ep:
+        raise ValueError(f"mesh ep({ep}) must divide dp({mesh.dp})")
+    comm.set_group("ep", None)
+    comm.set_group("ep_rep", None)
+    if ep == 1:
+        return
+    me = mesh.coords()
+    for p in range(mesh.pp):
+        for t in range(mesh.tp):
+            blocks = [[mesh.rank_of(p, b * ep + j, t) for j in range(ep)] for b in range(mesh.dp // ep)]
+            for axis, groups in (("ep", blocks), ("ep_rep", [list(g) for g in zip(*blocks)])):
+                for ranks in groups:
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if mesh.rank in ranks and me[0] == p and me[2] == t:
+                        comm.set_group(axis, group)
