@@ -462,9 +462,12 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
 def _expert_degrees(graph: ModelGraph, dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
     """Expert-parallel degrees to try: 1, and for MoE models every divisor of dp that divides every
     layer's expert count (not when the tp rules already split the experts)."""
-    if fixed.ep is not None:
-        return [fixed.ep] if dp % fixed.ep == 0 else []
     counts = [e.num_experts for e in graph.experts().values()]
+    if fixed.ep is not None:
+        if fixed.ep > 1 and not counts:
+            raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
+                             "mesh.ep"], source="constraints")
+        return [fixed.ep] if dp % fixed.ep == 0 and all(c % fixed.ep == 0 for c in counts) else []
     if not counts or "expert" in rules.values():
         return [1]
     return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]

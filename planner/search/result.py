@@ -34,7 +34,8 @@ class Candidate:
         dp += "+offload" if c.offload else ""
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
         rec += f", selective {len(c.selective)}" if c.selective else ""
-        return (f"pp={c.pp} dp={c.dp} tp={c.tp}{' sp' if c.sp else ''} {sched} m={c.microbatches} {dp} {rec}: "
+        mesh = f"pp={c.pp} dp={c.dp} tp={c.tp}" + (f" ep={c.ep}" if c.ep > 1 else "") + (" sp" if c.sp else "")
+        return (f"{mesh} {sched} m={c.microbatches} {dp} {rec}: "
                 f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device, "
                 f"{max(b.memory_bytes) / GiB:.3g} GiB peak, {b.comm_bytes / GiB:.3g} GiB sent/device")
 
