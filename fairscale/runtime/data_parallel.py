@@ -105,12 +105,12 @@ class DataParallelRunner:
         torchrun, where each process built its own model; forked ranks inherited one). With
         ``sync=False`` the ranks' weights are checked to agree instead.
         """
+        if isinstance(plan, Plan) and (plan.mesh.pp, plan.mesh.tp, plan.mesh.ep) != (1, 1, 1):
+            raise ValueError(f"DataParallelRunner runs pp=tp=ep=1 plans; this plan has mesh pp={plan.mesh.pp}, "
+                             f"tp={plan.mesh.tp}, ep={plan.mesh.ep}: use the full engine (fairscale.parallelize)")
         if not dist.is_initialized():
             raise RuntimeError("DataParallelRunner.build needs torch.distributed initialized; run it under "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
-        if isinstance(plan, Plan) and (plan.mesh.pp, plan.mesh.tp) != (1, 1):
-            raise ValueError(f"DataParallelRunner runs pp=tp=1 plans; this plan has mesh pp={plan.mesh.pp}, "
-                             f"tp={plan.mesh.tp}: use the full engine (fairscale.parallelize)")
         if dist.get_backend() != "gloo":
             raise NotImplementedError(
                 f"DataParallelRunner runs CPU ranks on gloo; this process group uses {dist.get_backend()!r}. "
