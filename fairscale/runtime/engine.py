@@ -62,9 +62,12 @@ class ParallelModule:
 
     * ``loss = pm.train_step(batch)``: forward, backward (through the pipeline schedule) and the
       optimizer step. Works for every plan; use it when pp > 1 or microbatches > 1.
+      ``pm.train_step(batch, clip_norm=1.0)`` clips the global gradient norm first
+      (``pm.last_grad_norm`` is the norm before clipping).
     * ``loss = pm(batch); loss.backward(); pm.optimizer.step(); pm.optimizer.zero_grad()``:
       the ordinary PyTorch loop, for plans with pp = 1 and one microbatch (gradients are
-      synchronized by the collectives in the graph during ``backward``).
+      synchronized by the collectives in the graph during ``backward``); call
+      ``pm.clip_grad_norm_(max_norm)`` before the step to clip.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
@@ -150,7 +153,8 @@ class ParallelModule:
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
                 f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
                 "schedule interleaves: use pm.train_step(batch)")
-        return self.modules[0](*local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+        out = self.modules[0](*local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+        return out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's trainable local tensors (slices and shards), as the optimizer sees them."""

@@ -133,6 +133,7 @@ class DataParallelOptimizer:
         layout = self.gm.meta.get(META_LAYOUT)
         tp = layout.tp if layout is not None else {}
         inf = math.isinf(norm_type)
+        device = _device()  # the parts meet in collectives; gradients may live elsewhere (offload)
         parts: dict[tuple[str, ...], torch.Tensor] = {}
         for piece in self.grad_pieces():
             if piece.key in skip_keys:
@@ -142,16 +143,16 @@ class DataParallelOptimizer:
             if spec is not None and spec.count > 1:
                 axes.add(spec.axis)
             key = tuple(sorted(axes))
-            acc = parts.setdefault(key, torch.zeros((), dtype=torch.float64))
+            acc = parts.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
             g = piece.param.grad
             if g is None or piece.stop <= piece.start:
                 continue  # no gradient (unused this step) adds nothing, but the key stays for the collectives
             g = g.detach().reshape(-1)[piece.start:piece.stop]
             dtype = torch.promote_types(g.dtype, torch.float32)
             if inf:
-                parts[key] = torch.maximum(acc, g.abs().max().to(torch.float64))
+                parts[key] = torch.maximum(acc, g.abs().max().to(device, torch.float64))
             else:
-                norm = torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(torch.float64)
+                norm = torch.linalg.vector_norm(g, norm_type, dtype=dtype).to(device, torch.float64)
                 parts[key] = acc + norm ** norm_type
         return parts
 
@@ -161,12 +162,12 @@ class DataParallelOptimizer:
         full gradients too, so they stay consistent with the shards)."""
         for p in self.params:
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         if self.info.kind == "zero1":
             stepped = {id(p) for p in self.params}
             for p in self.gm.parameters():
                 if p.grad is not None and p.requires_grad and id(p) not in stepped:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+                    p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, reduce_axes: Iterable[str] = ()) -> torch.Tensor:
@@ -267,13 +268,20 @@ def reduce_grad_norm(parts: dict[tuple[str, ...], torch.Tensor], norm_type: floa
         vec = torch.stack([parts[k] for k in keys])
         dist.all_reduce(vec, op=op, group=comm.get_group(axis))
         parts.update(zip(keys, vec.unbind()))
-    values = list(parts.values()) or [torch.zeros((), dtype=torch.float64)]
+    values = list(parts.values()) or [torch.zeros((), dtype=torch.float64, device=_device())]
     total = torch.stack(values).max() if inf else torch.stack(values).sum()
     total = total.reshape(1).clone()
     for axis in reduce_axes:
         if comm.group_size(axis) > 1:
             dist.all_reduce(total, op=op, group=comm.get_group(axis))
     return total[0] if inf else total[0] ** (1.0 / norm_type)
+
+
+def _device() -> torch.device:
+    """Where collectives of this process group take their tensors (nccl: the current GPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -6,6 +6,11 @@ Usage::
     load_full_state_dict(rank_gm, full)                        # every rank passes the same dict
     shard = sharded_state_dict(rank_gm, dp_mesh)               # {key: DTensor Shard(0) on dp}
     load_sharded_state_dict(rank_gm, shard)
+    opt_state = optimizer_state_dict(rank_gm, opt, dp_mesh)    # {"optim.<key>.<name>": ...}
+
+Smaller pieces for other savers (``fairscale.runtime.engine_checkpoint``): :func:`param_layout`,
+:func:`held_keys`, :func:`tied_aliases`, :func:`gather_tensor_shard`,
+:func:`load_optimizer_state_dict`.
 
 The sharded form stores every parameter as a DTensor sharded along dim 0 over the dp mesh
 (``torch.chunk`` layout), whatever kind produced it, so a checkpoint written by FSDP on 4 ranks

@@ -8,7 +8,8 @@ once. A norm that missed or double-counted any of these would differ from the re
 
 SGD with momentum, not Adam: Adam's update m/√v hardly depends on the gradients' scale, so it
 would hide a wrong clipping coefficient in the parameters. ``CLIP`` is far below every step's norm
-(asserted), so every step clips. Float64 as in ``tests/test_parallelize.py``: any mistake shows
+(asserted), so every step clips. One pp = 1 plan runs the plain loop instead (``loss.backward();
+pm.clip_grad_norm_(CLIP); pm.optimizer.step()``). Float64 as in ``tests/test_parallelize.py``: any mistake shows
 far above the 1e-10 / 1e-9 tolerances. All configurations of a family run in one launch.
 """
 
@@ -42,6 +43,7 @@ CONFIGS = {
     "2x2x2-1f1b-fsdp": (2, 2, 2, "1f1b", 2, "fsdp", False),
     "2x2x2-gpipe-zero2-sp": (2, 2, 2, "gpipe", 2, "zero2", True),
     "2x2x2-interleaved-zero1": (2, 2, 2, "interleaved", 2, "zero1", False),
+    "1x4x2-manual-zero2": (1, 4, 2, "1f1b", 1, "zero2", False),  # loss.backward(); pm.clip_grad_norm_(CLIP)
 }
 
 FAMILY_CONFIGS = {"gpt": list(CONFIGS), "llama": ["2x2x2-1f1b-fsdp", "2x2x2-interleaved-zero1"]}
@@ -98,8 +100,19 @@ def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> di
                          optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM))
         traj = Trajectory()
         for step in range(STEPS):
-            traj.losses.append(pm.train_step(case.make_batch(step, BATCH), clip_norm=CLIP))
-            traj.grad_norms.append(pm.last_grad_norm)
+            batch = case.make_batch(step, BATCH)
+            if "manual" in name:  # the plain PyTorch loop (pp = 1): this rank's dp slice, then the global mean
+                loss = pm(*batch)
+                loss.backward()
+                traj.grad_norms.append(float(pm.clip_grad_norm_(CLIP)))
+                pm.optimizer.step()
+                pm.optimizer.zero_grad()
+                mean = loss.detach().reshape(1).clone()
+                dist.all_reduce(mean)  # tp ranks hold equal losses, so the world mean is the dp mean
+                traj.losses.append(float(mean) / world)
+            else:
+                traj.losses.append(pm.train_step(batch, clip_norm=CLIP))
+                traj.grad_norms.append(pm.last_grad_norm)
         traj.params = pm.state_dict()
         out[name] = traj
         if name == next(iter(plans)):
