@@ -3,6 +3,7 @@
     python benchmarks/data_parallel/bench_dp.py                        # 2 and 4 ranks, ~4M GPT, fp32
     python benchmarks/data_parallel/bench_dp.py --tiny                 # seconds: checks it all runs
     python benchmarks/data_parallel/bench_dp.py --no-original          # skip FairScale 0.4.13
+    python benchmarks/data_parallel/bench_dp.py --bucket-mb 4          # several buckets: overlap in backward
 
 CPU, gloo, one intra-op thread per rank, fp32, the same seeded model and batches for everyone.
 Each comparison pairs settings that do the same work:
@@ -90,7 +91,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, graph: Any, case:
     results: dict[str, Any] = {}
     for rep in range(args.repeats):
         for kind in args.kinds:
-            runner = DataParallelRunner.build(graph, DataParallel(**OURS[kind]), torch.optim.Adam, lr=1e-3)
+            cfg = dict(OURS[kind])
+            if "bucket_mb" in cfg:
+                cfg["bucket_mb"] = args.bucket_mb
+            runner = DataParallelRunner.build(graph, DataParallel(**cfg), torch.optim.Adam, lr=1e-3)
             comm.COUNTER.reset()
 
             def ours(i: int) -> None:
@@ -103,7 +107,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, graph: Any, case:
             del runner
             if kind == "ddp":
                 model = copy.deepcopy(case.model)
-                ddp = DistributedDataParallel(model, bucket_cap_mb=25.0)
+                ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
                 results.setdefault("native:ddp", []).extend(
                     time_steps(_native_step(ddp, case, data, rank, world), args.warmup, args.steps))
             elif kind == "fsdp":
@@ -125,7 +129,7 @@ def run_original(args: argparse.Namespace, world: int) -> dict[str, list[float]]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [str(python), str(HERE / "original_worker.py"), "--world", str(world), "--size", args.size,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-           "--global-batch", str(args.global_batch)]
+           "--global-batch", str(args.global_batch), "--bucket-mb", str(args.bucket_mb)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp", env=env)
     if r.returncode:
         return {"error": [r.stderr[-3000:]]}
@@ -144,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket cap (MiB) for ours (ddp, zero1, zero2) and torch DDP's bucket_cap_mb; "
+                        "the 4M model is 17 MB, so the default 25 makes one bucket (torch DDP adds a 1 MiB first one)")
     p.add_argument("--tiny", action="store_true", help="tiny model and 2 steps: checks the script runs")
     p.add_argument("--no-original", action="store_true", help="skip FairScale 0.4.13")
     p.add_argument("--original-python", default="/tmp/fs013/bin/python")

@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.
         for name in out:
             model = build(args.size).model
             opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-            wrapped = DistributedDataParallel(model, bucket_cap_mb=25.0) if name == "oss_ddp" \
+            wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if name == "oss_ddp" \
                 else ShardedDataParallel(model, opt)
             for i in range(args.warmup + args.steps):
                 x, y = (t[rank * per:(rank + 1) * per] for t in data[i % len(data)])
@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
     args = p.parse_args()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
