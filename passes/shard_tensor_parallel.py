@@ -12,8 +12,11 @@ Usage::
     loss = rank_gm(input_ids, labels)      # same loss on every tp rank; backward gives local grads
 
 Args:
-    gm: a captured graph (``planner.capture``) or a pipeline stage of one. Placeholders may be any
-        stage inputs (taken as replicated); outputs are returned replicated.
+    gm: a captured graph (``planner.capture``) or a pipeline stage of one. Batch inputs are taken
+        replicated. On a stage graph (``gm.meta["fs_stage_io"]``, ``passes.split_stages``) with
+        sequence parallelism, the activations it receives and sends ([b, t, ...] floats whose t
+        divides by tp) travel as their sequence shard S(1), as Megatron-LM sends them; every other
+        boundary value, and everything without sequence parallelism, travels whole.
     plan: ``plan.tensor_parallel.rules`` maps module selectors to styles; the first rule whose
         selector matches a node's module applies. ``plan.tensor_parallel.sequence_parallel``.
     tp_index, tp_size: this rank's position on the tp axis and its size (``plan.mesh.tp``).
@@ -56,9 +59,11 @@ node.meta keys read: ``val`` (shapes), ``fs_module`` (rule matching), ``fs_param
 node.meta keys written (on the returned graph): ``fs_tp`` (placement of every value: ``R``,
 ``S(d)``, ``P``), ``fs_tp_comm`` (on inserted collectives: why), ``fs_tp_style`` (the style that
 applied to a node), ``fs_tp_fallback`` (ops run replicated for lack of a rule), ``val`` (rank-local
-fake tensor) and ``fs_tp_global_shape``. gm.meta written: ``fs_layout`` (a
+fake tensor) and ``fs_tp_global_shape``. gm.meta read: ``fs_stage_io``. gm.meta written: ``fs_layout`` (a
 :class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp``
-(a summary: sizes, sharded keys, inserted collectives by kind).
+(a summary: sizes, sharded keys, inserted collectives by kind, and ``received`` / ``sent``: the
+placement and rank-local shape of each received placeholder and each sent output, which the
+pipeline runtime uses for its p2p buffers).
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ from torch.fx import Node
 from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp_fuse import fuse_gather_copy, hoist_copy_over_scatter
-from passes.tp_placement import Placement, R, S
+from passes.split_stages import META_IO, StageIO
+from passes.tp_placement import Placement, R, S, local_shape
 from passes.tp_rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
 from passes.tp_model_rules import rule_for
 from passes.tp_rules import VIEWS
@@ -138,6 +144,10 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
     rw = Rewriter(gm, tp=tp_size, index=tp_index, axis=axis, sequence_parallel=sp, seq_dim=seq_dim,
                   params=params, styles=styles)
     rw.graph._codegen = copy.deepcopy(gm.graph._codegen)
+    io = gm.meta.get(META_IO)
+    received = set(io.received) if isinstance(io, StageIO) else set()
+    sends = isinstance(io, StageIO) and io.sends
+    boundary: dict[str, list[tuple[str, tuple[int, ...]]]] = {"received": [], "sent": []}
     for node in gm.graph.nodes:
         rw.cur = node
         rw.grad[node] = rw.compute_grad(node)
@@ -145,7 +155,13 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
             new = rw.graph.placeholder(str(node.target), type_expr=node.type,
                                        default_value=args_of(node)[0] if node.args else inspect.Signature.empty)
             new.meta = dict(node.meta)
-            place: Any = R if rw.is_tensor(node) else None
+            place: Any = None
+            if rw.is_tensor(node):
+                place = rw.boundary_place(node) if str(node.target) in received else R
+                if place.is_s:
+                    rw.set_local_val(new, node, place)
+            if str(node.target) in received:
+                boundary["received"].append(_io_record(rw, node, place))
         elif node.op == "get_attr":
             new = rw.graph.get_attr(str(node.target))
             new.meta = dict(node.meta)
@@ -159,8 +175,12 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
                 exc.node = getattr(exc, "node", None) or node  # for the pattern detector's retries
                 raise
         elif node.op == "output":
-            want = {a: R for a in node.all_input_nodes if rw.is_tensor(a)}
+            want = {a: rw.boundary_place(a) if sends else R for a in node.all_input_nodes if rw.is_tensor(a)}
             rw.graph.output(rw.map_args(args_of(node)[0], want, R), type_expr=node.type)
+            if sends:
+                outs = args_of(node)[0]
+                for a in outs if isinstance(outs, (tuple, list)) else [outs]:
+                    boundary["sent"].append(_io_record(rw, a, want.get(a)))
             continue
         else:
             raise TPShardError(f"{fmt(node)}: {node.op} nodes are not supported; capture with planner.capture")
@@ -172,7 +192,16 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
     fuse_gather_copy(rw.graph)
     hoist_copy_over_scatter(rw.graph, gm)
     rw.graph.lint()
-    return _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
+    out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
+    out.meta[META_SUMMARY].update(boundary)
+    return out
+
+
+def _io_record(rw: Rewriter, node: Any, place: Any) -> tuple[str, tuple[int, ...]]:
+    """(placement, rank-local shape) of a value crossing a stage boundary."""
+    if not (isinstance(node, Node) and rw.is_tensor(node)):
+        return ("-", ())
+    return (str(place), tuple(local_shape(rw.shape(node), place, rw.tp)))
 
 
 # ------------------------------------------------------------------------------------------ parameters

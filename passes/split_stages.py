@@ -29,7 +29,10 @@ sends (the last stage returns ``(loss,)``). Picture for GPT with 2 stages::
 
 node.meta read: ``fs_layer`` (capture), ``fs_param``, ``val``. Written (on the input graph and the
 stage graphs): ``fs_stage`` = owning stage of each compute node; ``fs_stages`` = every stage that
-holds a copy (placeholders, get_attr, recomputed nodes).
+holds a copy (placeholders, get_attr, recomputed nodes). gm.meta written on each stage graph:
+``fs_layout`` and ``fs_stage_io`` (:class:`StageIO`: which placeholders are received values and
+whether the outputs are sent, which lets later passes such as the tensor-parallel one choose how
+boundary values travel).
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ from planner.graph import META_LAYER, META_PARAM, ModelGraph
 from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector
 
-__all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "ValueSpec", "resolve_stages", "META_STAGE",
-           "META_STAGES", "SplitError"]
+__all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "StageIO", "ValueSpec", "resolve_stages",
+           "META_STAGE", "META_STAGES", "META_IO", "SplitError"]
 
 META_STAGE = "fs_stage"
 """int: the stage that owns (computes) the node."""
 META_STAGES = "fs_stages"
 """list[int]: every stage holding a copy of the node (batch placeholders, parameters, recomputed values)."""
+
+META_IO = "fs_stage_io"
+"""gm.meta key of a stage graph: its :class:`StageIO`."""
 
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial")
 
@@ -78,6 +84,17 @@ class ValueSpec:
 
     def describe(self) -> str:
         return f"{self.name}{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageIO:
+    """What a stage graph's placeholders and outputs are (``gm.meta["fs_stage_io"]``)."""
+
+    received: tuple[str, ...]
+    """Targets of the placeholders that receive values from the previous stage (the others are
+    batch inputs, which every pipeline rank loads whole)."""
+    sends: bool
+    """Whether the outputs are sent to the next stage (False on the last stage: it returns the loss)."""
 
 
 @dataclass(kw_only=True)
@@ -259,7 +276,7 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
     for s in range(n):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
-        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure)
+        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1)
         st.layers = [name for name, i in layer_stage.items() if i == s]
         trainable = {a for a, p in st.gm.named_parameters() if p.requires_grad}
         for key in {aliases.get(k, [k])[0] for a, k in st.param_keys().items() if a in trainable}:
@@ -361,7 +378,7 @@ def _install(root: nn.Module, target: str, value: Any, *, buffer: bool) -> None:
 
 def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
                  send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-                 pure: dict[torch.fx.Node, bool]) -> StageGraph:
+                 pure: dict[torch.fx.Node, bool], *, sends: bool) -> StageGraph:
     body = sorted(keep, key=position.__getitem__)
     reads = {i for node in body for i in node.all_input_nodes}
     graph = torch.fx.Graph()
@@ -401,6 +418,7 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     used = {str(node.target) for node in graph.nodes if node.op == "get_attr"}
     layout.keys = {t: k for t, k in layout.keys.items() if t in used}
     stage_gm.meta[META_LAYOUT] = layout
+    stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in recv), sends=sends)
     return StageGraph(index=s, gm=stage_gm, layers=[], batch_inputs=batch_inputs, batch_specs=batch_specs,
                       inputs=[_spec(v, pure) for v in recv], outputs=[_spec(v, pure) for v in send])
 

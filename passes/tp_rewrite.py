@@ -34,6 +34,7 @@ META_TP = "fs_tp"
 META_TP_COMM = "fs_tp_comm"
 """str on inserted collective nodes: why it was inserted (``"P->R for add_6"``)."""
 
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
 _COPY_META = ("fs_module", "fs_layer", "nn_module_stack", "stack_trace", "fs_param")
 
 
@@ -141,6 +142,17 @@ class Rewriter:
 
     # ------------------------------------------------------------------ conversions
 
+    def boundary_place(self, node: Node) -> Placement:
+        """How a value crossing a pipeline-stage boundary travels: under sequence parallelism a
+        floating-point activation of 3+ dims whose sequence divides by tp goes as its sequence shard
+        (Megatron-LM sends the sequence-parallel shard between stages), anything else whole. Sender
+        and receiver apply this rule to the same captured shape, so they agree without talking."""
+        if self.sp and self.is_tensor(node) and self.val(node).is_floating_point():
+            shape = self.shape(node)
+            if len(shape) >= 3 and shape[self.seq_dim] % self.tp == 0:
+                return S(self.seq_dim)
+        return R
+
     def resolve_target(self, node: Node) -> Placement:
         """Where a partial sum goes when a consumer needs it whole: the sequence shard under
         sequence parallelism (3-D activations whose sequence divides by tp), else replicated."""
@@ -160,6 +172,16 @@ class Rewriter:
         key = (node, want)
         if key in self.conv:
             return self.conv[key]
+        if have.is_p and self._reduce_before_cast(node):
+            # a cast commutes with the sum: reduce its source (once, shared with the source's other
+            # consumers; HF's RMSNorm reads hidden.to(float32) while the residual reads hidden)
+            base = self.get(args_of(node)[0], want)
+            cast: Any = node.target
+            out = self.emit(cast, (base, *args_of(node)[1:]), dict(node.kwargs), place=want, like=node)
+            self.set_local_val(out, node, want)
+            self.conv[key] = out
+            self.env[node], self.place[node] = out, want
+            return out
         why = f"{have}->{want} for {self.cur.name if self.cur is not None else '?'}"
         x = self.env[node]
         if have.is_p:
@@ -201,6 +223,18 @@ class Rewriter:
             # a partial sum is reduced once: later consumers see the reduced value, not the partial
             self.env[node], self.place[node] = out, want
         return out
+
+    def _reduce_before_cast(self, node: Node) -> bool:
+        """Whether the partial sum ``node`` is a dtype cast (of a partial sum: casts stay partial only
+        on one) whose source had better be reduced instead: the source is read by other ops too (it
+        may have been reduced for them already), or is no wider than the cast."""
+        if node.op != "call_function" or node.target not in _CASTS:
+            return False
+        src = args_of(node)[0]
+        if not (isinstance(src, Node) and self.is_tensor(src)):
+            return False
+        readers = [u for u in src.users if u is not node and "_assert_tensor_metadata" not in str(u.target)]
+        return bool(readers) or self.val(src).element_size() <= self.val(node).element_size()
 
     def copied(self, new: Node, old: Node) -> Node:
         """``copy_to_group(new)``: the replicated input of a sharded computation (grad all-reduced)."""

@@ -30,6 +30,10 @@ sides before any activation is sent. Every step checks the microbatch shapes aga
 and each stage's outputs against the boundary before sending, so a wrong batch is an error on
 every rank, never a hang.
 
+Tensor parallel: a stage graph rewritten with sequence parallelism sends and receives its
+activations as sequence shards; their rank-local shapes (``gm.meta["fs_tp"]``) size the p2p
+buffers, the checks and the handshake.
+
 Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass`` (after this
 split); each stage's backwards except its last of the step run under ``passes.dp_ops.no_sync`` so
 gradients are reduced over dp once per step.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
@@ -50,6 +55,7 @@ from torch import nn
 from fairscale.runtime import p2p
 from passes import comm
 from passes.layout import META_LAYOUT, ParamLayout
+from passes.shard_tensor_parallel import META_SUMMARY as META_TP_SUMMARY
 from passes.split_stages import StagedProgram, ValueSpec
 from planner.schedule import Action, PipelineSchedule, simulate
 
@@ -122,6 +128,12 @@ class PipelineExecutor:
         self.local_stages = schedule.rank_stages(self.rank)
         self.modules: dict[int, nn.Module] = {s: (modules or {}).get(s, program.stages[s].gm)
                                               for s in self.local_stages}
+        # what this rank's stages receive and send: the captured boundary, with the rank-local
+        # shapes of values a tensor-parallel rewrite sends as shards (sequence parallelism)
+        self._in_specs = {s: _local_specs(self.modules[s], program.stages[s].inputs, "received")
+                          for s in self.local_stages}
+        self._out_specs = {s: _local_specs(self.modules[s], program.stages[s].outputs, "sent")
+                           for s in self.local_stages}
         self.no_sync = no_sync or _default_no_sync()
         self.record = record
         self.dp_axis = dp_axis
@@ -253,7 +265,7 @@ class PipelineExecutor:
         if self.record:
             self.trace.compute.append((a.token(), t0, time.perf_counter()))
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        _check_values(out, stage.outputs, f"stage {a.stage} output")
+        _check_values(out, self._out_specs[a.stage], f"stage {a.stage} output")
         st.inputs[(a.mb, a.stage)] = received
         st.outputs[(a.mb, a.stage)] = out
         if a.stage == len(self.program.stages) - 1:
@@ -304,11 +316,11 @@ class PipelineExecutor:
             st.sends.append(self._isend(g.contiguous(), peer, p2p.tag("B", a.mb, a.stage - 1, i)))
 
     def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        specs = self.program.stages[a.stage].inputs
+        specs = self._in_specs[a.stage]
         st.recvs[("F", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage - 1), "F", a.mb, a.stage)
 
     def _do_RB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        specs = [s for s in self.program.stages[a.stage].outputs if s.grad]
+        specs = [s for s in self._out_specs[a.stage] if s.grad]
         st.recvs[("B", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage + 1), "B", a.mb, a.stage)
 
     # --- communication --------------------------------------------------------------------------
@@ -337,9 +349,9 @@ class PipelineExecutor:
         mine: list[tuple[int, int, str, list[ValueSpec]]] = []  # (peer stage, boundary, role, my specs)
         for s in self.local_stages:
             if s + 1 < n and self.schedule.stage_rank(s + 1) != self.rank:
-                mine.append((s + 1, s, "sends", self.program.stages[s].outputs))
+                mine.append((s + 1, s, "sends", self._out_specs[s]))
             if s > 0 and self.schedule.stage_rank(s - 1) != self.rank:
-                mine.append((s - 1, s - 1, "expects", self.program.stages[s].inputs))
+                mine.append((s - 1, s - 1, "expects", self._in_specs[s]))
         if not mine:
             return
         sends, recvs = [], []
@@ -490,6 +502,19 @@ def _check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) 
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != spec.shape or v.dtype != spec.dtype:
             got = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
             raise PipelineError(f"{what} {spec.name} is {got} but the boundary expects {spec.describe()}")
+
+
+def _local_specs(module: nn.Module, specs: Sequence[ValueSpec], key: str) -> list[ValueSpec]:
+    """``specs`` with the rank-local shapes a tensor-parallel stage records in
+    ``gm.meta["fs_tp"][key]`` (``passes.shard_tensor_parallel``); unchanged without one."""
+    records = (getattr(module, "meta", {}).get(META_TP_SUMMARY) or {}).get(key)
+    if not records:
+        return list(specs)
+    if len(records) != len(specs):
+        raise PipelineError(f"the tensor-parallel stage graph records {len(records)} {key} values but the stage "
+                            f"boundary has {len(specs)} ({_fmt_specs(specs)}); rewrite the stage graph of this split")
+    return [spec if place == "-" else dataclasses.replace(spec, shape=tuple(shape))
+            for spec, (place, shape) in zip(specs, records)]
 
 
 def _fmt_specs(specs: Sequence[ValueSpec]) -> str:

@@ -122,3 +122,18 @@ def test_ring_bytes_equal_the_megatron_sp_volume() -> None:
         moved += _UNITS[kind] * factor * torch.Size(full).numel() * 4
     theory = L * 4 * 2 * factor * act + factor * act + (2 * L + 1) * 2 * factor * w
     assert moved == theory
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_a_cast_of_a_partial_sum_shares_the_reduction_of_its_source(sp: bool) -> None:
+    """Vocab-parallel embedding in a float64 Llama: RMSNorm reads ``hidden.to(float32)`` while the
+    residual reads ``hidden``; the partial sum is reduced once (in its own dtype) and cast after,
+    not reduced once per dtype."""
+    case = build("llama", layers=2, dim=D, seq=T)
+    case.model.to(torch.float64)
+    gm = capture(case.model, case.make_batch(0, B), loss_fn=case.loss_fn).gm
+    rules = {**BLOCK_RULES, "embed_tokens": "vocab_embedding"}
+    plan = Plan(mesh=Mesh(tp=TP), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+    counts = collective_counts(shard_tensor_parallel_pass(gm, plan, tp_index=0, tp_size=TP))
+    # one reduction of the embedding plus one per row-parallel block (2 per layer)
+    assert counts["reduce_scatter_seq" if sp else "reduce_from_group"] == 1 + 2 * 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -64,10 +65,10 @@ def make_case(family: str, tp: int) -> Case:
     return dataclasses.replace(case, make_batch=batch, loss_fn=loss_fn)
 
 
-def gather_state(gm: torch.fx.GraphModule, tied: list[list[str]]) -> dict[str, Any]:
-    """The user's full state_dict from one rank's graph (collective over the tp group)."""
+def gather_state(gm: torch.fx.GraphModule, tied: list[list[str]], group: Any = None) -> dict[str, Any]:
+    """The user's full state_dict from one rank's graph (collective over the tp group, default: all ranks)."""
     layout = gm.meta[META_LAYOUT]
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     out: dict[str, Any] = {}
     tensors = dict(gm.named_parameters(remove_duplicate=False)) | dict(gm.named_buffers(remove_duplicate=False))
     for attr, t in tensors.items():
@@ -77,7 +78,7 @@ def gather_state(gm: torch.fx.GraphModule, tied: list[list[str]]) -> dict[str, A
         t = t.detach()
         if key in layout.tp:
             pieces = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(pieces, t.contiguous())
+            dist.all_gather(pieces, t.contiguous(), group=group)
             t = layout.tp[key].assemble(pieces)
         out[key] = t.numpy().copy()
     for group in tied:
@@ -237,10 +238,72 @@ def test_tensor_parallel_on_pipeline_stage_graphs() -> None:
         # stage 0 holds the vocab embedding and one block, stage 1 one block and the vocab-parallel loss
         assert counts[0]["vocab_parallel_embedding"] == 1 and "vocab_parallel_cross_entropy" not in counts[0]
         assert counts[1]["vocab_parallel_cross_entropy"] == 1
-        if sp:  # the boundary activation leaves stage 0 gathered (stage outputs are replicated) and
-            # enters stage 1's residual by local_chunk behind one copy_to_group (passes.tp_fuse)
-            assert counts[0]["gather_from_group"] == 1 and counts[1]["local_chunk"] == 1
-            assert "scatter_to_group" not in counts[1]
+        if sp:  # the boundary activation crosses as its sequence shard: no gather before the cut, no
+            # split after it; the two stages together call exactly the collectives of the unsplit graph
+            sp_plan = Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
+            whole = collective_counts(shard_tensor_parallel_pass(graph.gm, sp_plan, tp_index=0, tp_size=2))
+            assert Counter(counts[0]) + Counter(counts[1]) == Counter(whole)
+            for c in counts:
+                assert not {"gather_from_group", "scatter_to_group", "local_chunk"} & set(c)
+
+
+MICRO = 2
+
+
+def _pipeline_rank(rank: int, world: int, program: Any, rules: dict[str, str],
+                   tied: list[list[str]]) -> tuple[Any, ...]:
+    """pp=2 × tp=2 with sequence parallelism through the pipeline runtime (1F1B, 2 microbatches)."""
+    from fairscale.runtime.pipeline import PipelineExecutor
+    from planner.schedule import build_schedule
+
+    build_mesh(2, 1, 2)
+    pp_index, tp_index = comm.group_rank("pp"), comm.group_rank("tp")
+    case = make_case("llama", 2)
+    plan = Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
+    stage = shard_tensor_parallel_pass(program.stages[pp_index].gm, plan, tp_index=tp_index, tp_size=2)
+    pipe = PipelineExecutor(program, build_schedule("1f1b", pp=2, microbatches=MICRO), modules={pp_index: stage})
+    opt = make_optimizer(pipe.parameters())
+    losses, sent = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        comm.COUNTER.reset()
+        losses.append(pipe.step(case.make_batch(step, BATCH)))
+        sent.append(comm.COUNTER.snapshot().get("send:pp", {}).get("bytes", 0.0))
+        opt.step()
+    state = gather_state(stage, tied, group=comm.get_group("tp"))
+    return pp_index, tp_index, losses, state if tp_index == 0 else None, sent, stage.meta["fs_tp"]
+
+
+def test_pipeline_sends_sequence_shards_under_sequence_parallelism() -> None:
+    """pp × tp × SP on 4 gloo ranks through PipelineExecutor: the boundary activation travels as
+    its sequence shard (Megatron-LM's p2p of the SP shard), so each rank sends 1/tp of the
+    activation per microbatch (forward on stage 0, its gradient back on stage 1), and training
+    matches single-process."""
+    from passes.split_stages import split_stages_pass
+    from planner.plan import Stage
+
+    case = make_case("llama", 2)
+    graph = capture(case.model, case.make_batch(0, BATCH // MICRO), loss_fn=case.loss_fn)
+    plan = Plan(mesh=Mesh(pp=2), stages=[Stage(layers="embed_tokens, layers.0"),
+                                         Stage(layers="layers.1, norm, lm_head")])
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    (boundary,) = program.stages[0].outputs
+    b, t, d = boundary.shape
+    rules = propose_tp_rules(graph.gm, tp=2).rules
+    ref = train_reference(lambda: make_case("llama", 2), steps=STEPS, global_batch=BATCH)
+    results = fairscale.launch(_pipeline_rank, devices=4, args=(program, rules, graph.tied))
+    shard = (b, t // 2, d)
+    state: dict[str, Any] = {}
+    for pp_index, tp_index, losses, part, sent, summary in results:
+        assert losses == results[0][2]
+        # every rank sends MICRO shards a step: activations forward from stage 0, gradients back from stage 1
+        assert sent == [MICRO * b * (t // 2) * d * 8.0] * STEPS
+        if pp_index == 0:
+            assert summary["sent"] == [("S(1)", shard)] and summary["received"] == []
+        else:
+            assert summary["received"] == [("S(1)", shard)] and summary["sent"] == []
+        state.update(part or {})
+    compare(ref, Trajectory(losses=results[0][2], params={k: torch.from_numpy(v) for k, v in state.items()}))
 
 
 def _fp32_rank(rank: int, world: int, gm: torch.fx.GraphModule, rules: dict[str, str],
