@@ -39,7 +39,7 @@ from typing import Any
 
 PLAN_VERSION = 1
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "v")
 DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 TP_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_loss", "expert", "replicate")
 RECOMPUTE_KINDS = ("full", "selective", "none")
@@ -86,11 +86,11 @@ class Schedule:
     """Pipeline schedule."""
 
     kind: str = "1f1b"
-    """One of gpipe, 1f1b, interleaved."""
+    """One of gpipe, 1f1b, interleaved, v (V-shaped: two chunks per rank, down and back up)."""
     microbatches: int = 1
     """Microbatches per step; the global batch must divide by dp × microbatches."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved only; 1 otherwise)."""
+    """Model chunks per pipeline rank (interleaved: 2 or more; v: 2; 1 otherwise)."""
     global_batch: int = 0
     """Samples per optimizer step the plan was made for (0: not recorded). It must split into
     dp × microbatches equal microbatches; re-costing a loaded plan uses it."""

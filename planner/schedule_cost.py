@@ -12,11 +12,41 @@ divided by v when interleaved; 1F1B keeps at most p microbatches in flight).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
-__all__ = ["SCHEDULE_KINDS", "pipeline_time", "bubble_fraction", "in_flight"]
+__all__ = ["SCHEDULE_KINDS", "pipeline_time", "bubble_fraction", "in_flight", "stage_placement"]
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "v")
+
+
+def stage_placement(kind: str, p: int, v: int = 1) -> list[int]:
+    """Pipeline rank of each of the ``p·v`` stages: looped (``s % p``), or for ``v`` down and back
+    up (``0 1 … p-1 p-1 … 1 0``)."""
+    if kind == "v":
+        return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return [s % p for s in range(p * v)]
+
+
+@lru_cache(maxsize=256)
+def _v_profile(p: int, m: int) -> tuple[float, tuple[float, ...]]:
+    """(bubble at equal stage costs, peak microbatches in flight per rank) of the list-scheduled V
+    schedule, read off its action lists (``planner.schedule.v_shape``) and simulated timeline."""
+    from planner.schedule import v_shape
+    from planner.schedule_sim import simulate
+
+    sched = v_shape(p, m)
+    peaks = []
+    for actions in sched.actions:
+        live = peak = 0
+        for a in actions:
+            if a.kind == "F":
+                live += 1
+            elif a.kind == "B":
+                live -= 1
+            peak = max(peak, live)
+        peaks.append(peak / 2)  # each chunk holds half of the rank's layers
+    return simulate(sched).bubble, tuple(peaks)
 
 
 def pipeline_time(kind: str, stage_times: Sequence[float], m: int, *, v: int = 1) -> float:
@@ -26,12 +56,21 @@ def pipeline_time(kind: str, stage_times: Sequence[float], m: int, *, v: int = 1
     the remaining m-1 leave at the pace of the slowest stage (equals (m+p-1)·t when balanced).
     interleaved: ``m·max_j t_j + (Σ_j t_j - max_j t_j)/v`` — the fill and drain cross chunks of
     1/v the size (equals (m + (p-1)/v)·t when balanced).
+    v: ``m·max_j t_j + c·(Σ_j t_j - max_j t_j)`` with ``c = m·b / ((1-b)(p-1))``, ``b`` the bubble of
+    the list-scheduled V timeline at equal stage costs, so that balanced stages give exactly the
+    simulated step ``m·t/(1-b)``.
     """
     _check(kind, len(stage_times), m, v)
     t_max = max(stage_times)
     total = sum(stage_times)
+    p = len(stage_times)
     if kind == "interleaved":
         return m * t_max + (total - t_max) / v
+    if kind == "v":
+        if p == 1:
+            return m * t_max
+        b = _v_profile(p, m)[0]
+        return m * t_max + m * b / ((1 - b) * (p - 1)) * (total - t_max)
     return (m - 1) * t_max + total
 
 
@@ -42,6 +81,8 @@ def bubble_fraction(kind: str, p: int, m: int, *, v: int = 1) -> float:
     whole step that is (p-1)/(m+p-1), and interleaving divides the fill and drain by v.
     """
     _check(kind, p, m, v)
+    if kind == "v":
+        return _v_profile(p, m)[0] if p > 1 else 0.0
     fill = (p - 1) / (v if kind == "interleaved" else 1)
     return fill / (m + fill)
 
@@ -54,6 +95,7 @@ def in_flight(kind: str, p: int, m: int, stage: int, *, v: int = 1) -> float:
     1f1b: ``min(m, p - stage)`` (the warm-up depth of PipeDream-Flush).
     interleaved: Megatron-LM's warm-up count of chunk-microbatches,
     ``min(m·v, 2·(p - stage - 1) + (v - 1)·p + 1)``, each holding 1/v of the rank's layers.
+    v: the peak of chunk-microbatches alive in the rank's action list, each half of its layers.
     """
     _check(kind, p, m, v)
     if not 0 <= stage < p:
@@ -62,6 +104,8 @@ def in_flight(kind: str, p: int, m: int, stage: int, *, v: int = 1) -> float:
         return float(m)
     if kind == "1f1b":
         return float(min(m, p - stage))
+    if kind == "v":
+        return _v_profile(p, m)[1][stage]
     chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
     return chunks / v
 
@@ -71,5 +115,7 @@ def _check(kind: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULE_KINDS)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline ranks ({p}), microbatches ({m}) and chunks ({v}) must be >= 1")
-    if kind != "interleaved" and v != 1:
+    if kind == "v" and v != 2:
+        raise ValueError(f"the v schedule places 2 chunks on each rank, not virtual_stages={v}")
+    if kind not in ("interleaved", "v") and v != 1:
         raise ValueError(f"virtual_stages={v} needs the interleaved schedule, not {kind}")

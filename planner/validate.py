@@ -168,7 +168,10 @@ def _check_schedule(plan: Plan, problems: list[str]) -> None:
     v_ok = _positive("schedule.virtual_stages", s.virtual_stages, problems)
     if not known or pp < 1:
         return
-    if v_ok and s.virtual_stages > 1 and s.kind != "interleaved":
+    if v_ok and s.kind == "v" and s.virtual_stages != 2:
+        problems.append(f'schedule.virtual_stages: kind "v" places two chunks on each pipeline rank (down, then '
+                        f"back up), so it needs virtual_stages 2, got {s.virtual_stages}")
+    elif v_ok and s.virtual_stages > 1 and s.kind not in ("interleaved", "v"):
         problems.append(f"schedule.virtual_stages: {s.virtual_stages} model chunks per pipeline rank need kind "
                         f'"interleaved", but schedule.kind is "{s.kind}"; set kind to "interleaved" or '
                         "virtual_stages to 1")

@@ -26,7 +26,7 @@ from planner.cost_comm import all_gather_time, all_reduce_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.graph import ModelGraph
 from planner.plan import PlanError
-from planner.schedule_cost import in_flight
+from planner.schedule_cost import in_flight, pipeline_time
 from planner.search.evaluate import (Breakdown, Config, Context, choose_recompute, evaluate, fsdp_buffer_terms,
                                      stage_cuts_even)
 from planner.search.partition import SegmentModel, partition
@@ -38,7 +38,7 @@ from planner.selectors import parse_selector
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
 
 Progress = Callable[[int, int, "float | None"], None]
-_KIND_ORDER = {"1f1b": 0, "interleaved": 1, "gpipe": 2}
+_KIND_ORDER = {"1f1b": 0, "interleaved": 1, "v": 2, "gpipe": 3}
 _DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 _VIRTUAL = (2, 4, 8)
 
@@ -394,7 +394,7 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
         t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
-    pipe = m * t + (pp - 1) * t / v if cfg.kind == "interleaved" else (m - 1 + pp) * t
+    pipe = pipeline_time(cfg.kind, [t] * pp, m, v=v)
     share = c.core_share
     if share > 1.0:  # ranks time-sharing cores: see evaluate.shared_core_pipeline_time
         pipe = max(pipe / share, m * tot.time / pp)
@@ -487,6 +487,8 @@ def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | No
         if m % pp == 0:
             vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
             opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
+        if 2 * pp <= L:
+            opts.append(("v", 2))
         if fixed.kind is not None:
             opts = [o for o in opts if o[0] == fixed.kind]
     if fixed.virtual_stages is not None:

@@ -21,7 +21,7 @@ from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_ti
                                reduce_scatter_time)
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes, model_state_parts, unshard_buffer_bytes
 from planner.plan import Predicted
-from planner.schedule_cost import in_flight, pipeline_time
+from planner.schedule_cost import in_flight, pipeline_time, stage_placement
 
 __all__ = ["Config", "Breakdown", "Context", "evaluate", "choose_recompute", "shared_core_pipeline_time"]
 
@@ -39,9 +39,9 @@ class Config:
     microbatches: int
     """Microbatches per step."""
     kind: str = "1f1b"
-    """Schedule: gpipe, 1f1b or interleaved."""
+    """Schedule: gpipe, 1f1b, interleaved or v."""
     v: int = 1
-    """Chunks per pipeline rank (interleaved)."""
+    """Chunks per pipeline rank (interleaved; 2 for v)."""
     dp_kind: str = "ddp"
     """ddp, zero1, zero2 or fsdp."""
     reshard: bool = True
@@ -194,9 +194,14 @@ class Context:
         return per
 
 
+def rank_stages(cfg: Config, rank: int) -> list[int]:
+    """The stages (chunks) pipeline rank ``rank`` runs, in stage order."""
+    return [k for k, r in enumerate(stage_placement(cfg.kind, cfg.pp, cfg.v)) if r == rank]
+
+
 def rank_layers(cfg: Config, rank: int) -> list[int]:
     out: list[int] = []
-    for k in range(rank, cfg.pp * cfg.v, cfg.pp):
+    for k in rank_stages(cfg, rank):
         out.extend(range(cfg.cuts[k], cfg.cuts[k + 1]))
     return out
 
@@ -387,12 +392,13 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                        for i in layers)
         # pipeline sends: each chunk boundary sends activations forward and gradients backward
         p2p_s, p2p_bytes = 0.0, 0.0
-        for k in range(rank, cfg.pp * cfg.v, cfg.pp):
-            if k + 1 < cfg.pp * cfg.v:
+        where = stage_placement(cfg.kind, cfg.pp, cfg.v)
+        for k in rank_stages(cfg, rank):  # a boundary between two chunks of one rank (V's turn) sends nothing
+            if k + 1 < cfg.pp * cfg.v and where[k + 1] != rank:
                 nbytes = costs[cfg.cuts[k + 1] - 1].output
                 p2p_bytes += nbytes
                 p2p_s += p2p_time(nbytes, bandwidth=pp_bw, latency=pp_lat)
-            if k > 0:
+            if k > 0 and where[k - 1] != rank:
                 nbytes = costs[cfg.cuts[k] - 1].output
                 p2p_bytes += nbytes
                 p2p_s += p2p_time(nbytes, bandwidth=pp_bw, latency=pp_lat)
@@ -471,7 +477,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     chunks = list(zip(cfg.cuts, cfg.cuts[1:]))
     stage_f = [sum(costs[i].fwd for i in range(a, b)) for a, b in chunks]
     stage_b = [sum(costs[i].bwd + _recompute_s(costs, i, rec, sel) for i in range(a, b)) for a, b in chunks]
-    sends = [costs[b - 1].output for _, b in chunks[:-1]]
+    placed = stage_placement(cfg.kind, cfg.pp, cfg.v)
+    sends = [costs[b - 1].output for k, (_, b) in enumerate(chunks[:-1]) if placed[k] != placed[k + 1]]
     stage_comm = 0.0 if opts.overlap_p2p or not sends else p2p_time(max(sends), bandwidth=pp_bw, latency=pp_lat)
     bubble = max(0.0, (pipe - m * max(times)) / pipe) if pipe > 0 else 0.0
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,

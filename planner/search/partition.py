@@ -15,8 +15,9 @@ makes the two exact algorithms below correct:
   end found by binary search: O(S·log L) per check. It returns a bottleneck within ``rel_tol`` of
   the optimum.
 
-Stage ``k`` runs on pipeline rank ``k % pp`` (interleaved chunks) and each rank's memory cap is
-shared evenly by its ``v`` chunks.
+Stage ``k`` runs on pipeline rank ``k % pp`` (interleaved chunks; the V schedule places the second
+half back up, ``planner.schedule_cost.stage_placement``) and each rank's memory cap is shared
+evenly by its ``v`` chunks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Callable
 from planner.cost import LayerCost
 from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
-from planner.schedule_cost import in_flight
+from planner.schedule_cost import in_flight, stage_placement
 from planner.search.evaluate import Config, Context, expert_comm, fsdp_buffer_terms
 
 __all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
@@ -81,6 +82,7 @@ class SegmentModel:
         facts = ctx.facts_for(tp)
         self.tied = [(i, o, n / (tp if f.tp.sharded and tp > 1 else 1)) for i, f in enumerate(facts) for o, n in f.tied]
         self.flight = [in_flight(cfg.kind, cfg.pp, cfg.microbatches, r, v=cfg.v) for r in range(cfg.pp)]
+        self.placement = stage_placement(cfg.kind, cfg.pp, cfg.v)
         self.transient = max((c.act for c, r in zip(costs, recomputable) if r), default=0.0)
         self.host_per_param = 0.0
         if cfg.offload:  # states live on the host; the device keeps only unshard buffers
@@ -106,7 +108,7 @@ class SegmentModel:
     def time(self, s: int, e: int, k: int) -> float:
         """Seconds of segment [s, e) as stage k for one microbatch, or inf if it cannot fit."""
         cfg, p = self.cfg, self.p
-        flight = self.flight[k % cfg.pp]
+        flight = self.flight[self.placement[k]]
         params = self.params(s, e)
         if self.host_per_param * params > self.ctx.host_cap:
             return INF
@@ -123,9 +125,9 @@ class SegmentModel:
                 return INF
             t += count * (p.f[e] - p.f[s]) / n
         if not self.ctx.options.overlap_p2p:
-            if k + 1 < self.S:
+            if k + 1 < self.S and self.placement[k + 1] != self.placement[k]:
                 t += p2p_time(self.costs[e - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-            if k > 0:
+            if k > 0 and self.placement[k - 1] != self.placement[k]:
                 t += p2p_time(self.costs[s - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
         if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
             ag = all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=self.dp_bw,

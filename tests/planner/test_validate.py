@@ -277,7 +277,7 @@ def test_unknown_kinds_list_the_allowed_values(llama: ModelGraph) -> None:
         p.recompute["layers.[2-3]"] = "sometimes"
 
     assert problems(edit(llama, change), llama) == [
-        'schedule.kind: unknown schedule "1F1B"; did you mean "1f1b"? (allowed: "gpipe", "1f1b", "interleaved")',
+        'schedule.kind: unknown schedule "1F1B"; did you mean "1f1b"? (allowed: "gpipe", "1f1b", "interleaved", "v")',
         'tensor_parallel.rules.lm_head: unknown tensor-parallel style "rowwize"; did you mean "rowwise"? (allowed: '
         '"colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_loss", "expert", "replicate")',
         'data_parallel.kind: unknown data-parallel kind "zero3"; did you mean "fsdp"? (allowed: "ddp", "zero1", '
