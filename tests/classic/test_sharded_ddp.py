@@ -29,6 +29,8 @@ VARIANTS = {
     "set_to_none": dict(set_to_none=True),
     "zero_fill": dict(set_to_none=False),
     "unbucketed": dict(set_to_none=True, reduce_buffer_size=0),
+    "in_place_zero_fill": dict(set_to_none=False, reduce_buffer_size=0),
+    "in_place_no_sync": dict(set_to_none=True, reduce_buffer_size=0, accumulate=True),
     "tiny_buckets": dict(set_to_none=True, reduce_buffer_size=4096),
     "no_sync": dict(set_to_none=True, accumulate=True),
     "freeze": dict(set_to_none=True, freeze=True),
@@ -172,8 +174,41 @@ def _traffic(rank: int, world: int, *, reduce_fp16: bool) -> dict:
     return {"snap": snap, "grads": grads}
 
 
+def _in_place(rank: int, world: int) -> dict:
+    """reduce_buffer_size=0: each gradient is reduced alone, in the very tensor autograd produced
+    (the launched buffer's address is the gradient's), with the had-a-gradient flags in one
+    small all-reduce at the end of backward."""
+    import fairscale.nn.data_parallel.sharded_ddp as sdp_module
+
+    case = build("mlp")
+    opt = OSS(case.model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    model = ShardedDataParallel(case.model, opt, reduce_buffer_size=0)
+    produced: dict[str, int] = {}
+    for name, p in case.model.named_parameters():  # runs after SDP's hook, which launched the reduce
+        p.register_post_accumulate_grad_hook(lambda p, name=name: produced.__setitem__(name, p.grad.data_ptr()))
+    launched: list[int] = []
+    original = sdp_module.reduce_
+
+    def watch(t: torch.Tensor, *a, **k):
+        launched.append(t.data_ptr())
+        return original(t, *a, **k)
+
+    sdp_module.reduce_ = watch
+    try:
+        comm.COUNTER.reset()
+        LossModule(model, case.loss_fn)(*_local(case.make_batch(0, BATCH), rank, world)).backward()
+    finally:
+        sdp_module.reduce_ = original
+    names = [n for n, _ in case.model.named_parameters()]
+    owned = {n: p.grad for n, p in case.model.named_parameters() if p.grad is not None}
+    return {"snap": comm.COUNTER.snapshot(), "launched": launched, "produced": [produced[n] for n in reversed(names)],
+            "owned_in_place": all(g.data_ptr() == produced[n] for n, g in owned.items()),
+            "grads": {n: g.clone() for n, g in owned.items()}}
+
+
 def _run(rank: int, world: int) -> bytes:
     out = {name: _train(rank, world, **kw) for name, kw in VARIANTS.items()}
+    out["in_place"] = _in_place(rank, world)
     out["traffic"] = _traffic(rank, world, reduce_fp16=False)
     out["traffic16"] = _traffic(rank, world, reduce_fp16=True)
     out["branchy"] = _rank_dependent_unused(rank, world)
@@ -249,6 +284,24 @@ def test_collectives_are_one_reduce_and_one_broadcast_per_parameter(runs) -> Non
         assert "all_reduce:zero" not in snap
         assert snap["broadcast:zero"]["payload"] == nbytes
         assert r["traffic16"]["snap"]["reduce:zero"]["payload"] == (nbytes + flags) // 2  # fp16 halves it
+
+
+def test_large_gradients_are_reduced_in_place_in_backward_order(runs, reference) -> None:
+    world, results = runs
+    params = list(build("mlp").model.parameters())
+    full = reference[False][1][0]
+    for r in results:
+        got = r["in_place"]
+        # one reduce per gradient, launched on autograd's own tensor, last layer first
+        assert got["launched"] == got["produced"]
+        assert got["owned_in_place"] and got["grads"]
+        snap = got["snap"]
+        assert snap["reduce:zero"]["payload"] == sum(p.numel() * 4 for p in params)  # no flag rides along
+        assert snap["reduce:zero"]["calls"] == len(params)
+        assert snap["all_reduce:zero"] == {"bytes": pytest.approx(2 * (world - 1) / world * 4 * len(params)),
+                                           "payload": 4 * len(params), "calls": 1}  # the flags, once
+        for name, g in got["grads"].items():
+            torch.testing.assert_close(g, full[name], rtol=1e-5, atol=1e-6)
 
 
 def test_reduce_fp16_rounds_gradients_only_slightly(runs, reference) -> None:

@@ -14,18 +14,21 @@ ranks drop it. Rajbhandari et al. 2020, "ZeRO", section 5.2 (P_os+g)::
         optimizer.step()
 
 How the reduction works (and why ``zero_grad(set_to_none=True)`` is safe here): a hook on each
-parameter's gradient accumulator marks it ready; parameters are grouped into buckets per owner
-rank (at most ``reduce_buffer_size`` bytes each, in reverse registration order, i.e. roughly the
-order backward produces them). When every gradient of a bucket is ready, and every earlier bucket
-was launched, the bucket is *copied* into a fresh flat buffer and reduced asynchronously. At the end
-of backward, remaining buckets (parameters that got no gradient on this rank) are launched in
-the same order with zeros, so every rank issues the same collectives in the same order. The owner
-then writes the averaged result into ``param.grad``; other ranks set ``param.grad = None``.
-Each bucket also carries one flag per parameter saying whether this rank produced a gradient
-for it, so a parameter that no rank used keeps ``grad = None`` (as in single-process training).
-No gradient ever aliases a long-lived bucket buffer, so replacing ``param.grad`` between steps
-cannot leave a stale view behind (FairScale 0.4.13 kept ``.grad`` as views into its buckets and
-reduced stale data after ``set_to_none``).
+parameter's gradient accumulator marks it ready. A gradient of at least ``reduce_buffer_size / 4``
+bytes is reduced on its own, *in place* in ``param.grad``: no copy in or out (on CPU the copies
+of a bucket cost a fifth of a step's compute thread). Smaller gradients are grouped into buckets
+per owner rank (at most ``reduce_buffer_size`` bytes each) and *copied* into a fresh flat buffer.
+Buckets are launched asynchronously in one fixed order, that of their last gradient in a
+reverse-registration-order backward, as soon as they and every earlier one are ready: every rank
+issues the same collectives in the same order, and a bucket of small gradients spread over the
+model does not hold back the large ones behind it. At the end of backward, remaining buckets
+(parameters that got no gradient on this rank) are launched in the same order with zeros. The
+owner then holds the averaged result in ``param.grad``; other ranks set ``param.grad = None``.
+A "had a gradient" flag per parameter (inside its bucket; for in-place gradients, in one small
+all-reduce at the end of backward) keeps ``grad = None`` for a parameter that no rank used (as in
+single-process training). No gradient ever aliases a long-lived buffer, so replacing
+``param.grad`` between steps cannot leave a stale view behind (FairScale 0.4.13 kept ``.grad`` as
+views into its buckets and reduced stale data after ``set_to_none``).
 """
 
 from __future__ import annotations
@@ -60,14 +63,16 @@ def reduce_(t: torch.Tensor, axis: str, *, dst_rank: int, async_op: bool = False
 
 
 class _Bucket:
-    __slots__ = ("owner", "params", "ready", "work", "flat")
+    __slots__ = ("owner", "params", "ready", "work", "flat", "direct", "had_grad")
 
-    def __init__(self, owner: int, params: list[torch.Tensor]) -> None:
+    def __init__(self, owner: int, params: list[torch.Tensor], *, direct: bool = False) -> None:
         self.owner = owner
         self.params = params
         self.ready = 0
         self.work: Any = None
         self.flat: torch.Tensor | None = None
+        self.direct = direct  # one parameter, reduced in place in its own gradient
+        self.had_grad = False
 
 
 class ShardedDataParallel(nn.Module):
@@ -80,7 +85,8 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before
             every forward in training mode.
         sync_models_at_startup: broadcast parameters and buffers from rank 0 at construction.
-        reduce_buffer_size: bytes per gradient bucket; 0 reduces each gradient on its own.
+        reduce_buffer_size: bytes per gradient bucket; a gradient of at least a quarter of it is
+            reduced on its own, in place; 0 reduces each gradient on its own.
         auto_refresh_trainable: when parameters change ``requires_grad``, rebuild the hooks and
             buckets at the next forward (otherwise warn once and keep the old set).
         reduce_fp16: reduce fp32 gradients as fp16 (halves traffic, rounds the gradients).
@@ -163,9 +169,13 @@ class ShardedDataParallel(nn.Module):
     def _make_buckets(self) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         open_by_owner: dict[tuple[int, torch.dtype, torch.device], tuple[_Bucket, int]] = {}
-        for p in reversed(self._trainable):
+        backward_order = list(reversed(self._trainable))
+        for p in backward_order:
             owner = self._owner[p]
             nbytes = p.numel() * p.element_size()
+            if nbytes >= self.reduce_buffer_size // 4 and not self._casts(p):
+                buckets.append(_Bucket(owner, [p], direct=True))
+                continue
             key = (owner, p.dtype, p.device)
             cur = open_by_owner.get(key)
             if cur is not None and cur[1] + nbytes <= self.reduce_buffer_size:
@@ -175,7 +185,12 @@ class ShardedDataParallel(nn.Module):
             b = _Bucket(owner, [p])
             buckets.append(b)
             open_by_owner[key] = (b, nbytes)
+        position = {p: i for i, p in enumerate(backward_order)}
+        buckets.sort(key=lambda b: position[b.params[-1]])  # stable: ties keep creation order
         return buckets
+
+    def _casts(self, p: torch.Tensor) -> bool:
+        return self.reduce_fp16 and p.dtype == torch.float32
 
     def sync_parameters(self) -> None:
         """Broadcast all parameters from rank 0 of the group."""
@@ -244,7 +259,14 @@ class ShardedDataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
-        dtype = torch.float16 if self.reduce_fp16 and b.params[0].dtype == torch.float32 else b.params[0].dtype
+        if b.direct:
+            p = b.params[0]
+            b.had_grad = p.grad is not None
+            g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            b.flat = g if g.is_contiguous() else g.contiguous()  # in place unless non-contiguous
+            b.work = reduce_(b.flat, self.axis, dst_rank=b.owner, async_op=True)
+            return
+        dtype = torch.float16 if self._casts(b.params[0]) else b.params[0].dtype
         parts = [(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
                  for p in b.params]
         # one "had a gradient" flag per parameter rides along: a parameter no rank used keeps
@@ -256,31 +278,55 @@ class ShardedDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._launch_ready(force=True)
+        direct = [b for b in self._buckets if b.direct]
+        flags, flags_work = None, None
+        if direct:  # did any rank have each in-place gradient; queued behind the reductions
+            flags = torch.tensor([float(b.had_grad) for b in direct])
+            flags_work = comm.all_reduce_(flags, self.axis, async_op=True)
         with torch.no_grad():
             for b in self._buckets:
                 if b.work is not None:
                     b.work.wait()
+            if flags_work is not None:
+                flags_work.wait()
+            used = {id(b): u for b, u in zip(direct, (flags > 0).tolist())} if flags is not None else {}
+            for b in self._buckets:
                 if b.owner != self.rank:
                     for p in b.params:
                         p.grad = None
-                    continue
-                assert b.flat is not None
-                used = b.flat[-len(b.params):] > 0
-                b.flat.div_(self.world_size)
-                offset = 0
-                for p, had_grad in zip(b.params, used.tolist()):
-                    n = p.numel()
-                    g = b.flat[offset:offset + n].view_as(p).to(p.dtype)
-                    offset += n
-                    if not p.requires_grad or not had_grad:  # frozen, or used by no rank: no gradient
-                        p.grad = None
-                        continue
-                    if p.grad is None:
-                        p.grad = g  # a view of this step's fresh buffer, never reused
-                    else:
-                        p.grad.copy_(g)
+                elif b.direct:
+                    self._finish_direct(b, used[id(b)])
+                else:
+                    self._finish_bucket(b)
                 b.flat, b.work = None, None
         self._reset_buckets()
+
+    def _finish_direct(self, b: _Bucket, used: bool) -> None:
+        p, flat = b.params[0], b.flat
+        assert flat is not None
+        if not p.requires_grad or not used:  # frozen, or used by no rank: no gradient
+            p.grad = None
+            return
+        flat.div_(self.world_size)
+        if p.grad is None or p.grad.data_ptr() != flat.data_ptr():
+            p.grad = flat.view_as(p)  # this step's zeros (no gradient on this rank) or contiguous copy
+
+    def _finish_bucket(self, b: _Bucket) -> None:
+        assert b.flat is not None
+        used = b.flat[-len(b.params):] > 0
+        b.flat.div_(self.world_size)
+        offset = 0
+        for p, had_grad in zip(b.params, used.tolist()):
+            n = p.numel()
+            g = b.flat[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+            if not p.requires_grad or not had_grad:  # frozen, or used by no rank: no gradient
+                p.grad = None
+                continue
+            if p.grad is None:
+                p.grad = g  # a view of this step's fresh buffer, never reused
+            else:
+                p.grad.copy_(g)
 
     def reduce(self) -> None:
         """Reduce the current gradients now (for gradients produced outside a wrapped forward/backward)."""
