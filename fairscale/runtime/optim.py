@@ -141,6 +141,11 @@ class DataParallelOptimizer:
             axes = set(piece.axes)
             spec = tp.get(piece.key)
             if spec is not None and spec.count > 1:
+                if comm.group_size(spec.axis) != spec.count:  # else its slices would never be added up
+                    raise ValueError(
+                        f"{piece.key} is sliced {spec.count} ways on axis {spec.axis!r}, but that axis is bound to "
+                        f"{comm.group_size(spec.axis)} rank(s); bind it with passes.comm.set_group({spec.axis!r}, "
+                        "group) (fairscale.runtime.mesh.build_mesh does for the plan's axes) before clipping")
                 axes.add(spec.axis)
             key = tuple(sorted(axes))
             acc = parts.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))

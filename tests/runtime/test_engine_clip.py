@@ -16,6 +16,7 @@ far above the 1e-10 / 1e-9 tolerances. All configurations of a family run in one
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -93,6 +94,40 @@ def _reduce_on_ep_axis(rank: int) -> float:
         comm.set_group("ep", before)
 
 
+KINDS = ("ddp", "zero2", "fsdp")
+
+
+def _marked_mlp(kind: str) -> tuple[torch.fx.GraphModule, DataParallelOptimizer]:
+    """The mlp family on one dp rank, its first parameter recorded as slice 0 of 2 on axis "ep"."""
+    case = build("mlp")
+    graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn, annotate=False)
+    gm = shard_data_parallel_pass(graph.gm, DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""),
+                                  dp_index=0, dp_size=1)
+    key, shape = next(iter(graph.param_shapes.items()))
+    gm.meta[META_LAYOUT].tp[key] = TensorShard(key=key, global_shape=(2 * shape[0], *shape[1:]), dim=0, index=0,
+                                               count=2, axis="ep")
+    return gm, DataParallelOptimizer(gm, torch.optim.SGD, lr=0.1)
+
+
+def _parts_with_ep_axis(rank: int) -> dict[str, dict[tuple[str, ...], float]]:
+    """grad_norm_parts of :func:`_marked_mlp` per kind, with "ep" bound to a group of 2 ranks and
+    dp unbound (each rank is its own dp = 1 world here)."""
+    groups = [dist.new_group([r, r + 1]) for r in range(0, dist.get_world_size(), 2)]
+    before = comm.get_group("ep"), comm.get_group("dp")
+    comm.set_group("ep", groups[rank // 2])
+    comm.set_group("dp", None)
+    try:
+        out = {}
+        for kind in KINDS:
+            gm, opt = _marked_mlp(kind)
+            gm(*build("mlp").make_batch(0, BATCH)).backward()
+            out[kind] = {k: float(v) for k, v in opt.grad_norm_parts().items()}
+        return out
+    finally:
+        comm.set_group("ep", before[0])
+        comm.set_group("dp", before[1])
+
+
 def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, plan in plans.items():
@@ -123,6 +158,8 @@ def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> di
             except ValueError as e:
                 out["error"] = str(e)
     out["ep"] = _reduce_on_ep_axis(rank)
+    if family == "gpt":
+        out["parts"] = _parts_with_ep_axis(rank)
     return out
 
 
@@ -176,26 +213,26 @@ def test_any_shard_axis_adds_over_its_own_group(runs):
     assert [r["ep"] for r in results] == [3.0] * 8
 
 
-@pytest.mark.parametrize("kind", ["ddp", "zero2", "fsdp"])
-def test_parts_are_keyed_by_each_shards_own_axis(kind):
-    """One process, dp = 1: a parameter marked as an "ep" slice lands in its own part (with "dp"
-    for the sharded kinds), the other parameters in the whole-tensor (or dp-shard) part, and the
-    parts add up to the plain norm."""
-    case = build("mlp")
-    graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn, annotate=False)
-    gm = shard_data_parallel_pass(graph.gm, DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""),
-                                  dp_index=0, dp_size=1)
-    key, shape = next(iter(graph.param_shapes.items()))
-    gm.meta[META_LAYOUT].tp[key] = TensorShard(key=key, global_shape=(2 * shape[0], *shape[1:]), dim=0, index=0,
-                                               count=2, axis="ep")
-    opt = DataParallelOptimizer(gm, torch.optim.SGD, lr=0.1)
-    gm(*case.make_batch(0, BATCH)).backward()
-    parts = opt.grad_norm_parts()
-    dp = ("dp",) if kind != "ddp" else ()
-    assert sorted(parts) == sorted([dp, tuple(sorted(dp + ("ep",)))])
+@pytest.mark.parametrize("kind", KINDS)
+def test_parts_are_keyed_by_each_shards_own_axis(runs, kind):
+    """A parameter marked as an "ep" slice lands in its own part (with "dp" for the sharded kinds),
+    the others in the whole-tensor (or dp-shard) part, and the parts add up to the plain norm."""
+    _, results = runs("gpt")
+    parts = results[0]["parts"][kind]
     ref = build("mlp")
     LossModule(ref.model, ref.loss_fn)(*ref.make_batch(0, BATCH)).backward()
-    grads = dict(ref.model.named_parameters())
-    assert float(parts[tuple(sorted(dp + ("ep",)))]) == pytest.approx(float(grads[key].grad.pow(2).sum()), rel=1e-6)
-    assert float(sum(parts.values())) == pytest.approx(sum(float(p.grad.pow(2).sum()) for p in grads.values()),
-                                                       rel=1e-6)
+    grads = [p.grad for p in ref.model.parameters()]
+    dp = ("dp",) if kind != "ddp" else ()
+    assert sorted(parts) == sorted([dp, tuple(sorted(dp + ("ep",)))])
+    assert parts[tuple(sorted(dp + ("ep",)))] == pytest.approx(float(grads[0].pow(2).sum()), rel=1e-6)
+    assert sum(parts.values()) == pytest.approx(sum(float(g.pow(2).sum()) for g in grads), rel=1e-6)
+    assert all(r["parts"] == results[0]["parts"] for r in results)
+
+
+def test_unbound_slice_axis_is_refused():
+    gm, opt = _marked_mlp("ddp")
+    gm(*build("mlp").make_batch(0, BATCH)).backward()
+    with pytest.raises(ValueError, match=re.escape(
+            "is sliced 2 ways on axis 'ep', but that axis is bound to 1 rank(s); bind it with "
+            "passes.comm.set_group('ep', group)")):
+        opt.grad_norm_parts()
