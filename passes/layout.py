@@ -19,6 +19,9 @@ import torch
 
 META_LAYOUT = "fs_layout"
 """gm.meta key holding the rank's :class:`ParamLayout`."""
+INSIDE_DP = frozenset({"ep"})
+"""Axes whose groups lie inside the dp axis (expert parallelism): a tensor sharded on one of them
+differs between dp ranks, so it is never treated as replicated over dp."""
 
 
 @dataclass(frozen=True, kw_only=True)

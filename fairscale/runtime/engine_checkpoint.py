@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.tensor import DTensor
 
 from fairscale.runtime.checkpoint import _commit, checkpoint_path
+from passes.layout import INSIDE_DP
 from fairscale.runtime.state import (full_state_dict, gather_tensor_shard, held_keys, load_full_state_dict,
                                      load_optimizer_state_dict, optimizer_state_dict, param_layout, tied_aliases)
 
@@ -46,9 +47,12 @@ def _stage_state(pm: ParallelModule) -> dict[str, Any]:
         layout = param_layout(gm)
         state.update(full_state_dict(gm, aliases=pm.graph.tied, rank0_only=False))
         for name, value in optimizer_state_dict(gm, opt, dp_mesh).items():
+            key = name[len("optim."):].rsplit(".", 1)[0]
             if isinstance(value, DTensor):
-                key = name[len("optim."):].rsplit(".", 1)[0]
                 value = gather_tensor_shard(key, value.full_tensor(), layout)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and key in layout.tp \
+                    and layout.tp[key].axis in INSIDE_DP:
+                value = gather_tensor_shard(key, value, layout)  # an expert shard: gathered over ep
             state[name] = value
     return state
 

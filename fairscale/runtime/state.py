@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from passes import comm
 from passes.dp_graph import resolve
-from passes.layout import META_LAYOUT, ParamLayout
+from passes.layout import INSIDE_DP, META_LAYOUT, ParamLayout
 from passes.shard_data_parallel import META_DP, DataParallelInfo
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
@@ -266,8 +266,11 @@ def _is_param(gm: torch.fx.GraphModule, attr: str) -> bool:
 def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceMesh) -> dict[str, Any]:
     """``optimizer``'s state in user keys: ``optim.<key>.<state name>`` as DTensors sharded on dim 0
     over ``mesh`` (the dp mesh; tensor-parallel slices stay local), scalars (Adam's ``step``) as
-    plain tensors, and ``optim.param_groups`` as one JSON string. Collective over dp."""
+    plain tensors, and ``optim.param_groups`` as one JSON string. Collective over dp. States of
+    tensors sharded on an axis inside dp (expert parallelism, ``passes.layout.INSIDE_DP``) are this
+    rank's plain tensors: they differ between dp ranks."""
     out: dict[str, Any] = {}
+    layout = param_layout(gm)
     axis = gm.meta[META_DP].axis if META_DP in gm.meta else "dp"
     for p, members, padded, _ in _optim_targets(gm, optimizer):
         st = optimizer.state.get(p, {})
@@ -280,7 +283,11 @@ def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceM
             full = _gather_flat(value, padded, axis) if padded > 0 else value.reshape(-1)
             start = 0
             for key, shape in members:
-                out[f"optim.{key}.{name}"] = _to_dtensor(full[start:start + shape.numel()].view(shape), mesh)
+                piece = full[start:start + shape.numel()].view(shape)
+                spec = layout.tp.get(key)
+                # an expert shard differs between dp ranks: it stays local, not a DTensor over dp
+                local = spec is not None and spec.axis in INSIDE_DP
+                out[f"optim.{key}.{name}"] = piece.clone() if local else _to_dtensor(piece, mesh)
                 start += shape.numel()
     # one string (a leaf for DCP, which would otherwise flatten the list of dicts into many keys)
     out["optim.param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}

@@ -220,3 +220,28 @@ def test_errors_name_the_problem() -> None:
 
     with pytest.raises(ValueError, match=r"runs pp=tp=ep=1 plans; this plan has mesh pp=1, tp=1, ep=2: use the full"):
         DataParallelRunner.build(graph, Plan(mesh=Mesh(dp=2, ep=2)))
+
+
+def _save_or_resume(rank: int, world: int, path: str, plan: Plan, save: bool) -> Any:
+    case = make_case()
+    pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
+                     optimizer=functools.partial(torch.optim.Adam, lr=LR))
+    if save:
+        losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(2)]
+        pm.save_checkpoint(path)
+        return losses
+    pm.load_checkpoint(path)
+    return [pm.train_step(case.make_batch(step, BATCH)) for step in range(2, 4)], pm.state_dict()
+
+
+def test_checkpoint_resumes_across_expert_layouts(tmp_path) -> None:
+    """Saved with the experts split 4 ways (ZeRO-2 for the rest), resumed with them whole on 2 ranks:
+    the same trajectory as one process, Adam moments included (each rank saves only its experts'
+    moments, gathered over ep)."""
+    split = Plan(mesh=Mesh(dp=4, ep=4), schedule=Schedule(global_batch=BATCH), data_parallel=DataParallel(kind="zero2"))
+    whole = Plan(mesh=Mesh(dp=2), schedule=Schedule(global_batch=BATCH))
+    path = str(tmp_path / "ckpt")
+    first = fairscale.launch(_save_or_resume, devices=4, args=(path, split, True))[0]
+    rest, params = fairscale.launch(_save_or_resume, devices=2, args=(path, whole, False))[0]
+    ref = train_reference(make_case, steps=4, global_batch=BATCH, lr=LR)
+    compare(ref, Trajectory(losses=first + rest, params=params))
