@@ -51,9 +51,11 @@ so its backward needs one all-reduce instead of an all-gather plus an all-reduce
 
 Dropout with p > 0 on a sharded value draws an independent mask per tp rank
 (``tp_ops.sharded_dropout``); replicated dropouts stay identical across tp ranks provided every tp
-rank starts from the same RNG seed (the runtime's job). Expert parallelism combines expert outputs
-with the all-reduce (or reduce-scatter) of the block output, the tokens being replicated on the tp
-ranks; an all-to-all token dispatch for token-sharded inputs is not implemented.
+rank starts from the same RNG seed (the runtime's job). The ``expert`` style combines expert outputs
+with the all-reduce (or reduce-scatter) of the block output: the tokens are replicated on the tp
+ranks, so each rank already has the rows of its experts and moving them by all-to-all would only add
+traffic. Token dispatch by all-to-all is for tokens that differ between ranks, i.e. experts split
+over data-parallel ranks: ``mesh.ep`` and :mod:`passes.expert_parallel`.
 
 node.meta keys read: ``val`` (shapes), ``fs_module`` (rule matching), ``fs_param`` (user keys).
 node.meta keys written (on the returned graph): ``fs_tp`` (placement of every value: ``R``,
