@@ -63,6 +63,7 @@ _ROWWISE = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoi
             aten.clamp.default, aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default, aten.alias.default,
             aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.contiguous.default,
             aten.clone.default, operator.getitem}
+_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
 # metadata checks export leaves on values (dtype, device, layout: unchanged by the rewrite)
 _CHECKS = {aten._assert_tensor_metadata.default}
 # ops allowed between an expert weight and its grouped matmul
@@ -156,6 +157,10 @@ def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict
             raise ExpertParallelError(f"{_fmt(node)} in the experts of {module!r} is not a row-wise op; expert "
                                       "parallelism runs the expert body on other ranks' rows and supports "
                                       "grouped matmuls, activations, elementwise ops, casts and last-dim splits")
+        if node.target in _SPLITS and not _last_dim(node):
+            raise ExpertParallelError(f"{_fmt(node)} in the experts of {module!r} splits along a dim other than "
+                                      "the last; after dispatch the rows are other ranks', so only feature-dim "
+                                      "splits are row-wise")
         for arg in node.all_input_nodes:
             if arg not in allowed:
                 raise ExpertParallelError(f"{_fmt(node)} in the experts of {module!r} reads {arg.name}, which is "
@@ -174,6 +179,14 @@ def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict
             raise ExpertParallelError(f"expert weight {w.target} is also used by {_fmt(stray[0])}, outside the "
                                       "expert body; a split weight cannot serve it")
     return layer
+
+
+def _last_dim(node: Node) -> bool:
+    """Whether a chunk/split node cuts its input's last dim."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    ndim = val.dim() if isinstance(val, torch.Tensor) else None
+    return dim == -1 or (ndim is not None and dim == ndim - 1)
 
 
 def _is_param(gm: torch.fx.GraphModule, node: Node) -> bool:

@@ -17,6 +17,7 @@ the slow tier.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any
@@ -245,3 +246,15 @@ def test_checkpoint_resumes_across_expert_layouts(tmp_path) -> None:
     rest, params = fairscale.launch(_save_or_resume, devices=2, args=(path, whole, False))[0]
     ref = train_reference(make_case, steps=4, global_batch=BATCH, lr=LR)
     compare(ref, Trajectory(losses=first + rest, params=params))
+
+
+def test_a_body_that_is_not_row_wise_is_refused() -> None:
+    """An expert body op that mixes rows (here a split along the rows) names itself."""
+    case = make_case()
+    graph = captured(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn)
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    chunk = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.chunk.default
+                 and "experts" in str(n.meta.get("fs_module", "")))
+    chunk.args = (chunk.args[0], 2, 0)
+    with pytest.raises(ExpertParallelError, match=r"%chunk.* splits along a dim other than the last"):
+        shard_experts_pass(gm, ep_index=0, ep_size=2)
