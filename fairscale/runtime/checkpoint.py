@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fairscale.runtime.state import load_sharded_state_dict, sharded_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "dp_mesh", "CheckpointSaveError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "commit_checkpoint", "dp_mesh", "CheckpointSaveError"]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -73,7 +73,10 @@ def checkpoint_path(path: str | os.PathLike[str]) -> Path:
                             f"an interrupted save leaves only {path.name}.tmp, which is never loaded")
 
 
-def _commit(tmp: Path, path: Path) -> None:
+def commit_checkpoint(tmp: Path, path: Path) -> None:
+    """Move a finished save at ``tmp`` into place at ``path``, keeping the previous checkpoint as
+    ``<path>.prev`` until the rename is done (and finishing a commit a crash interrupted), so a
+    crash at any point leaves one complete checkpoint. Rank 0 only."""
     prev = path.with_name(path.name + ".prev")
     if not (path / ".metadata").exists() and (prev / ".metadata").exists():
         if path.exists():
@@ -120,7 +123,7 @@ def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, o
                                   f"at {path} is untouched, the partial {tmp.name} is removed by the next save") from exc
     _barrier()
     if _rank() == 0:
-        _commit(tmp, path)
+        commit_checkpoint(tmp, path)
     _barrier()
     return path
 

@@ -94,6 +94,8 @@ class DataParallelRunner:
     graph: ModelGraph | None
     dp_index: int
     dp_size: int
+    last_grad_norm: float | None = None
+    """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
 
     @classmethod
     def build(cls, graph: ModelGraph | torch.fx.GraphModule, plan: Plan | DataParallel,
@@ -152,7 +154,7 @@ class DataParallelRunner:
                 (loss / microbatches).backward()
             total += loss.detach().float().item() / microbatches
         if clip_norm is not None:
-            self.optimizer.clip_grad_norm_(clip_norm)
+            self.last_grad_norm = float(self.optimizer.clip_grad_norm_(clip_norm))
         self.optimizer.step()
         return self._mean(total)
 

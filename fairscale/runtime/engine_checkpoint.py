@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fairscale.runtime.checkpoint import _commit, checkpoint_path
+from fairscale.runtime.checkpoint import checkpoint_path, commit_checkpoint
 from passes.layout import INSIDE_DP
 from fairscale.runtime.state import (full_state_dict, gather_tensor_shard, held_keys, load_full_state_dict,
                                      load_optimizer_state_dict, optimizer_state_dict, param_layout, tied_aliases)
@@ -69,7 +69,7 @@ def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
     dcp.save(_stage_state(pm), storage_writer=dcp.FileSystemWriter(str(tmp)))
     dist.barrier()
     if dist.get_rank() == 0:
-        _commit(tmp, path)
+        commit_checkpoint(tmp, path)
     dist.barrier()
     return path
 

@@ -72,7 +72,9 @@ def feature_runs():
                 norms.append(r.optimizer.clip_grad_norm_(0.05).item())
                 r.optimizer.step()
                 losses.append(r._mean(loss.item()))
-            out[("clip", name)] = (losses, {k: v.numpy() for k, v in r.full_state_dict().items()}, norms)
+            state = {k: v.numpy() for k, v in r.full_state_dict().items()}
+            r.train_step(case1.make_batch(3, GLOBAL_BATCH), clip_norm=0.05)  # step 4 through train_step
+            out[("clip", name)] = (losses, state, norms + [r.last_grad_norm])
         return out
 
     return fairscale.launch(run, devices=WORLD)[0]
@@ -96,8 +98,10 @@ def test_gradient_accumulation_reduces_once_and_matches(feature_runs, kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_global_norm_clipping_matches_torch(feature_runs, kind):
     ref, ref_norms = _reference_with_clip("gpt", 0.05)
+    _, ref_norms4 = _reference_with_clip("gpt", 0.05, steps=4)
     losses, params, norms = feature_runs[("clip", kind)]
-    assert norms == pytest.approx(ref_norms, rel=1e-9)
+    assert norms[:3] == pytest.approx(ref_norms, rel=1e-9)
+    assert norms[3] == pytest.approx(ref_norms4[3], rel=1e-9)  # train_step(clip_norm=) records last_grad_norm
     assert max(ref_norms) > 0.05  # clipping was active
     compare(ref, _traj(losses, params))
 
