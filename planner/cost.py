@@ -61,8 +61,9 @@ class CostOptions:
     def for_runtime(cls, cluster: Cluster) -> CostOptions:
         """What fairscale's own runtime overlaps on ``cluster``.
 
-        * DDP / ZeRO buckets reduce synchronously inside the last microbatch's backward
-          (``passes.dp_ops._Bucket.backward`` calls a blocking all-reduce / reduce-scatter): not overlapped.
+        * DDP / ZeRO buckets launch their all-reduce / reduce-scatter asynchronously in the last
+          microbatch's backward and wait once at its end (``passes.dp_ops``): overlapped on GPUs;
+          on CPU ranks gloo's threads share the oversubscribed cores with compute, so exposed.
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
         * FSDP accumulates unsharded gradients over microbatches (``passes.dp_ops.no_sync``).
@@ -72,7 +73,7 @@ class CostOptions:
           competes for the same oversubscribed cores, so it is counted as exposed.
         """
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
-        return cls(overlap_dp=False, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
+        return cls(overlap_dp=not cpu, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
                    fsdp_accumulate_unsharded=True, zero_shard_copy=True)
 
     @classmethod

@@ -118,7 +118,7 @@ def test_runtime_overlap_options_for_cpu_and_gpu():
     cpu = CostOptions.for_runtime(Cluster.cpu(8))
     assert (cpu.overlap_dp, cpu.overlap_fsdp, cpu.overlap_tp, cpu.overlap_p2p) == (False, False, False, False)
     gpu = CostOptions.for_runtime(Cluster.preset("h100"))
-    assert (gpu.overlap_dp, gpu.overlap_fsdp) == (False, True)
+    assert (gpu.overlap_dp, gpu.overlap_fsdp) == (True, True)  # async buckets and prefetch overlap on GPUs
     g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
     assert make_context(g, Cluster.cpu(8), global_batch=8, rules={}, options=None).options == cpu
     assert make_context(g, Cluster.preset("h100"), global_batch=8, rules={}, options=None).options == CostOptions()
