@@ -15,11 +15,12 @@ Usage (every rank of the pp × dp × tp mesh)::
 rank's lowered action list (``planner.schedule``): ``F``/``B`` call the stage GraphModule and
 ``torch.autograd.backward`` on its outputs; ``SF``/``SB`` post a tagged ``isend`` of the stage's
 outputs or input gradients to the neighbouring stage's rank, ``RF``/``RB`` post the ``irecv``
-that a later compute waits on (posted two computes early, so transfers overlap compute). Each microbatch's loss is scaled by ``1 / microbatches``, so the
-accumulated gradients are those of the mean loss over the step's batch. After the last action,
-copies of parameters held by several stages (tied embeddings) get the sum of all copies'
-gradients, added in stage order on every holder so the copies stay bitwise identical; then the
-last stage's rank broadcasts the step loss over the pp axis.
+that a later compute waits on (posted two computes early, so transfers overlap compute). Each
+microbatch's loss is scaled by ``1 / microbatches``, so the accumulated gradients are those of the
+mean loss over the step's batch. After the last action, copies of parameters held by several
+stages (tied embeddings) get the sum of all copies' gradients, added in stage order on every
+holder so the copies stay bitwise identical; then the last stage's rank broadcasts the step loss
+over the pp axis.
 
 Every rank loads the same microbatches (stages read the batch inputs they need, e.g. labels on the
 last stage), so data never travels down the pipeline.
@@ -37,32 +38,34 @@ buffers, the checks and the handshake.
 Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass`` (after this
 split); each stage's backwards except its last of the step run under ``passes.dp_ops.no_sync`` so
 gradients are reduced over dp once per step.
+
+This module holds the executor and its action loop. What crosses stage boundaries (tagged sends
+and receives, the shape handshake, microbatch splitting and the boundary checks) is in
+:mod:`fairscale.runtime.pipeline_io`; the checks and gradient sums of tied parameters are in
+:mod:`fairscale.runtime.pipeline_tied`. ``PipelineError`` is defined in ``pipeline_io`` and
+re-exported here.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fairscale.runtime import p2p
+from fairscale.runtime.pipeline_io import (PipelineError, StageLinks, StepState, check_values, local_specs,
+                                           split_microbatches)
+from fairscale.runtime.pipeline_tied import TiedParams, fetch_attr, stage_layout
 from passes import comm
-from passes.layout import META_LAYOUT, ParamLayout
-from passes.shard_tensor_parallel import META_SUMMARY as META_TP_SUMMARY
-from passes.split_stages import StagedProgram, ValueSpec
+from passes.split_stages import StagedProgram
 from planner.schedule import Action, PipelineSchedule, simulate
 
 __all__ = ["PipelineExecutor", "PipelineError", "StepTrace"]
-
-class PipelineError(RuntimeError):
-    """A pipeline that cannot run as set up: wrong microbatch shapes, or stages that disagree."""
 
 
 @dataclass
@@ -130,10 +133,12 @@ class PipelineExecutor:
                                               for s in self.local_stages}
         # what this rank's stages receive and send: the captured boundary, with the rank-local
         # shapes of values a tensor-parallel rewrite sends as shards (sequence parallelism)
-        self._in_specs = {s: _local_specs(self.modules[s], program.stages[s].inputs, "received")
-                          for s in self.local_stages}
-        self._out_specs = {s: _local_specs(self.modules[s], program.stages[s].outputs, "sent")
-                           for s in self.local_stages}
+        self._links = StageLinks(
+            schedule, axis=axis, rank=self.rank, stages=n, local_stages=self.local_stages,
+            in_specs={s: local_specs(self.modules[s], program.stages[s].inputs, "received")
+                      for s in self.local_stages},
+            out_specs={s: local_specs(self.modules[s], program.stages[s].outputs, "sent")
+                       for s in self.local_stages})
         self.no_sync = no_sync or _default_no_sync()
         self.record = record
         self.dp_axis = dp_axis
@@ -144,7 +149,8 @@ class PipelineExecutor:
             if a.kind == "B":
                 last_b[a.stage] = a
         self._last_backward = set(last_b.values())
-        self._check_shared_params()
+        self._tied = TiedParams(program, schedule, axis=axis, modules=self.modules, local_stages=self.local_stages)
+        self._tied.check()
         # Post each receive when the compute two steps before the one that needs it starts, so the
         # transfer overlaps that compute instead of starting when the receiver is already waiting.
         self._prefetch: dict[int, list[Action]] = {}
@@ -170,15 +176,15 @@ class PipelineExecutor:
         """
         out: dict[str, torch.Tensor] = {}
         for s in self.local_stages:
-            layout = self._layout(s)
+            layout = stage_layout(self.program, self.modules, s)
             if layout.tp:
                 raise PipelineError(f"stage {s} holds tensor-parallel slices; gather them with the runtime's "
                                     "sharded state_dict instead of PipelineExecutor.state_dict")
             items: list[tuple[str, torch.Tensor]] = []
             for attr, key in layout.keys.items():
-                items.append((key, _fetch(self.modules[s], attr).detach()))
+                items.append((key, fetch_attr(self.modules[s], attr).detach()))
             for attr, flat in layout.flat.items():
-                shard = _fetch(self.modules[s], attr).detach()
+                shard = fetch_attr(self.modules[s], attr).detach()
                 full = torch.empty(flat.padded, dtype=shard.dtype)
                 comm.all_gather_flat(full, shard.reshape(-1), flat.axis)
                 items.extend(flat.split(full).items())
@@ -187,19 +193,15 @@ class PipelineExecutor:
                     out[name] = value
         return out
 
-    def _layout(self, stage: int) -> ParamLayout:
-        meta = getattr(self.modules[stage], "meta", {})
-        return meta.get(META_LAYOUT) or self.program.stages[stage].gm.meta[META_LAYOUT]
-
     @torch.no_grad()
     def eval_step(self, batch: Sequence[Any]) -> float:
         """The mean loss of ``batch`` without backward (the forwards of the schedule alone, in
         microbatch order); same value on every rank, averaged over ``dp_axis`` replicas."""
-        micro = self._split(batch, self.schedule.microbatches)
+        micro = split_microbatches(batch, self.schedule.microbatches, self.program, self.local_stages)
         if not self._shaken:
-            self._handshake()
+            self._links.handshake()
             self._shaken = True
-        st = _State()
+        st = StepState()
         for a in self._eval_actions:
             if a.kind == "F":
                 self._do_F(a, micro, st)
@@ -217,12 +219,12 @@ class PipelineExecutor:
         returns the step's mean loss on every rank (averaged over ``dp_axis`` replicas).
         Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps)."""
         m = self.schedule.microbatches
-        micro = self._split(batch, m)
+        micro = split_microbatches(batch, m, self.program, self.local_stages)
         if not self._shaken:
-            self._handshake()
+            self._links.handshake()
             self._shaken = True
         self.trace = StepTrace(start=time.perf_counter())
-        st = _State()
+        st = StepState()
         for i, a in enumerate(self.actions):
             for r in self._prefetch.get(i, ()):
                 getattr(self, "_do_" + r.kind)(r, micro, st)
@@ -230,7 +232,7 @@ class PipelineExecutor:
                 getattr(self, "_do_" + a.kind)(a, micro, st)
         for work, _ in st.sends:
             work.wait()
-        self._sync_shared()
+        self._tied.sum_grads()
         out = self._report_loss(st.losses)
         self.trace.end = time.perf_counter()
         return out
@@ -248,7 +250,7 @@ class PipelineExecutor:
 
     # --- actions --------------------------------------------------------------------------------
 
-    def _do_F(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+    def _do_F(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
         stage = self.program.stages[a.stage]
         if a.stage == 0:
             received: list[torch.Tensor] = []
@@ -265,13 +267,13 @@ class PipelineExecutor:
         if self.record:
             self.trace.compute.append((a.token(), t0, time.perf_counter()))
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        _check_values(out, self._out_specs[a.stage], f"stage {a.stage} output")
+        check_values(out, self._links.out_specs[a.stage], f"stage {a.stage} output")
         st.inputs[(a.mb, a.stage)] = received
         st.outputs[(a.mb, a.stage)] = out
         if a.stage == len(self.program.stages) - 1:
             st.losses.append(out[0].detach())
 
-    def _do_B(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
+    def _do_B(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
         stage = self.program.stages[a.stage]
         out = st.outputs.pop((a.mb, a.stage))
         last = a.stage == len(self.program.stages) - 1
@@ -305,186 +307,17 @@ class PipelineExecutor:
             else:
                 st.grads_out[(a.mb, a.stage)] = in_grads
 
-    def _do_SF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        peer = self._peer(a.stage + 1)
-        for i, t in enumerate(st.outputs[(a.mb, a.stage)]):
-            st.sends.append(self._isend(t.detach().contiguous(), peer, p2p.tag("F", a.mb, a.stage + 1, i)))
+    def _do_SF(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
+        st.sends.extend(self._links.send_forward(a.mb, a.stage, st.outputs[(a.mb, a.stage)]))
 
-    def _do_SB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        peer = self._peer(a.stage - 1)
-        for i, g in enumerate(st.grads_out.pop((a.mb, a.stage))):
-            st.sends.append(self._isend(g.contiguous(), peer, p2p.tag("B", a.mb, a.stage - 1, i)))
+    def _do_SB(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
+        st.sends.extend(self._links.send_backward(a.mb, a.stage, st.grads_out.pop((a.mb, a.stage))))
 
-    def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        specs = self._in_specs[a.stage]
-        st.recvs[("F", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage - 1), "F", a.mb, a.stage)
+    def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
+        st.recvs[("F", a.mb, a.stage)] = self._links.recv_forward(a.mb, a.stage)
 
-    def _do_RB(self, a: Action, micro: list[tuple[Any, ...]], st: _State) -> None:
-        specs = [s for s in self._out_specs[a.stage] if s.grad]
-        st.recvs[("B", a.mb, a.stage)] = self._irecv_all(specs, self._peer(a.stage + 1), "B", a.mb, a.stage)
-
-    # --- communication --------------------------------------------------------------------------
-
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(comm.get_group(self.axis), self.schedule.stage_rank(stage))
-
-    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
-        nbytes = t.numel() * t.element_size()
-        comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-        return p2p.send(t, peer, group=comm.get_group(self.axis), tag=tag), t
-
-    def _irecv_all(self, specs: Sequence[ValueSpec], peer: int, kind: str, mb: int,
-                   stage: int) -> list[tuple[Any, torch.Tensor]]:
-        out = []
-        for i, spec in enumerate(specs):
-            buf = torch.empty(spec.shape, dtype=spec.dtype)
-            nbytes = buf.numel() * buf.element_size()
-            comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
-            out.append((p2p.recv(buf, peer, group=comm.get_group(self.axis), tag=p2p.tag(kind, mb, stage, i)), buf))
-        return out
-
-    def _handshake(self) -> None:
-        """Exchange boundary specs with both neighbours; both sides raise on a mismatch."""
-        n = len(self.program.stages)
-        mine: list[tuple[int, int, str, list[ValueSpec]]] = []  # (peer stage, boundary, role, my specs)
-        for s in self.local_stages:
-            if s + 1 < n and self.schedule.stage_rank(s + 1) != self.rank:
-                mine.append((s + 1, s, "sends", self._out_specs[s]))
-            if s > 0 and self.schedule.stage_rank(s - 1) != self.rank:
-                mine.append((s - 1, s - 1, "expects", self._in_specs[s]))
-        if not mine:
-            return
-        sends, recvs = [], []
-        for peer_stage, boundary, role, specs in mine:
-            code = torch.tensor(p2p.encode_specs(specs), dtype=torch.int64)
-            size = torch.tensor([code.numel()], dtype=torch.int64)
-            tag = p2p.tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
-            peer = self._peer(peer_stage)
-            group = comm.get_group(self.axis)
-            sends += [p2p.send(size, peer, group=group, tag=tag), p2p.send(code, peer, group=group, tag=tag + 2)]
-            other = torch.zeros(1, dtype=torch.int64)
-            other_tag = p2p.tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
-            recvs.append((p2p.recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
-                          role, specs))
-        problems = []
-        for work, size, peer, other_tag, boundary, role, specs in recvs:
-            work.wait()
-            code = torch.zeros(int(size.item()), dtype=torch.int64)
-            p2p.recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
-            theirs = p2p.decode_specs(code.tolist())
-            ours = [(tuple(s.shape), s.dtype) for s in specs]
-            if theirs != ours:
-                sent, expected = (ours, theirs) if role == "sends" else (theirs, ours)
-                problems.append(f"stage {boundary} sends {p2p.format_specs(sent)} but stage {boundary + 1} expects "
-                                f"{p2p.format_specs(expected)}")
-        for w in sends:
-            w.wait()
-        if problems:
-            raise PipelineError("pipeline shape handshake failed: " + "; ".join(problems) + ". Every pipeline rank "
-                                "must split the same capture (same model, microbatch size and plan).")
-
-    def _sync_shared(self) -> None:
-        """Give every copy of a shared parameter the sum of all copies' gradients, in stage order."""
-        if not self.program.shared:
-            return
-        group = comm.get_group(self.axis)
-        for k_index, (key, holders) in enumerate(sorted(self.program.shared.items())):
-            mine = [s for s in holders if s in self.local_stages]
-            if not mine:
-                continue
-            params = {s: self._param_of(s, key) for s in mine}
-            grads: dict[int, torch.Tensor] = {}
-            for s, p in params.items():
-                grads[s] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-            works = []
-            remote_ranks = sorted({self.schedule.stage_rank(s) for s in holders if s not in mine})
-            for r in remote_ranks:
-                peer = dist.get_global_rank(group, r)
-                for own in mine:
-                    t = grads[own].contiguous()
-                    nbytes = t.numel() * t.element_size()
-                    comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-                    works.append(p2p.send(t, peer, group=group, tag=p2p.tag("TIED", k_index, own, 0)))
-                for s in holders:
-                    if self.schedule.stage_rank(s) == r:
-                        buf = torch.empty_like(grads[mine[0]])
-                        works.append(p2p.recv(buf, peer, group=group, tag=p2p.tag("TIED", k_index, s, 0)))
-                        grads[s] = buf
-            for w in works:
-                w.wait()
-            total = grads[holders[0]].clone()
-            for s in holders[1:]:
-                total += grads[s]
-            for p in params.values():
-                p.grad = total.clone()
-
-    def _check_shared_params(self) -> None:
-        """Tied copies are summed through ``.grad`` after the step, so each copy must be a whole
-        parameter that the optimizer steps from its ``.grad``: any parameter without a
-        data-parallel pass, and under one the all-reduced ("plain") ones, which are every
-        parameter for ddp and those compiled with ``replicate=`` for zero1, zero2 and fsdp."""
-        for key, holders in self.program.shared.items():
-            for s in holders:
-                if s not in self.local_stages:
-                    continue
-                info = getattr(self.modules[s], "meta", {}).get("fs_dp")
-                if info is None:
-                    self._param_of(s, key)
-                    continue
-                plain = info.plain_params()
-                found = [p for a, k in self._layout(s).keys.items() if self.program.canonical(k) == key
-                         for p in [_fetch(self.modules[s], a)] if isinstance(p, nn.Parameter)]
-                if not any(p is q for p in found for q in plain):
-                    raise PipelineError(
-                        f"{key} is used by stages {holders} (tied weights), and stage {s} shards it with "
-                        f"data-parallel kind {info.kind!r}: the pipeline sums the tied copies' gradients after "
-                        f"backward, which a sharded master copy does not see. Compile the stage with "
-                        f"shard_data_parallel_pass(..., replicate={self.program.shared_keys(s)!r}) "
-                        f"(StagedProgram.shared_keys), use kind 'ddp', or put every use of {key} in one stage")
-
-    def _param_of(self, stage: int, key: str) -> nn.Parameter:
-        for attr, k in self._layout(stage).keys.items():
-            if self.program.canonical(k) == key:
-                value = _fetch(self.modules[stage], attr)
-                if isinstance(value, nn.Parameter):
-                    return value
-        raise PipelineError(f"stage {stage} holds no whole parameter {key!r} to sum the gradients of its tied "
-                            "copies; tied parameters across stages need unsharded copies (ddp, zero1) or both "
-                            "uses in one stage")
-
-    def _split(self, batch: Sequence[Any], m: int) -> list[tuple[Any, ...]]:
-        parts: list[list[Any]] = [[] for _ in range(m)]
-        for i, x in enumerate(batch):
-            if not isinstance(x, torch.Tensor):
-                for p in parts:
-                    p.append(x)
-                continue
-            if x.shape[0] % m:
-                raise PipelineError(f"batch input {i} has {x.shape[0]} rows, which do not split into {m} "
-                                    "microbatches; use a batch size divisible by the microbatch count")
-            for p, chunk in zip(parts, x.chunk(m)):
-                p.append(chunk)
-        for s in self.local_stages:
-            stage = self.program.stages[s]
-            for idx, spec in zip(stage.batch_inputs, stage.batch_specs):
-                got = parts[0][idx]
-                if isinstance(got, torch.Tensor) and tuple(got.shape) != spec.shape:
-                    raise PipelineError(
-                        f"microbatch input {idx} has shape {list(got.shape)} but stage {s} was captured for "
-                        f"{list(spec.shape)}: capture the model with a batch of {spec.shape[0] if spec.shape else 1} "
-                        f"rows per microbatch (global batch / (dp × microbatches)), or change the microbatch count")
-        return [tuple(p) for p in parts]
-
-
-@dataclass
-class _State:
-    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    recvs: dict[tuple[str, int, int], list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
-    grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    local_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
+    def _do_RB(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
+        st.recvs[("B", a.mb, a.stage)] = self._links.recv_backward(a.mb, a.stage)
 
 
 def _default_no_sync() -> Callable[[], ContextManager[Any]]:
@@ -493,36 +326,3 @@ def _default_no_sync() -> Callable[[], ContextManager[Any]]:
     except ImportError:  # no data-parallel ops installed: nothing reads the flag
         return contextlib.nullcontext
     return no_sync
-
-
-def _check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -> None:
-    if len(values) != len(specs):
-        raise PipelineError(f"{what}: {len(values)} values, expected {len(specs)} ({_fmt_specs(specs)})")
-    for v, spec in zip(values, specs):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != spec.shape or v.dtype != spec.dtype:
-            got = f"{list(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise PipelineError(f"{what} {spec.name} is {got} but the boundary expects {spec.describe()}")
-
-
-def _local_specs(module: nn.Module, specs: Sequence[ValueSpec], key: str) -> list[ValueSpec]:
-    """``specs`` with the rank-local shapes a tensor-parallel stage records in
-    ``gm.meta["fs_tp"][key]`` (``passes.shard_tensor_parallel``); unchanged without one."""
-    records = (getattr(module, "meta", {}).get(META_TP_SUMMARY) or {}).get(key)
-    if not records:
-        return list(specs)
-    if len(records) != len(specs):
-        raise PipelineError(f"the tensor-parallel stage graph records {len(records)} {key} values but the stage "
-                            f"boundary has {len(specs)} ({_fmt_specs(specs)}); rewrite the stage graph of this split")
-    return [spec if place == "-" else dataclasses.replace(spec, shape=tuple(shape))
-            for spec, (place, shape) in zip(specs, records)]
-
-
-def _fmt_specs(specs: Sequence[ValueSpec]) -> str:
-    return ", ".join(s.describe() for s in specs)
-
-
-def _fetch(mod: nn.Module, attr: str) -> Any:
-    obj: Any = mod
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
