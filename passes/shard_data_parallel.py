@@ -164,14 +164,21 @@ def split_experts(graph: torch.fx.Graph, params: list[ParamUse], layout: ParamLa
     return experts, [u for u in params if u not in experts]
 
 
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket (the last layers' gradients) holds at most 1 MiB, so its reduction starts early
+in backward and overlaps the rest of it (PyTorch DDP's ``first_bucket_cap``)."""
+
+
 def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]]:
     """Group trainable parameters into buckets in reverse order of first use (the order their
-    gradients become ready in backward), each up to ``bucket_bytes`` (PyTorch DDP's policy)."""
+    gradients become ready in backward): the first up to ``FIRST_BUCKET_BYTES``, the others up to
+    ``bucket_bytes`` (PyTorch DDP's policy)."""
     out: list[list[ParamUse]] = []
     size = 0.0
     for use in reversed(params):
         nbytes = use.tensor.numel() * use.tensor.element_size()
-        if not out or (size + nbytes > bucket_bytes and out[-1]) or out[-1][0].tensor.dtype != use.tensor.dtype:
+        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(out) == 1 else bucket_bytes
+        if not out or (size + nbytes > cap and out[-1]) or out[-1][0].tensor.dtype != use.tensor.dtype:
             out.append([])
             size = 0.0
         out[-1].append(use)

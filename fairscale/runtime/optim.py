@@ -18,9 +18,11 @@ Elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop ...) give exactly the
 update on any shard. Optimizers that look across a whole tensor (LAMB/LARS trust ratios, Adafactor's
 factored moments, Shampoo) would see flat shards instead and are refused for sharded kinds.
 
-``zero_grad(set_to_none=True)`` is safe: the rank graph returns every gradient through autograd,
-which assigns a fresh ``.grad`` when it is None (FairScale 0.4's ShardedDataParallel wrote into
-cached gradient buffers and silently lost gradients after ``set_to_none``).
+``zero_grad(set_to_none=True)`` is safe: every gradient reaches ``.grad`` the way autograd puts it
+there, assigned when ``.grad`` is None and added otherwise: through autograd itself, or for
+DDP/ZeRO buckets through the end-of-backward callback that waits for their asynchronous
+reductions (``passes.dp_ops``). FairScale 0.4's ShardedDataParallel wrote into cached gradient
+buffers and silently lost gradients after ``set_to_none``.
 """
 
 from __future__ import annotations
