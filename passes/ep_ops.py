@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from passes import comm
 
-__all__ = ["moe_dispatch", "moe_combine", "scale_grad"]
+__all__ = ["moe_dispatch", "moe_combine", "scale_grad", "regroup_order"]
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str) -> torch.Tensor:
@@ -91,9 +91,18 @@ def _plan(route: torch.Tensor, axis: str) -> tuple[list[int], list[int], torch.T
     recv = mine.sum(1).tolist()
     if n == 1 or local == 1:
         return send, recv, None
-    starts = (torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)).view(n, local)
-    order = [torch.arange(int(starts[s, e]), int(starts[s, e] + mine[s, e])) for e in range(local) for s in range(n)]
-    return send, recv, torch.cat(order)
+    return send, recv, regroup_order(mine)
+
+
+def regroup_order(counts: torch.Tensor) -> torch.Tensor:
+    """Row index that reorders rows received as blocks ``(source, expert)`` in source-major order
+    (block sizes ``counts[source, expert]``) into expert-major order, keeping each block's rows in
+    order: ``cat(arange(start[s, e], start[s, e] + counts[s, e]) for e for s)``."""
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts)  # where block (s, e) begins as received
+    sizes, firsts = counts.t().reshape(-1), starts.t().reshape(-1)  # the blocks in (expert, source) order
+    offset_in_block = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.repeat_interleave(firsts, sizes) + offset_in_block
 
 
 def moe_dispatch(rows: torch.Tensor, offsets: torch.Tensor, axis: str,

@@ -258,3 +258,17 @@ def test_a_body_that_is_not_row_wise_is_refused() -> None:
     chunk.args = (chunk.args[0], 2, 0)
     with pytest.raises(ExpertParallelError, match=r"%chunk.* splits along a dim other than the last"):
         shard_experts_pass(gm, ep_index=0, ep_size=2)
+
+
+def test_regroup_order_puts_rows_in_expert_then_source_order() -> None:
+    from passes.ep_ops import regroup_order
+
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # received from 2 sources, for 3 local experts
+    # as received: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> rows 0..6
+    assert regroup_order(counts).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    gen = torch.Generator().manual_seed(0)
+    for n, local in [(2, 2), (4, 2), (3, 3)]:
+        counts = torch.randint(0, 5, (n, local), generator=gen)
+        starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view(n, local)
+        loop = [torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e])) for e in range(local) for s in range(n)]
+        assert torch.equal(regroup_order(counts), torch.cat(loop))
