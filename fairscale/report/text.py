@@ -145,9 +145,11 @@ def _predictions(plan: Plan) -> list[str]:
                         "reduce-scatter of its gradients"}.get(kind, kind)
         lines.append(f"  dp: {what}, over {m.dp} ranks")
     if m.ep > 1:
+        rep = m.dp // m.ep
+        grads = (f"expert gradients all-reduced over the {rep} ranks holding the same experts" if rep > 1 else
+                 "each rank holds its own experts, so their gradients need no all-reduce")
         lines.append(f"  ep: per MoE layer and microbatch, all-to-alls that send tokens to their experts' ranks "
-                     f"and bring the results back (forward and backward), over {m.ep} ranks; expert gradients "
-                     f"all-reduced over the {m.dp // m.ep} ranks holding the same experts")
+                     f"and bring the results back (forward and backward), over {m.ep} ranks; {grads}")
     if m.tp > 1:
         lines.append(f"  tp: all-reduces inside each sharded column→row pair, forward and backward, over {m.tp} "
                      "ranks, per microbatch")

@@ -62,3 +62,14 @@ def test_search_tries_expert_parallel_degrees(graph) -> None:
     with pytest.raises(PlanError, match="mesh.ep: 2, but GPT has no mixture-of-experts layer"):
         search(dense, cluster, global_batch=BATCH, constraints={"mesh": {"dp": 4, "ep": 2}})
     assert search(dense, cluster, global_batch=BATCH).best.plan.mesh.ep == 1
+
+
+def test_report_names_the_expert_axis() -> None:
+    from fairscale.report.text import render_report
+
+    two = render_report(Plan(mesh=Mesh(dp=4, ep=2)), None)
+    assert "mesh: pp(1) × dp(4) × tp(1) = 4 devices; MoE experts split over ep(2) of the dp ranks" in two
+    assert "expert gradients all-reduced over the 2 ranks holding the same experts" in two
+    four = render_report(Plan(mesh=Mesh(dp=4, ep=4)), None)
+    assert "each rank holds its own experts, so their gradients need no all-reduce" in four
+    assert "ep(" not in render_report(Plan(mesh=Mesh(dp=4)), None)
