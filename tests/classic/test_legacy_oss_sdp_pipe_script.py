@@ -106,6 +106,26 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+# Observer only: each Python process of the run (the script, its spawned ranks) records at exit
+# which threads are still alive, so the test can check that no gloo worker runs on into interpreter
+# finalization. It changes no behaviour of the script.
+SITECUSTOMIZE = textwrap.dedent('''
+    import atexit, json, os, sys
+
+    def _record_threads_at_exit():
+        import multiprocessing
+        names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+        with open(os.path.join(os.environ["FS_TEST_EXIT_THREADS"], f"threads-{os.getpid()}.json"), "w") as f:
+            json.dump({"threads": names, "spawned_rank": multiprocessing.parent_process() is not None
+                       and "torch.distributed" in sys.modules}, f)
+
+    atexit.register(_record_threads_at_exit)  # registered first, so it runs last: just before finalization
+''')
+
+# Threads that a live gloo process group runs (worker loop, transport loop, TCPStore server).
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+
+
 def _free_port() -> str:
     import socket
 
@@ -114,25 +134,57 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-# Slow tier: in roughly 1 of 10 runs a spawned rank aborts at interpreter exit, after its results are
-# written and its process group destroyed ("terminate called without an active exception", SIGABRT);
-# the original FairScale 0.4.13 showed the same abort on torch 2.13 + gloo. Open: find the teardown
-# race. Until then it would make the default tier fail at random; run it with -m slow.
-@pytest.mark.slow
-def test_documented_oss_sharded_ddp_and_pipe_script_runs(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("legacy_oss_sdp_pipe")
+    (out / "site").mkdir()
+    (out / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (out / "threads").mkdir()
+    script = out / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), _free_port()], env=env,
+    env = dict(os.environ, OMP_NUM_THREADS="1", FS_TEST_EXIT_THREADS=str(out / "threads"))
+    env["PYTHONPATH"] = os.pathsep.join([str(out / "site"), root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(out), _free_port()], env=env,
                           capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+# Why a rank could abort at exit, after its results were written ("terminate called without an
+# active exception", SIGABRT; about 1 run in 10, far more often on a loaded machine): a gloo worker
+# thread frees a finished collective's Work after the waiter has returned; freeing its tensors
+# decrefs their Python objects, which takes the GIL (c10::TensorImpl::decref_pyobject ->
+# gil_scoped_acquire). If the interpreter has begun finalizing by then, CPython ends the thread with
+# pthread_exit inside that noexcept destructor, and the forced unwind calls std::terminate. It can
+# only happen while the process group outlives destroy_process_group (plain torch frees it there and
+# joins its workers). Three references kept the world group alive here: torch.distributed.nn's
+# ``group=group.WORLD`` default arguments, bound when torch imports that module lazily after
+# init_process_group (fixed in fairscale/optim/oss.py), passes.comm's strong axis->group table, and
+# ShardedDataParallel's gradient hooks (a reference cycle through C++ hook storage that gc cannot
+# collect). The last two are outside this test's reach; until they are weak references, the group
+# survives and the abort stays possible, so both tests stay in the slow tier.
+@pytest.mark.slow
+def test_documented_oss_sharded_ddp_and_pipe_script_runs(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = run
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert len(r["losses"]) == 12
         assert sum(r["losses"][-4:]) < sum(r["losses"][:4])  # it learns
     # the ranks hold identical parameters after sharded steps and broadcasts
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["state_entries"] == 4  # momentum buffers of all 4 parameters, consolidated on rank 0
-    assert json.loads((tmp_path / "pipe.json").read_text())["pipe_err"] < 1e-6
+    assert json.loads((out / "pipe.json").read_text())["pipe_err"] < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="passes.comm holds process groups strongly and ShardedDataParallel's "
+                   "gradient hooks keep it (and its OSS and group) alive; when both hold weak references, "
+                   "drop this xfail and both slow marks")
+def test_no_gloo_thread_runs_into_interpreter_exit(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    _, out = run
+    records = [json.loads(f.read_text()) for f in sorted((out / "threads").glob("threads-*.json"))]
+    ranks = [r for r in records if r["spawned_rank"]]
+    assert len(ranks) == 2, records
+    alive = [sorted(set(r["threads"]) & set(GLOO_THREADS)) for r in ranks]
+    assert alive == [[], []], f"gloo threads still running at interpreter exit, per rank: {alive}"
