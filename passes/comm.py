@@ -23,6 +23,7 @@ volume (what NCCL reports as bus bytes): all-reduce 2(n-1)/n·B, all-gather and 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -30,12 +31,29 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-_GROUPS: dict[str, Any] = {}
+# torch.distributed.nn.functional evaluates ``group=group.WORLD`` as default arguments when it is
+# first imported, and torch imports it lazily (the first torch optimizer imports torch._dynamo,
+# which imports torch.distributed.fsdp -> _shard -> nn.functional), usually after
+# init_process_group: the world group is then pinned by those defaults for the life of the process,
+# destroy_process_group cannot free it, and its gloo worker threads run on into interpreter exit,
+# where a worker that drops a finished collective's tensors needs the GIL and aborts the process
+# ("terminate called without an active exception"). Imported here, before any group exists, the
+# defaults bind None; every module that binds groups imports this one, so this covers them all.
+# See tests/classic/test_legacy_oss_sdp_pipe_script.py.
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
+
+_GROUPS: dict[str, Any] = {}  # axis -> weakref.ref(group), or None (size 1)
 
 
 def set_group(axis: str, group: Any) -> None:
-    """Bind ``axis`` to a process group (``None`` = size 1)."""
-    _GROUPS[axis] = group
+    """Bind ``axis`` to a process group (``None`` = size 1).
+
+    Only a weak reference is kept: torch's own registry keeps a group alive until
+    ``dist.destroy_process_group``, and a strong global reference here would keep its gloo worker
+    threads running into interpreter finalization, where they can abort the process.
+    """
+    _GROUPS[axis] = None if group is None else weakref.ref(group)
 
 
 def clear_groups() -> None:
@@ -43,16 +61,23 @@ def clear_groups() -> None:
 
 
 def get_group(axis: str) -> Any:
-    return _GROUPS.get(axis)
+    ref = _GROUPS.get(axis)
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError(f"the process group bound to axis {axis!r} was destroyed "
+                           "(dist.destroy_process_group); bind a live group with passes.comm.set_group")
+    return group
 
 
 def group_size(axis: str) -> int:
-    group = _GROUPS.get(axis)
+    group = get_group(axis)
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(axis: str) -> int:
-    group = _GROUPS.get(axis)
+    group = get_group(axis)
     return 0 if group is None else dist.get_rank(group)
 
 

@@ -25,18 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from passes import comm
-
-# torch.distributed.nn.functional evaluates ``group=group.WORLD`` as default arguments when it is
-# first imported, and torch imports it lazily (the first torch optimizer imports torch._dynamo,
-# which imports torch.distributed.fsdp -> _shard -> nn.functional), usually after
-# init_process_group: the world group is then pinned by those defaults for the life of the process,
-# destroy_process_group cannot free it, and its gloo worker threads run on into interpreter exit,
-# where a worker that drops a finished collective's tensors needs the GIL and aborts the process
-# ("terminate called without an active exception"). Imported here, before any group exists, the
-# defaults bind None. See tests/classic/test_legacy_oss_sdp_pipe_script.py.
-if dist.is_available():
-    import torch.distributed.nn.functional  # noqa: F401
+from passes import comm  # (its import binds torch.distributed.nn defaults early: see there)
 
 __all__ = ["OSS", "axis_for_group", "broadcast_object"]
 

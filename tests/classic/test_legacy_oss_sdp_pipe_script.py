@@ -161,9 +161,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
 # ``group=group.WORLD`` default arguments, bound when torch imports that module lazily after
 # init_process_group (fixed in fairscale/optim/oss.py), passes.comm's strong axis->group table, and
 # ShardedDataParallel's gradient hooks (a reference cycle through C++ hook storage that gc cannot
-# collect). The last two are outside this test's reach; until they are weak references, the group
-# survives and the abort stays possible, so both tests stay in the slow tier.
-@pytest.mark.slow
+# collect). Both now hold weak references, so the group dies in destroy_process_group and its
+# threads are joined there; test_no_gloo_thread_runs_into_interpreter_exit checks exactly that.
 def test_documented_oss_sharded_ddp_and_pipe_script_runs(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     proc, out = run
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -177,10 +176,6 @@ def test_documented_oss_sharded_ddp_and_pipe_script_runs(run: tuple[subprocess.C
     assert json.loads((out / "pipe.json").read_text())["pipe_err"] < 1e-6
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="passes.comm holds process groups strongly and ShardedDataParallel's "
-                   "gradient hooks keep it (and its OSS and group) alive; when both hold weak references, "
-                   "drop this xfail and both slow marks")
 def test_no_gloo_thread_runs_into_interpreter_exit(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     _, out = run
     records = [json.loads(f.read_text()) for f in sorted((out / "threads").glob("threads-*.json"))]

@@ -34,7 +34,9 @@ views into its buckets and reduced stale data after ``set_to_none``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from typing import Any, Generator
 
 import torch
@@ -60,6 +62,13 @@ def reduce_(t: torch.Tensor, axis: str, *, dst_rank: int, async_op: bool = False
     nbytes = t.numel() * t.element_size()
     comm.COUNTER.record("reduce", axis, nbytes, float(nbytes))
     return dist.reduce(t, dst=dist.get_global_rank(group, dst_rank), group=group, async_op=async_op)
+
+
+def _weak_grad_ready(ref: Any, p: torch.Tensor) -> None:
+    """The gradient hook: ``ShardedDataParallel._grad_ready`` of the wrapper ``ref`` still points to."""
+    sdp = ref()
+    if sdp is not None:
+        sdp._grad_ready(p)
 
 
 class _Bucket:
@@ -164,7 +173,11 @@ class ShardedDataParallel(nn.Module):
         self._buckets = self._make_buckets()
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         for p in self._trainable:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            # through a weak reference: a bound method would make a cycle through C++ hook storage
+            # (param -> hook -> self -> module -> param) that gc cannot see, pinning the process
+            # group and its gloo threads until interpreter exit
+            ready = functools.partial(_weak_grad_ready, weakref.ref(self))
+            self._hooks.append(p.register_post_accumulate_grad_hook(ready))
 
     def _make_buckets(self) -> list[_Bucket]:
         buckets: list[_Bucket] = []
