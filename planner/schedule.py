@@ -41,6 +41,7 @@ Usage::
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from planner.plan import Plan
 
 __all__ = [
     "Action", "PipelineSchedule", "ScheduleError", "Timeline", "Slot", "build_schedule", "schedule_for", "gpipe",
-    "one_f_one_b", "interleaved_1f1b", "v_shape", "simulate", "predicted_bubble", "parse_actions", "fifo_violations",
+    "one_f_one_b", "interleaved_1f1b", "v_shape", "v_shape_timed", "simulate", "predicted_bubble", "parse_actions", "fifo_violations",
     "KINDS",
 ]
 
@@ -289,14 +290,28 @@ def v_shape(pp: int, microbatches: int) -> PipelineSchedule:
     the bubble lies between 1F1B's and interleaved's (pp = 4, m = 8: 0.20 against 0.27 and 0.16).
     Messages between two ranks are not always received in the order they are sent, which the
     executor's tagged point-to-point handles (``fifo_violations`` lists them for untagged backends)."""
+    return v_shape_timed(pp, microbatches)[0]
+
+
+def v_shape_timed(pp: int, microbatches: int) -> tuple[PipelineSchedule, float]:
+    """:func:`v_shape` and its makespan with F = 1, B = 2 per chunk and free communication (the
+    list scheduler's own timeline; what ``planner.schedule_sim.simulate`` gives for it)."""
     _check_sizes(pp, microbatches, 1)
     stages = 2 * pp
     placement = [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
     return _list_schedule("v", pp, microbatches, placement, cap=2 * pp)
 
 
-def _list_schedule(kind: str, pp: int, m: int, placement: list[int], *, cap: int) -> PipelineSchedule:
-    """Greedy list scheduling (F = 1, B = 2 per stage), at most ``cap`` microbatches in flight; see v_shape."""
+def _list_schedule(kind: str, pp: int, m: int, placement: list[int], *,
+                   cap: int) -> tuple[PipelineSchedule, float]:
+    """Greedy list scheduling (F = 1, B = 2 per stage), at most ``cap`` microbatches in flight; see
+    v_shape. Returns the schedule and its makespan.
+
+    Each step runs the action with the smallest (start, backward first, rank, stage). Every stage
+    offers one candidate (its next backward or forward, whichever sorts first), kept in a heap;
+    running an action changes only the candidates of its rank's stages (the rank is busy longer) and
+    of its stage and the two next to it (dependencies, and stage 0's in-flight cap), so only those
+    are recomputed: O(actions · log stages) instead of a scan of every stage per action."""
     stages = len(placement)
     last = stages - 1
     f_end: dict[tuple[int, int], float] = {}
@@ -305,23 +320,29 @@ def _list_schedule(kind: str, pp: int, m: int, placement: list[int], *, cap: int
     next_b = [0] * stages
     free = [0.0] * pp
     acts: list[list[Action]] = [[] for _ in range(pp)]
-    while any(n < m for n in next_b):
-        best: tuple[float, int, int, int, str] | None = None  # (start, B-first, rank, stage, kind)
-        for s in range(stages):
-            r = placement[s]
-            mb = next_b[s]
-            if mb < m and (mb, s) in f_end and (s == last or (mb, s + 1) in b_end):
-                dep = max(f_end[(mb, s)], b_end.get((mb, s + 1), 0.0))
-                cand = (max(free[r], dep), 0, r, s, "B")
-                best = cand if best is None or cand < best else best
-            mb = next_f[s]
-            if mb < m and (s > 0 or next_f[0] - next_b[0] < cap) and (s == 0 or (mb, s - 1) in f_end):
-                dep = f_end.get((mb, s - 1), 0.0)
-                cand = (max(free[r], dep), 1, r, s, "F")
-                best = cand if best is None or cand < best else best
-        if best is None:
+    on_rank = [[s for s in range(stages) if placement[s] == r] for r in range(pp)]
+    Candidate = tuple[float, int, int, int, str]  # (start, B-first, rank, stage, kind)
+
+    def candidate(s: int) -> Candidate | None:
+        r, best = placement[s], None
+        mb = next_b[s]
+        if mb < m and (mb, s) in f_end and (s == last or (mb, s + 1) in b_end):
+            best = (max(free[r], f_end[(mb, s)], b_end.get((mb, s + 1), 0.0)), 0, r, s, "B")
+        mb = next_f[s]
+        if mb < m and (s > 0 or next_f[0] - next_b[0] < cap) and (s == 0 or (mb, s - 1) in f_end):
+            cand = (max(free[r], f_end.get((mb, s - 1), 0.0)), 1, r, s, "F")
+            best = cand if best is None or cand < best else best
+        return best
+
+    current = [candidate(s) for s in range(stages)]
+    heap = [c for c in current if c is not None]
+    heapq.heapify(heap)
+    for _ in range(2 * m * stages):
+        while heap and current[heap[0][3]] != heap[0]:
+            heapq.heappop(heap)  # superseded by a recomputed candidate of its stage
+        if not heap:
             raise ScheduleError(f"list scheduling of {kind} found no runnable action")
-        start, _, r, s, k = best
+        start, _, r, s, k = heapq.heappop(heap)
         if k == "F":
             f_end[(next_f[s], s)] = start + 1.0
             acts[r].append(Action("F", next_f[s], s))
@@ -332,7 +353,16 @@ def _list_schedule(kind: str, pp: int, m: int, placement: list[int], *, cap: int
             acts[r].append(Action("B", next_b[s], s))
             next_b[s] += 1
             free[r] = start + 2.0
-    return PipelineSchedule(kind=kind, pp=pp, stages=stages, microbatches=m, actions=acts, placement=placement)
+        current[s] = None
+        for t in {*on_rank[r], s - 1, s, s + 1}:
+            if 0 <= t < stages:
+                cand = candidate(t)
+                if cand != current[t]:
+                    current[t] = cand
+                    if cand is not None:
+                        heapq.heappush(heap, cand)
+    sched = PipelineSchedule(kind=kind, pp=pp, stages=stages, microbatches=m, actions=acts, placement=placement)
+    return sched, max(free)
 
 
 def build_schedule(kind: str, *, pp: int, microbatches: int, virtual_stages: int = 1) -> PipelineSchedule:

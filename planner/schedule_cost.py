@@ -31,11 +31,10 @@ def stage_placement(kind: str, p: int, v: int = 1) -> list[int]:
 @lru_cache(maxsize=256)
 def _v_profile(p: int, m: int) -> tuple[float, tuple[float, ...]]:
     """(bubble at equal stage costs, peak microbatches in flight per rank) of the list-scheduled V
-    schedule, read off its action lists (``planner.schedule.v_shape``) and simulated timeline."""
-    from planner.schedule import v_shape
-    from planner.schedule_sim import simulate
+    schedule, read off its action lists and timeline (``planner.schedule.v_shape_timed``)."""
+    from planner.schedule import v_shape_timed
 
-    sched = v_shape(p, m)
+    sched, span = v_shape_timed(p, m)
     peaks = []
     for actions in sched.actions:
         live = peak = 0
@@ -46,7 +45,7 @@ def _v_profile(p: int, m: int) -> tuple[float, tuple[float, ...]]:
                 live -= 1
             peak = max(peak, live)
         peaks.append(peak / 2)  # each chunk holds half of the rank's layers
-    return simulate(sched).bubble, tuple(peaks)
+    return 1.0 - 6.0 * m / span, tuple(peaks)  # every rank is busy 2 chunks × m × (F 1 + B 2) = 6m
 
 
 def pipeline_time(kind: str, stage_times: Sequence[float], m: int, *, v: int = 1) -> float:

@@ -39,6 +39,12 @@ __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed
 
 Progress = Callable[[int, int, "float | None"], None]
 _KIND_ORDER = {"1f1b": 0, "interleaved": 1, "v": 2, "gpipe": 3}
+_V_MICRO_PER_RANK, _V_MAX_PP = 2, 16
+"""Unless asked for, the search offers the V schedule only up to 2 microbatches per pipeline rank
+and 16 ranks: V beats 1F1B only on the bubble, (p-1)/(m+p-1) of the step, under a third beyond
+m = 2p, while the ranks at its turn hold all m microbatches (twice 1F1B's worst at m = 2p); and
+costing it list-schedules its timeline (planner.schedule_cost._v_profile), whose size grows with
+p·m, for every (p, m) the search meets."""
 _DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 _VIRTUAL = (2, 4, 8)
 
@@ -427,6 +433,7 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
                          f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "
                          "and every split weight dimension, and needs tensor_parallel rules)"], source="constraints")
     dtype = fixed.param_dtype or "fp32"
+    experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
     out: list[Config] = []
     for tp in ([fixed.tp] if fixed.tp else allowed_tp):
         for pp in divisors(N // tp):
@@ -447,7 +454,7 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
                         for sp in ([False, True] if tp > 1 else [False]):
                             if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
                                 continue
-                            for ep in _expert_degrees(graph, dp, fixed, rules(tp)):
+                            for ep in _expert_degrees(graph, experts, dp, fixed, rules(tp)):
                                 out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
                                                   dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
                                                   reduce_dtype=fixed.reduce_dtype or "fp32",
@@ -459,10 +466,10 @@ def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[i
     return out, notes
 
 
-def _expert_degrees(graph: ModelGraph, dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
-    """Expert-parallel degrees to try: 1, and for MoE models every divisor of dp that divides every
-    layer's expert count (not when the tp rules already split the experts)."""
-    counts = [e.num_experts for e in graph.experts().values()]
+def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for MoE models (``counts``: each MoE layer's experts)
+    every divisor of dp that divides every layer's expert count (not when the tp rules already
+    split the experts)."""
     if fixed.ep is not None:
         if fixed.ep > 1 and not counts:
             raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
@@ -487,7 +494,7 @@ def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | No
         if m % pp == 0:
             vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
             opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
-        if 2 * pp <= L:
+        if 2 * pp <= L and (fixed.kind == "v" or (pp <= _V_MAX_PP and m <= _V_MICRO_PER_RANK * pp)):
             opts.append(("v", 2))
         if fixed.kind is not None:
             opts = [o for o in opts if o[0] == fixed.kind]
