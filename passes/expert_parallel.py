@@ -46,7 +46,7 @@ import torch.fx
 from torch.fx import Node
 
 from passes import ep_ops
-from passes.graph_utils import clone_graph_module
+from passes.graph_utils import clone_graph_module, local_fake
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard, layout_of
 from planner.graph import GROUPED_MM, META_LAYER, META_MODULE
 from planner.plan import Plan
@@ -286,15 +286,8 @@ def _slice_weights(gm: torch.fx.GraphModule, layer: ExpertLayer, layout: ParamLa
 
 def _set_local_val(node: Node, shape: object) -> None:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return
-    shape = tuple(shape)  # type: ignore[arg-type]
-    mode = getattr(val, "fake_mode", None)
-    if mode is not None:
-        with mode:
-            node.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
-    else:
-        node.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = local_fake(val, shape)  # type: ignore[arg-type]
 
 
 def _insert_dispatch(graph: torch.fx.Graph, layer: ExpertLayer, *, axis: str, ep_size: int) -> None:

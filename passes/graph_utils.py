@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from typing import Iterable
 
+import torch
 import torch.fx
 
-__all__ = ["clone_graph_module"]
+__all__ = ["clone_graph_module", "local_fake"]
 
 
 def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -16,3 +18,17 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     out.meta = copy.copy(gm.meta)
     return out
+
+
+def local_fake(v: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:
+    """A tensor like ``v`` (a node's ``meta["val"]``) with another shape: a fake tensor of ``v``'s
+    fake mode, or a meta tensor; ``v`` itself when the shape is unchanged. Passes that slice a
+    value use it to keep ``val`` rank-local."""
+    shape = tuple(shape)
+    if tuple(v.shape) == shape:
+        return v
+    mode = getattr(v, "fake_mode", None)
+    if mode is not None:
+        with mode:
+            return torch.empty(shape, dtype=v.dtype, device=v.device)
+    return torch.empty(shape, dtype=v.dtype, device="meta")

@@ -46,7 +46,7 @@ from passes import dp_ops, ep_ops
 from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
                              positions, real_copy, rebuild, replace_param_uses)
 from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
-from passes.layout import FlatShard, ParamLayout
+from passes.layout import INSIDE_DP, FlatShard, ParamLayout
 from planner.plan import DP_KINDS, DataParallel, Plan
 
 __all__ = ["shard_data_parallel_pass", "no_sync", "DataParallelInfo", "META_DP"]
@@ -152,7 +152,7 @@ def split_experts(graph: torch.fx.Graph, params: list[ParamUse], layout: ParamLa
                   group: ExpertGroup) -> tuple[list[ParamUse], list[ParamUse]]:
     """(the expert-parallel weights, the others). Each use of an expert weight is wrapped in
     ``ep_ops.scale_grad(w, 1/ep)`` so the bucket's average over ``group.size`` gives the dp mean."""
-    experts = [u for u in params if (s := layout.tp.get(u.key)) is not None and s.axis == "ep"]
+    experts = [u for u in params if (s := layout.tp.get(u.key)) is not None and s.axis in INSIDE_DP]
     if experts and group.ep == 1:
         raise ValueError(f"{experts[0].key} is split over the ep axis but ep_size is 1; pass the plan's mesh.ep")
     for u in experts:

@@ -18,13 +18,14 @@ regions, Korthikanti et al. 2022 section 4.2.2).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.fx
 from torch.fx import Node
 
 from passes import comm
+from passes.graph_utils import local_fake
 from passes.tp_placement import Placement, R, S, local_shape
 
 __all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt"]
@@ -133,11 +134,11 @@ class Rewriter:
         """Record the rank-local shape of ``new`` in ``meta['val']`` (a FakeTensor like capture's)."""
         v = self.val(old)
         if isinstance(v, torch.Tensor) and isinstance(place, Placement):
-            new.meta["val"] = _local_fake(v, local_shape(v.shape, place, self.tp))
+            new.meta["val"] = local_fake(v, local_shape(v.shape, place, self.tp))
             new.meta["fs_tp_global_shape"] = tuple(int(s) for s in v.shape)
         elif isinstance(v, (tuple, list)) and isinstance(place, list):
             new.meta["val"] = type(v)(
-                _local_fake(x, local_shape(x.shape, pl, self.tp)) if isinstance(x, torch.Tensor) and pl else x
+                local_fake(x, local_shape(x.shape, pl, self.tp)) if isinstance(x, torch.Tensor) and pl else x
                 for x, pl in zip(v, place))
 
     # ------------------------------------------------------------------ conversions
@@ -290,14 +291,3 @@ def _fetch(gm: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _local_fake(v: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:
-    shape = tuple(shape)
-    if tuple(v.shape) == shape:
-        return v
-    mode = getattr(v, "fake_mode", None)
-    if mode is not None:
-        with mode:
-            return torch.empty(shape, dtype=v.dtype, device=v.device)
-    return torch.empty(shape, dtype=v.dtype, device="meta")
