@@ -2,8 +2,8 @@
 
 Order of work (all deterministic):
 
-1. Enumerate every (mesh pp×dp×tp, microbatches, schedule, data-parallel kind, sequence
-   parallelism) that the constraints allow; tp divides the node and the attention heads.
+1. Enumerate every (mesh pp×dp×tp×ep, microbatches, schedule, data-parallel kind, sequence
+   parallelism) that the constraints allow (``planner.search.candidates``).
 2. Give each a lower bound on its step time (perfectly balanced stages, no recompute) and a lower
    bound on its memory (model states split evenly, everything recomputed). Memory-infeasible ones
    are dropped; the rest are visited in order of their bound.
@@ -31,22 +31,17 @@ from planner.search.evaluate import (Breakdown, Config, Context, choose_recomput
                                      stage_cuts_even)
 from planner.search.partition import SegmentModel, partition
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
-from planner.search.space import Fixed, divisors, parse_constraints
-from planner.search.tp import default_tp_rules, tp_allowed
+from planner.search.candidates import enumerate_configs
+from planner.search.space import Fixed, parse_constraints
+from planner.search.tp import default_tp_rules
 from planner.selectors import parse_selector
 
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
 
 Progress = Callable[[int, int, "float | None"], None]
 _KIND_ORDER = {"1f1b": 0, "interleaved": 1, "v": 2, "gpipe": 3}
-_V_MICRO_PER_RANK, _V_MAX_PP = 2, 16
-"""Unless asked for, the search offers the V schedule only up to 2 microbatches per pipeline rank
-and 16 ranks: V beats 1F1B only on the bubble, (p-1)/(m+p-1) of the step, under a third beyond
-m = 2p, while the ranks at its turn hold all m microbatches (twice 1F1B's worst at m = 2p); and
-costing it list-schedules its timeline (planner.schedule_cost._v_profile), whose size grows with
-p·m, for every (p, m) the search meets."""
 _DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
-_VIRTUAL = (2, 4, 8)
+
 
 
 def captured_dtype(graph: ModelGraph) -> str:
@@ -225,8 +220,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
     rec = fixed_recompute(ctx, fixed.recompute) if fixed.recompute is not None else None
     sel = fixed_selective(ctx, fixed.recompute) if fixed.recompute is not None else frozenset()
-    units = _units(ctx, fixed.units)
-    cands, notes = _enumerate(graph, ctx, fixed, rules, cuts, rec)
+    cands, notes = enumerate_configs(graph, ctx, fixed, rules, cuts)
     if not cands:
         raise PlanError(["no configuration satisfies the constraints: " + "; ".join(notes or ["(none enumerated)"])],
                         source="search")
@@ -298,13 +292,6 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         out.append(Candidate(plan=plan, breakdown=b, reason="" if b is win else loss_reason(b, win)))
     return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
                         elapsed_s=time.perf_counter() - start)
-
-
-def _units(ctx: Context, text: str | None) -> frozenset[int] | None:
-    if not text:
-        return None
-    sel = parse_selector(text)
-    return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
 
 
 def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
@@ -419,102 +406,3 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
 # The fluid bound ignores the discreteness of layers; give it 2% more memory than the cap so that
 # a heterogeneous mix (embedding, head) cannot make it overshoot the true optimum.
 _FLUID_SLACK = 1.02
-
-
-def _enumerate(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[int], dict[str, str]],
-               cuts: tuple[int, ...] | None, rec: frozenset[int] | None) -> tuple[list[Config], list[str]]:
-    c = ctx.cluster
-    N, L, B = c.devices, len(ctx.facts), ctx.global_batch
-    notes: list[str] = []
-    allowed_tp = [t for t in range(1, min(c.devices_per_node, N) + 1)
-                  if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t)]
-    if fixed.tp is not None and fixed.tp not in allowed_tp:
-        raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} (tp must "
-                         f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "
-                         "and every split weight dimension, and needs tensor_parallel rules)"], source="constraints")
-    dtype = fixed.param_dtype or "fp32"
-    experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
-    out: list[Config] = []
-    for tp in ([fixed.tp] if fixed.tp else allowed_tp):
-        for pp in divisors(N // tp):
-            dp = N // (tp * pp)
-            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > L:
-                continue
-            if B % dp:
-                notes.append(f"dp={dp} does not divide the global batch {B}")
-                continue
-            per = B // dp
-            ms = divisors(per) if fixed.microbatches is None else (
-                [fixed.microbatches] if per % fixed.microbatches == 0 else [])
-            if not ms:
-                notes.append(f"microbatches={fixed.microbatches} does not divide the per-replica batch {per} (dp={dp})")
-            for m in ms:
-                for kind, v in _schedules(pp, m, L, fixed, cuts):
-                    for dp_kind, reshard in _dp_kinds(dp, fixed):
-                        for sp in ([False, True] if tp > 1 else [False]):
-                            if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
-                                continue
-                            for ep in _expert_degrees(graph, experts, dp, fixed, rules(tp)):
-                                out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
-                                                  dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
-                                                  reduce_dtype=fixed.reduce_dtype or "fp32",
-                                                  prefetch=True if fixed.prefetch is None else fixed.prefetch,
-                                                  bucket_mb=fixed.bucket_mb or 25.0, units=_units(ctx, fixed.units),
-                                                  offload=bool(fixed.offload), ep=ep))
-    if fixed.pp and fixed.pp > L:
-        notes.append(f"pp={fixed.pp} is more than the {L} layers")
-    return out, notes
-
-
-def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
-    """Expert-parallel degrees to try: 1, and for MoE models (``counts``: each MoE layer's experts)
-    every divisor of dp that divides every layer's expert count (not when the tp rules already
-    split the experts)."""
-    if fixed.ep is not None:
-        if fixed.ep > 1 and not counts:
-            raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
-                             "mesh.ep"], source="constraints")
-        return [fixed.ep] if dp % fixed.ep == 0 and all(c % fixed.ep == 0 for c in counts) else []
-    if not counts or "expert" in rules.values():
-        return [1]
-    return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
-
-
-def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:
-    stages = len(cuts) - 1 if cuts else None
-    if pp == 1:
-        opts = [("1f1b", 1)] if fixed.kind in (None, "1f1b") else ([(fixed.kind, 1)] if fixed.kind == "gpipe" else [])
-    else:
-        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for,
-        # or when there are fewer microbatches than stages: 1F1B's warm-up needs m >= pp (the runtime
-        # and planner.validate refuse less), and there both hold all m microbatches anyway
-        opts = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
-        if fixed.kind == "gpipe" and m >= pp:
-            opts.append(("gpipe", 1))
-        if m % pp == 0:
-            vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
-            opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
-        if 2 * pp <= L and (fixed.kind == "v" or (pp <= _V_MAX_PP and m <= _V_MICRO_PER_RANK * pp)):
-            opts.append(("v", 2))
-        if fixed.kind is not None:
-            opts = [o for o in opts if o[0] == fixed.kind]
-    if fixed.virtual_stages is not None:
-        opts = [o for o in opts if o[1] == fixed.virtual_stages]
-    if stages is not None:
-        opts = [o for o in opts if pp * o[1] == stages]
-    return opts
-
-
-def _dp_kinds(dp: int, fixed: Fixed) -> list[tuple[str, bool]]:
-    if fixed.offload:  # the cost model offloads FSDP shards only
-        opts = [("fsdp", True), ("fsdp", False)]
-    elif dp == 1:
-        opts = [("ddp", True)] if fixed.dp_kind is None else [(fixed.dp_kind, True)]
-    else:
-        opts = [("ddp", True), ("zero1", True), ("zero2", True), ("fsdp", True), ("fsdp", False)]
-        if fixed.dp_kind is not None:
-            opts = [o for o in opts if o[0] == fixed.dp_kind]
-    if fixed.reshard is not None:
-        opts = [(k, fixed.reshard if k == "fsdp" else r) for k, r in opts]
-        opts = list(dict.fromkeys(opts))
-    return opts

@@ -16,12 +16,12 @@ from typing import Callable
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
-from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume,
-                               all_to_all_time, all_to_all_volume, p2p_time,
+from planner.cost_comm import (all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume, p2p_time,
                                reduce_scatter_time)
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes, model_state_parts, unshard_buffer_bytes
 from planner.plan import Predicted
 from planner.schedule_cost import in_flight, pipeline_time, stage_placement
+from planner.search.expert_cost import expert_comm, expert_params
 
 __all__ = ["Config", "Breakdown", "Context", "evaluate", "choose_recompute", "shared_core_pipeline_time"]
 
@@ -289,32 +289,6 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
         if ctx.options.fsdp_accumulate_unsharded and cfg.microbatches > 1:
             buffers += params * DTYPE_BYTES[cfg.reduce_dtype]  # every unit's full gradient accumulator
     return {**parts, "activations": flight * kept + transient, "buffers": buffers}
-
-
-def expert_params(cfg: Config, costs: list[LayerCost], layers: list[int]) -> float:
-    """MoE expert parameter elements of the rank's layers that expert parallelism splits (all of
-    them, before the split; 0 when ep = 1)."""
-    return sum(costs[i].experts for i in layers) if cfg.ep > 1 else 0.0
-
-
-def expert_comm(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> tuple[float, float]:
-    """(seconds, bytes sent) of one microbatch's expert-parallel all-to-alls on a rank: dispatch
-    and combine forward, both again backward, and once more forward for recomputed layers. Each
-    rank keeps the 1/ep of its rows bound for its own experts (uniform routing)."""
-    if cfg.ep <= 1:
-        return 0.0, 0.0
-    bw, lat = ctx.cluster.link(cfg.tp * cfg.ep)
-    bw *= ctx.cluster.efficiency.network
-    seconds = volume = 0.0
-    for i in layers:
-        rows = costs[i].expert_rows
-        if rows <= 0:
-            continue
-        times = 3 if i in cfg.recompute or i in cfg.selective else 2
-        # dispatch and combine are two all-to-alls, each a (n-1)·α latency term
-        seconds += times * (all_to_all_time(rows, cfg.ep, bandwidth=bw, latency=lat) + (cfg.ep - 1) * lat)
-        volume += times * all_to_all_volume(rows, cfg.ep)
-    return seconds, volume
 
 
 def _unit_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> list[float]:

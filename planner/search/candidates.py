@@ -1,0 +1,137 @@
+"""The search space, enumerated: every configuration the constraints allow.
+
+Each candidate fixes the mesh (pp × dp × tp, and ep for MoE models), microbatches, schedule
+(with its chunks per rank), data-parallel kind and sequence parallelism; ``planner.search.core``
+then bounds, cuts and costs them. tp divides the node, the devices, the attention heads and every
+split weight dimension (``planner.search.tp.tp_allowed``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from planner.graph import ModelGraph
+from planner.plan import PlanError
+from planner.search.evaluate import Config, Context
+from planner.search.space import Fixed, divisors
+from planner.search.tp import tp_allowed
+from planner.selectors import parse_selector
+
+__all__ = ["enumerate_configs", "units_of"]
+
+_VIRTUAL = (2, 4, 8)
+"""Chunks per rank the search tries for the interleaved schedule."""
+_V_MICRO_PER_RANK, _V_MAX_PP = 2, 16
+"""Unless asked for, the search offers the V schedule only up to 2 microbatches per pipeline rank
+and 16 ranks: V beats 1F1B only on the bubble, (p-1)/(m+p-1) of the step, under a third beyond
+m = 2p, while the ranks at its turn hold all m microbatches (twice 1F1B's worst at m = 2p); and
+costing it list-schedules its timeline (planner.schedule_cost._v_profile), whose size grows with
+p·m, for every (p, m) the search meets."""
+
+
+def units_of(ctx: Context, text: str | None) -> frozenset[int] | None:
+    """Indices of the layers an FSDP unit selector names (None: no selector, the block default)."""
+    if not text:
+        return None
+    sel = parse_selector(text)
+    return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+
+
+def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[int], dict[str, str]],
+                      cuts: tuple[int, ...] | None) -> tuple[list[Config], list[str]]:
+    """Every configuration the constraints allow, and notes on what they ruled out."""
+    c = ctx.cluster
+    N, L, B = c.devices, len(ctx.facts), ctx.global_batch
+    notes: list[str] = []
+    allowed_tp = [t for t in range(1, min(c.devices_per_node, N) + 1)
+                  if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t)]
+    if fixed.tp is not None and fixed.tp not in allowed_tp:
+        raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} (tp must "
+                         f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "
+                         "and every split weight dimension, and needs tensor_parallel rules)"], source="constraints")
+    dtype = fixed.param_dtype or "fp32"
+    experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
+    out: list[Config] = []
+    for tp in ([fixed.tp] if fixed.tp else allowed_tp):
+        for pp in divisors(N // tp):
+            dp = N // (tp * pp)
+            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > L:
+                continue
+            if B % dp:
+                notes.append(f"dp={dp} does not divide the global batch {B}")
+                continue
+            per = B // dp
+            ms = divisors(per) if fixed.microbatches is None else (
+                [fixed.microbatches] if per % fixed.microbatches == 0 else [])
+            if not ms:
+                notes.append(f"microbatches={fixed.microbatches} does not divide the per-replica batch {per} (dp={dp})")
+            for m in ms:
+                for kind, v in _schedules(pp, m, L, fixed, cuts):
+                    for dp_kind, reshard in _dp_kinds(dp, fixed):
+                        for sp in ([False, True] if tp > 1 else [False]):
+                            if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
+                                continue
+                            for ep in _expert_degrees(graph, experts, dp, fixed, rules(tp)):
+                                out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
+                                                  dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
+                                                  reduce_dtype=fixed.reduce_dtype or "fp32",
+                                                  prefetch=True if fixed.prefetch is None else fixed.prefetch,
+                                                  bucket_mb=fixed.bucket_mb or 25.0, units=units_of(ctx, fixed.units),
+                                                  offload=bool(fixed.offload), ep=ep))
+    if fixed.pp and fixed.pp > L:
+        notes.append(f"pp={fixed.pp} is more than the {L} layers")
+    return out, notes
+
+
+def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for MoE models (``counts``: each MoE layer's experts)
+    every divisor of dp that divides every layer's expert count (not when the tp rules already
+    split the experts)."""
+    if fixed.ep is not None:
+        if fixed.ep > 1 and not counts:
+            raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
+                             "mesh.ep"], source="constraints")
+        return [fixed.ep] if dp % fixed.ep == 0 and all(c % fixed.ep == 0 for c in counts) else []
+    if not counts or "expert" in rules.values():
+        return [1]
+    return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
+
+
+def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:
+    stages = len(cuts) - 1 if cuts else None
+    if pp == 1:
+        opts = [("1f1b", 1)] if fixed.kind in (None, "1f1b") else ([(fixed.kind, 1)] if fixed.kind == "gpipe" else [])
+    else:
+        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for,
+        # or when there are fewer microbatches than stages: 1F1B's warm-up needs m >= pp (the runtime
+        # and planner.validate refuse less), and there both hold all m microbatches anyway
+        opts = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
+        if fixed.kind == "gpipe" and m >= pp:
+            opts.append(("gpipe", 1))
+        if m % pp == 0:
+            vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
+            opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
+        if 2 * pp <= L and (fixed.kind == "v" or (pp <= _V_MAX_PP and m <= _V_MICRO_PER_RANK * pp)):
+            opts.append(("v", 2))
+        if fixed.kind is not None:
+            opts = [o for o in opts if o[0] == fixed.kind]
+    if fixed.virtual_stages is not None:
+        opts = [o for o in opts if o[1] == fixed.virtual_stages]
+    if stages is not None:
+        opts = [o for o in opts if pp * o[1] == stages]
+    return opts
+
+
+def _dp_kinds(dp: int, fixed: Fixed) -> list[tuple[str, bool]]:
+    if fixed.offload:  # the cost model offloads FSDP shards only
+        opts = [("fsdp", True), ("fsdp", False)]
+    elif dp == 1:
+        opts = [("ddp", True)] if fixed.dp_kind is None else [(fixed.dp_kind, True)]
+    else:
+        opts = [("ddp", True), ("zero1", True), ("zero2", True), ("fsdp", True), ("fsdp", False)]
+        if fixed.dp_kind is not None:
+            opts = [o for o in opts if o[0] == fixed.dp_kind]
+    if fixed.reshard is not None:
+        opts = [(k, fixed.reshard if k == "fsdp" else r) for k, r in opts]
+        opts = list(dict.fromkeys(opts))
+    return opts
