@@ -227,3 +227,25 @@ def test_replicated_parameters_inside_sharded_kinds():
         compare(ref, _traj(losses, params))
     with pytest.raises(ValueError, match=r"replicate names \['nope'\], which this graph does not train"):
         shard_data_parallel_pass(graph.gm, config("gpt", "zero2"), dp_index=0, dp_size=2, replicate={"nope"})
+
+
+def test_runner_refuses_a_non_gloo_process_group():
+    """DataParallelRunner is the CPU path: under another backend it says to use the full engine."""
+    _, graph = _graph()
+
+    def run(rank, world):
+        import torch.distributed as dist
+
+        real = dist.get_backend
+        dist.get_backend = lambda group=None: "nccl"  # what a GPU launch would report
+        try:
+            DataParallelRunner.build(graph, DataParallel(kind="ddp"))
+        except NotImplementedError as exc:
+            return str(exc)
+        finally:
+            dist.get_backend = real
+        return "built"
+
+    message = fairscale.launch(run, devices=1)[0]
+    assert message.startswith("DataParallelRunner runs CPU ranks on gloo; this process group uses 'nccl'")
+    assert "GPU placement belongs to the full engine" in message
