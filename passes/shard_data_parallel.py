@@ -46,7 +46,7 @@ from passes import dp_ops, ep_ops
 from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
                              positions, real_copy, rebuild, replace_param_uses)
 from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
-from passes.layout import INSIDE_DP, FlatShard, ParamLayout
+from passes.layout import INSIDE_DP, ParamLayout
 from planner.plan import DP_KINDS, DataParallel, Plan
 
 __all__ = ["shard_data_parallel_pass", "no_sync", "DataParallelInfo", "META_DP"]
