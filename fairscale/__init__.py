@@ -16,7 +16,7 @@ The classic FairScale modules keep their import paths: ``fairscale.nn``, ``fairs
 from fairscale.api import parallelize, plan, search
 from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.launch import RankFailedError, launch
-from passes.comm import COUNTER as comm_counter
+from passes.ops.comm import COUNTER as comm_counter
 from planner.cluster import Cluster
 from planner.plan import Plan, PlanError
 

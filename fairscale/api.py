@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.graph import ModelGraph

@@ -23,10 +23,10 @@ from typing import Iterable
 
 import torch.fx
 
-from passes.expert_parallel import shard_experts_pass
+from passes.ep.shard_experts import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
-from passes.shard_data_parallel import shard_data_parallel_pass
-from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+from passes.dp.shard_data_parallel import shard_data_parallel_pass
+from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
 from passes.split_stages import StagedProgram, split_stages_pass
 from passes.verify import verify_pass
 from planner.graph import ModelGraph

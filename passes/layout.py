@@ -4,8 +4,8 @@ A rank's GraphModule holds only its local tensors. ``gm.meta[META_LAYOUT]`` is a
 :class:`ParamLayout` that says how to rebuild the user's full state_dict from them:
 
 * a parameter left whole: ``layout.keys[attr] = key``;
-* a tensor-parallel slice (``passes.shard_tensor_parallel``): ``layout.tp[key] = TensorShard``;
-* an FSDP flat shard (``passes.shard_fsdp``): ``layout.flat[attr] = FlatShard`` whose members are
+* a tensor-parallel slice (``passes.tp.shard_tensor_parallel``): ``layout.tp[key] = TensorShard``;
+* an FSDP flat shard (``passes.dp.fsdp``): ``layout.flat[attr] = FlatShard`` whose members are
   (possibly TP-sliced) tensors named by their user keys.
 
 ``attr`` is the parameter's attribute path in the GraphModule; ``key`` is the user's state_dict key.

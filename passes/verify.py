@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from passes import comm, ep_ops
+from passes.ops import comm, ep_ops
 from passes.layout import layout_of
-from passes.shard_data_parallel import META_DP
+from passes.dp.shard_data_parallel import META_DP
 
 __all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
 

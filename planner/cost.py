@@ -62,11 +62,11 @@ class CostOptions:
         """What fairscale's own runtime overlaps on ``cluster``.
 
         * DDP / ZeRO buckets launch their all-reduce / reduce-scatter asynchronously in the last
-          microbatch's backward and wait once at its end (``passes.dp_ops``): overlapped on GPUs;
+          microbatch's backward and wait once at its end (``passes.ops.dp_ops``): overlapped on GPUs;
           on CPU ranks gloo's threads share the oversubscribed cores with compute, so exposed.
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
-        * FSDP accumulates unsharded gradients over microbatches (``passes.dp_ops.no_sync``).
+        * FSDP accumulates unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
         * ZeRO-1/2 keep the optimizer's parameter shard as its own tensor (``fairscale.runtime.optim``).
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread

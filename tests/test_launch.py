@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import fairscale
-from passes import comm
+from passes.ops import comm
 
 
 def _collectives(rank, world):

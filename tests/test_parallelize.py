@@ -23,7 +23,7 @@ import fairscale
 from fairscale.api import captured, parallelize, search
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 from planner.selectors import format_layers
 

@@ -18,7 +18,7 @@ Each rank times ``warmup + steps`` full steps (zero_grad, forward, backward, opt
 separated by barriers; a step's time is the slowest rank's; the table shows the median. Runs of
 ours and theirs alternate ``--repeats`` times inside one invocation so machine noise hits both.
 ratio = ours / theirs (goal ≤ 1.0; > 1.1 is a bug to fix or explain). Also printed: the bytes
-our collectives moved per step on rank 0 (``passes.comm.COUNTER``) against the ring theory.
+our collectives moved per step on rank 0 (``passes.ops.comm.COUNTER``) against the ring theory.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import fairscale  # noqa: E402
 from fairscale.runtime.data_parallel import DataParallelRunner, local_slice  # noqa: E402
 from gpt_model import batches, build  # noqa: E402
-from passes import comm  # noqa: E402
+from passes.ops import comm  # noqa: E402
 from planner.capture import LossModule, capture  # noqa: E402
 from planner.plan import DataParallel  # noqa: E402
 

@@ -46,7 +46,7 @@ from fairscale.api import captured, parallelize, search
 from fairscale.runtime.calibrate import calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
 from passes import insert_recompute
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel

@@ -8,7 +8,7 @@ ranks. The baseline is native ``torch.nn.parallel.DistributedDataParallel`` with
 every rank. Ours runs ``fairscale.parallelize`` with ``mesh.dp = n`` and ``mesh.ep`` = 1 (plain
 DDP plan), 2, ..., n. Printed per variant: median step time (slowest rank) and its ratio to torch
 DDP, the expert parameters each rank holds, and the bytes each rank moved per step in the MoE
-all-to-alls (``passes.comm.COUNTER``) against the volume of uniform routing:
+all-to-alls (``passes.ops.comm.COUNTER``) against the volume of uniform routing:
 
     per MoE layer and step: dispatch + combine forward, both again backward
     = 4 × (tokens per rank × top_k) × hidden × 4 bytes × (ep - 1)/ep
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import fairscale
 from fairscale.api import captured, parallelize
 from fairscale.testing.models import build
-from passes import comm
+from passes.ops import comm
 from planner.plan import Mesh, Plan, Schedule
 
 

@@ -34,7 +34,7 @@ import fairscale.runtime as rt
 from fairscale.runtime.mesh import build_mesh
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.testing.models import GPT, GPTConfig, lm_loss
-from passes import comm
+from passes.ops import comm
 from passes.split_stages import split_stages_pass
 from planner.capture import capture
 from planner.graph import ModelGraph

@@ -7,7 +7,7 @@
 Both sides shard the same Hugging Face Llama blocks the Megatron way (q/k/v, gate/up column-parallel;
 o, down row-parallel; embedding and LM head replicated) on CPU gloo ranks, train with Adam and the
 same batches. Printed per variant: median step time (slowest rank), the ratio ours/DTensor (goal
-<= 1.0), and for ours the bytes each rank moved per step (``passes.comm.COUNTER``, ring volume)
+<= 1.0), and for ours the bytes each rank moved per step (``passes.ops.comm.COUNTER``, ring volume)
 against the theoretical Megatron volume:
 
     blocks   L × 4 all-reduces of [b, t, d] (2 forward "g", 2 backward "f")
@@ -18,7 +18,7 @@ total volume (Korthikanti et al. 2022, table 1), plus one all-reduce of each nor
 and one all-gather of the final hidden state for the replicated LM head. The replicated embedding's
 output enters the sequence-sharded residual at no cost: it is copied once (the all-reduce of layer
 0's block entry) and split locally, so its gradient needs no all-gather of its own
-(``passes.tp_fuse.hoist_copy_over_scatter``; Megatron-LM's ``scatter_to_sequence_parallel_region``
+(``passes.tp.fuse.hoist_copy_over_scatter``; Megatron-LM's ``scatter_to_sequence_parallel_region``
 would all-gather it, 0.5 MiB per step at the default sizes).
 The "ours: detector plan" line adds what the pattern detector proposes (vocab-parallel embedding and
 loss), whose extra volume is one [b, t, d] all-reduce forward (embedding), one backward (LM head
@@ -39,9 +39,9 @@ import torch.distributed as dist
 import fairscale
 from fairscale.runtime.mesh import build_mesh
 from fairscale.testing.models import build, lm_loss
-from passes import comm
-from passes.shard_tensor_parallel import shard_tensor_parallel_pass
-from passes.tp_patterns import propose_tp_rules
+from passes.ops import comm
+from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.plan import Mesh, Plan, TensorParallel
 

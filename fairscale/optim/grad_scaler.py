@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fairscale.optim.oss import axis_for_group
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["GradScaler", "ShardedGradScaler"]
 

@@ -1,4 +1,4 @@
-"""OSS: ZeRO stage 1, FairScale 0.4.13's ``fairscale.optim.OSS``, on our ``passes.comm`` collectives.
+"""OSS: ZeRO stage 1, FairScale 0.4.13's ``fairscale.optim.OSS``, on our ``passes.ops.comm`` collectives.
 
 Each rank owns a partition of the parameters, keeps optimizer state only for those, steps only
 those, and then broadcasts the updated values from their owners (Rajbhandari et al. 2020, "ZeRO:
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from passes import comm  # (its import binds torch.distributed.nn defaults early: see there)
+from passes.ops import comm  # (its import binds torch.distributed.nn defaults early: see there)
 
 __all__ = ["OSS", "axis_for_group", "broadcast_object"]
 
@@ -33,7 +33,7 @@ _HYPER_SKIP = ("params",)
 
 
 def axis_for_group(group: Any, prefix: str = "zero") -> str:
-    """Register ``group`` (``None`` = the world) in ``passes.comm`` under a stable axis name."""
+    """Register ``group`` (``None`` = the world) in ``passes.ops.comm`` under a stable axis name."""
     if group is None or group is dist.group.WORLD:
         name, pg = prefix, dist.group.WORLD
     else:

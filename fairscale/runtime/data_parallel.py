@@ -32,8 +32,8 @@ from fairscale.runtime import state as _state
 from fairscale.runtime.init import check_replicas, sync_params
 from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
-from passes import comm
-from passes.shard_data_parallel import META_DP, DataParallelInfo, no_sync, shard_data_parallel_pass
+from passes.ops import comm
+from passes.dp.shard_data_parallel import META_DP, DataParallelInfo, no_sync, shard_data_parallel_pass
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Plan
 

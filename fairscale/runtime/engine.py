@@ -29,7 +29,8 @@ from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime import state as _state
-from passes import comm, compile_rank
+from passes import compile_rank
+from passes.ops import comm
 from planner.capture import capture
 from planner.graph import ModelGraph
 from planner.plan import Plan

@@ -128,9 +128,9 @@ def check_replicas(module: nn.Module, *, group: object = None) -> None:
 
 def _locations(gm: torch.fx.GraphModule) -> dict[str, list[Callable[[torch.Tensor], None]]]:
     """user key -> writers that copy a full tensor into this rank's storage for that key."""
-    from passes.dp_graph import resolve
+    from passes.dp.graph import resolve
     from passes.layout import META_LAYOUT
-    from passes.shard_data_parallel import META_DP
+    from passes.dp.shard_data_parallel import META_DP
 
     layout, info = gm.meta[META_LAYOUT], gm.meta[META_DP]
     out: dict[str, list[Callable[[torch.Tensor], None]]] = {}
@@ -196,7 +196,7 @@ def materialize_sharded(gm: torch.fx.GraphModule, meta_model: nn.Module, *, seed
             if param_init(key, full):
                 for write in where.get(key, []):
                     write(full)
-    from passes.shard_data_parallel import META_DP
+    from passes.dp.shard_data_parallel import META_DP
 
     info = gm.meta[META_DP]
     for b in info.buckets:  # zero kinds: replicas from the filled master shards

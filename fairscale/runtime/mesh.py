@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["RankMesh", "build_mesh"]
 

@@ -21,7 +21,7 @@ factored moments, Shampoo) would see flat shards instead and are refused for sha
 ``zero_grad(set_to_none=True)`` is safe: every gradient reaches ``.grad`` the way autograd puts it
 there, assigned when ``.grad`` is None and added otherwise: through autograd itself, or for
 DDP/ZeRO buckets through the end-of-backward callback that waits for their asynchronous
-reductions (``passes.dp_ops``). FairScale 0.4's ShardedDataParallel wrote into cached gradient
+reductions (``passes.ops.dp_ops``). FairScale 0.4's ShardedDataParallel wrote into cached gradient
 buffers and silently lost gradients after ``set_to_none``.
 """
 
@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from passes import comm
-from passes.dp_graph import resolve
+from passes.ops import comm
+from passes.dp.graph import resolve
 from passes.layout import META_LAYOUT
-from passes.shard_data_parallel import META_DP, DataParallelInfo
+from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
 
 __all__ = ["DataParallelOptimizer", "ELEMENTWISE", "GradPiece", "merge_grad_norm_parts", "reduce_grad_norm",
            "clip_coefficient"]
@@ -51,7 +51,7 @@ def dp_info(gm: torch.fx.GraphModule) -> DataParallelInfo:
     info = gm.meta.get(META_DP)
     if info is None:
         raise ValueError("this GraphModule has no data-parallel record (gm.meta['fs_dp']); run "
-                         "passes.shard_data_parallel.shard_data_parallel_pass on it first")
+                         "passes.dp.shard_data_parallel.shard_data_parallel_pass on it first")
     return info
 
 
@@ -146,7 +146,7 @@ class DataParallelOptimizer:
                 if comm.group_size(spec.axis) != spec.count:  # else its slices would never be added up
                     raise ValueError(
                         f"{piece.key} is sliced {spec.count} ways on axis {spec.axis!r}, but that axis is bound to "
-                        f"{comm.group_size(spec.axis)} rank(s); bind it with passes.comm.set_group({spec.axis!r}, "
+                        f"{comm.group_size(spec.axis)} rank(s); bind it with passes.ops.comm.set_group({spec.axis!r}, "
                         "group) (fairscale.runtime.mesh.build_mesh does for the plan's axes) before clipping")
                 axes.add(spec.axis)
             key = tuple(sorted(axes))

@@ -36,7 +36,7 @@ activations as sequence shards; their rank-local shapes (``gm.meta["fs_tp"]``) s
 buffers, the checks and the handshake.
 
 Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass`` (after this
-split); each stage's backwards except its last of the step run under ``passes.dp_ops.no_sync`` so
+split); each stage's backwards except its last of the step run under ``passes.ops.dp_ops.no_sync`` so
 gradients are reduced over dp once per step.
 
 This module holds the executor and its action loop. What crosses stage boundaries (tagged sends
@@ -61,7 +61,7 @@ from fairscale.runtime import p2p
 from fairscale.runtime.pipeline_io import (PipelineError, StageLinks, StepState, check_values, local_specs,
                                            split_microbatches)
 from fairscale.runtime.pipeline_tied import TiedParams, fetch_attr, stage_layout
-from passes import comm
+from passes.ops import comm
 from passes.split_stages import StagedProgram
 from planner.schedule import Action, PipelineSchedule, simulate
 
@@ -99,7 +99,7 @@ class PipelineExecutor:
         modules: stage index -> module to run instead of ``program.stages[s].gm`` (a stage graph
             rewritten by the tensor- or data-parallel pass); same calling convention.
         no_sync: context manager factory wrapping every backward but each stage's last in a step;
-            default ``passes.dp_ops.no_sync`` (defers data-parallel gradient reduction).
+            default ``passes.ops.dp_ops.no_sync`` (defers data-parallel gradient reduction).
         record: keep a :class:`StepTrace` of the last step in ``self.trace``.
         dp_axis: the data-parallel axis; when bound to more than one rank, the returned loss is
             the mean over its replicas (each replica's batch is the same size), i.e. the loss of
@@ -322,7 +322,7 @@ class PipelineExecutor:
 
 def _default_no_sync() -> Callable[[], ContextManager[Any]]:
     try:
-        from passes.dp_ops import no_sync
+        from passes.ops.dp_ops import no_sync
     except ImportError:  # no data-parallel ops installed: nothing reads the flag
         return contextlib.nullcontext
     return no_sync

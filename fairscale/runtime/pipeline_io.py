@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.runtime import p2p
-from passes import comm
-from passes.shard_tensor_parallel import META_SUMMARY as META_TP_SUMMARY
+from passes.ops import comm
+from passes.tp.shard_tensor_parallel import META_SUMMARY as META_TP_SUMMARY
 from passes.split_stages import StagedProgram, ValueSpec
 from planner.schedule import PipelineSchedule
 
@@ -188,7 +188,7 @@ def check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -
 
 def local_specs(module: nn.Module, specs: Sequence[ValueSpec], key: str) -> list[ValueSpec]:
     """``specs`` with the rank-local shapes a tensor-parallel stage records in
-    ``gm.meta["fs_tp"][key]`` (``passes.shard_tensor_parallel``); unchanged without one."""
+    ``gm.meta["fs_tp"][key]`` (``passes.tp.shard_tensor_parallel``); unchanged without one."""
     records = (getattr(module, "meta", {}).get(META_TP_SUMMARY) or {}).get(key)
     if not records:
         return list(specs)

@@ -22,7 +22,7 @@ from torch import nn
 
 from fairscale.runtime import p2p
 from fairscale.runtime.pipeline_io import PipelineError
-from passes import comm
+from passes.ops import comm
 from passes.layout import META_LAYOUT, ParamLayout
 from passes.split_stages import StagedProgram
 from planner.schedule import PipelineSchedule

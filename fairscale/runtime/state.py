@@ -32,10 +32,10 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from passes import comm
-from passes.dp_graph import resolve
+from passes.ops import comm
+from passes.dp.graph import resolve
 from passes.layout import INSIDE_DP, META_LAYOUT, ParamLayout
-from passes.shard_data_parallel import META_DP, DataParallelInfo
+from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
            "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",

@@ -14,7 +14,7 @@ Seams with the rest of fairscale:
 
 * ``tp_rules`` (selector -> style, or tp -> that) is the tensor-parallel candidate set, given as
   data because the planner must not import ``passes`` (where the pattern detector,
-  ``passes.tp_patterns.propose_tp_rules``, lives). Without it the planner uses
+  ``passes.tp.patterns.propose_tp_rules``, lives). Without it the planner uses
   :func:`planner.search.tp.default_tp_rules`. A constraint ``{"tensor_parallel": {"rules": ...}}``
   overrides both. A degree whose rules are empty is not considered.
 * ``options`` (:class:`planner.cost.CostOptions`) says what the runtime overlaps.

@@ -1,6 +1,6 @@
 """Default tensor-parallel rules when the caller gives none.
 
-The real pattern detector lives next to the TP pass (``passes/tp_patterns.py``); the planner is
+The real pattern detector lives next to the TP pass (``passes/tp/patterns.py``); the planner is
 pure and never imports passes, so ``search`` takes rules as data (``tp_rules``: selector -> style)
 and uses this fallback only when none are given. It recognizes Megatron's column->row pairs by
 module name inside layers that hold attention (``Layer.attention``): q/k/v (or fused qkv)

@@ -15,7 +15,7 @@ from fairscale.optim import OSS
 from fairscale.optim.grad_scaler import GradScaler, ShardedGradScaler
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes import comm
+from passes.ops import comm
 from planner.capture import LossModule
 
 STEPS, BATCH, LR = 3, 8, 1e-2

@@ -159,7 +159,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
 # only happen while the process group outlives destroy_process_group (plain torch frees it there and
 # joins its workers). Three references kept the world group alive here: torch.distributed.nn's
 # ``group=group.WORLD`` default arguments, bound when torch imports that module lazily after
-# init_process_group (fixed in fairscale/optim/oss.py), passes.comm's strong axis->group table, and
+# init_process_group (fixed in fairscale/optim/oss.py), passes.ops.comm's strong axis->group table, and
 # ShardedDataParallel's gradient hooks (a reference cycle through C++ hook storage that gc cannot
 # collect). Both now hold weak references, so the group dies in destroy_process_group and its
 # threads are joined there; test_no_gloo_thread_runs_into_interpreter_exit checks exactly that.

@@ -14,7 +14,7 @@ import fairscale
 from fairscale.nn import model_parallel as mpu
 from fairscale.nn.model_parallel import initialize as mpi
 from fairscale.nn.model_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from passes import comm
+from passes.ops import comm
 
 V, D, H, STEPS, BATCH, SEQ = 32, 16, 64, 3, 8, 6
 PAD = 1

@@ -21,7 +21,7 @@ from fairscale.nn.data_parallel.sharded_ddp import ShardedDataParallel
 from fairscale.optim import OSS
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare
-from passes import comm
+from passes.ops import comm
 from planner.capture import LossModule
 
 STEPS, BATCH, LR = 3, 8, 1e-2

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import fairscale
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.testing.models import build
-from passes import comm, dp_ops
+from passes.ops import comm, dp_ops
 from passes.layout import META_LAYOUT
-from passes.shard_data_parallel import META_DP, shard_data_parallel_pass
+from passes.dp.shard_data_parallel import META_DP, shard_data_parallel_pass
 from planner.capture import LossModule, capture
 from planner.plan import DataParallel
 

@@ -11,9 +11,9 @@ import torch.fx
 from torch import nn
 
 from fairscale.testing.models import build
-from passes import dp_ops
+from passes.ops import dp_ops
 from passes.layout import META_LAYOUT, TensorShard, layout_of
-from passes.shard_data_parallel import META_DP, shard_data_parallel_pass
+from passes.dp.shard_data_parallel import META_DP, shard_data_parallel_pass
 from planner.capture import capture
 from planner.plan import DataParallel
 
@@ -40,7 +40,7 @@ def test_ddp_buckets_every_trainable_parameter_once_in_reverse_use_order(gpt):
     # embedding lookup, reduces last, when both of its uses have contributed
     assert keys[0].startswith("ln_f.") and keys[-1] in ("wte.weight", "lm_head.weight")
     assert info.aliases in ({"wte.weight": ["lm_head.weight"]}, {"lm_head.weight": ["wte.weight"]})
-    assert "passes_dp_ops_dp_bucket(" in gm.code
+    assert "passes_ops_dp_ops_dp_bucket(" in gm.code
     # each bucket call sits before the first reader of its parameters
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for call in calls:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from fairscale.testing.models import build
-from passes import comm, tp_ops
+from passes.ops import comm, tp_ops
 from passes.layout import META_LAYOUT, TensorShard
-from passes.shard_tensor_parallel import TPShardError, collective_counts, shard_tensor_parallel_pass
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.shard_tensor_parallel import TPShardError, collective_counts, shard_tensor_parallel_pass
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.graph import ModelGraph
 from planner.plan import Mesh, Plan, TensorParallel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from test_tensor_parallel_pass import graph_of  # captures shared with the pass tests (same batch shape)
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from fairscale.testing.models import build
-from passes import comm, tp_ops
-from passes.shard_tensor_parallel import COLLECTIVES, collective_counts, shard_tensor_parallel_pass
+from passes.ops import comm, tp_ops
+from passes.tp.shard_tensor_parallel import COLLECTIVES, collective_counts, shard_tensor_parallel_pass
 from planner.capture import capture
 from planner.plan import Mesh, Plan, TensorParallel
 
@@ -56,7 +56,7 @@ def expected() -> list[tuple[str, tuple[int, ...], str]]:
     seq: list[tuple[str, tuple[int, ...], str]] = [
         # layer 0: the replicated embedding output is copied once (gradient all-reduced), then split
         # into the residual locally, and layer 0's input norm runs on it on every rank (its weight's
-        # gradient is then a partial sum, hence the copy) - passes.tp_fuse.hoist_copy_over_scatter
+        # gradient is then a partial sum, hence the copy) - passes.tp.fuse.hoist_copy_over_scatter
         ("copy_to_group", full, "layers.0.input_layernorm"),
         ("copy_to_group", norm, "layers.0.input_layernorm"),
     ]

@@ -21,7 +21,7 @@ import fairscale
 from fairscale.runtime.data_parallel import DataParallelRunner
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, train_reference
-from passes import comm
+from passes.ops import comm
 from planner.capture import capture
 from planner.plan import DataParallel
 

@@ -13,7 +13,7 @@ import fairscale
 from fairscale.api import captured
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 
 BATCH, LR = 8, 1e-3

@@ -13,8 +13,8 @@ import fairscale
 from fairscale.runtime.data_parallel import DataParallelRunner
 from fairscale.runtime.optim import DataParallelOptimizer
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes import comm
-from passes.shard_data_parallel import shard_data_parallel_pass
+from passes.ops import comm
+from passes.dp.shard_data_parallel import shard_data_parallel_pass
 from planner.capture import LossModule, capture
 from planner.plan import DataParallel, Mesh, Plan
 

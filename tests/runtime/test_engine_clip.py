@@ -27,10 +27,10 @@ from fairscale.api import captured, parallelize
 from fairscale.runtime.optim import DataParallelOptimizer, reduce_grad_norm
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes import comm
+from passes.ops import comm
 from passes.layout import META_LAYOUT, TensorShard
-from passes.shard_data_parallel import shard_data_parallel_pass
-from passes.tp_patterns import propose_tp_rules
+from passes.dp.shard_data_parallel import shard_data_parallel_pass
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import LossModule, capture
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 from planner.selectors import format_layers
@@ -248,5 +248,5 @@ def test_unbound_slice_axis_is_refused():
     gm(*build("mlp").make_batch(0, BATCH)).backward()
     with pytest.raises(ValueError, match=re.escape(
             "is sliced 2 ways on axis 'ep', but that axis is bound to 1 rank(s); bind it with "
-            "passes.comm.set_group('ep', group)")):
+            "passes.ops.comm.set_group('ep', group)")):
         opt.grad_norm_parts()

@@ -29,10 +29,10 @@ import fairscale
 from fairscale.api import captured, parallelize
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes import comm
-from passes.expert_parallel import ExpertParallelError, shard_experts_pass
+from passes.ops import comm
+from passes.ep.shard_experts import ExpertParallelError, shard_experts_pass
 from passes.layout import META_LAYOUT
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage, TensorParallel
 
 STEPS, BATCH, LR, LAYERS, EXPERTS, DIM = 3, 8, 1e-3, 4, 4, 64
@@ -261,7 +261,7 @@ def test_a_body_that_is_not_row_wise_is_refused() -> None:
 
 
 def test_regroup_order_puts_rows_in_expert_then_source_order() -> None:
-    from passes.ep_ops import regroup_order
+    from passes.ops.ep_ops import regroup_order
 
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # received from 2 sources, for 3 local experts
     # as received: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> rows 0..6

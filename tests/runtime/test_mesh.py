@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import fairscale
 from fairscale.runtime.mesh import RankMesh, build_mesh
-from passes import comm
+from passes.ops import comm
 
 
 def test_rank_order_puts_tp_innermost():

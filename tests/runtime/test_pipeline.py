@@ -173,7 +173,7 @@ EDITED_PLAN = """{
 
 def _pp_dp_rank(rank: int, world: int, cases: list[tuple[str, str]],
                 graphs: dict[tuple[str, int], ModelGraph]) -> list[Any]:
-    from passes.shard_data_parallel import shard_data_parallel_pass
+    from passes.dp.shard_data_parallel import shard_data_parallel_pass
 
     mesh, _ = build_mesh(2, 2, 1)
     out = []
@@ -318,7 +318,7 @@ def test_wrong_microbatch_shape_is_a_clear_error() -> None:
 
 
 def test_tied_weights_across_stages_with_sharded_dp_are_refused() -> None:
-    from passes.shard_data_parallel import shard_data_parallel_pass
+    from passes.dp.shard_data_parallel import shard_data_parallel_pass
 
     case = MODELS["gpt"]()
     graph = capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn, annotate=False)

@@ -29,10 +29,10 @@ import fairscale
 from fairscale.runtime.mesh import build_mesh
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, compare, make_optimizer, train_reference
-from passes import comm
+from passes.ops import comm
 from passes.layout import META_LAYOUT
-from passes.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
-from passes.tp_patterns import propose_tp_rules
+from passes.tp.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
+from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.plan import Mesh, Plan, TensorParallel
 
@@ -155,7 +155,7 @@ BLOCK_RULES = {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*
 def test_replicated_embedding_under_sequence_parallelism() -> None:
     """Blocks only (embedding and LM head replicated, as in benchmarks/tensor_parallel): under SP the
     embedding output enters the residual by local_chunk and layer 0's norm runs backward on partial
-    sums (passes.tp_fuse.hoist_copy_over_scatter); training still matches single-process."""
+    sums (passes.tp.fuse.hoist_copy_over_scatter); training still matches single-process."""
     case = make_case("llama", 2)
     graph = capture(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     ref = train_reference(lambda: make_case("llama", 2), steps=STEPS, global_batch=BATCH)

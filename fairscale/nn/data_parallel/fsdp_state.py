@@ -20,7 +20,7 @@ from torch import nn
 import torch.distributed as dist
 
 from fairscale.nn.misc.flatten_params_wrapper import clean_key
-from passes import comm
+from passes.ops import comm
 from passes.layout import FlatShard
 
 if TYPE_CHECKING:

@@ -1,14 +1,14 @@
 """The sharded units of one FullyShardedDataParallel instance, built on the compiler's FSDP ops.
 
-A *unit* is one flat parameter: a :class:`passes.dp_ops.FSDPUnit` whose ``flat`` is this rank's
+A *unit* is one flat parameter: a :class:`passes.ops.dp_ops.FSDPUnit` whose ``flat`` is this rank's
 padded 1/n shard (the tensor the optimizer updates), plus the :class:`FlatGroup` that says which
 module attributes its members are bound to. The collective pairing is the compiler pass's own
-(``passes.dp_ops.fsdp_unshard``): all-gather in forward, reduce-scatter (sum, then divide by n)
+(``passes.ops.dp_ops.fsdp_unshard``): all-gather in forward, reduce-scatter (sum, then divide by n)
 into ``flat.grad`` in backward, which also frees the gathered buffer. What this module adds:
 
 * :func:`pre_backward`: an identity on a forward's outputs whose backward gathers the units again
   before any backward op that reads them runs; its forward frees them when resharding after forward.
-  (``passes.dp_ops.fsdp_reshard`` does this for one unit and always frees; an FSDP instance has
+  (``passes.ops.dp_ops.fsdp_reshard`` does this for one unit and always frees; an FSDP instance has
   one to a few units, and ``reshard_after_forward=False`` must keep them.)
 * :func:`gather_full`: the full-precision gather that ``summon_full_params`` and the state-dict
   methods use (the forward gather is in the compute dtype).
@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 
 from fairscale.nn.misc.flatten_params_wrapper import FlatGroup, FlattenParamsWrapper
-from passes import comm
-from passes.dp_ops import FSDPUnit
+from passes.ops import comm
+from passes.ops.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 
 __all__ = ["Unit", "make_units", "pre_backward", "scale_grads", "gather_full"]

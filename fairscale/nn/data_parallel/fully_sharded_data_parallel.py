@@ -18,8 +18,8 @@ parameter, zero-pads it to a multiple of the group size n and keeps only this ra
 tensor the optimizer sees. Forward all-gathers it (in ``compute_dtype``), binds views of the
 gathered tensor under the original attribute names and runs the module; backward reduce-scatters
 the gradient into the shard's ``.grad`` (summed over ranks, divided by n: the data-parallel mean).
-The collectives are ``passes.dp_ops``'s, on a process group registered under a unique axis name
-with ``passes.comm``, so their bytes are counted with everything else.
+The collectives are ``passes.ops.dp_ops``'s, on a process group registered under a unique axis name
+with ``passes.ops.comm``, so their bytes are counted with everything else.
 
 Keys: ``state_dict()`` / ``load_state_dict()`` use the unwrapped model's keys (collective: every
 rank must call them). ``local_state_dict()`` holds the shards; ``consolidate_shard_weights`` turns
@@ -54,7 +54,7 @@ from fairscale.nn.misc.flatten_params_wrapper import (
     build_groups,
     clean_key,
 )
-from passes import comm, dp_ops
+from passes.ops import comm, dp_ops
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
 

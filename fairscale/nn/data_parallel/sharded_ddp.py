@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.optim.oss import OSS
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["ShardedDataParallel"]
 

@@ -1,4 +1,4 @@
-"""FairScale 0.4.13's ``fairscale.nn.model_parallel``: Megatron-style tensor parallelism on ``passes.comm``."""
+"""FairScale 0.4.13's ``fairscale.nn.model_parallel``: Megatron-style tensor parallelism on ``passes.ops.comm``."""
 
 from fairscale.nn.model_parallel import initialize
 from fairscale.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy

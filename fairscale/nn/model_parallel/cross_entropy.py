@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fairscale.nn.model_parallel.initialize import MODEL_AXIS, get_model_parallel_rank, get_model_parallel_world_size
 from fairscale.nn.model_parallel.layers import vocab_range
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

@@ -8,7 +8,7 @@ FairScale (and Megatron-LM): with 8 ranks, ``model_parallel_size=2`` and ``pipel
     pipeline groups:        [0 2] [1 3] [4 6] [5 7]
     data-parallel groups:   [0 4] [1 5] [2 6] [3 7]
 
-The groups are bound to ``passes.comm`` axes named :data:`MODEL_AXIS`, :data:`DATA_AXIS` and
+The groups are bound to ``passes.ops.comm`` axes named :data:`MODEL_AXIS`, :data:`DATA_AXIS` and
 :data:`PIPELINE_AXIS`, so the layers' collectives are counted with everything else.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["initialize_model_parallel", "model_parallel_is_initialized", "destroy_model_parallel",
            "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",

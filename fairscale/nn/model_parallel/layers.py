@@ -23,7 +23,7 @@ from torch import nn
 from fairscale.nn.model_parallel import mappings
 from fairscale.nn.model_parallel.initialize import (MODEL_AXIS, get_model_parallel_rank,
                                                     get_model_parallel_world_size)
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding",
            "divide", "vocab_range"]

@@ -1,4 +1,4 @@
-"""FairScale/Megatron region mappings, on ``passes.comm``'s autograd-paired collectives.
+"""FairScale/Megatron region mappings, on ``passes.ops.comm``'s autograd-paired collectives.
 
 Megatron-LM (Shoeybi et al. 2019, section 3): ``f`` = copy (identity forward, all-reduce backward),
 ``g`` = reduce (all-reduce forward, identity backward); scatter/gather split the last dimension.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from fairscale.nn.model_parallel.initialize import MODEL_AXIS
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["copy_to_model_parallel_region", "reduce_from_model_parallel_region",
            "scatter_to_model_parallel_region", "gather_from_model_parallel_region"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.optim.oss import axis_for_group
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["MOELayer"]
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from fairscale.optim.oss import axis_for_group
 from fairscale.runtime.pipeline import PipelineExecutor
-from passes import comm
+from passes.ops import comm
 from passes.split_stages import split_stages_pass
 from planner.capture import capture
 from planner.plan import Mesh, Plan, Schedule, Stage

@@ -1,5 +1,5 @@
 """Sharding rules for model-level ops (embedding, losses, attention, MoE experts, indexing) and the
-op -> rule table of ``shard_tensor_parallel_pass``. Generic rules live in ``passes.tp_rules``.
+op -> rule table of ``shard_tensor_parallel_pass``. Generic rules live in ``passes.tp.rules``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from passes import tp_ops
-from passes.tp_placement import PD, P, Placement, R, S
-from passes.tp_rewrite import Rewriter, TPShardError, args_of, fmt
-from passes.tp_rules import (ELEMENTWISE, NOT_OUTPUT, VIEWS, Rule, _gather_all, _nd, _ops, _resolve_partials,
+from passes.ops import tp_ops
+from passes.tp.placement import PD, P, Placement, R, S
+from passes.tp.rewrite import Rewriter, TPShardError, args_of, fmt
+from passes.tp.rules import (ELEMENTWISE, NOT_OUTPUT, VIEWS, Rule, _gather_all, _nd, _ops, _resolve_partials,
                              assert_meta, batched_matmul, cat, dim_op, elementwise, expand, fallback, getitem,
                              layer_norm, linear_like, reduction, slice_like, softmax, split, view)
 

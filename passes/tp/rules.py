@@ -1,8 +1,8 @@
 """Generic per-op sharding rules of ``shard_tensor_parallel_pass`` (model ops and the op table are in
-``passes.tp_model_rules``): which placements an aten op can compute
+``passes.tp.model_rules``): which placements an aten op can compute
 on, what placement its output has, and how its constant arguments change for local shapes.
 
-Every rule takes the :class:`~passes.tp_rewrite.Rewriter` and the old node, emits the new node(s)
+Every rule takes the :class:`~passes.tp.rewrite.Rewriter` and the old node, emits the new node(s)
 and returns ``(new_node, placement)``. An op without a rule runs on replicated inputs (shards are
 gathered, partial sums reduced), which is always correct; a sharded *parameter* reaching such an
 op is an error instead, since gathering a weight every step would silently undo the plan.
@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
-from passes import tp_ops
-from passes.tp_placement import PD, Placement, P, R, S, local_shape, map_view_dim
-from passes.tp_rewrite import Rewriter, TPShardError, args_of, fmt
+from passes.ops import tp_ops
+from passes.tp.placement import PD, Placement, P, R, S, local_shape, map_view_dim
+from passes.tp.rewrite import Rewriter, TPShardError, args_of, fmt
 
 aten = torch.ops.aten
 Rule = Callable[[Rewriter, Node], tuple[Node, Any]]

@@ -33,15 +33,15 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes import dp_ops
-from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op,
+from passes.ops import dp_ops
+from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op,
                              positions, real_copy, rebuild, replace_param_uses)
-from passes.dp_ops import FSDPUnit
+from passes.ops.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 from planner.plan import DataParallel
 
 if TYPE_CHECKING:
-    from passes.shard_data_parallel import ExpertGroup
+    from passes.dp.shard_data_parallel import ExpertGroup
 
 __all__ = ["rewrite_fsdp", "assign_units"]
 
@@ -72,7 +72,7 @@ def assign_units(keys: list[str], selector: str) -> dict[str, str]:
 def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  replicate: Collection[str] = (), experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
-    from passes.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_experts, split_replicated
+    from passes.dp.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_experts, split_replicated
 
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)

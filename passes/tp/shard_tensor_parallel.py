@@ -2,7 +2,7 @@
 
 Usage::
 
-    from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+    from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
     plan.tensor_parallel.rules = {"layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise",
                                   "layers.*.self_attn.o_proj": "rowwise",
                                   "layers.*.mlp.[gate_proj,up_proj]": "colwise",
@@ -37,7 +37,7 @@ Styles (per module; the module's linear/addmm/mm/matmul/embedding nodes are shar
   each rank runs the tokens routed to its experts and the combine is reduced.
 * ``replicate``: keep the module's parameters whole.
 
-Everything between follows from placement propagation (``passes.tp_rules``): views of heads are
+Everything between follows from placement propagation (``passes.tp.rules``): views of heads are
 rewritten to local sizes (``view(b, t, h, d)`` -> ``view(b, t, h/tp, d)``), attention runs on the
 local heads, and collectives are inserted only where a consumer needs another placement. With
 sequence parallelism (Korthikanti et al. 2022) the partial sums become reduce-scatters along the
@@ -46,7 +46,7 @@ front of a column-parallel block is ``gather_seq`` (reduce-scatter in backward).
 that enters the sequence-sharded residual and also feeds a norm in front of a column-parallel block
 (a replicated embedding's output, a stage input) is copied once and split by ``tp_ops.local_chunk``,
 so its backward needs one all-reduce instead of an all-gather plus an all-reduce
-(``passes.tp_fuse``). A node that cannot be sharded correctly raises :class:`TPShardError` quoting
+(``passes.tp.fuse``). A node that cannot be sharded correctly raises :class:`TPShardError` quoting
 ``node.format_node()``.
 
 Dropout with p > 0 on a sharded value draws an independent mask per tp rank
@@ -55,7 +55,7 @@ rank starts from the same RNG seed (the runtime's job). The ``expert`` style com
 with the all-reduce (or reduce-scatter) of the block output: the tokens are replicated on the tp
 ranks, so each rank already has the rows of its experts and moving them by all-to-all would only add
 traffic. Token dispatch by all-to-all is for tokens that differ between ranks, i.e. experts split
-over data-parallel ranks: ``mesh.ep`` and :mod:`passes.expert_parallel`.
+over data-parallel ranks: ``mesh.ep`` and :mod:`passes.ep.shard_experts`.
 
 node.meta keys read: ``val`` (shapes), ``fs_module`` (rule matching), ``fs_param`` (user keys).
 node.meta keys written (on the returned graph): ``fs_tp`` (placement of every value: ``R``,
@@ -79,14 +79,14 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes import comm
+from passes.ops import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
-from passes.tp_fuse import fuse_gather_copy, hoist_copy_over_scatter
+from passes.tp.fuse import fuse_gather_copy, hoist_copy_over_scatter
 from passes.split_stages import META_IO, StageIO
-from passes.tp_placement import Placement, R, S, local_shape
-from passes.tp_rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
-from passes.tp_model_rules import rule_for
-from passes.tp_rules import VIEWS
+from passes.tp.placement import Placement, R, S, local_shape
+from passes.tp.rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
+from passes.tp.model_rules import rule_for
+from passes.tp.rules import VIEWS
 from planner.plan import TP_STYLES, Plan
 from planner.selectors import parse_selector
 
@@ -113,7 +113,7 @@ _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
 
 def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many of each tp collective (and vocab-parallel loss) a rank graph calls."""
-    from passes import tp_ops
+    from passes.ops import tp_ops
 
     named: dict[Any, str] = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
              tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",

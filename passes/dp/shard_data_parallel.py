@@ -2,7 +2,7 @@
 
 Usage::
 
-    from passes.shard_data_parallel import shard_data_parallel_pass, no_sync
+    from passes.dp.shard_data_parallel import shard_data_parallel_pass, no_sync
     rank_gm = shard_data_parallel_pass(graph.gm, plan, dp_index=r, dp_size=n)
     loss = rank_gm(*my_slice_of_the_batch); loss.backward()
     print(rank_gm.code)      # dp_bucket(...) / fsdp_unshard(...) / fsdp_reshard(...) calls are visible
@@ -42,10 +42,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes import dp_ops, ep_ops
-from passes.dp_graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
+from passes.ops import dp_ops, ep_ops
+from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
                              positions, real_copy, rebuild, replace_param_uses)
-from passes.dp_ops import DDPBucket, FSDPUnit, no_sync
+from passes.ops.dp_ops import DDPBucket, FSDPUnit, no_sync
 from passes.layout import INSIDE_DP, ParamLayout
 from planner.plan import DP_KINDS, DataParallel, Plan
 
@@ -98,13 +98,13 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
         gm: a captured or already-rewritten GraphModule (left unchanged).
         plan: the Plan, or just its ``DataParallel`` section.
         dp_index, dp_size: this rank's position on the dp axis and the axis size.
-        axis: the comm axis name collectives use (bound with ``passes.comm.set_group``).
+        axis: the comm axis name collectives use (bound with ``passes.ops.comm.set_group``).
         replicate: user keys (any name of a tied tensor) to keep whole and all-reduce DDP-style
             whatever the kind, so ``p.grad`` is the full averaged gradient after backward: e.g.
             weights tied across pipeline stages, whose copies' gradients the pipeline then sums.
             The optimizer steps them unsharded.
         ep_size: the expert-parallel degree (``plan.mesh.ep``). The expert weights that
-            :mod:`passes.expert_parallel` split (``layout.tp`` shards on axis ``"ep"``) are already
+            :mod:`passes.ep.shard_experts` split (``layout.tp`` shards on axis ``"ep"``) are already
             this rank's own: whatever the kind, they stay as they are and their gradients, which come
             back summed over the ep group's tokens, are scaled by 1/ep and all-reduced DDP-style over
             ``expert_axis``, the dp/ep ranks holding the same experts (rank ``dp_index // ep``).
@@ -126,7 +126,7 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
         raise ValueError(f"ep_size = {ep_size} must divide dp_size = {dp_size}")
     experts = ExpertGroup(axis=expert_axis, size=dp_size // ep_size, index=dp_index // ep_size, ep=ep_size)
     if cfg.kind == "fsdp":
-        from passes.dp_fsdp import rewrite_fsdp
+        from passes.dp.fsdp import rewrite_fsdp
 
         return rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
                             reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts)

@@ -1,5 +1,5 @@
 """Collective fusions on a tensor-parallel rank graph, run by ``shard_tensor_parallel_pass`` after
-the rewrite (``passes.tp_rewrite`` inserts one conversion per value and consumer; these merge the
+the rewrite (``passes.tp.rewrite`` inserts one conversion per value and consumer; these merge the
 ones whose backward halves meet).
 
 * :func:`fuse_gather_copy`: ``gather_from_group -> copy_to_group`` becomes ``gather_seq``
@@ -20,9 +20,9 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes import comm, tp_ops
-from passes.tp_rewrite import META_TP, META_TP_COMM, args_of
-from passes.tp_rules import VIEWS
+from passes.ops import comm, tp_ops
+from passes.tp.rewrite import META_TP, META_TP_COMM, args_of
+from passes.tp.rules import VIEWS
 
 __all__ = ["fuse_gather_copy", "hoist_copy_over_scatter"]
 

@@ -1,8 +1,8 @@
 """The graph builder behind ``shard_tensor_parallel_pass``: placements, conversions, emission.
 
 :class:`Rewriter` copies the single-device graph node by node into a new graph. For every value it
-knows the :class:`~passes.tp_placement.Placement` of the rank-local tensor it emitted. An op rule
-(``passes.tp_rules``) asks for its inputs in the placements it can compute on; the rewriter inserts
+knows the :class:`~passes.tp.placement.Placement` of the rank-local tensor it emitted. An op rule
+(``passes.tp.rules``) asks for its inputs in the placements it can compute on; the rewriter inserts
 the collective that converts each input, once per (value, placement)::
 
     from \\ to   R                      S(d)                         P
@@ -24,9 +24,9 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes import comm
+from passes.ops import comm
 from passes.graph_utils import local_fake
-from passes.tp_placement import Placement, R, S, local_shape
+from passes.tp.placement import Placement, R, S, local_shape
 
 __all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt"]
 

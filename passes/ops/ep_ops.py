@@ -1,6 +1,6 @@
 """Runtime ops of expert parallelism: token dispatch and combine by all-to-all on the ``ep`` axis.
 
-The expert-parallel pass (:mod:`passes.expert_parallel`) calls these from a rank's graph around the
+The expert-parallel pass (:mod:`passes.ep.shard_experts`) calls these from a rank's graph around the
 expert computation of a mixture-of-experts layer (GShard, Lepikhin et al. 2020, section 2.2;
 DeepSpeed-MoE, Rajbhandari et al. 2022). Each of the ``n`` ranks of an ``ep`` group holds ``E/n``
 consecutive experts and its own tokens; the rows handed to :func:`moe_dispatch` are this rank's
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["moe_dispatch", "moe_combine", "scale_grad", "regroup_order"]
 

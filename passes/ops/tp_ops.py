@@ -2,7 +2,7 @@
 
 Each is a plain function of tensors and constants, so a printed rank graph reads, e.g.,
 ``vocab_parallel_cross_entropy(to_16, reshape_9, 'tp', 64, -100, 1)``. The collectives they run
-record into :data:`passes.comm.COUNTER` like every other collective.
+record into :data:`passes.ops.comm.COUNTER` like every other collective.
 
 * :func:`vocab_parallel_embedding` - lookup in a vocab-sharded table: ids outside this rank's range
   read row 0 and are zeroed, so the output is a partial sum (Megatron-LM,
@@ -17,7 +17,7 @@ record into :data:`passes.comm.COUNTER` like every other collective.
   every rank so replicated dropouts stay identical.
 * :func:`local_chunk` - this rank's chunk of a replicated value whose gradient is all-reduced
   upstream (by a ``copy_to_group``): backward pads the chunk's gradient with zeros into a partial
-  sum instead of all-gathering it (``passes.tp_fuse.hoist_copy_over_scatter``). No communication.
+  sum instead of all-gathering it (``passes.tp.fuse.hoist_copy_over_scatter``). No communication.
 * :func:`expert_grouped_mm` - the expert-parallel form of ``transformers::grouped_mm_fallback``:
   rows are sorted by expert, and this rank multiplies only the rows of its own experts, leaving
   zeros elsewhere (a disjoint partial sum).
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm", "sharded_dropout",
            "local_chunk"]

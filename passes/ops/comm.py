@@ -67,7 +67,7 @@ def get_group(axis: str) -> Any:
     group = ref()
     if group is None:
         raise RuntimeError(f"the process group bound to axis {axis!r} was destroyed "
-                           "(dist.destroy_process_group); bind a live group with passes.comm.set_group")
+                           "(dist.destroy_process_group); bind a live group with passes.ops.comm.set_group")
     return group
 
 

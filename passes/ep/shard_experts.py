@@ -2,7 +2,7 @@
 
 Usage::
 
-    from passes.expert_parallel import shard_experts_pass
+    from passes.ep.shard_experts import shard_experts_pass
     plan.mesh.dp, plan.mesh.ep = 4, 4          # experts split over groups of ep consecutive dp ranks
     rank_gm = shard_experts_pass(stage_gm, plan, ep_index=dp_index % 4, ep_size=4)
     print(rank_gm.code)                        # moe_dispatch(...) ... grouped_mm ... moe_combine(...)
@@ -45,7 +45,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes import ep_ops
+from passes.ops import ep_ops
 from passes.graph_utils import clone_graph_module, local_fake
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard, layout_of
 from planner.graph import GROUPED_MM, META_LAYER, META_MODULE

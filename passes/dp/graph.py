@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes import dp_ops
+from passes.ops import dp_ops
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from passes.tp_patterns import propose_tp_rules
+    from passes.tp.patterns import propose_tp_rules
     proposal = propose_tp_rules(graph.gm, tp=4)
     proposal.rules      # {"model.layers.*.self_attn.[q_proj,k_proj,v_proj]": "colwise", ...}
     proposal.notes      # why anything was left replicated
@@ -39,8 +39,8 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes.tp_rewrite import TPShardError, args_of
-from passes.tp_rules import ELEMENTWISE, VIEWS
+from passes.tp.rewrite import TPShardError, args_of
+from passes.tp.rules import ELEMENTWISE, VIEWS
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
 
@@ -216,7 +216,7 @@ def _kv_source(k: Node) -> Node:
 
 def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool, notes: list[str]) -> None:
     """Drop rules the pass rejects at this tp (one block family at a time), noting why."""
-    from passes.shard_tensor_parallel import shard_tensor_parallel_pass
+    from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
 
     paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
     for _ in range(len(styles) + 1):

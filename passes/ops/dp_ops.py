@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from passes import comm
+from passes.ops import comm
 
 __all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
            "pending_reductions", "wait_reductions"]

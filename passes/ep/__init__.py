@@ -1,0 +1,1 @@
+"""Expert parallelism: the pass that splits MoE experts over ``mesh.ep`` (``shard_experts``)."""
