@@ -94,7 +94,7 @@ def insert_recompute_pass(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.Grap
     for layer in names:
         if layer not in todo:
             continue
-        region = {n: None for n in gm.graph.nodes
+        region: dict[torch.fx.Node, int | None] = {n: None for n in gm.graph.nodes
                   if n.op == "call_function" and n.meta.get(META_LAYER) == layer and n in depends}
         if region:
             partitions.append(region)

@@ -237,7 +237,7 @@ def host_memory_bytes() -> int:
 
 def _has_nvlink() -> bool:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)

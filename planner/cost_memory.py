@@ -51,6 +51,7 @@ def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str 
         k = 4 if p == 4 else 8
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows adam and sgd")
+    parts: tuple[float, float, float]
     if dp_kind == "ddp":
         parts = (p, g, k)
     elif dp_kind == "zero1":

@@ -100,6 +100,14 @@ def _fmt(node: Node) -> str:
     return node.format_node() or node.name
 
 
+def _arg_node(node: Node, i: int) -> Node:
+    """``node.args[i]``, which must be a graph value (a grouped matmul's rows or weight)."""
+    arg = node.args[i]
+    if not isinstance(arg, Node):
+        raise ExpertParallelError(f"{_fmt(node)}: argument {i} is {arg!r}, not a tensor of the graph")
+    return arg
+
+
 def _weight_source(node: Node, chain: list[Node]) -> Node:
     """The get_attr a grouped matmul's weight argument comes from, collecting the ops between."""
     while node.op != "get_attr":
@@ -129,7 +137,7 @@ def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict
     experts = int(val.shape[0])
     # the body: descendants of the first matmul's rows that lead to the last matmul
     mm_set = set(mms)
-    entries = {mm.args[0] for mm in mms if not _reaches_from(mm.args[0], mm_set)}
+    entries = {_arg_node(mm, 0) for mm in mms if not _reaches_from(_arg_node(mm, 0), mm_set)}
     if len(entries) != 1:
         raise ExpertParallelError(f"experts of {module or _fmt(mms[0])}: the grouped matmuls read {len(entries)} "
                                   "different row inputs; expert parallelism needs one token-rows input")
@@ -147,7 +155,7 @@ def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict
             raise ExpertParallelError(f"{_fmt(mm)} is not on the path from the expert rows to the last grouped "
                                       "matmul; expert parallelism needs one chain of grouped matmuls")
         chain: list[Node] = []
-        weight = _weight_source(mm.args[1], chain)
+        weight = _weight_source(_arg_node(mm, 1), chain)
         if weight not in layer.weights:
             layer.weights.append(weight)
         layer.weight_ops.extend(c for c in chain if c not in layer.weight_ops)
@@ -186,7 +194,7 @@ def _last_dim(node: Node) -> bool:
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     ndim = val.dim() if isinstance(val, torch.Tensor) else None
-    return dim == -1 or (ndim is not None and dim == ndim - 1)
+    return bool(dim == -1 or (ndim is not None and dim == ndim - 1))
 
 
 def _is_param(gm: torch.fx.GraphModule, node: Node) -> bool:
