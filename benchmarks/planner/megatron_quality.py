@@ -32,7 +32,8 @@ from planner.cost import CostOptions
 from planner.cost_gpt import gpt_graph, megatron_flops
 from planner.search import default_tp_rules, search
 from planner.search.core import make_context
-from planner.search.evaluate import Breakdown, Config, evaluate
+from planner.search.config import Breakdown, Config
+from planner.search.evaluate import evaluate
 
 TABLE = Path("/work/shared/reference/megatron2021_table1.csv")
 SEQ, VOCAB = 2048, 51200

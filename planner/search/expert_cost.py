@@ -3,13 +3,9 @@ rank splits, and the dispatch/combine all-to-alls of one microbatch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from planner.cost import LayerCost
 from planner.cost_comm import all_to_all_time, all_to_all_volume
-
-if TYPE_CHECKING:
-    from planner.search.evaluate import Config, Context
+from planner.search.config import Config, Context
 
 __all__ = ["expert_params", "expert_comm"]
 

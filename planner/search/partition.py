@@ -30,7 +30,8 @@ from planner.cost import LayerCost
 from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import in_flight, stage_placement
-from planner.search.evaluate import Config, Context, fsdp_buffer_terms
+from planner.search.config import Config, Context
+from planner.search.evaluate import fsdp_buffer_terms
 from planner.search.expert_cost import expert_comm
 
 __all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]

@@ -106,7 +106,7 @@ def test_pipeline_time_and_bubble():
     assert pipeline_time("interleaved", [1.0, 1.0], 4, v=2) == pytest.approx(4.5)  # 4·1 + 1/2
     assert bubble_fraction("1f1b", 4, 12) == pytest.approx(0.2)  # 3 / 15
     assert bubble_fraction("interleaved", 4, 12, v=3) == pytest.approx(1 / 13)  # 1 / (12 + 1)
-    with pytest.raises(ValueError, match="virtual_stages=2 needs the interleaved schedule, not 1f1b"):
+    with pytest.raises(ValueError, match='2 model chunks per pipeline rank need kind "interleaved", but schedule.kind is "1f1b"'):
         pipeline_time("1f1b", [1.0], 1, v=2)
 
 
@@ -137,7 +137,7 @@ def test_megatron_flop_formula_and_gpt_fixture_agree():
 
 def _toy_context(params=0, output=0.0, options=None):
     from planner.cluster import Efficiency
-    from planner.search.evaluate import Context
+    from planner.search.config import Context
 
     c = Cluster(name="toy", device="toy", nodes=1, devices_per_node=8, memory_bytes=2**40,
                 peak_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12}, hbm_bandwidth=1e30, intra_bandwidth=1e9,
@@ -149,7 +149,8 @@ def _toy_context(params=0, output=0.0, options=None):
 
 
 def test_step_time_is_assembled_from_the_schedule_and_the_gradient_sync():
-    from planner.search.evaluate import Config, evaluate
+    from planner.search.config import Config
+    from planner.search.evaluate import evaluate
 
     ctx = _toy_context()
     # each layer: 1 s forward + 2 s backward per sample; 2 stages, 2 microbatches of 1 sample:
@@ -166,7 +167,8 @@ def test_step_time_is_assembled_from_the_schedule_and_the_gradient_sync():
 
 
 def test_ddp_gradient_all_reduce_after_the_flush():
-    from planner.search.evaluate import Config, evaluate
+    from planner.search.config import Config
+    from planner.search.evaluate import evaluate
 
     ctx = _toy_context(params=10**8)
     # dp=2, 1 microbatch of 1 sample: 6 s of compute; then all-reduce of 2e8 fp32 parameters (8e8 bytes)
@@ -184,7 +186,8 @@ def test_ddp_gradient_all_reduce_after_the_flush():
 
 
 def test_pipeline_sends_cost_latency_plus_bytes_over_bandwidth():
-    from planner.search.evaluate import Config, evaluate
+    from planner.search.config import Config
+    from planner.search.evaluate import evaluate
 
     ctx = _toy_context(output=1e8)
     # each stage sends 1e8 bytes per microbatch at 1 GB/s (0.1 s) forward or backward: ranks take 3.1 s
