@@ -22,8 +22,9 @@ A plan names modules by path, with globs and ranges (see ``planner.selectors``):
     }
 
 Every dataclass here is keyword-only, and every field has a docstring. Reading a file checks its
-shape (``planner.plan_io``: unknown keys, types, version); ``Plan.validate`` checks its meaning for
-one model and device count (``planner.validate``). Both report every problem at once, each naming
+shape (:meth:`Plan.from_json`: unknown keys, types, version, e.g.
+``mesh.tp: expected an integer, got "2"``); ``planner.validate.validate_plan`` checks its meaning
+for one model and device count. Both report every problem at once, each naming
 its JSON path.
 """
 
@@ -33,13 +34,17 @@ import dataclasses
 import json
 import os
 import tempfile
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PLAN_VERSION = 1
+from planner.messages import closest, describe, json_path_key
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "v")
+PLAN_VERSION = 1
+READABLE_VERSIONS = (PLAN_VERSION,)
+"""Plan file versions this build can read."""
+
 DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 TP_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_loss", "expert", "replicate")
 RECOMPUTE_KINDS = ("full", "selective", "none")
@@ -86,7 +91,8 @@ class Schedule:
     """Pipeline schedule."""
 
     kind: str = "1f1b"
-    """One of gpipe, 1f1b, interleaved, v (V-shaped: two chunks per rank, down and back up)."""
+    """A name in ``planner.schedule_kinds.KINDS``: gpipe, 1f1b, interleaved, v (V-shaped: two chunks per
+    rank, down and back up)."""
     microbatches: int = 1
     """Microbatches per step; the global batch must divide by dp × microbatches."""
     virtual_stages: int = 1
@@ -215,27 +221,20 @@ class Plan:
         return path
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        from planner.plan_io import plan_from_dict
-
-        return plan_from_dict(data)
+    def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
+        """Build a plan from parsed JSON; raise PlanError listing every schema problem (keys, types, version)."""
+        return plan_from_dict(data, source=source)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> Plan:
-        from planner.plan_io import plan_from_json
-
+        """Parse plan JSON text. ``source`` (a file name) prefixes syntax errors as ``file:line:col``."""
         return plan_from_json(text, source=source)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """Read a plan file (its shape only; ``planner.validate.validate_plan`` checks it against a model)."""
         path = Path(path)
         return cls.from_json(path.read_text(encoding="utf-8-sig"), source=str(path))
-
-    def validate(self, graph: Any, cluster: Any = None, *, devices: int | None = None) -> None:
-        """Check the plan against a captured model and cluster; raise PlanError listing every problem."""
-        from planner.validate import validate_plan
-
-        validate_plan(self, graph, cluster, devices=devices)
 
 
 def _to_jsonable(obj: Any) -> Any:
@@ -261,3 +260,153 @@ class PlanError(ValueError):
         lines = "\n".join(f"  - {p}" for p in self.problems)
         n = len(self.problems)
         super().__init__(f"{source} has {n} problem{'' if n == 1 else 's'}:\n{lines}")
+
+
+# --- reading JSON: the schema half of plan checking (keys, types, version) -----------------------
+
+class _Obj(dict[str, Any]):
+    """A JSON object that remembers keys the file repeated (json keeps only the last)."""
+
+    duplicates: list[str]
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
+    obj = _Obj()
+    obj.duplicates = []
+    for key, value in pairs:
+        if key in obj and key not in obj.duplicates:
+            obj.duplicates.append(key)
+        obj[key] = value
+    return obj
+
+
+def plan_from_json(text: str, *, source: str = "<string>") -> Plan:
+    """Parse plan JSON text. ``source`` (a file name) prefixes syntax errors as ``file:line:col``."""
+    try:
+        data = json.loads(text, object_pairs_hook=_pairs)
+    except json.JSONDecodeError as exc:
+        lines = text.splitlines() or [""]
+        line = lines[exc.lineno - 1] if exc.lineno - 1 < len(lines) else ""
+        caret = " " * (exc.colno - 1) + "^"
+        raise PlanError([f"{source}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}\n"
+                         f"      {line}\n      {caret}"], source=source) from None
+    return plan_from_dict(data, source=source)
+
+
+def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
+    """Build a :class:`Plan` from parsed JSON; raise PlanError listing every schema problem."""
+    problems: list[str] = []
+    if not isinstance(data, dict):
+        raise PlanError([f"(top level): expected an object, got {describe(data)}"], source=source)
+    version = data.get("version", _MISSING)
+    readable = ", ".join(str(v) for v in READABLE_VERSIONS)
+    if version is _MISSING:
+        problems.append(f'version: missing; this build reads plan version {readable} (add "version": {PLAN_VERSION})')
+    elif not _is_int(version):
+        problems.append(f"version: expected an integer, got {describe(version)}")
+        data = {k: v for k, v in data.items() if k != "version"}  # reported once is enough
+    elif version not in READABLE_VERSIONS:
+        # Nothing else in a file of another version can be judged by this version's schema.
+        raise PlanError([f"version: plan version {version} cannot be read; this build reads version {readable}"],
+                        source=source)
+    plan = _read_dataclass(Plan, data, "", problems)
+    if problems:
+        raise PlanError(problems, source=source)
+    assert isinstance(plan, Plan)
+    return plan
+
+
+_MISSING = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_name(f: dataclasses.Field[Any]) -> str:
+    return "class" if f.name == "class_" else f.name
+
+
+def _read_dataclass(cls: type, data: Any, path: str, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"{path or '(top level)'}: expected an object, got {describe(data)}")
+        return None
+    fields = {_json_name(f): f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in getattr(data, "duplicates", []):
+        problems.append(f"{json_path_key(path, key)}: key appears more than once; JSON keeps only the "
+                        "last one, so remove the others")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(_unknown_key(path, key, list(fields)))
+            continue
+        f = fields[key]
+        got = _read_value(hints[f.name], value, json_path_key(path, key), problems)
+        if got is not _MISSING:
+            kwargs[f.name] = got
+    return cls(**kwargs)
+
+
+def _unknown_key(path: str, key: str, allowed: list[str]) -> str:
+    close = closest(key, allowed)
+    hint = f'did you mean "{close}"? ' if close else ""
+    return f"{json_path_key(path, key)}: unknown key; {hint}(allowed: {', '.join(allowed)})"
+
+
+def _read_value(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    """Check ``value`` against the field type ``tp``; append a problem and return _MISSING if wrong."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        got = _read_dataclass(tp, value, path, problems)  # type: ignore[arg-type]
+        return _MISSING if got is None else got
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        return _wrong(path, "true or false", value, problems)
+    if tp is int:
+        if _is_int(value):
+            return value
+        return _wrong(path, "an integer", value, problems)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)  # 25 and 25.0 are the same number; keep the field's type exact
+        return _wrong(path, "a number", value, problems)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        return _wrong(path, "a string", value, problems)
+    if tp is Any:
+        return _plain(value)
+    if origin is list:
+        if not isinstance(value, list):
+            return _wrong(path, "an array", value, problems)
+        (item_tp,) = typing.get_args(tp)
+        n = len(problems)
+        items = [_read_value(item_tp, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return _MISSING if len(problems) > n else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _wrong(path, "an object", value, problems)
+        _, value_tp = typing.get_args(tp)
+        n = len(problems)
+        for key in getattr(value, "duplicates", []):
+            problems.append(f"{json_path_key(path, key)}: key appears more than once; JSON keeps only "
+                            "the last one, so remove the others")
+        out = {k: _read_value(value_tp, v, json_path_key(path, k), problems) for k, v in value.items()}
+        return _MISSING if len(problems) > n else out
+    raise TypeError(f"plan_io cannot read fields of type {tp!r} ({path}); teach _read_value about it")
+
+
+def _wrong(path: str, expected: str, value: Any, problems: list[str]) -> Any:
+    problems.append(f"{path}: expected {expected}, got {describe(value)}")
+    return _MISSING
+
+
+def _plain(value: Any) -> Any:
+    """Parsed JSON with the duplicate-tracking objects turned back into plain dicts."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from planner.schedule import COMPUTE, Action, PipelineSchedule, ScheduleError
+from planner.schedule_ir import COMPUTE, Action, PipelineSchedule, ScheduleError
 
 __all__ = ["simulate", "Timeline", "Slot", "fifo_violations"]
 

@@ -1,6 +1,6 @@
 """Check a plan against a captured model and a device count; report every problem at once.
 
-``planner.plan_io`` checks the file's shape (keys, types, version); this module checks what the
+``Plan.from_json`` checks the file's shape (keys, types, version); this module checks what the
 values mean. Each problem names its JSON path, what was found and what is allowed, and shows the
 arithmetic where there is some::
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from planner.graph import ModelGraph
-from planner.plan import DP_KINDS, DTYPES, RECOMPUTE_KINDS, SCHEDULES, DataParallel, Plan, PlanError
-from planner.plan_io import READABLE_VERSIONS, describe, json_path_key
+from planner.plan import READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
+from planner.schedule_kinds import KINDS
+from planner.messages import describe, json_path_key
 from planner.selectors import Selector, format_layers
 from planner.validate_fields import (check_choice, check_conflicts, check_matches, check_positive, module_names,
                                      parse_field)
@@ -141,25 +142,14 @@ def _check_mesh(plan: Plan, n: int | None, where: str, problems: list[str]) -> N
 
 def _check_schedule(plan: Plan, problems: list[str]) -> None:
     s, pp = plan.schedule, plan.mesh.pp
-    known = check_choice("schedule.kind", s.kind, SCHEDULES, "schedule", problems)
+    known = check_choice("schedule.kind", s.kind, tuple(KINDS), "schedule", problems)
     mb_ok = check_positive("schedule.microbatches", s.microbatches, problems)
     v_ok = check_positive("schedule.virtual_stages", s.virtual_stages, problems)
-    if not known or pp < 1:
-        return
-    if v_ok and s.kind == "v" and s.virtual_stages != 2:
-        problems.append(f'schedule.virtual_stages: kind "v" places two chunks on each pipeline rank (down, then '
-                        f"back up), so it needs virtual_stages 2, got {s.virtual_stages}")
-    elif v_ok and s.virtual_stages > 1 and s.kind not in ("interleaved", "v"):
-        problems.append(f"schedule.virtual_stages: {s.virtual_stages} model chunks per pipeline rank need kind "
-                        f'"interleaved", but schedule.kind is "{s.kind}"; set kind to "interleaved" or '
-                        "virtual_stages to 1")
+    if known and pp >= 1 and mb_ok and v_ok:
+        problems += [f"schedule.{fld}: {msg}" for fld, msg in KINDS[s.kind].problems(pp, s.microbatches,
+                                                                                    s.virtual_stages)]
     if not mb_ok:
         return
-    if s.kind == "1f1b" and s.microbatches < pp:
-        problems.append(
-            f"schedule.microbatches: 1f1b with pp({pp}) needs at least {pp} microbatches, got {s.microbatches}: "
-            f"its warm-up sends one microbatch into each of the {pp} stages before the first backward, so with "
-            f'fewer the pipeline never fills; use {pp} or more, or kind "gpipe"')
     if s.global_batch < 0:
         problems.append(f"schedule.global_batch: expected a positive number of samples (or 0: not recorded), "
                         f"got {s.global_batch}")
@@ -168,11 +158,6 @@ def _check_schedule(plan: Plan, problems: list[str]) -> None:
         problems.append(f"schedule.global_batch: {s.global_batch} samples do not split into dp({plan.mesh.dp}) × "
                         f"microbatches({s.microbatches}) = {parts} equal microbatches ({s.global_batch} % {parts} = "
                         f"{s.global_batch % parts})")
-    if s.kind == "interleaved" and s.microbatches % pp:
-        problems.append(
-            f"schedule.microbatches: interleaved runs microbatches in rounds of pp({pp}) "
-            f"(Narayanan et al. 2021, sec. 2.2), so it needs a multiple of {pp}; {s.microbatches} % {pp} = "
-            f"{s.microbatches % pp}")
 
 
 # --- selectors ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from planner.graph import ModelGraph
-from planner.plan_io import closest, describe
+from planner.messages import closest, describe
 from planner.selectors import Selector, SelectorError, format_layers, parse_selector, suggest
 
 __all__ = ["ALIASES", "check_positive", "check_choice", "parse_field", "check_matches", "module_names", "outline",

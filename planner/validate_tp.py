@@ -8,7 +8,7 @@ import re
 
 from planner.graph import ModelGraph
 from planner.plan import TP_STYLES, Plan
-from planner.plan_io import json_path_key
+from planner.messages import json_path_key
 from planner.selectors import Selector, format_layers
 from planner.validate_fields import check_choice, check_conflicts, check_matches, module_names, parse_field
 

@@ -19,6 +19,7 @@ from planner.schedule import v_shape
 from planner.schedule_cost import bubble_fraction, in_flight, pipeline_time, stage_placement
 from planner.schedule_sim import simulate
 from planner.search import cost_plan, search
+from planner.validate import validate_plan
 
 BATCH = 8
 CLUSTER = Cluster.cpu(4, memory_bytes=16 * 2**30)
@@ -57,16 +58,16 @@ def test_closed_forms_match_the_simulated_timeline() -> None:
 
 
 def test_validate_and_cost(graph) -> None:
-    _plan().validate(graph, devices=4)
+    validate_plan(_plan(), graph, devices=4)
     with pytest.raises(PlanError, match='kind "v" places two chunks on each pipeline rank .* needs virtual_stages 2'):
-        _plan(virtual_stages=1).validate(graph, devices=4)
+        validate_plan(_plan(virtual_stages=1), graph, devices=4)
     b = cost_plan(_plan(), graph, CLUSTER)
     assert b.bubble > 0 and len(b.memory_bytes) == 2
     # the turn (stage 1 -> 2) stays on rank 1: only the two other boundaries send
     assert len(b.stage_f_s) == 4
     found = search(graph, CLUSTER, global_batch=BATCH, constraints={"schedule": {"kind": "v"}, "mesh": {"pp": 2}})
     assert found.best.plan.schedule.kind == "v" and found.best.plan.schedule.virtual_stages == 2
-    found.best.plan.validate(graph, devices=4)
+    validate_plan(found.best.plan, graph, devices=4)
 
 
 def _train(rank: int, world: int, plan: Plan) -> Trajectory:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from planner.graph import ModelGraph
 from planner.plan import Plan, Stage
-from planner.schedule import ScheduleError, schedule_for
+from planner.schedule_kinds import KINDS
 from planner.selectors import SelectorError, format_layers, parse_selector
 
 __all__ = ["render_report"]
@@ -46,14 +46,14 @@ def render_report(plan: Plan, graph: ModelGraph | None) -> str:
 
 
 def _placement(plan: Plan, stages: int) -> list[int]:
-    """Pipeline rank of each stage, as the schedule places them (interleaved and V differ)."""
-    if plan.mesh.pp <= 1:
+    """Pipeline rank of each stage, as the schedule kind places them (interleaved and V differ)."""
+    pp, v = plan.mesh.pp, plan.schedule.virtual_stages
+    kind = KINDS.get(plan.schedule.kind)
+    if pp <= 1:
         return [0] * stages
-    try:
-        schedule = schedule_for(plan)
-    except (ScheduleError, ValueError):
-        return [i % plan.mesh.pp for i in range(stages)]
-    return [schedule.stage_rank(i) for i in range(stages)]
+    if kind is None or kind.chunk_problem(v) is not None or pp * v != stages:
+        return [i % pp for i in range(stages)]
+    return kind.placement(pp, v)
 
 
 def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:

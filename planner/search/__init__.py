@@ -29,9 +29,11 @@ from planner.cost import CostOptions
 from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
 from planner.search.core import fixed_cuts, fixed_recompute, fixed_selective, make_context, run_search
-from planner.search.evaluate import Breakdown, Config, evaluate
+from planner.search.config import Breakdown, Config
+from planner.search.evaluate import evaluate
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult
 from planner.search.tp import default_tp_rules
+from planner.validate import validate_plan
 
 __all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "default_tp_rules"]
 
@@ -67,7 +69,7 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
     ``breakdown.fits`` says whether it fits in memory. ``global_batch`` defaults to the one the
     plan records (``schedule.global_batch``)."""
     if validate:
-        plan.validate(graph, cluster)
+        validate_plan(plan, graph, cluster)
     if global_batch is None:
         global_batch = plan.schedule.global_batch
         if not global_batch:

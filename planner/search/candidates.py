@@ -12,22 +12,13 @@ from typing import Callable
 
 from planner.graph import ModelGraph
 from planner.plan import PlanError
-from planner.search.evaluate import Config, Context
+from planner.schedule_kinds import KINDS
+from planner.search.config import Config, Context
 from planner.search.space import Fixed, divisors
 from planner.search.tp import tp_allowed
 from planner.selectors import parse_selector
 
 __all__ = ["enumerate_configs", "units_of"]
-
-_VIRTUAL = (2, 4, 8)
-"""Chunks per rank the search tries for the interleaved schedule."""
-_V_MICRO_PER_RANK, _V_MAX_PP = 2, 16
-"""Unless asked for, the search offers the V schedule only up to 2 microbatches per pipeline rank
-and 16 ranks: V beats 1F1B only on the bubble, (p-1)/(m+p-1) of the step, under a third beyond
-m = 2p, while the ranks at its turn hold all m microbatches (twice 1F1B's worst at m = 2p); and
-costing it list-schedules its timeline (planner.schedule_cost._v_profile), whose size grows with
-p·m, for every (p, m) the search meets."""
-
 
 def units_of(ctx: Context, text: str | None) -> frozenset[int] | None:
     """Indices of the layers an FSDP unit selector names (None: no selector, the block default)."""
@@ -98,23 +89,13 @@ def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed,
 
 
 def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:
+    """(kind, chunks per rank) pairs to try: what each kind offers (``ScheduleKind.offer``), kept to
+    the constraints' kind, chunk count and stage count."""
     stages = len(cuts) - 1 if cuts else None
-    if pp == 1:
-        opts = [("1f1b", 1)] if fixed.kind in (None, "1f1b") else ([(fixed.kind, 1)] if fixed.kind == "gpipe" else [])
-    else:
-        # GPipe has 1F1B's step time and more activations in flight, so it only runs when asked for,
-        # or when there are fewer microbatches than stages: 1F1B's warm-up needs m >= pp (the runtime
-        # and planner.validate refuse less), and there both hold all m microbatches anyway
-        opts = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
-        if fixed.kind == "gpipe" and m >= pp:
-            opts.append(("gpipe", 1))
-        if m % pp == 0:
-            vs = [fixed.virtual_stages] if fixed.virtual_stages else list(_VIRTUAL)
-            opts += [("interleaved", v) for v in vs if v > 1 and pp * v <= L]
-        if 2 * pp <= L and (fixed.kind == "v" or (pp <= _V_MAX_PP and m <= _V_MICRO_PER_RANK * pp)):
-            opts.append(("v", 2))
-        if fixed.kind is not None:
-            opts = [o for o in opts if o[0] == fixed.kind]
+    opts = [(name, v) for name, kind in KINDS.items()
+            for v in kind.offer(pp, m, L, asked=fixed.kind == name, chunks=fixed.virtual_stages)]
+    if fixed.kind is not None:
+        opts = [o for o in opts if o[0] == fixed.kind]
     if fixed.virtual_stages is not None:
         opts = [o for o in opts if o[1] == fixed.virtual_stages]
     if stages is not None:

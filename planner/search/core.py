@@ -27,8 +27,9 @@ from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.graph import ModelGraph
 from planner.plan import PlanError
 from planner.schedule_cost import in_flight, pipeline_time
-from planner.search.evaluate import (Breakdown, Config, Context, choose_recompute, evaluate, fsdp_buffer_terms,
-                                     stage_cuts_even)
+from planner.schedule_kinds import KINDS
+from planner.search.config import Breakdown, Config, Context
+from planner.search.evaluate import choose_recompute, evaluate, fsdp_buffer_terms, stage_cuts_even
 from planner.search.partition import SegmentModel, partition
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
 from planner.search.candidates import enumerate_configs
@@ -39,7 +40,6 @@ from planner.selectors import parse_selector
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
 
 Progress = Callable[[int, int, "float | None"], None]
-_KIND_ORDER = {"1f1b": 0, "interleaved": 1, "v": 2, "gpipe": 3}
 _DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
@@ -235,7 +235,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         if mem_lb > ctx.cap or math.isinf(lb):
             mem_fail.append((mem_lb - ctx.cap, cfg))
             continue
-        order: tuple[object, ...] = (_KIND_ORDER[cfg.kind], _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
+        order: tuple[object, ...] = (KINDS[cfg.kind].order, _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
                  cfg.pp, cfg.tp)
         bounded.append((lb, order, cfg, mem_lb))
     bounded.sort(key=lambda x: (x[0], x[1]))

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from planner.cost_memory import model_state_bytes
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel
-from planner.search.evaluate import Breakdown, Config, Context
+from planner.schedule_kinds import KINDS
+from planner.search.config import Breakdown, Config, Context
 from planner.selectors import format_layers
 
 __all__ = ["Candidate", "SearchResult", "NoFeasiblePlan", "build_plan", "loss_reason", "infeasible_message"]
@@ -29,7 +30,7 @@ class Candidate:
     def summary(self) -> str:
         b, c = self.breakdown, self.breakdown.config
         assert c is not None
-        sched = c.kind + (f"×{c.v}" if c.kind == "interleaved" else "")
+        sched = KINDS[c.kind].label(c.v)
         dp = c.dp_kind + ("" if c.dp_kind != "fsdp" else ("+reshard" if c.reshard else "+keep"))
         dp += "+offload" if c.offload else ""
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"

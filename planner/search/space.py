@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from planner.plan import DP_KINDS, DTYPES, RECOMPUTE_KINDS, SCHEDULES, Plan, PlanError
+from planner.plan import DP_KINDS, DTYPES, RECOMPUTE_KINDS, Plan, PlanError
+from planner.schedule_kinds import KINDS
 
 __all__ = ["Fixed", "parse_constraints", "divisors"]
 
@@ -115,7 +116,7 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
             setattr(out, axis, out_val)
     sched = nested.get("schedule", {})
     if "kind" in sched:
-        out.kind = _choice("schedule.kind", sched["kind"], SCHEDULES, problems)
+        out.kind = _choice("schedule.kind", sched["kind"], tuple(KINDS), problems)
     if "microbatches" in sched:
         out.microbatches = _positive_int("schedule.microbatches", sched["microbatches"], problems)
     if sched.get("global_batch"):

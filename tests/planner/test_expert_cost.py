@@ -10,6 +10,7 @@ from planner.cluster import Cluster
 from planner.cost_memory import model_state_bytes
 from planner.plan import Mesh, Plan, PlanError, Schedule
 from planner.search import cost_plan, search
+from planner.validate import validate_plan
 
 BATCH, LAYERS, EXPERTS = 8, 4, 8
 CLUSTER = Cluster.cpu(4, memory_bytes=16 * 2**30)
@@ -56,7 +57,7 @@ def test_search_tries_expert_parallel_degrees(graph) -> None:
     cluster = CLUSTER
     fixed = search(graph, cluster, global_batch=BATCH, constraints={"mesh": {"dp": 4, "ep": 2}})
     assert fixed.best.plan.mesh.ep == 2
-    fixed.best.plan.validate(graph, devices=4)
+    validate_plan(fixed.best.plan, graph, devices=4)
     dense_case = build("gpt")
     dense = captured(dense_case.model, dense_case.make_batch(0, BATCH), loss_fn=dense_case.loss_fn)
     with pytest.raises(PlanError, match="mesh.ep: 2, but GPT has no mixture-of-experts layer"):

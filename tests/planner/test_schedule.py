@@ -84,7 +84,7 @@ def test_v_shape_places_first_and_last_stage_on_rank_0() -> None:
         for s in sched.rank_stages(r):
             for kind in "FB":
                 assert [a.mb for a in sched.actions[r] if a.kind == kind and a.stage == s] == list(range(8))
-    with pytest.raises(ScheduleError, match="v places two stages on each rank; set virtual_stages=2"):
+    with pytest.raises(ScheduleError, match='kind "v" places two chunks on each pipeline rank'):
         build_schedule("v", pp=2, microbatches=2)
 
 
@@ -142,11 +142,11 @@ def test_shape_specs_must_agree() -> None:
 
 
 def test_bad_arguments_say_what_to_do() -> None:
-    with pytest.raises(ScheduleError, match=r"microbatches \(6\) to be a multiple of pp \(4\); use 8"):
+    with pytest.raises(ScheduleError, match=r"needs a multiple of 4; 6 % 4 = 2 \(use 8\)"):
         build_schedule("interleaved", pp=4, microbatches=6, virtual_stages=2)
-    with pytest.raises(ScheduleError, match="interleaved needs virtual_stages >= 2"):
+    with pytest.raises(ScheduleError, match='"interleaved" places 2 or more model chunks on each pipeline rank'):
         build_schedule("interleaved", pp=2, microbatches=2)
-    with pytest.raises(ScheduleError, match="use kind 'interleaved'"):
+    with pytest.raises(ScheduleError, match='need kind "interleaved", but schedule.kind is "1f1b"'):
         build_schedule("1f1b", pp=2, microbatches=2, virtual_stages=2)
     with pytest.raises(ScheduleError, match="unknown schedule kind 'zb'"):
         build_schedule("zb", pp=2, microbatches=2)

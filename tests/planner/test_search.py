@@ -11,8 +11,9 @@ from planner.cost_gpt import gpt_graph
 from planner.plan import Plan, PlanError
 from planner.search import NoFeasiblePlan, cost_plan, default_tp_rules, search
 from planner.search.core import make_context
-from planner.search.evaluate import Config
+from planner.search.config import Config
 from planner.search.partition import SegmentModel, partition_dp, partition_fast
+from planner.validate import validate_plan
 
 GiB = 2**30
 
@@ -80,7 +81,7 @@ def test_search_is_deterministic_and_plans_validate(small):
     assert a.plan.to_json() == b.plan.to_json()
     assert [r.plan.to_json() for r in a.runners_up] == [r.plan.to_json() for r in b.runners_up]
     for cand in [a.best, *a.runners_up]:
-        cand.plan.validate(small, c)
+        validate_plan(cand.plan, small, c)
     assert a.plan.mesh.size == 4
     assert a.plan.predicted.step_time_s > 0 and a.plan.predicted.memory_gib
 

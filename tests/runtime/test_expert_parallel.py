@@ -34,6 +34,7 @@ from passes.ep.shard_experts import ExpertParallelError, shard_experts_pass
 from passes.layout import META_LAYOUT
 from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage, TensorParallel
+from planner.validate import validate_plan
 
 STEPS, BATCH, LR, LAYERS, EXPERTS, DIM = 3, 8, 1e-3, 4, 4, 64
 
@@ -113,7 +114,7 @@ def _run(configs: dict[str, tuple]) -> tuple[Trajectory, list[list[torch.Tensor]
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     plans = {name: _plan(graph, cfg) for name, cfg in configs.items()}
     for plan in plans.values():
-        plan.validate(graph, devices=8)
+        validate_plan(plan, graph, devices=8)
     ref, routing = _routed_reference()
     results = fairscale.launch(_train_all, devices=8, args=(plans,), timeout_s=900)
     return ref, routing, results
@@ -203,16 +204,16 @@ def test_errors_name_the_problem() -> None:
     case = make_case()
     graph = captured(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn)
     with pytest.raises(PlanError, match=r"mesh.ep: 3 does not divide mesh.dp \(4\)"):
-        Plan(mesh=Mesh(dp=4, ep=3)).validate(graph, devices=4)
+        validate_plan(Plan(mesh=Mesh(dp=4, ep=3)), graph, devices=4)
     with pytest.raises(PlanError, match="mesh.ep: 8 does not divide the 4 experts of model.layers.0.mlp.experts"):
-        Plan(mesh=Mesh(dp=8, ep=8)).validate(graph, devices=8)
+        validate_plan(Plan(mesh=Mesh(dp=8, ep=8)), graph, devices=8)
     with pytest.raises(PlanError, match="cannot also be split over tp"):
-        Plan(mesh=Mesh(dp=2, tp=2, ep=2),
-             tensor_parallel=TensorParallel(rules={"model.layers.*.mlp.experts": "expert"})).validate(graph, devices=4)
+        validate_plan(Plan(mesh=Mesh(dp=2, tp=2, ep=2),
+             tensor_parallel=TensorParallel(rules={"model.layers.*.mlp.experts": "expert"})), graph, devices=4)
     gpt = build("gpt")
     dense = captured(gpt.model, gpt.make_batch(0, 2), loss_fn=gpt.loss_fn)
     with pytest.raises(PlanError, match="has no mixture-of-experts layer"):
-        Plan(mesh=Mesh(dp=2, ep=2)).validate(dense, devices=2)
+        validate_plan(Plan(mesh=Mesh(dp=2, ep=2)), dense, devices=2)
     with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer"):
         shard_experts_pass(dense.gm, ep_index=0, ep_size=2)
     with pytest.raises(ExpertParallelError, match="does not divide the 4 experts"):
