@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.report.text import render_report
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
@@ -39,6 +40,7 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.search import SearchResult, cost_plan
 from planner.search import search as _search
+from planner.validate import validate_plan
 
 __all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster"]
 
@@ -147,7 +149,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     else:
         chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
                                 global_batch=global_batch)
-    return ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                          render_report=render_report)
 
 
 def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,
@@ -155,7 +158,7 @@ def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster,
     """Load ``plan`` if it is a path, validate it against ``graph`` and ``cluster`` (raising
     PlanError with every problem), and re-cost it; warn if it is predicted not to fit in memory."""
     loaded = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    loaded.validate(graph, cluster, devices=cluster.devices)
+    validate_plan(loaded, graph, cluster, devices=cluster.devices)
     gb = global_batch or loaded.schedule.global_batch or graph.batch_size
     if not loaded.schedule.global_batch:
         loaded.schedule.global_batch = gb

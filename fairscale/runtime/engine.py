@@ -72,7 +72,8 @@ class ParallelModule:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
-                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
+                 render_report: Callable[[Plan, ModelGraph], str] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
@@ -100,6 +101,7 @@ class ParallelModule:
         self.optimizer = _StageOptimizers(self._optimizers)
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
+        self._render_report = render_report
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -193,10 +195,12 @@ class ParallelModule:
         engine_checkpoint.load(self, path)
 
     def report(self) -> str:
-        """The plan's text report (stages, memory, predicted time, collectives)."""
-        from fairscale.report.text import render_report
-
-        return render_report(self.plan, self.graph)
+        """The plan's text report (stages, memory, predicted time, collectives), as rendered by the
+        face that built this module (``fairscale.parallelize`` hands in ``fairscale.report``'s)."""
+        if self._render_report is None:
+            raise RuntimeError("this ParallelModule was built without a report renderer; build it with "
+                               "fairscale.parallelize, or call fairscale.report.text.render_report(pm.plan, pm.graph)")
+        return self._render_report(self.plan, self.graph)
 
     def comm_summary(self) -> str:
         """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""
