@@ -259,7 +259,7 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
     path = Path(args.plan)
     if not path.is_file():
         raise UsageError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
-    plan = Plan.load(path)
+    plan, args.schema_problems = Plan.read(path)  # every problem is reported once the model is captured
     factory = args.factory or plan.model.factory
     if factory:
         graph = _capture(factory, print)
@@ -279,7 +279,8 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     plan, graph, cluster = _load_plan_and_model(args)
-    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan)
+    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan,
+                  schema_problems=args.schema_problems)
     _recost(plan, graph, cluster, args)
     n = args.devices or device_count(cluster) or device_count(plan.cluster)
     model = f"{graph.model_class} (fingerprint {graph.fingerprint})" if graph is not None else "any model"
@@ -290,7 +291,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     plan, graph, cluster = _load_plan_and_model(args)
-    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan)
+    validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan,
+                  schema_problems=args.schema_problems)
     _recost(plan, graph, cluster, args)
     print(render_report(plan, graph))
     return 0

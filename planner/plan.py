@@ -236,6 +236,13 @@ class Plan:
         path = Path(path)
         return cls.from_json(path.read_text(encoding="utf-8-sig"), source=str(path))
 
+    @classmethod
+    def read(cls, path: str | Path) -> tuple[Plan, list[str]]:
+        """Read a plan file leniently: the plan and its schema problems (see :func:`read_plan_json`);
+        hand both to ``validate_plan(..., schema_problems=...)`` to report every problem at once."""
+        path = Path(path)
+        return read_plan_json(path.read_text(encoding="utf-8-sig"), source=str(path))
+
 
 def _to_jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -282,6 +289,17 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
 
 def plan_from_json(text: str, *, source: str = "<string>") -> Plan:
     """Parse plan JSON text. ``source`` (a file name) prefixes syntax errors as ``file:line:col``."""
+    plan, problems = read_plan_json(text, source=source)
+    if problems:
+        raise PlanError(problems, source=source)
+    return plan
+
+
+def read_plan_json(text: str, *, source: str = "<string>") -> tuple[Plan, list[str]]:
+    """Leniently parse plan JSON text: the plan with every field that could be read (the others
+    keep their defaults) and the schema problems, so that validation can go on and report every
+    problem at once. Raises PlanError only for what leaves nothing to check: a syntax error, a
+    top level that is not an object, or a version this build cannot read."""
     try:
         data = json.loads(text, object_pairs_hook=_pairs)
     except json.JSONDecodeError as exc:
@@ -290,11 +308,19 @@ def plan_from_json(text: str, *, source: str = "<string>") -> Plan:
         caret = " " * (exc.colno - 1) + "^"
         raise PlanError([f"{source}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}\n"
                          f"      {line}\n      {caret}"], source=source) from None
-    return plan_from_dict(data, source=source)
+    return read_plan_dict(data, source=source)
 
 
 def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
     """Build a :class:`Plan` from parsed JSON; raise PlanError listing every schema problem."""
+    plan, problems = read_plan_dict(data, source=source)
+    if problems:
+        raise PlanError(problems, source=source)
+    return plan
+
+
+def read_plan_dict(data: Any, *, source: str = "plan") -> tuple[Plan, list[str]]:
+    """:func:`read_plan_json` for parsed JSON."""
     problems: list[str] = []
     if not isinstance(data, dict):
         raise PlanError([f"(top level): expected an object, got {describe(data)}"], source=source)
@@ -310,10 +336,8 @@ def plan_from_dict(data: Any, *, source: str = "plan") -> Plan:
         raise PlanError([f"version: plan version {version} cannot be read; this build reads version {readable}"],
                         source=source)
     plan = _read_dataclass(Plan, data, "", problems)
-    if problems:
-        raise PlanError(problems, source=source)
     assert isinstance(plan, Plan)
-    return plan
+    return plan, problems
 
 
 _MISSING = object()

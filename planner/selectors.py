@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Selector", "SelectorError", "Pattern", "parse_selector", "format_layers", "suggest"]
+__all__ = ["Selector", "SelectorError", "Pattern", "parse_selector", "format_layers", "format_ranges", "suggest"]
 
 _MAX_RANGE = 100_000
 """Largest number of integers one range may span (ranges are expanded into the regex)."""
@@ -62,6 +62,47 @@ class Pattern:
 
     def matches(self, path: str) -> bool:
         return self.regex.fullmatch("." + path) is not None
+
+    def absent_numbers(self, paths: Sequence[str]) -> list[tuple[str, list[int], str]]:
+        """For each bracket group holding numbers (``[0-5]``, ``[0,2,7]``), the numbers that match
+        none of ``paths`` when put in the group's place: ``(group, absent, the pattern with only the
+        present numbers)``. A range that runs past the last layer is almost always a typo."""
+        out = []
+        for start, end in _groups(self.text):
+            body = self.text[start + 1:end]
+            numbers = [n for item in body.split(",") for n in _numbers(item)]
+            if not numbers:
+                continue
+            others = [item.strip() for item in body.split(",") if not _numbers(item)]
+            absent = [n for n in numbers
+                      if not any(_compile(self.text[:start] + str(n) + self.text[end + 1:]).fullmatch("." + p)
+                                 for p in paths)]
+            if absent:
+                present = sorted(set(numbers) - set(absent))
+                kept = ([format_ranges(present)] if present else []) + others
+                fixed = self.text[:start] + "[" + ",".join(kept) + "]" + self.text[end + 1:] if kept else ""
+                out.append((self.text[start:end + 1], absent, fixed))
+        return out
+
+
+def _groups(pat: str) -> list[tuple[int, int]]:
+    """(start, end) indices of each ``[...]`` group of a pattern (groups never nest)."""
+    spans, start = [], -1
+    for i, ch in enumerate(pat):
+        if ch == "[":
+            start = i
+        elif ch == "]" and start >= 0:
+            spans.append((start, i))
+            start = -1
+    return spans
+
+
+def _numbers(item: str) -> list[int]:
+    """The integers a bracket alternative names: ``3`` -> [3], ``0-2`` -> [0, 1, 2], a name -> []."""
+    m = _RANGE.fullmatch(item)
+    if m:
+        return list(range(int(m.group(1)), int(m.group(2)) + 1))
+    return [int(item)] if item.strip().isdigit() else []
 
 
 @dataclass(frozen=True)
@@ -247,7 +288,7 @@ class _Run:
         if self.pos < 0:
             return ".".join(self.segs)
         segs = list(self.segs)
-        segs[self.pos] = "[" + _ranges(self.nums) + "]"
+        segs[self.pos] = "[" + format_ranges(self.nums) + "]"
         return ".".join(segs)
 
 
@@ -255,7 +296,7 @@ def _is_int(seg: str) -> bool:
     return seg.isdigit() and str(int(seg)) == seg
 
 
-def _ranges(nums: list[int]) -> str:
+def format_ranges(nums: list[int]) -> str:
     """[0, 1, 2, 3, 5, 7, 8] -> "0-3,5,7-8" (runs of consecutive ascending numbers)."""
     runs: list[list[int]] = []
     for n in nums:

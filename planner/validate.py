@@ -16,7 +16,8 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Sequence
 
 from planner.graph import ModelGraph
 from planner.plan import READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
@@ -31,7 +32,7 @@ __all__ = ["validate_plan", "device_count"]
 
 
 def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, devices: int | None = None,
-                  source: str = "plan") -> None:
+                  source: str = "plan", schema_problems: Sequence[str] = ()) -> None:
     """Raise :class:`PlanError` listing every problem of ``plan`` for ``graph`` on the devices.
 
     The device count is ``devices`` if given, else the count of ``cluster`` (an int, a dict or an
@@ -39,6 +40,10 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     the count recorded in ``plan.cluster``; with none of these the mesh product is not checked.
     ``source`` (a file name) heads the error message. A plan whose fingerprint names another model
     gets only the checks that do not depend on the model, since every selector would miss too.
+
+    ``schema_problems`` are what reading the file found (``Plan.read``): they head the list, and
+    the meaning of a section that had one is not judged again (its unreadable fields took their
+    defaults, which would only produce follow-on errors).
     """
     problems: list[str] = []
     if plan.version not in READABLE_VERSIONS:
@@ -54,8 +59,20 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     check_experts(plan, graph, problems)
     _check_data_parallel(plan, graph, problems)
     _check_recompute(plan, graph, problems)
+    broken = {_section(p) for p in schema_problems}
+    broken |= {d for s in broken for d in _READS.get(s, ())}
+    problems = list(schema_problems) + [p for p in problems if _section(p) not in broken]
     if problems:
         raise PlanError(problems, source=source)
+
+
+_READS = {"mesh": ("schedule", "stages", "tensor_parallel", "data_parallel"), "schedule": ("stages",)}
+"""Sections whose checks read another section's values: an unreadable mesh leaves their verdicts unknown."""
+
+
+def _section(problem: str) -> str:
+    """The top-level plan key a problem is about: ``mesh.tp: ...`` -> ``mesh``."""
+    return re.split(r"[.\[:]", problem, maxsplit=1)[0].strip()
 
 
 # --- devices -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from planner.graph import ModelGraph
 from planner.messages import closest, describe
-from planner.selectors import Selector, SelectorError, format_layers, parse_selector, suggest
+from planner.selectors import Selector, SelectorError, format_layers, format_ranges, parse_selector, suggest
 
 __all__ = ["ALIASES", "check_positive", "check_choice", "parse_field", "check_matches", "module_names", "outline",
            "short_list", "check_conflicts"]
@@ -67,6 +67,14 @@ def check_matches(path: str, sel: Selector, names: Sequence[str], what: str, pro
         fix = suggest(pat, list(names) + list(modules))
         hint = f'; did you mean "{fix}"?' if fix else f" ({what}s are: {outline(names)})"
         problems.append(f'{path}: "{pat}" matches no {what}{hint}')
+    unmatched = set(sel.unmatched(names))
+    for p in sel.patterns:
+        if p.text in unmatched:
+            continue
+        for group, absent, fixed in p.absent_numbers(names):
+            hint = f'did you mean "{fixed}"?' if fixed else f"{what}s are: {outline(names)}"
+            problems.append(f'{path}: "{p.text}" names {group} but {format_ranges(absent)} '
+                            f'match{"es" if len(absent) == 1 else ""} no {what}; {hint}')
 
 
 def module_names(graph: ModelGraph) -> list[str]:

@@ -207,6 +207,23 @@ def test_validate_prints_every_problem_and_exits_1(made: Path, capsys: pytest.Ca
         'it; remove it or set kind to "fsdp"\n')
 
 
+def test_validate_reports_reading_and_model_problems_together(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A misspelt key no longer hides the model checks: the file is read leniently, the model is
+    captured, and every problem comes out at once."""
+    data = json.loads(made.read_text())
+    data["schedule"]["microbatchs"] = 2
+    data["recompute"] = {"layers.[0-3]": "full"}  # the GPT has 2 blocks
+    made.write_text(json.dumps(data))
+    code, out, err = run(capsys, "validate", str(made))
+    assert code == 1
+    assert err == (
+        f"{made} has 2 problems:\n"
+        '  - schedule.microbatchs: unknown key; did you mean "microbatches"? (allowed: kind, microbatches, '
+        "virtual_stages, global_batch)\n"
+        '  - recompute["layers.[0-3]"]: "layers.[0-3]" names [0-3] but 2-3 match no module; did you mean '
+        '"layers.[0-1]"?\n')
+
+
 def test_validate_a_file_that_is_not_json_or_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
     path.write_text('{"version": 1,\n "mesh": {"dp": 2,}}\n')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import re
 from typing import Callable
@@ -12,10 +13,9 @@ import pytest
 from fairscale.testing.models import build
 from planner.capture import capture
 from planner.graph import ModelGraph
-from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel
+from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel, read_plan_dict
 from planner.selectors import format_layers
 from planner.validate import device_count, validate_plan
-from planner.validate import validate_plan
 
 ATTENTION = {"heads": 4, "kv_heads": 2, "head_dim": 16}
 
@@ -426,3 +426,40 @@ def test_heads_only_matter_when_attention_is_sharded(gpt2: ModelGraph) -> None:
     assert problems(attn, gpt2, devices=8) == [
         "mesh.tp: tp(8) does not divide the attention heads of transformer.h.[0-1] (heads 4 % 8 = 4, kv_heads "
         "4 % 8 = 4); each tp rank must hold whole heads, so use a tp that divides both"]
+
+
+def test_every_problem_of_a_plan_file_at_once(llama: ModelGraph, tmp_path) -> None:
+    """Six seeded mistakes, two that reading the file finds (a misspelt key, a wrong type) and four
+    about the model (a stage selector that matches nothing, interleaved with one chunk per rank, a
+    tp that splits heads, a recompute range past the last layer), are reported together."""
+    data = good_plan(llama).to_dict()
+    data["mesh"] = {"pp": 2, "dp": 1, "tp": 4}
+    data["model"]["factroy"] = "mypkg.models:build"                   # schema: unknown key
+    data["data_parallel"]["bucket_mb"] = "25"                          # schema: wrong type
+    data["stages"][1]["layers"] = data["stages"][1]["layers"].replace("layers", "layerz", 1)  # matches nothing
+    data["schedule"] = {"kind": "interleaved", "microbatches": 4, "virtual_stages": 1}
+    data["recompute"] = {"layers.[0-5]": "full"}                       # 4 layers: 4-5 do not exist
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    plan, schema = Plan.read(path)
+    with pytest.raises(PlanError) as info:
+        validate_plan(plan, llama, devices=8, source=str(path), schema_problems=schema)
+    found = info.value.problems  # (the misspelt stage also leaves model.layers.[2-3] in no stage)
+    assert found[0].startswith('model.factroy: unknown key; did you mean "factory"?')
+    assert found[1] == 'data_parallel.bucket_mb: expected a number, got "25"'
+    assert any(p.startswith('stages[1].layers: "model.layerz.') and "matches no layer" in p for p in found)
+    assert any(p.startswith('schedule.virtual_stages: "interleaved" places 2 or more model chunks') for p in found)
+    assert any(p.startswith("mesh.tp: tp(4) does not divide the attention heads") for p in found)
+    assert 'recompute["layers.[0-5]"]: "layers.[0-5]" names [0-5] but 4-5 match no module; did you mean ' \
+        '"layers.[0-3]"?' in found
+
+
+def test_a_broken_section_is_not_judged_twice(llama: ModelGraph) -> None:
+    """A mesh whose tp could not be read takes the default 1; checks that read the mesh would only
+    report follow-on errors, so the schema problem stands alone for them."""
+    data = good_plan(llama).to_dict()
+    data["mesh"]["tp"] = "2"
+    plan, schema = read_plan_dict(data)
+    with pytest.raises(PlanError) as info:
+        validate_plan(plan, llama, devices=8, schema_problems=schema)
+    assert info.value.problems == ['mesh.tp: expected an integer, got "2"']
