@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.arguments import check_all
 from fairscale.report.text import render_report
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from passes.tp.patterns import propose_tp_rules
@@ -93,6 +94,7 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
         global_batch: samples per optimizer step (default: the example batch's size).
         constraints: fields to fix, in the plan's JSON shape, e.g. ``{"mesh": {"tp": 2}}``.
     """
+    example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, devices=devices)
     graph = captured(model, example_inputs, loss_fn=loss_fn)
     cl = resolve_cluster(devices, cluster)
     gb = global_batch or graph.batch_size
@@ -135,6 +137,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
         for pp = 1, ``pm.plan``, ``pm.report()``, ``pm.state_dict()``.
     """
+    example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs on every rank: call it inside fairscale.launch(fn, devices=N), "
                            "`python -m fairscale run --devices N script.py`, or torchrun; to inspect a plan "
@@ -157,8 +160,12 @@ def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster,
                    global_batch: int | None = None) -> Plan:
     """Load ``plan`` if it is a path, validate it against ``graph`` and ``cluster`` (raising
     PlanError with every problem), and re-cost it; warn if it is predicted not to fit in memory."""
-    loaded = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    validate_plan(loaded, graph, cluster, devices=cluster.devices)
+    if isinstance(plan, (str, Path)):
+        loaded, schema = Plan.read(plan)
+        source = str(plan)
+    else:
+        loaded, schema, source = plan, [], "plan"
+    validate_plan(loaded, graph, cluster, devices=cluster.devices, source=source, schema_problems=schema)
     gb = global_batch or loaded.schedule.global_batch or graph.batch_size
     if not loaded.schedule.global_batch:
         loaded.schedule.global_batch = gb

@@ -1,0 +1,89 @@
+"""Checks of what users hand the public API, before anything is captured or launched.
+
+Each check names the argument, says what it got and what forms are accepted, so a wrong call fails
+at the call with a sentence instead of deep inside capture (``IndexError: tuple index out of
+range`` in the annotator, for a bare tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["check_all", "check_model", "check_example_inputs", "check_loss_fn", "check_optimizer", "check_devices"]
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120] if not isinstance(value, (dict, list, tuple)) else \
+        f"a {type(value).__name__}"
+
+
+def check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {_got(model)}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model ({type(model).__name__}) has no parameters, so there is nothing to train or "
+                         "parallelize; pass the module that owns the weights")
+
+
+def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    """The example batch as a tuple of positional inputs; a clear error for any other form."""
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError(f"example_inputs must be a tuple of the model's positional inputs, got {_got(example_inputs)}; "
+                        "wrap a single input as (x,), or pass (inputs, labels)")
+    if isinstance(example_inputs, dict):
+        keys = ", ".join(map(str, example_inputs))
+        raise TypeError(f"example_inputs is a dict ({keys}); pass the model's inputs as a tuple in the order of "
+                        "its forward's positional parameters, e.g. (input_ids, labels) — keyword inputs are "
+                        "not supported")
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise TypeError(f"example_inputs must be a non-empty tuple of the model's positional inputs (one batch), "
+                        f"got {_got(example_inputs)}")
+    if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in example_inputs):
+        raise ValueError("example_inputs holds no tensor with a batch dimension; the first dim of each input "
+                         "tensor is the batch that data parallelism and microbatches split")
+    return tuple(example_inputs)
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, as loss_fn(model(batch[0]), *batch[1:]) -> a scalar, "
+                        f"got {_got(loss_fn)}")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """An optimizer class or a ``functools.partial`` of one: each rank builds it over its own shards."""
+    if optimizer is None:
+        return
+    if isinstance(optimizer, torch.optim.Optimizer):
+        options = ", ".join(f"{k}={v!r}" for k, v in optimizer.defaults.items()
+                            if k in ("lr", "momentum", "weight_decay", "betas", "eps"))
+        cls = type(optimizer)
+        raise TypeError(f"optimizer must be an optimizer class or functools.partial of one, because each rank builds "
+                        f"it over its own parameter shards; got a {cls.__name__} instance: pass "
+                        f"functools.partial({cls.__module__}.{cls.__qualname__}, {options})")
+    func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
+    if not (isinstance(func, type) and issubclass(func, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer subclass or functools.partial of one, e.g. "
+                        f"functools.partial(torch.optim.AdamW, lr=3e-4); got {_got(optimizer)}")
+
+
+def check_devices(devices: Any) -> None:
+    if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool) or devices < 1):
+        raise ValueError(f"devices must be a positive int (the number of ranks), got {_got(devices)}")
+
+
+def check_all(model: Any, example_inputs: Any, *, loss_fn: Any = None, optimizer: Any = None,
+              devices: Any = None) -> tuple[Any, ...]:
+    """Every check above; returns the example batch as a tuple."""
+    check_model(model)
+    batch = check_example_inputs(example_inputs)
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
+    check_devices(devices)
+    return batch
