@@ -20,8 +20,15 @@ when that backward call finishes: it waits for the call's reductions in launch o
 else add), so ``zero_grad(set_to_none=True)`` stays safe and every caller of ``backward`` sees
 final averaged gradients when it returns. Where autograd would not accumulate into the parameters
 (``torch.autograd.grad``, ``create_graph=True``, non-leaf inputs, parameters with hooks) a bucket
-reduces synchronously and returns its gradients through autograd instead. FSDP units reduce
-synchronously.
+reduces synchronously and returns its gradients through autograd instead. FSDP units reduce the
+same way: a unit's backward launches its reduce-scatter asynchronously and returns; the shard's
+gradient lands in ``flat.grad`` when the next unit's reduce-scatter starts (at most one unit's
+full-size gradient waits in flight, as in PyTorch FSDP2) or at the end of backward.
+
+Devices: everything runs on the device of the graph's parameters, except an offloaded store
+(``data_parallel.offload``): master shards and their gradients in host memory. Shards go up with an
+asynchronous copy from pinned memory before each gather; gradient shards come down into pinned
+memory with a blocking copy (the CPU optimizer reads them next; ``.grad`` may be read by anything).
 
 Averaging over ``n`` data-parallel ranks is post-division: sum in ``reduce_dtype``, then divide by
 ``n`` (one rounding in fp32; PyTorch DDP does the same by default).
@@ -63,6 +70,22 @@ def no_sync() -> Iterator[None]:
 
 def sync_enabled() -> bool:
     return _SYNC[0]
+
+
+def to_store(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (on the compute device) as a new tensor on ``like``'s device and dtype: a gradient for
+    a master shard. A copy into the host store lands in pinned memory when the store is pinned."""
+    if t.device == like.device:
+        return t.to(like.dtype, copy=True)
+    out = torch.empty(t.shape, dtype=like.dtype, device=like.device, pin_memory=like.is_pinned())
+    out.copy_(t)  # blocking: whatever reads .grad next (clipping, the CPU optimizer) sees it complete
+    return out
+
+
+def to_compute(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A master shard ``t`` on the compute device in ``dtype``: asynchronous from pinned memory (the
+    copy is ordered before the collective that reads it on the same stream)."""
+    return t.detach().to(device=device, dtype=dtype, non_blocking=t.is_pinned())
 
 
 def _flat_grads(grads: tuple[torch.Tensor | None, ...], shapes: list[torch.Size], padded: int,
@@ -121,7 +144,7 @@ class DDPBucket(nn.Module):
     def gather_params(self) -> None:
         """zero1/zero2: all-gather the updated master shards into the replicated parameters."""
         assert self.shard is not None and self.flat is not None
-        comm.all_gather_flat(self.flat, self.shard.detach().to(self.param_dtype), self.axis)
+        comm.all_gather_flat(self.flat, to_compute(self.shard, self.flat.device, self.param_dtype), self.axis)
 
 
 class _Reduction:
@@ -153,7 +176,7 @@ class _Reduction:
         nones = (None,) * len(self.dtypes)
         if b.kind == "zero2":
             assert b.shard is not None and self.out is not None
-            return (self.out.div_(b.n).to(b.shard.dtype),) + nones
+            return (to_store(self.out.div_(b.n), b.shard),) + nones
         flat = self.flat.div_(b.n)
         param_grads = []
         start = 0
@@ -162,18 +185,18 @@ class _Reduction:
             param_grads.append(flat[start:start + n].view(shape).to(dtype))
             start += n
         lo, hi = b.shard_range
-        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.shard is not None else None
+        shard_grad = to_store(flat[lo:hi], b.shard) if b.shard is not None else None
         return (shard_grad, *param_grads)
 
 
-_INFLIGHT: list[tuple[int, _Reduction]] = []
-"""(autograd graph task id, reduction) of every bucket reduction launched and not yet finished."""
+_INFLIGHT: list[tuple[int, Any]] = []
+"""(autograd graph task id, reduction) of every bucket or unit reduction launched and not yet finished."""
 _CALLBACK_TASKS: set[int] = set()
 """Graph tasks that already have a finishing callback queued."""
 
 
 def pending_reductions() -> int:
-    """How many asynchronous bucket reductions are in flight (0 outside backward)."""
+    """How many asynchronous bucket and unit reductions are in flight (0 outside backward)."""
     return len(_INFLIGHT)
 
 
@@ -186,7 +209,7 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         leaf.grad += grad
 
 
-def _finish(items: list[tuple[int, _Reduction]], *, apply: bool = True) -> None:
+def _finish(items: list[tuple[int, Any]], *, apply: bool = True) -> None:
     for _, red in items:
         grads = red.finish()
         if apply:
@@ -221,8 +244,8 @@ def _drop_stale() -> None:
 
 
 def _async_targets(ctx: Any) -> tuple[torch.Tensor | None, ...] | None:
-    """The leaves whose ``.grad`` an asynchronous reduction may write: (shard, *params), None for
-    inputs that take no gradient. None when autograd would not accumulate into every one of them
+    """The leaves whose ``.grad`` an asynchronous reduction may write: ``ctx.tensor_inputs``, None
+    for inputs that take no gradient. None when autograd would not accumulate into every one of them
     (``autograd.grad``, a subset ``inputs=``, non-leaves, hooks, ``create_graph``): reduce synchronously."""
     if torch.is_grad_enabled():  # create_graph=True: gradients must stay differentiable graph values
         return None
@@ -240,7 +263,17 @@ def _async_targets(ctx: Any) -> tuple[torch.Tensor | None, ...] | None:
         except RuntimeError:  # autograd.grad(): the engine captures gradients instead of accumulating
             return None
         targets.append(t)
-    return tuple(targets) if ctx.has_shard else (None, *targets)
+    return tuple(targets)
+
+
+def _enqueue(red: Any) -> None:
+    """Track an asynchronous reduction of the running backward; its results reach ``.grad`` in the
+    callback queued at the end of that backward (one callback per backward call)."""
+    task = torch._C._current_graph_task_id()
+    _INFLIGHT.append((task, red))
+    if task not in _CALLBACK_TASKS:
+        _CALLBACK_TASKS.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_task(task))
 
 
 class _Bucket(torch.autograd.Function):
@@ -272,12 +305,8 @@ class _Bucket(torch.autograd.Function):
         red.start(async_op=targets is not None)
         if targets is None:
             return (None, *red.finish())
-        red.targets = targets
-        task = torch._C._current_graph_task_id()
-        _INFLIGHT.append((task, red))
-        if task not in _CALLBACK_TASKS:
-            _CALLBACK_TASKS.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_task(task))
+        red.targets = targets if ctx.has_shard else (None, *targets)
+        _enqueue(red)
         return (None, None) + nones
 
 
@@ -300,7 +329,8 @@ class FSDPUnit(nn.Module):
 
     def __init__(self, *, index: int, name: str, keys: list[str], shapes: list[torch.Size], n: int, rank: int,
                  axis: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype, flat: torch.Tensor,
-                 reshard: bool, prefetch: bool, offload: bool) -> None:
+                 reshard: bool, prefetch: bool, offload: bool, compute_device: torch.device | None = None,
+                 async_reduce: bool = False) -> None:
         super().__init__()
         self.index, self.name, self.keys, self.shapes = index, name, keys, shapes
         self.n, self.rank, self.axis = n, rank, axis
@@ -309,8 +339,11 @@ class FSDPUnit(nn.Module):
         self.numel = sum(s.numel() for s in shapes)
         self.padded = flat.numel() * n
         self.flat = nn.Parameter(flat)
-        self.compute_device = torch.device("cuda", torch.cuda.current_device()) \
-            if offload and torch.cuda.is_available() else flat.device
+        self.compute_device = flat.device if compute_device is None else compute_device
+        """Where the gathered parameters, activations and gradient collectives live (the shard
+        ``flat`` may be elsewhere: offloaded to the host)."""
+        self.async_reduce = async_reduce
+        """Launch the gradient reduce-scatter without waiting (see the module docstring)."""
         self.full = torch.empty(self.padded, dtype=param_dtype, device=self.compute_device)
         self.full.untyped_storage().resize_(0)
         self.acc: torch.Tensor | None = None
@@ -347,7 +380,7 @@ class FSDPUnit(nn.Module):
         self.gathered_version = None
 
     def _shard_for_comm(self) -> torch.Tensor:
-        return self.flat.detach().to(device=self.compute_device, dtype=self.param_dtype)
+        return to_compute(self.flat, self.compute_device, self.param_dtype)
 
     def start_gather(self) -> None:
         """Issue an asynchronous all-gather (prefetch) unless the buffer is current or in flight."""
@@ -376,10 +409,44 @@ class FSDPUnit(nn.Module):
         self.gathered_version = version
 
 
+class _UnitReduction:
+    """One FSDP unit's gradient reduce-scatter: launched in backward, finished (wait, divide, move
+    to the shard's device) later."""
+
+    def __init__(self, unit: FSDPUnit, flat: torch.Tensor) -> None:
+        self.unit, self.flat = unit, flat
+        self.out = torch.empty(unit.padded // unit.n, dtype=unit.reduce_dtype, device=unit.compute_device)
+        self.work: Any = None
+        self.targets: tuple[torch.Tensor | None, ...] = ()
+
+    def start(self, *, async_op: bool) -> None:
+        self.work = comm.reduce_scatter_flat(self.out, self.flat, self.unit.axis, async_op=async_op)
+
+    @torch.no_grad()
+    def finish(self) -> tuple[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.flat = None  # the full-size gradient is free once the collective has read it
+        u = self.unit
+        return (to_store(self.out.div_(u.n), u.flat),)
+
+
+def _finish_units(task: int) -> None:
+    """Finish the running backward's unit reductions still in flight (in launch order)."""
+    mine = [item for item in _INFLIGHT if item[0] == task and isinstance(item[1], _UnitReduction)]
+    if mine:
+        _INFLIGHT[:] = [item for item in _INFLIGHT if item not in mine]
+        _finish(mine)
+
+
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
+        if _INFLIGHT and torch._C._current_graph_task_id() == -1:
+            _drop_stale()
         ctx.unit = unit
+        ctx.tensor_inputs = (flat,)
         unit.gather()
         if unit.prefetch and unit.next_fwd is not None:
             unit.next_fwd.start_gather()
@@ -401,9 +468,16 @@ class _Unshard(torch.autograd.Function):
         if u.acc is not None:
             flat.add_(u.acc)
             u.acc = None
-        out = torch.empty(u.padded // u.n, dtype=u.reduce_dtype, device=u.compute_device)
-        comm.reduce_scatter_flat(out, flat, u.axis)
-        return None, out.div_(u.n).to(device=u.flat.device, dtype=u.flat.dtype)
+        red = _UnitReduction(u, flat)
+        targets = _async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
+        if targets is not None:
+            _finish_units(torch._C._current_graph_task_id())  # at most one unit's gradient in flight
+        red.start(async_op=targets is not None)
+        if targets is None:
+            return None, red.finish()[0]
+        red.targets = targets
+        _enqueue(red)
+        return None, None
 
 
 class _Reshard(torch.autograd.Function):

@@ -21,7 +21,8 @@ MiB = 2**20
     ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
     ("NVIDIA A100-SXM4-40GB", "a100-sxm-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),
     ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA B200", "b200"),
-    ("NVIDIA GH200 480GB", None), ("NVIDIA H800", None), ("NVIDIA GeForce RTX 4090", None), ("Tesla V100-SXM2-32GB", None),
+    ("NVIDIA GH200 480GB", None), ("NVIDIA H800", None), ("NVIDIA GeForce RTX 4090", None),
+    ("Tesla V100-SXM2-32GB", None),
 ])
 def test_device_names_pick_their_own_row_and_nothing_else(name, key):
     m = gpu_model(name)
