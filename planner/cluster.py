@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+import warnings
+from typing import Any, Callable, Mapping
 
-from planner.gpus import GPU_MODELS
+from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
+from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "detect_cluster"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -186,10 +188,7 @@ class Cluster:
         launcher's ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``), else CPU ranks. Creates no CUDA context;
         an unknown GPU model is named as unknown and planned with conservative figures, with a
         warning (``planner.detect``)."""
-        from planner.detect import detect_cluster
-
-        cluster: Cluster = detect_cluster()
-        return cluster
+        return detect_cluster()
 
     # --- serialization -------------------------------------------------------------------------
 
@@ -214,6 +213,52 @@ class Cluster:
         eff = data.pop("efficiency", None)
         data["peak_flops"] = {str(k): float(v) for k, v in data["peak_flops"].items()}
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
+
+
+def detect_cluster(*, gpus: Callable[[], int] | None = None, probe: Callable[[], GpuInfo | None] | None = None,
+                   environ: Mapping[str, str] | None = None) -> Cluster:
+    """The local cluster, as ``planner.detect`` describes. ``gpus``, ``probe`` and ``environ`` replace the
+    GPU count, the driver query and ``os.environ`` (tests fake them)."""
+    env = os.environ if environ is None else environ
+    if gpus is None:
+        import torch  # local: the rest of the planner never needs torch.cuda
+
+        count = torch.cuda.device_count()  # NVML: no CUDA context
+    else:
+        count = gpus()
+    if count == 0:
+        world = int(env.get("WORLD_SIZE", "0")) or max(1, os.cpu_count() or 1)
+        return Cluster.cpu(world)
+    info = (probe or probe_gpu)()
+    if info is None:
+        raise RuntimeError(f"{count} CUDA device(s) are visible but neither NVML nor torch.cuda could name them; "
+                           "install nvidia-ml-py (pip install fairscale[gpu]) or pass cluster= (a preset name, "
+                           "e.g. 'h100-sxm-80gb', or a planner.cluster.Cluster)")
+    nodes, per_node = node_shape(count, env)
+    model = gpu_model(info.name)
+    notes = []
+    if model is None:
+        model = conservative_model(info.name, info.memory_bytes)
+        notes.append(f"unknown GPU model {info.name!r}: planning with conservative figures (the lowest of every "
+                     f"known model: {model.peak_flops['bf16'] / 1e12:.0f} TFLOP/s bf16, "
+                     f"{model.hbm_bandwidth / 1e9:.0f} GB/s memory, PCIe Gen4 between GPUs); add its datasheet "
+                     "figures to planner.gpus.GPU_MODELS or pass cluster=")
+    intra, note = intra_node_link(model, info, per_node)
+    if note:
+        notes.append(note)
+    if nodes > 1:
+        notes.append(f"{nodes} nodes: the bandwidth between nodes cannot be measured from one node; assuming "
+                     f"{INTER_NODE / 1e9:.0f} GB/s per GPU (one 400 Gb/s NIC per GPU); pass cluster= to plan for "
+                     "another network")
+    for text in notes:
+        warnings.warn(text, stacklevel=3)
+    host = host_memory_bytes() // per_node
+    device = info.name if model.key != "unknown" else f"unknown: {info.name}"
+    return Cluster(name="detected", device=device, nodes=nodes, devices_per_node=per_node,
+                   memory_bytes=int(info.memory_bytes or model.memory_bytes), peak_flops=dict(model.peak_flops),
+                   hbm_bandwidth=model.hbm_bandwidth, intra_bandwidth=intra, intra_latency=5e-6,
+                   inter_bandwidth=INTER_NODE, inter_latency=10e-6, host_bandwidth=model.host_bandwidth,
+                   host_memory_bytes=max(1, host))
 
 
 def host_memory_bytes() -> int:

@@ -2,8 +2,8 @@
 
 Usage::
 
-    from planner.detect import detect_cluster
-    cluster = detect_cluster()          # what Cluster.detect() returns
+    from planner.cluster import Cluster
+    cluster = Cluster.detect()          # planner.cluster.detect_cluster, with the probes below
 
 A CUDA context created before ranks are forked breaks every rank ("Cannot re-initialize CUDA in
 forked subprocess"), and one created before ``torch.cuda.set_device`` puts every rank on ``cuda:0``.
@@ -32,13 +32,12 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from planner.gpus import GpuModel, conservative_model, gpu_model
+from planner.gpus import GpuModel
 
-__all__ = ["GpuInfo", "probe_gpu", "detect_cluster", "node_shape", "intra_node_link"]
+__all__ = ["GpuInfo", "probe_gpu", "probe_nvml", "probe_torch", "node_shape", "intra_node_link", "INTER_NODE"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def probe_nvml() -> GpuInfo | None:
     """Name, memory and active NVLink links of the first visible GPU from NVML; None without
     ``pynvml`` or a working driver."""
     try:
-        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py: the optional [gpu] extra
+        import pynvml  # nvidia-ml-py: the optional [gpu] extra
     except ImportError:
         return None
     try:
@@ -166,54 +165,6 @@ def intra_node_link(model: GpuModel, info: GpuInfo, per_node: int) -> tuple[floa
     return pcie, None
 
 
-def detect_cluster(*, gpus: Callable[[], int] | None = None, probe: Callable[[], GpuInfo | None] | None = None,
-                   environ: Mapping[str, str] | None = None) -> Any:
-    """The local cluster (see the module docstring). ``gpus``, ``probe`` and ``environ`` replace the
-    GPU count, the driver query and ``os.environ`` (tests fake them)."""
-    from planner.cluster import Cluster, host_memory_bytes
-
-    env = os.environ if environ is None else environ
-    if gpus is None:
-        import torch  # local: the rest of the planner never needs torch.cuda
-
-        count = torch.cuda.device_count()  # NVML: no CUDA context
-    else:
-        count = gpus()
-    if count == 0:
-        world = int(env.get("WORLD_SIZE", "0")) or max(1, os.cpu_count() or 1)
-        return Cluster.cpu(world)
-    info = (probe or probe_gpu)()
-    if info is None:
-        raise RuntimeError(f"{count} CUDA device(s) are visible but neither NVML nor torch.cuda could name them; "
-                           "install nvidia-ml-py (pip install fairscale[gpu]) or pass cluster= (a preset name, "
-                           "e.g. 'h100-sxm-80gb', or a planner.cluster.Cluster)")
-    nodes, per_node = node_shape(count, env)
-    model = gpu_model(info.name)
-    notes = []
-    if model is None:
-        model = conservative_model(info.name, info.memory_bytes)
-        notes.append(f"unknown GPU model {info.name!r}: planning with conservative figures (the lowest of every "
-                     f"known model: {model.peak_flops['bf16'] / 1e12:.0f} TFLOP/s bf16, "
-                     f"{model.hbm_bandwidth / 1e9:.0f} GB/s memory, PCIe Gen4 between GPUs); add its datasheet "
-                     "figures to planner.gpus.GPU_MODELS or pass cluster=")
-    intra, note = intra_node_link(model, info, per_node)
-    if note:
-        notes.append(note)
-    if nodes > 1:
-        notes.append(f"{nodes} nodes: the bandwidth between nodes cannot be measured from one node; assuming "
-                     f"{_INTER_NODE / 1e9:.0f} GB/s per GPU (one 400 Gb/s NIC per GPU); pass cluster= to plan for "
-                     "another network")
-    for text in notes:
-        warnings.warn(text, stacklevel=3)
-    host = host_memory_bytes() // per_node
-    device = info.name if model.key != "unknown" else f"unknown: {info.name}"
-    return Cluster(name="detected", device=device, nodes=nodes, devices_per_node=per_node,
-                   memory_bytes=int(info.memory_bytes or model.memory_bytes), peak_flops=dict(model.peak_flops),
-                   hbm_bandwidth=model.hbm_bandwidth, intra_bandwidth=intra, intra_latency=5e-6,
-                   inter_bandwidth=_INTER_NODE, inter_latency=10e-6, host_bandwidth=model.host_bandwidth,
-                   host_memory_bytes=max(1, host))
-
-
-_INTER_NODE = 50e9
+INTER_NODE = 50e9
 """Bytes/s per GPU per direction between nodes when nothing better is known: one 400 Gb/s NIC per
 GPU (DGX H100/H200/B200: 8 ConnectX-7 NDR per node)."""

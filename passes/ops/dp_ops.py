@@ -11,19 +11,13 @@ registers on the GraphModule, reached by a ``get_attr`` node) plus tensors::
     h = fsdp_reshard(unit, h1, h2)               # forward: identity + free the gathered storage;
                                                  #   backward: all-gather again before the unit's backward
 
-Bucket reductions are asynchronous, as in PyTorch DDP's reducer: a bucket's backward launches its
+Reductions are asynchronous, as in PyTorch DDP's reducer: a bucket's backward launches its
 all-reduce / reduce-scatter (``async_op=True``) as soon as autograd has every gradient of the
-bucket, and returns without waiting, so the collective overlaps the rest of backward. A callback
-queued on the autograd engine (``Variable._execution_engine.queue_callback``, what DDP uses) runs
-when that backward call finishes: it waits for the call's reductions in launch order, divides by
-``n`` and accumulates the results into ``.grad`` with AccumulateGrad's rule (assign when ``None``,
-else add), so ``zero_grad(set_to_none=True)`` stays safe and every caller of ``backward`` sees
-final averaged gradients when it returns. Where autograd would not accumulate into the parameters
-(``torch.autograd.grad``, ``create_graph=True``, non-leaf inputs, parameters with hooks) a bucket
-reduces synchronously and returns its gradients through autograd instead. FSDP units reduce the
-same way: a unit's backward launches its reduce-scatter asynchronously and returns; the shard's
-gradient lands in ``flat.grad`` when the next unit's reduce-scatter starts (at most one unit's
-full-size gradient waits in flight, as in PyTorch FSDP2) or at the end of backward.
+bucket, and returns without waiting, so the collective overlaps the rest of backward; the results
+reach ``.grad`` when that backward call finishes (:mod:`passes.ops.grad_sync` says how, and when an
+op reduces synchronously instead). FSDP units do the same with their reduce-scatter; a unit's
+result lands when the next unit's reduce-scatter starts (at most one unit's full-size gradient
+waits in flight, as in PyTorch FSDP2) or at the end of backward.
 
 Devices: everything runs on the device of the graph's parameters, except an offloaded store
 (``data_parallel.offload``): master shards and their gradients in host memory. Shards go up with an
@@ -41,68 +35,17 @@ full-size buffer for the duration of the accumulation, as PyTorch FSDP's ``no_sy
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from passes.ops import comm
+from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, enqueue, finish_where, flat_grads,
+                                  no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
 
 __all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
            "pending_reductions", "wait_reductions"]
-
-_SYNC = [True]
-
-
-@contextlib.contextmanager
-def no_sync() -> Iterator[None]:
-    """Defer gradient reduction: backward passes inside accumulate locally; the next backward
-    outside reduces the accumulated total once. Nestable; applies to every data-parallel graph of
-    this process (all pipeline stages of a rank accumulate the same microbatches)."""
-    prev = _SYNC[0]
-    _SYNC[0] = False
-    try:
-        yield
-    finally:
-        _SYNC[0] = prev
-
-
-def sync_enabled() -> bool:
-    return _SYNC[0]
-
-
-def to_store(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` (on the compute device) as a new tensor on ``like``'s device and dtype: a gradient for
-    a master shard. A copy into the host store lands in pinned memory when the store is pinned."""
-    if t.device == like.device:
-        return t.to(like.dtype, copy=True)
-    out = torch.empty(t.shape, dtype=like.dtype, device=like.device, pin_memory=like.is_pinned())
-    out.copy_(t)  # blocking: whatever reads .grad next (clipping, the CPU optimizer) sees it complete
-    return out
-
-
-def to_compute(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A master shard ``t`` on the compute device in ``dtype``: asynchronous from pinned memory (the
-    copy is ordered before the collective that reads it on the same stream)."""
-    return t.detach().to(device=device, dtype=dtype, non_blocking=t.is_pinned())
-
-
-def _flat_grads(grads: tuple[torch.Tensor | None, ...], shapes: list[torch.Size], padded: int,
-                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Concatenate member gradients (None = zero, unused member) into one padded flat tensor."""
-    flat = torch.empty(padded, dtype=dtype, device=device)  # one write per element, not zero-fill + copy
-    start = 0
-    for g, shape in zip(grads, shapes):
-        n = shape.numel()
-        if g is not None:
-            flat[start:start + n].copy_(g.reshape(-1))
-        else:
-            flat[start:start + n].zero_()
-        start += n
-    flat[start:].zero_()
-    return flat
-
 
 # ------------------------------------------------------------------------------------------------
 # DDP / ZeRO-1 / ZeRO-2 buckets
@@ -189,98 +132,10 @@ class _Reduction:
         return (shard_grad, *param_grads)
 
 
-_INFLIGHT: list[tuple[int, Any]] = []
-"""(autograd graph task id, reduction) of every bucket or unit reduction launched and not yet finished."""
-_CALLBACK_TASKS: set[int] = set()
-"""Graph tasks that already have a finishing callback queued."""
-
-
-def pending_reductions() -> int:
-    """How many asynchronous bucket and unit reductions are in flight (0 outside backward)."""
-    return len(_INFLIGHT)
-
-
-@torch.no_grad()
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """AccumulateGrad's rule: take the gradient when ``.grad`` is None, else add into it."""
-    if leaf.grad is None:
-        leaf.grad = grad
-    else:
-        leaf.grad += grad
-
-
-def _finish(items: list[tuple[int, Any]], *, apply: bool = True) -> None:
-    for _, red in items:
-        grads = red.finish()
-        if apply:
-            for leaf, g in zip(red.targets, grads):
-                if leaf is not None and g is not None:
-                    _accumulate(leaf, g)
-
-
-def _finish_task(task: int) -> None:
-    mine = [item for item in _INFLIGHT if item[0] == task]
-    _INFLIGHT[:] = [item for item in _INFLIGHT if item[0] != task]
-    _CALLBACK_TASKS.discard(task)
-    _finish(mine)
-
-
-def wait_reductions() -> None:
-    """Finish every in-flight bucket reduction now (the end-of-backward callback does this on its
-    own; call it only to read gradients from inside a backward, e.g. in a hook)."""
-    items = list(_INFLIGHT)
-    _INFLIGHT.clear()
-    _CALLBACK_TASKS.clear()
-    _finish(items)
-
-
-def _drop_stale() -> None:
-    """Reductions still in flight outside any backward belong to a backward that raised before its
-    callback ran: complete the collectives (every rank issued them) and drop their partial results."""
-    items = list(_INFLIGHT)
-    _INFLIGHT.clear()
-    _CALLBACK_TASKS.clear()
-    _finish(items, apply=False)
-
-
-def _async_targets(ctx: Any) -> tuple[torch.Tensor | None, ...] | None:
-    """The leaves whose ``.grad`` an asynchronous reduction may write: ``ctx.tensor_inputs``, None
-    for inputs that take no gradient. None when autograd would not accumulate into every one of them
-    (``autograd.grad``, a subset ``inputs=``, non-leaves, hooks, ``create_graph``): reduce synchronously."""
-    if torch.is_grad_enabled():  # create_graph=True: gradients must stay differentiable graph values
-        return None
-    targets: list[torch.Tensor | None] = []
-    for t, (node, _) in zip(ctx.tensor_inputs, ctx.next_functions):
-        if not t.requires_grad:
-            targets.append(None)
-            continue
-        hooked = t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
-        if node is None or t.grad_fn is not None or hooked:  # hooks expect AccumulateGrad to run them
-            return None
-        try:
-            if not torch._C._will_engine_execute_node(node):
-                return None
-        except RuntimeError:  # autograd.grad(): the engine captures gradients instead of accumulating
-            return None
-        targets.append(t)
-    return tuple(targets)
-
-
-def _enqueue(red: Any) -> None:
-    """Track an asynchronous reduction of the running backward; its results reach ``.grad`` in the
-    callback queued at the end of that backward (one callback per backward call)."""
-    task = torch._C._current_graph_task_id()
-    _INFLIGHT.append((task, red))
-    if task not in _CALLBACK_TASKS:
-        _CALLBACK_TASKS.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_task(task))
-
-
 class _Bucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> Any:
-        if _INFLIGHT and torch._C._current_graph_task_id() == -1:
-            _drop_stale()
+        drop_stale_outside_backward()
         ctx.bucket = bucket
         ctx.dtypes = [p.dtype for p in params]
         ctx.device = params[0].device
@@ -292,7 +147,7 @@ class _Bucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         b: DDPBucket = ctx.bucket
-        flat = _flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
+        flat = flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
         nones = (None,) * len(grads)
         if not sync_enabled():
             b.acc = flat if b.acc is None else b.acc.add_(flat)
@@ -301,12 +156,12 @@ class _Bucket(torch.autograd.Function):
             flat.add_(b.acc)
             b.acc = None
         red = _Reduction(b, flat, ctx.dtypes)
-        targets = _async_targets(ctx) if comm.group_size(b.axis) > 1 else None
+        targets = async_targets(ctx) if comm.group_size(b.axis) > 1 else None
         red.start(async_op=targets is not None)
         if targets is None:
             return (None, *red.finish())
         red.targets = targets if ctx.has_shard else (None, *targets)
-        _enqueue(red)
+        enqueue(red)
         return (None, None) + nones
 
 
@@ -414,12 +269,14 @@ class _UnitReduction:
     to the shard's device) later."""
 
     def __init__(self, unit: FSDPUnit, flat: torch.Tensor) -> None:
-        self.unit, self.flat = unit, flat
+        self.unit = unit
+        self.flat: torch.Tensor | None = flat
         self.out = torch.empty(unit.padded // unit.n, dtype=unit.reduce_dtype, device=unit.compute_device)
         self.work: Any = None
         self.targets: tuple[torch.Tensor | None, ...] = ()
 
     def start(self, *, async_op: bool) -> None:
+        assert self.flat is not None
         self.work = comm.reduce_scatter_flat(self.out, self.flat, self.unit.axis, async_op=async_op)
 
     @torch.no_grad()
@@ -434,17 +291,13 @@ class _UnitReduction:
 
 def _finish_units(task: int) -> None:
     """Finish the running backward's unit reductions still in flight (in launch order)."""
-    mine = [item for item in _INFLIGHT if item[0] == task and isinstance(item[1], _UnitReduction)]
-    if mine:
-        _INFLIGHT[:] = [item for item in _INFLIGHT if item not in mine]
-        _finish(mine)
+    finish_where(task, lambda red: isinstance(red, _UnitReduction))
 
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
-        if _INFLIGHT and torch._C._current_graph_task_id() == -1:
-            _drop_stale()
+        drop_stale_outside_backward()
         ctx.unit = unit
         ctx.tensor_inputs = (flat,)
         unit.gather()
@@ -460,7 +313,7 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         u: FSDPUnit = ctx.unit
-        flat = _flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
+        flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
         u.free()  # every backward op that read the gathered parameters has run
         if not sync_enabled():
             u.acc = flat if u.acc is None else u.acc.add_(flat)
@@ -469,14 +322,14 @@ class _Unshard(torch.autograd.Function):
             flat.add_(u.acc)
             u.acc = None
         red = _UnitReduction(u, flat)
-        targets = _async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
+        targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
         if targets is not None:
             _finish_units(torch._C._current_graph_task_id())  # at most one unit's gradient in flight
         red.start(async_op=targets is not None)
         if targets is None:
             return None, red.finish()[0]
         red.targets = targets
-        _enqueue(red)
+        enqueue(red)
         return None, None
 
 

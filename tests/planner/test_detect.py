@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from planner.cluster import Cluster
-from planner.detect import GpuInfo, detect_cluster, node_shape, probe_nvml
+from planner.cluster import Cluster, detect_cluster
+from planner.detect import GpuInfo, node_shape, probe_nvml
 from planner.gpus import GPU_MODELS, PCIE_GEN4, PCIE_GEN5, gpu_model
 
 MiB = 2**20

@@ -18,6 +18,7 @@ from passes import compile_rank
 from passes.dp.shard_data_parallel import META_DP, shard_data_parallel_pass
 from planner.capture import capture
 from planner.plan import DataParallel, Mesh, Plan, PlanError
+from planner.validate import validate_plan
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def test_fp16_is_refused_before_anything_runs():
     graph = capture(case.model, case.make_batch(0, 4), loss_fn=case.loss_fn)
     plan = Plan(data_parallel=DataParallel(kind="ddp", param_dtype="fp16"))
     with pytest.raises(PlanError, match=r'data_parallel.param_dtype: "fp16" needs dynamic loss scaling'):
-        plan.validate(graph)
+        validate_plan(plan, graph)
     with pytest.raises(ValueError, match=r'data_parallel.reduce_dtype: "fp16" needs dynamic loss scaling'):
         shard_data_parallel_pass(graph.gm, DataParallel(kind="zero2", reduce_dtype="fp16"), dp_index=0, dp_size=1)
 
