@@ -21,6 +21,7 @@ planned reuse its work instead of capturing eight times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -33,15 +34,17 @@ from torch import nn
 
 from fairscale.arguments import check_all
 from fairscale.report.text import render_report
+from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
-from planner.plan import Plan
+from planner.plan import Plan, PlanError
 from planner.search import SearchResult, cost_plan
 from planner.search import search as _search
 from planner.validate import validate_plan
+from planner.validate_fields import fp16_problem
 
 __all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster"]
 
@@ -60,9 +63,12 @@ def captured(model: nn.Module, example_inputs: Sequence[Any], *,
     return _CAPTURES[key]
 
 
-def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None) -> Cluster:
-    """The cluster to plan for: ``cluster`` (a Cluster or a preset name), else the detected GPUs,
-    else ``devices`` CPU ranks (``devices`` defaults to the launched world size)."""
+def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None, *,
+                    device: torch.device | None = None) -> Cluster:
+    """The cluster to plan for: ``cluster`` (a Cluster or a preset name), else the detected GPUs
+    (``Cluster.detect``: no CUDA context is created), else ``devices`` CPU ranks (``devices``
+    defaults to the launched world size). ``device``: the ranks' device; a CPU device plans CPU
+    ranks even on a machine with GPUs."""
     if devices is None and dist.is_initialized():
         devices = dist.get_world_size()
     if isinstance(cluster, str):
@@ -70,11 +76,12 @@ def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = 
         nodes = max(1, -(-(devices or per_node) // per_node))
         cluster = Cluster.preset(cluster, nodes=nodes)
     if cluster is None:
-        detected = Cluster.detect()
-        if torch.cuda.is_available():
-            cluster = detected
-        else:
+        if (device is not None and device.type == "cpu") or torch.cuda.device_count() == 0:  # NVML: no context
             cluster = Cluster.cpu(devices or int(os.environ.get("WORLD_SIZE", "1")))
+        else:
+            cluster = Cluster.detect()
+            if devices is not None and cluster.nodes == 1 and devices < cluster.devices_per_node:
+                cluster = dataclasses.replace(cluster, devices_per_node=devices)  # a job on part of one node
     if devices is not None and cluster.devices != devices:
         raise ValueError(f"devices={devices} but the cluster has {cluster.devices} "
                          f"({cluster.nodes} nodes × {cluster.devices_per_node}); give matching numbers")
@@ -114,7 +121,8 @@ def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan
 def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs: Sequence[Any],
                 loss_fn: Callable[..., torch.Tensor] | None = None, plan: Plan | str | Path | None = None,
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
-                global_batch: int | None = None, constraints: dict[str, Any] | None = None) -> ParallelModule:
+                global_batch: int | None = None, constraints: dict[str, Any] | None = None,
+                device: str | torch.device | None = None, tf32: bool = True) -> ParallelModule:
     """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
 
     Call it on every rank (inside ``fairscale.launch`` or torchrun) with the same model and batch.
@@ -132,6 +140,13 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3).
         global_batch: samples per step (default: the example batch's size).
         constraints: fields the search must keep (ignored when ``plan`` is given).
+        device: where this rank computes. Default: ``cuda:LOCAL_RANK`` when the process group is
+            NCCL (the default whenever CUDA is present), else ``cpu``. It is made the current CUDA
+            device before anything touches CUDA. ``"cpu"`` with NCCL, or a CUDA device without
+            one, is an error. The model stays where it is: each rank's slices and shards are built
+            on the device one parameter at a time, and batches are moved there without blocking.
+        tf32: on a CUDA device, run fp32 matmuls in TF32 (unless the user already chose a
+            precision; ``fairscale.runtime.device.enable_tf32``). ``False`` keeps IEEE fp32.
 
     Returns:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
@@ -145,15 +160,23 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     devices = devices or dist.get_world_size()
     if devices != dist.get_world_size():
         raise ValueError(f"devices={devices}, but {dist.get_world_size()} ranks were launched")
-    cl = resolve_cluster(devices, cluster)
+    rank_device = resolve_device(device)
+    use_device(rank_device)  # before anything below can create a CUDA context on another GPU
+    cl = resolve_cluster(devices, cluster, device=rank_device)
     if plan is None:
         chosen = search(model, example_inputs, devices=devices, cluster=cl, global_batch=global_batch,
                         loss_fn=loss_fn, constraints=constraints).plan
+        # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
+        # loss scaling, which plan files are refused for in validation and searched plans here
+        refused = [p for name in ("param_dtype", "reduce_dtype")
+                   if (p := fp16_problem(f"data_parallel.{name}", getattr(chosen.data_parallel, name)))]
+        if refused:
+            raise PlanError(refused, source="constraints")
     else:
         chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
                                 global_batch=global_batch)
     return ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                          render_report=render_report)
+                          render_report=render_report, device=rank_device, tf32=tf32)
 
 
 def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,

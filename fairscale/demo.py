@@ -23,11 +23,12 @@ from typing import Sequence
 
 import torch
 
-from fairscale.api import captured, parallelize, resolve_cluster, search
+from fairscale.api import captured, parallelize, search
 from fairscale.report.build import html_report, text_report
 from fairscale.runtime.launch import launch
 from fairscale.testing.models import GPT, GPTConfig, lm_loss
 from fairscale.testing.reference import train_reference, Case
+from planner.cluster import Cluster
 
 __all__ = ["main"]
 
@@ -91,13 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"sequence {CONFIG.seq}) on {args.devices} CPU ranks, global batch {args.batch}\n")
 
     t0 = time.perf_counter()
-    free = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn)
+    # CPU ranks on any machine (a GPU box too): the plan, the report and the launch all say so
+    cpu = Cluster.cpu(args.devices)
+    free = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn, cluster=cpu)
     print(f"planner: searched in {time.perf_counter() - t0:.2f} s (capture included). Its ranking:")
     print(_indent(free.table()))
     chosen = free
     if args.mesh != "auto":
         pp, dp, tp = (int(x) for x in args.mesh.split(","))
-        chosen = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn,
+        chosen = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn, cluster=cpu,
                         constraints={"mesh": {"pp": pp, "dp": dp, "tp": tp}})
         slower = chosen.plan.predicted.step_time_s / free.plan.predicted.step_time_s
         print(f"\nThe demo fixes the mesh to pp {pp} × dp {dp} × tp {tp} to exercise every axis; the planner "
@@ -106,13 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     graph = captured(case.model, batch, loss_fn=case.loss_fn)
     print("\n" + text_report(plan, graph))
-    html = html_report(plan, graph=graph, cluster=resolve_cluster(args.devices),
+    html = html_report(plan, graph=graph, cluster=cpu,
                        title=f"demo GPT on {args.devices} CPU ranks", path=Path(args.html))
     print(f"\nHTML report (timeline, memory, mesh): {html}\n")
 
     print(f"training on {args.devices} gloo ranks:")
     t0 = time.perf_counter()
-    losses = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), timeout_s=600)[0]
+    losses = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), backend="gloo",
+                    timeout_s=600)[0]
     parallel_s = time.perf_counter() - t0
     print(f"  {args.steps} steps in {parallel_s:.1f} s (process start and compile included)\n")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 import torch.fx
 
 from passes.ep.shard_experts import shard_experts_pass
@@ -36,11 +37,12 @@ __all__ = ["compile_rank", "split_stages_pass", "shard_tensor_parallel_pass", "i
            "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
 
 
-def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int,
-                 tp_index: int) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
+def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int, tp_index: int,
+                 device: torch.device | str | None = None) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
     """The rewritten graphs of one rank: for each stage in ``stages``, its tensor-parallel slice
     ``tp_index``, its experts (``dp_index % mesh.ep``), recompute regions, and data-parallel shard
-    ``dp_index``. ``graph`` is left intact."""
+    ``dp_index``, placed on ``device`` (default: where the capture's parameters are) by the
+    data-parallel pass, the last one. ``graph`` is left intact."""
     verify_pass(graph.gm, where="after capture")
     program = split_stages_pass(graph.gm, plan, graph=graph)
     modules: dict[int, torch.fx.GraphModule] = {}
@@ -52,7 +54,7 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
         gm = insert_recompute_pass(gm, plan)
         # weights shared by several stages stay whole: the pipeline sums their copies' gradients
         gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp,
-                                      replicate=program.shared_keys(s), ep_size=plan.mesh.ep)
+                                      replicate=program.shared_keys(s), ep_size=plan.mesh.ep, device=device)
         modules[s] = verify_pass(gm, where=f"for stage {s}")
     return program, modules
 

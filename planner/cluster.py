@@ -19,9 +19,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+import warnings
+from typing import Any, Callable, Mapping
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB"]
+from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
+from planner.gpus import GPU_MODELS, conservative_model, gpu_model
+
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "detect_cluster"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -180,23 +184,11 @@ class Cluster:
 
     @classmethod
     def detect(cls) -> Cluster:
-        """The local machine: its CUDA GPUs (count, model, memory, NVLink or PCIe), else CPU ranks.
-
-        Peaks come from the matching preset when the GPU model is known (A100, H100, H200);
-        an unknown GPU gets A100-80GB peaks scaled by nothing, and its name says so.
-        """
-        import torch  # local: the rest of the planner never needs torch.cuda
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-            return cls.cpu(max(1, os.cpu_count() or 1))
-        count = torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(0)
-        model = str(props.name)
-        base = PRESETS[_preset_for(model)]
-        nvlink = _has_nvlink()
-        intra = base.intra_bandwidth if nvlink else 25e9  # PCIe 4.0 x16: 32 GB/s raw, ~25 GB/s achievable
-        return dataclasses.replace(base, name="detected", device=model, nodes=1, devices_per_node=count,
-                                   memory_bytes=int(props.total_memory), intra_bandwidth=intra)
+        """The local machine: its GPUs (count, model, memory, NVLink or PCIe; nodes from the
+        launcher's ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``), else CPU ranks. Creates no CUDA context;
+        an unknown GPU model is named as unknown and planned with conservative figures, with a
+        warning (``planner.detect``)."""
+        return detect_cluster()
 
     # --- serialization -------------------------------------------------------------------------
 
@@ -223,6 +215,52 @@ class Cluster:
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 
+def detect_cluster(*, gpus: Callable[[], int] | None = None, probe: Callable[[], GpuInfo | None] | None = None,
+                   environ: Mapping[str, str] | None = None) -> Cluster:
+    """The local cluster, as ``planner.detect`` describes. ``gpus``, ``probe`` and ``environ`` replace the
+    GPU count, the driver query and ``os.environ`` (tests fake them)."""
+    env = os.environ if environ is None else environ
+    if gpus is None:
+        import torch  # local: the rest of the planner never needs torch.cuda
+
+        count = torch.cuda.device_count()  # NVML: no CUDA context
+    else:
+        count = gpus()
+    if count == 0:
+        world = int(env.get("WORLD_SIZE", "0")) or max(1, os.cpu_count() or 1)
+        return Cluster.cpu(world)
+    info = (probe or probe_gpu)()
+    if info is None:
+        raise RuntimeError(f"{count} CUDA device(s) are visible but neither NVML nor torch.cuda could name them; "
+                           "install nvidia-ml-py (pip install fairscale[gpu]) or pass cluster= (a preset name, "
+                           "e.g. 'h100-sxm-80gb', or a planner.cluster.Cluster)")
+    nodes, per_node = node_shape(count, env)
+    model = gpu_model(info.name)
+    notes = []
+    if model is None:
+        model = conservative_model(info.name, info.memory_bytes)
+        notes.append(f"unknown GPU model {info.name!r}: planning with conservative figures (the lowest of every "
+                     f"known model: {model.peak_flops['bf16'] / 1e12:.0f} TFLOP/s bf16, "
+                     f"{model.hbm_bandwidth / 1e9:.0f} GB/s memory, PCIe Gen4 between GPUs); add its datasheet "
+                     "figures to planner.gpus.GPU_MODELS or pass cluster=")
+    intra, note = intra_node_link(model, info, per_node)
+    if note:
+        notes.append(note)
+    if nodes > 1:
+        notes.append(f"{nodes} nodes: the bandwidth between nodes cannot be measured from one node; assuming "
+                     f"{INTER_NODE / 1e9:.0f} GB/s per GPU (one 400 Gb/s NIC per GPU); pass cluster= to plan for "
+                     "another network")
+    for text in notes:
+        warnings.warn(text, stacklevel=3)
+    host = host_memory_bytes() // per_node
+    device = info.name if model.key != "unknown" else f"unknown: {info.name}"
+    return Cluster(name="detected", device=device, nodes=nodes, devices_per_node=per_node,
+                   memory_bytes=int(info.memory_bytes or model.memory_bytes), peak_flops=dict(model.peak_flops),
+                   hbm_bandwidth=model.hbm_bandwidth, intra_bandwidth=intra, intra_latency=5e-6,
+                   inter_bandwidth=INTER_NODE, inter_latency=10e-6, host_bandwidth=model.host_bandwidth,
+                   host_memory_bytes=max(1, host))
+
+
 def host_memory_bytes() -> int:
     """Total host RAM from /proc/meminfo (16 GiB where it cannot be read)."""
     try:
@@ -235,70 +273,34 @@ def host_memory_bytes() -> int:
     return 16 * GiB
 
 
-def _has_nvlink() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return bool(pynvml.nvmlDeviceGetNvLinkState(handle, 0))
-    except Exception:  # noqa: BLE001 - no NVML or no NVLink: assume PCIe
-        return False
-
-
-def _preset_for(device_name: str) -> str:
-    n = device_name.upper()
-    if "H200" in n:
-        return "h200"
-    if "H100" in n:
-        return "h100-sxm-80gb"
-    if "A100" in n and "40" in n:
-        return "a100-40gb"
-    return "a100-80gb"
-
-
 # --- presets ------------------------------------------------------------------------------------
-# A100 SXM4 (NVIDIA A100 Tensor Core GPU datasheet, 2021): FP32 19.5 TFLOP/s, TF32 156, BF16/FP16
-#   312 (dense; 624 with sparsity); HBM2 1,555 GB/s (40GB) / HBM2e 2,039 GB/s (80GB); NVLink 3
-#   600 GB/s total per GPU = 300 GB/s per direction. DGX A100 node: 8 GPUs, 8 x 200 Gb/s HDR
-#   InfiniBand compute NICs (DGX A100 user guide) = 25 GB/s per GPU per direction.
-# H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet): FP32 67 TFLOP/s, TF32 494.7, BF16/FP16 989.4
-#   (dense; 1,979 with sparsity); HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction.
-#   DGX H100: 8 GPUs, 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU per direction.
-# H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): same compute as H100 SXM, 141 GB HBM3e at
-#   4.8 TB/s, NVLink 900 GB/s; DGX H200 keeps 8 x 400 Gb/s NDR.
-# Memory sizes are what nvidia-smi reports (MiB): A100-40GB 40960, A100-80GB 81920,
-#   H100-SXM-80GB 81559, H200 143771.
+# GPU figures (peaks, memory, NVLink, PCIe) come from planner.gpus, with their sources. Node figures:
+# DGX A100: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute NICs (DGX A100 user guide) = 25 GB/s per GPU
+#   per direction; DGX H100/H200: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU per direction.
 # Latencies: ~5 us per NVLink hop and ~10 us per InfiniBand hop are NCCL's small-message floors.
 # Host side (offload): DGX A100 has PCIe 4.0 x16 per GPU (32 GB/s per direction raw, ~25 GB/s
 #   achieved), 1 TB of RAM (128 GB per GPU) and two EPYC 7742 with 8 DDR4-3200 channels each
 #   (2 x 204.8 GB/s = 51 GB/s per GPU); DGX H100/H200 have PCIe 5.0 x16 (64 GB/s raw, ~50 GB/s),
 #   2 TB of RAM (256 GB per GPU) and two Xeon 8480C with 8 DDR5-4800 channels each (77 GB/s per GPU).
 
-_A100 = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
-_DGX_A100_HOST: dict[str, Any] = {"host_bandwidth": 25e9, "host_memory_bytes": 128 * 10**9,
-                                  "host_memory_bandwidth": 51e9}
-_DGX_H100_HOST: dict[str, Any] = {"host_bandwidth": 50e9, "host_memory_bytes": 256 * 10**9,
-                                  "host_memory_bandwidth": 77e9}
-_H100 = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}
+_DGX_A100_HOST: dict[str, Any] = {"host_memory_bytes": 128 * 10**9, "host_memory_bandwidth": 51e9}
+_DGX_H100_HOST: dict[str, Any] = {"host_memory_bytes": 256 * 10**9, "host_memory_bandwidth": 77e9}
+
+
+def _dgx(name: str, gpu: str, *, inter_bandwidth: float, host: dict[str, Any]) -> Cluster:
+    """A DGX-style node of 8 ``gpu`` (a ``planner.gpus.GPU_MODELS`` key) on NVSwitch, with one NIC per GPU."""
+    m = GPU_MODELS[gpu]
+    return Cluster(name=name, device=m.example_name, nodes=1, devices_per_node=8, memory_bytes=m.memory_bytes,
+                   peak_flops=dict(m.peak_flops), hbm_bandwidth=m.hbm_bandwidth, intra_bandwidth=m.nvlink_bandwidth,
+                   intra_latency=5e-6, inter_bandwidth=inter_bandwidth, inter_latency=10e-6,
+                   host_bandwidth=m.host_bandwidth, **host)
+
 
 PRESETS: dict[str, Cluster] = {
-    "a100-40gb": Cluster(name="a100-40gb", device="NVIDIA A100-SXM4-40GB", nodes=1, devices_per_node=8,
-                         memory_bytes=40960 * MiB, peak_flops=_A100, hbm_bandwidth=1555e9,
-                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
-                         **_DGX_A100_HOST),
-    "a100-80gb": Cluster(name="a100-80gb", device="NVIDIA A100-SXM4-80GB", nodes=1, devices_per_node=8,
-                         memory_bytes=81920 * MiB, peak_flops=_A100, hbm_bandwidth=2039e9,
-                         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
-                         **_DGX_A100_HOST),
-    "h100-sxm-80gb": Cluster(name="h100-sxm-80gb", device="NVIDIA H100 80GB HBM3", nodes=1, devices_per_node=8,
-                             memory_bytes=81559 * MiB, peak_flops=_H100, hbm_bandwidth=3350e9,
-                             intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
-                             **_DGX_H100_HOST),
-    "h200": Cluster(name="h200", device="NVIDIA H200", nodes=1, devices_per_node=8,
-                    memory_bytes=143771 * MiB, peak_flops=_H100, hbm_bandwidth=4800e9,
-                    intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
-                    **_DGX_H100_HOST),
+    "a100-40gb": _dgx("a100-40gb", "a100-sxm-40gb", inter_bandwidth=25e9, host=_DGX_A100_HOST),
+    "a100-80gb": _dgx("a100-80gb", "a100-sxm-80gb", inter_bandwidth=25e9, host=_DGX_A100_HOST),
+    "h100-sxm-80gb": _dgx("h100-sxm-80gb", "h100-sxm", inter_bandwidth=50e9, host=_DGX_H100_HOST),
+    "h200": _dgx("h200", "h200", inter_bandwidth=50e9, host=_DGX_H100_HOST),
 }
 
 _ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100": "h100-sxm-80gb",

@@ -24,8 +24,8 @@ from planner.plan import READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, D
 from planner.schedule_kinds import KINDS
 from planner.messages import describe, json_path_key
 from planner.selectors import Selector, format_layers
-from planner.validate_fields import (check_choice, check_conflicts, check_matches, check_positive, module_names,
-                                     parse_field)
+from planner.validate_fields import (check_choice, check_conflicts, check_matches, check_positive, fp16_problem,
+                                     module_names, parse_field)
 from planner.validate_tp import check_experts, check_tensor_parallel
 
 __all__ = ["validate_plan", "device_count"]
@@ -252,11 +252,16 @@ def _check_coverage(held: list[list[int]], names: list[str], problems: list[str]
 _FSDP_ONLY = ("units", "reshard_after_forward", "prefetch")
 
 
+
 def _check_data_parallel(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
     dp = plan.data_parallel
     known = check_choice("data_parallel.kind", dp.kind, DP_KINDS, "data-parallel kind", problems)
     check_choice("data_parallel.param_dtype", dp.param_dtype, DTYPES, "dtype", problems)
     check_choice("data_parallel.reduce_dtype", dp.reduce_dtype, DTYPES, "dtype", problems)
+    for name in ("param_dtype", "reduce_dtype"):
+        problem = fp16_problem(f"data_parallel.{name}", getattr(dp, name))
+        if problem:
+            problems.append(problem)
     if dp.bucket_mb <= 0:
         problems.append(f"data_parallel.bucket_mb: expected a positive number of MiB, got {dp.bucket_mb}")
     default = DataParallel()

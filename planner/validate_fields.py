@@ -12,7 +12,7 @@ from planner.messages import closest, describe
 from planner.selectors import Selector, SelectorError, format_layers, format_ranges, parse_selector, suggest
 
 __all__ = ["ALIASES", "check_positive", "check_choice", "parse_field", "check_matches", "module_names", "outline",
-           "short_list", "check_conflicts"]
+           "short_list", "check_conflicts", "fp16_problem"]
 
 
 def check_positive(path: str, value: int, problems: list[str]) -> bool:
@@ -112,3 +112,13 @@ def check_conflicts(path: str, parsed: list[tuple[str, Selector, str]], modules:
         (ka, _, va), (kb, _, vb) = parsed[a], parsed[b]
         problems.append(f'{path}: {short_list(mods)} {"is" if len(mods) == 1 else "are"} matched by "{ka}" ({va}) '
                         f'and by "{kb}" ({vb}); give each module one {what} by narrowing a selector')
+
+
+def fp16_problem(path: str, value: str) -> str | None:
+    """fp16 compute or reduction needs loss scaling (small gradients flush to zero below 6e-8 and
+    large ones overflow past 65504), which the runtime does not implement: refuse it rather than
+    train wrongly. bf16 has fp32's range and needs none."""
+    if value != "fp16":
+        return None
+    return (f'{path}: "fp16" needs dynamic loss scaling, which the runtime does not implement (gradients would '
+            'underflow or overflow silently); use "bf16" (same speed on A100/H100, fp32\'s range) or "fp32"')

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fairscale.runtime.device import collective_device
 from fairscale.runtime.state import load_sharded_state_dict, sharded_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "commit_checkpoint", "dp_mesh", "CheckpointSaveError"]
@@ -49,8 +50,7 @@ def dp_mesh() -> DeviceMesh:
     """A 1-D mesh over the whole world, named ``dp`` (the dp-only runner's layout)."""
     world = dist.get_world_size()
     if world not in _MESHES:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        _MESHES[world] = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        _MESHES[world] = init_device_mesh(collective_device().type, (world,), mesh_dim_names=("dp",))
     return _MESHES[world]
 
 
@@ -145,12 +145,12 @@ def load_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, o
             shape = tuple(item.size)
             dtype = item.properties.dtype
             if len(shape) == 0:
-                state[key] = torch.zeros((), dtype=dtype)
+                state[key] = torch.zeros((), dtype=dtype, device=mesh.device_type)
             else:
                 n, i = mesh.size(), mesh.get_local_rank()
                 per = -(-shape[0] // n)
                 rows = max(0, min((i + 1) * per, shape[0]) - min(i * per, shape[0]))
-                local = torch.zeros((rows, *shape[1:]), dtype=dtype)
+                local = torch.zeros((rows, *shape[1:]), dtype=dtype, device=mesh.device_type)
                 stride = torch.empty(shape, device="meta").stride()
                 state[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
     dcp.load(state, storage_reader=reader)

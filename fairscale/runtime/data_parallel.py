@@ -21,7 +21,7 @@ runner is the dp-only path.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fairscale.runtime import state as _state
+from fairscale.runtime.device import collective_device
 from fairscale.runtime.init import check_replicas, sync_params
 from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
@@ -94,8 +95,13 @@ class DataParallelRunner:
     graph: ModelGraph | None
     dp_index: int
     dp_size: int
-    last_grad_norm: float | None = None
-    """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
+    _grad_norm: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``
+        (read from the device only when asked for: no host sync in the step)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     @classmethod
     def build(cls, graph: ModelGraph | torch.fx.GraphModule, plan: Plan | DataParallel,
@@ -145,24 +151,26 @@ class DataParallelRunner:
         """
         mine = tuple(global_batch) if local else local_slice(global_batch, self.dp_index, self.dp_size)
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total: torch.Tensor | None = None  # summed on the device: one host sync per step, at the end
         for m in range(microbatches):
             part = local_slice(mine, m, microbatches) if microbatches > 1 else mine
             ctx = no_sync() if m < microbatches - 1 else _null()
             with ctx:
                 loss = self.gm(*part)
                 (loss / microbatches).backward()
-            total += loss.detach().float().item() / microbatches
+            share = loss.detach().to(torch.float64) / microbatches
+            total = share if total is None else total + share
         if clip_norm is not None:
-            self.last_grad_norm = float(self.optimizer.clip_grad_norm_(clip_norm))
+            self._grad_norm = self.optimizer.clip_grad_norm_(clip_norm)
         self.optimizer.step()
+        assert total is not None, "microbatches must be >= 1"
         return self._mean(total)
 
-    def _mean(self, value: float) -> float:
+    def _mean(self, value: torch.Tensor | float) -> float:
         """Mean of a per-rank scalar over dp ranks (a reporting all-reduce, not counted as model traffic)."""
         if self.dp_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return float(value)
+        t = torch.as_tensor(value, dtype=torch.float64, device=collective_device()).reshape(1)
         dist.all_reduce(t, group=comm.get_group(self.optimizer.info.axis))
         return float(t.item() / self.dp_size)
 

@@ -3,16 +3,21 @@
 :class:`ParallelModule` is what ``fairscale.parallelize`` returns on every rank. It is built from
 the user's model, a plan and an example batch:
 
-1. bind the pp × dp × tp mesh (``fairscale.runtime.mesh``);
-2. capture the model at the shape one microbatch has on one rank
+1. choose this rank's device (``fairscale.runtime.device``: ``cuda:LOCAL_RANK`` under NCCL, else
+   CPU) and make it current before anything touches CUDA;
+2. bind the pp × dp × tp mesh (``fairscale.runtime.mesh``);
+3. capture the model at the shape one microbatch has on one rank
    (global batch / (dp × microbatches)), because exported graphs are shape-specialized;
-3. run the pass pipeline for this rank's stages (``passes.compile_rank``);
-4. wrap each stage graph's local tensors in a data-parallel-aware optimizer;
-5. run steps through the pipeline executor (one stage and no P2P when pp = 1).
+4. check that every rank holds the same initial weights (one checksum all-reduce);
+5. run the pass pipeline for this rank's stages (``passes.compile_rank``), which builds this rank's
+   slices and shards directly on the device, one parameter at a time (the user's model stays
+   where it is: the whole model never lands on one GPU);
+6. wrap each stage graph's local tensors in a data-parallel-aware optimizer;
+7. run steps through the pipeline executor (one stage and no P2P when pp = 1).
 
-Every rank passes the same **global** batch; each takes its dp slice along dim 0, and each
-pipeline stage reads the batch inputs it needs (labels on the last stage). Losses returned are
-means over the global batch, identical on every rank.
+Every rank passes the same **global** batch; each takes its dp slice along dim 0 and copies it to
+its device without blocking, and each pipeline stage reads the batch inputs it needs (labels on
+the last stage). Losses returned are means over the global batch, identical on every rank.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.runtime.data_parallel import local_slice
+from fairscale.runtime.device import enable_tf32, resolve_device, to_device, use_device
+from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
-from fairscale.runtime import state as _state
+from fairscale.runtime.state_stream import iter_full_state
 from passes import compile_rank
 from passes.ops import comm
 from planner.capture import capture
@@ -73,14 +80,19 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
-                 render_report: Callable[[Plan, ModelGraph], str] | None = None) -> None:
+                 render_report: Callable[[Plan, ModelGraph], str] | None = None,
+                 device: str | torch.device | None = None, tf32: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
+        self.device: torch.device = resolve_device(device)
+        """Where this rank computes: its shards, activations and collectives (see ``fairscale.runtime.device``)."""
+        use_device(self.device)
+        self.tf32 = enable_tf32(self.device) if tf32 else False
         m = plan.mesh
         self.plan = plan
         self.mesh: RankMesh
-        self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp, ep=m.ep)
+        self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp, ep=m.ep, device_type=self.device.type)
         gb = plan.schedule.global_batch or _batch_rows(example_inputs)
         micro = plan.schedule.microbatches
         if gb % (m.dp * micro):
@@ -90,18 +102,26 @@ class ParallelModule:
         self.microbatch_rows = gb // (m.dp * micro)
         example = microbatch_example(example_inputs, self.microbatch_rows)
         self.graph: ModelGraph = capture(model, example, loss_fn=loss_fn, annotate=False)
+        if not any(p.is_meta for p in self.graph.gm.parameters()):
+            check_replicas(self.graph.gm, device=self.device)  # under torchrun each rank built its own model
         self.schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
                                        virtual_stages=plan.schedule.virtual_stages)
         self.local_stages = self.schedule.rank_stages(self.mesh.pp_index)
         self.program, self.modules = compile_rank(self.graph, plan, stages=self.local_stages,
-                                                  dp_index=self.mesh.dp_index, tp_index=self.mesh.tp_index)
-        self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules)
+                                                  dp_index=self.mesh.dp_index, tp_index=self.mesh.tp_index,
+                                                  device=self.device)
+        self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
         self.optimizer = _StageOptimizers(self._optimizers)
-        self.last_grad_norm: float | None = None
-        """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
         self._render_report = render_report
+        self._grad_norm: torch.Tensor | None = None
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``
+        (read from the device only when asked for: no host sync in the step)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -115,11 +135,15 @@ class ParallelModule:
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.step(local_slice(batch, self.mesh.dp_index, self.mesh.dp))  # mean over pp and dp
+        loss = self.executor.step(self._local(batch))  # mean over pp and dp
         if clip_norm is not None:
-            self.last_grad_norm = float(self.clip_grad_norm_(clip_norm))
+            self._grad_norm = self.clip_grad_norm_(clip_norm)
         self.optimizer.step()
         return loss
+
+    def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
+        """This rank's dp slice of the global ``batch``, on its device (copied without blocking)."""
+        return to_device(local_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -156,7 +180,7 @@ class ParallelModule:
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
                 f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
                 "schedule interleaves: use pm.train_step(batch)")
-        out = self.modules[0](*local_slice(batch, self.mesh.dp_index, self.mesh.dp))
+        out = self.modules[0](*self._local(batch))
         return out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -167,20 +191,49 @@ class ParallelModule:
     # -- state ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only;
-        other ranks get ``{}``. Collective: every rank must call it."""
-        mine: dict[str, torch.Tensor] = {}
-        for s in self.local_stages:
-            mine.update(_state.full_state_dict(self.modules[s], aliases=self.graph.tied, rank0_only=False))
+        """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only, in
+        host memory; other ranks get ``{}``. Collective: every rank must call it.
+
+        Gathered one tensor (or ZeRO bucket, or FSDP unit) at a time: each stage's first rank
+        (dp 0, tp 0) sends its stage's tensors to rank 0 one by one, so no device ever holds more
+        than its own shards plus one gathered unit, and only rank 0's host holds the whole model."""
+        mine = self._full_tensors()
         first_of_stage = self.mesh.dp_index == 0 and self.mesh.tp_index == 0
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine if first_of_stage else None)
-        if dist.get_rank() != 0:
-            return {}
-        out: dict[str, torch.Tensor] = {}
-        for part in parts:
-            out.update(part or {})
-        return out
+        if dist.get_rank() == 0:
+            out: dict[str, torch.Tensor] = {}
+            for names, t in mine:
+                host = t.to("cpu", copy=True)
+                for name in names:
+                    out.setdefault(name, host)
+            for p in range(1, self.mesh.pp):  # the other stages' first ranks, in pipeline order
+                src = self.mesh.rank_of(p, 0, 0)
+                while True:
+                    header: list[Any] = [None]
+                    dist.recv_object_list(header, src=src, device=self.device)
+                    if header[0] is None:
+                        break
+                    names, shape, dtype = header[0]
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(buf, src=src)
+                    host = buf.cpu()
+                    for name in names:
+                        out.setdefault(name, host)  # a weight tied across stages: the copies are equal
+            return out
+        if first_of_stage:
+            for names, t in mine:
+                dist.send_object_list([(names, tuple(t.shape), t.dtype)], dst=0, device=self.device)
+                dist.send(t.contiguous(), dst=0)
+            dist.send_object_list([None], dst=0, device=self.device)
+        else:
+            for _ in mine:  # take part in the stage's gathers
+                pass
+        return {}
+
+    def _full_tensors(self) -> Iterator[tuple[list[str], torch.Tensor]]:
+        """(user names, full tensor on this rank's device) for every tensor of this rank's stages, one
+        at a time (``fairscale.runtime.state_stream``). Collective over each stage's dp and tp groups."""
+        for s in self.local_stages:
+            yield from iter_full_state(self.modules[s], aliases=self.graph.tied)
 
     def save_checkpoint(self, path: str) -> None:
         """Save model and optimizer state so any plan can resume it (``fairscale.runtime.engine_checkpoint``)."""

@@ -1,22 +1,27 @@
 """Checkpoints of a ParallelModule that resume under any other plan (2×2×2 → 1×4×2 → 8×1×1).
 
-Saving: every rank gathers, for its own stages, the full tensors in the user's keys (parameters
-over dp and tp, and the optimizer's per-parameter state, ``optim.<key>.<name>``), and
-``torch.distributed.checkpoint`` writes them. Keys held by several ranks (a stage's dp and tp
-replicas, a tied weight on two stages) are written once. The write goes to ``<path>.tmp`` and is
-renamed into place after every rank finished, so a crash mid-save never harms the previous one.
+Saving: the ranks of each stage gather its full tensors in the user's keys (parameters over dp
+and tp, and the optimizer's per-parameter state, ``optim.<key>.<name>``) one tensor, ZeRO bucket or
+FSDP unit at a time (``fairscale.runtime.state_stream``), and the stage's dp × tp ranks share the
+writing: the i-th tensor stays, in host memory, on rank ``i mod (dp × tp)`` of the stage only. So a
+device never holds more than its shards plus one gathered unit, each rank's host holds about
+1/(dp × tp) of its stage, and every rank writes its own share (``torch.distributed.checkpoint``;
+a weight tied across stages is written once). The write goes to ``<path>.tmp`` and is renamed into
+place after every rank finished, so a crash mid-save never harms the previous one.
 
 Loading: each rank reads only its stages' keys and cuts its own slices and shards for the new
 plan. Resuming continues exactly as if training had not stopped (same weights, same Adam moments
 and step counts).
 
-The gathered stage tensors are held on each rank while saving, so this suits models whose stage
-fits in host memory; data-parallel-only runs can use the per-rank sharded form in
-``fairscale.runtime.checkpoint``.
+Loading reads each of a rank's stages' keys whole into host memory (then copies its own slices
+and shards to the device), so a rank's host must hold its stages' tensors once while loading.
+Optimizer state lands on its parameter's device (``step`` stays on the host, as torch.optim keeps it).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -26,12 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from fairscale.runtime.checkpoint import checkpoint_path, commit_checkpoint
-from passes.layout import INSIDE_DP
-from fairscale.runtime.state import (full_state_dict, gather_tensor_shard, held_keys, load_full_state_dict,
-                                     load_optimizer_state_dict, optimizer_state_dict, param_layout, tied_aliases)
+from fairscale.runtime.state import (held_keys, load_full_state_dict, load_optimizer_state_dict, param_layout,
+                                     tied_aliases)
+from fairscale.runtime.state_stream import iter_full_state, iter_optimizer_state
 
 if TYPE_CHECKING:
     from fairscale.runtime.engine import ParallelModule
@@ -39,22 +43,23 @@ if TYPE_CHECKING:
 __all__ = ["save", "load"]
 
 
-def _stage_state(pm: ParallelModule) -> dict[str, Any]:
-    dp_mesh = pm.device_mesh["dp"]
-    state: dict[str, Any] = {}
+def _my_share(pm: ParallelModule) -> dict[str, Any]:
+    """The tensors this rank writes: every (dp × tp)-th one of its stages' gathered tensors, on the host."""
+    share: dict[str, Any] = {}
+    writers = pm.mesh.dp * pm.mesh.tp
+    me = pm.mesh.dp_index * pm.mesh.tp + pm.mesh.tp_index
     for s, opt in zip(pm.local_stages, pm._optimizers):
         gm = pm.modules[s]
-        layout = param_layout(gm)
-        state.update(full_state_dict(gm, aliases=pm.graph.tied, rank0_only=False))
-        for name, value in optimizer_state_dict(gm, opt, dp_mesh).items():
-            key = name[len("optim."):].rsplit(".", 1)[0]
-            if isinstance(value, DTensor):
-                value = gather_tensor_shard(key, value.full_tensor(), layout)
-            elif isinstance(value, torch.Tensor) and value.dim() > 0 and key in layout.tp \
-                    and layout.tp[key].axis in INSIDE_DP:
-                value = gather_tensor_shard(key, value, layout)  # an expert shard: gathered over ep
-            state[name] = value
-    return state
+        # every name of a tied tensor is written (another plan may hold it under any of them)
+        params = ((n, t) for names, t in iter_full_state(gm, aliases=pm.graph.tied) for n in names)
+        for i, (name, value) in enumerate(itertools.chain(params, iter_optimizer_state(gm, opt))):
+            if i % writers == me:
+                share[name] = value.to("cpu", copy=True) if isinstance(value, torch.Tensor) else \
+                    torch.tensor(value, device="cpu")  # lint: cpu -- a Python scalar state, saved as a tensor
+    # identical on every rank (one optimizer spec): DCP writes it once
+    share["optim.param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}
+                                              for g in pm._optimizers[-1].param_groups], default=str)
+    return share
 
 
 def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
@@ -66,7 +71,7 @@ def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
             shutil.rmtree(tmp)  # debris of an interrupted save, never a complete checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_stage_state(pm), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    dcp.save(_my_share(pm), storage_writer=dcp.FileSystemWriter(str(tmp)))
     dist.barrier()
     if dist.get_rank() == 0:
         commit_checkpoint(tmp, path)
@@ -91,7 +96,8 @@ def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
         if isinstance(item, BytesStorageMetadata):
             template[key] = None
         elif isinstance(item, TensorStorageMetadata):
-            template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            # lint: cpu -- read into host memory; load_full_state_dict copies each rank's part to its device
+            template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
     dcp.load(template, storage_reader=reader)
     for s, opt in zip(pm.local_stages, pm._optimizers):
         gm = pm.modules[s]

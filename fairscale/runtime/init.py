@@ -103,27 +103,51 @@ def sync_params(module: nn.Module, *, src: int = 0, group: object = None) -> Non
             dist.broadcast(t.data, src=src, group=group)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[sum, position-weighted sum] of ``t``'s bit patterns as int64 (wrapping): exact, so equal
+    tensors give equal fingerprints on any hardware, and cheap (a chunk at a time, no float
+    rounding, no copy of the whole tensor)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.view(_BITS[flat.element_size()]) if flat.element_size() in _BITS else flat.view(torch.uint8)
+    out = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64, device=flat.device)
+        out += torch.stack([part.sum(), (part * weights).sum()])
+    return out
+
+
 @torch.no_grad()
-def check_replicas(module: nn.Module, *, group: object = None) -> None:
-    """Raise :class:`ReplicaMismatchError` if ranks hold different parameters. Collective."""
+def check_replicas(module: nn.Module, *, group: object = None, device: torch.device | str | None = None) -> None:
+    """Raise :class:`ReplicaMismatchError` if ranks hold different parameters. Collective: one
+    all-reduce of two integers per parameter (on ``device``: the process group's device, CUDA
+    under NCCL), whatever device the parameters are on."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    names, sums = [], []
+    if device is None:
+        from fairscale.runtime.device import collective_device
+
+        device = collective_device()
+    names, prints = [], []
     for name, p in module.named_parameters():
         names.append(name)
-        flat = p.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)  # order-sensitive checksum
-        sums.append(torch.stack([flat.sum(), (flat * weights).sum()]))
-    local = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
-    lo, hi = local.clone(), local.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        prints.append(_fingerprint(p))
+    local = torch.stack(prints).to(device) if prints else torch.zeros(0, 2, dtype=torch.int64, device=device)
+    both = torch.cat([local, -local], dim=1)  # max of (x, -x) gives max and -min in one all-reduce
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[:, :2], -both[:, 2:]
     bad = [names[i] for i in range(len(names)) if not torch.equal(lo[i], hi[i])]
     if bad:
         raise ReplicaMismatchError(
-            f"ranks start from different weights for {len(bad)} parameter(s), e.g. {bad[:3]}; seed every rank "
-            "the same before building the model, or call fairscale.runtime.init.sync_params(model) "
-            "(DataParallelRunner.build(..., sync=True)) to copy rank 0's weights")
+            f"ranks start from different weights for {len(bad)} parameter(s), e.g. {bad[:3]}. Every rank builds "
+            "its own model under torchrun: seed every rank the same (torch.manual_seed(0)) before building it, "
+            "or load the same weights on every rank; for the data-parallel runner, "
+            "DataParallelRunner.build(..., sync=True) copies rank 0's weights (fairscale.runtime.init.sync_params)")
 
 
 def _locations(gm: torch.fx.GraphModule) -> dict[str, list[Callable[[torch.Tensor], None]]]:
@@ -192,7 +216,8 @@ def materialize_sharded(gm: torch.fx.GraphModule, meta_model: nn.Module, *, seed
         m.to_empty(device="meta", recurse=False)
     if param_init is not None:
         for key, p in meta_model.named_parameters():
-            full = torch.empty(p.shape, dtype=p.dtype)
+            # lint: cpu -- built whole on the host, then copied into this rank's shards on its device
+            full = torch.empty(p.shape, dtype=p.dtype, device="cpu")
             if param_init(key, full):
                 for write in where.get(key, []):
                     write(full)

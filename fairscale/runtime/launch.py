@@ -72,11 +72,15 @@ def _die_with_parent() -> None:
 
 def init_distributed(*, rank: int, world_size: int, init_method: str, backend: str | None = None,
                      timeout_s: float = 120.0) -> None:
-    """Initialize the default process group (gloo on CPU, NCCL when CUDA is present)."""
+    """Initialize the default process group (gloo on CPU, NCCL when CUDA is present). Under NCCL
+    the current CUDA device is set from ``LOCAL_RANK`` first (not the global rank: rank 9 of two
+    8-GPU nodes is ``cuda:1``), so NCCL's context lands on this rank's own GPU."""
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if torch.cuda.device_count() > 0 else "gloo"  # device_count asks NVML: no context
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        from fairscale.runtime.device import resolve_device_for_backend
+
+        torch.cuda.set_device(resolve_device_for_backend("nccl"))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -133,6 +137,13 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         return [fn(rank, world, *args, **kwargs)]
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "CUDA was initialized in this process before fairscale.launch forked its ranks, and a forked process "
+            "cannot use CUDA (\"Cannot re-initialize CUDA in forked subprocess\"). Launch before touching CUDA "
+            "(no .cuda(), torch.cuda.get_device_properties or torch.cuda.is_available() first; "
+            "torch.cuda.device_count() is safe), or run the script under torchrun (`torchrun --nproc_per_node N "
+            "script.py`), which starts fresh processes")
 
     ctx = mp.get_context("fork")
     init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -89,6 +89,10 @@ class DataParallelOptimizer:
         return self.optimizer.state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        place = self.info.placement
+        if place.store != place.compute and place.compute.type == "cuda":
+            # offloaded: the host steps shards that asynchronous copies to the GPU may still be reading
+            torch.cuda.current_stream(place.compute).synchronize()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         for bucket in self.info.buckets:
             if bucket.shard is not None:
@@ -286,9 +290,9 @@ def reduce_grad_norm(parts: dict[tuple[str, ...], torch.Tensor], norm_type: floa
 
 def _device() -> torch.device:
     """Where collectives of this process group take their tensors (nccl: the current GPU)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from fairscale.runtime.device import collective_device
+
+    return collective_device()
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:

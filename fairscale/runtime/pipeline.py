@@ -104,12 +104,14 @@ class PipelineExecutor:
         dp_axis: the data-parallel axis; when bound to more than one rank, the returned loss is
             the mean over its replicas (each replica's batch is the same size), i.e. the loss of
             the global batch. ``None`` returns this replica's loss.
+        device: where receive buffers, handshake messages and the reported loss are made (the
+            engine passes its device: a CUDA device under NCCL); default ``cpu``.
     """
 
     def __init__(self, program: StagedProgram, schedule: PipelineSchedule, *, axis: str = "pp",
                  modules: Mapping[int, nn.Module] | None = None,
                  no_sync: Callable[[], ContextManager[Any]] | None = None, record: bool = False,
-                 dp_axis: str | None = "dp") -> None:
+                 dp_axis: str | None = "dp", device: torch.device | str | None = None) -> None:
         n = len(program.stages)
         if schedule.stages != n:
             raise PipelineError(f"the schedule has {schedule.stages} stages but the program has {n}; "
@@ -123,6 +125,8 @@ class PipelineExecutor:
         self.program = program
         self.schedule = schedule
         self.axis = axis
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        """Where receive buffers, handshake messages and the reported loss live (the engine's device)."""
         self.rank = comm.group_rank(axis)
         self.actions: list[Action] = schedule.lower().actions[self.rank]
         forward = schedule.forward_only()
@@ -138,7 +142,7 @@ class PipelineExecutor:
             in_specs={s: local_specs(self.modules[s], program.stages[s].inputs, "received")
                       for s in self.local_stages},
             out_specs={s: local_specs(self.modules[s], program.stages[s].outputs, "sent")
-                       for s in self.local_stages})
+                       for s in self.local_stages}, device=self.device)
         self.no_sync = no_sync or _default_no_sync()
         self.record = record
         self.dp_axis = dp_axis
@@ -185,7 +189,7 @@ class PipelineExecutor:
                 items.append((key, fetch_attr(self.modules[s], attr).detach()))
             for attr, flat in layout.flat.items():
                 shard = fetch_attr(self.modules[s], attr).detach()
-                full = torch.empty(flat.padded, dtype=shard.dtype)
+                full = torch.empty(flat.padded, dtype=shard.dtype, device=shard.device)
                 comm.all_gather_flat(full, shard.reshape(-1), flat.axis)
                 items.extend(flat.split(full).items())
             for key, value in items:
@@ -239,7 +243,7 @@ class PipelineExecutor:
 
     def _report_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean of the last stage's microbatch losses, broadcast over pp and averaged over dp."""
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
             loss = torch.stack([x.double() for x in losses]).sum() / self.schedule.microbatches
         comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))

@@ -60,7 +60,7 @@ class StageLinks:
 
     def __init__(self, schedule: PipelineSchedule, *, axis: str, rank: int, stages: int,
                  local_stages: Sequence[int], in_specs: Mapping[int, list[ValueSpec]],
-                 out_specs: Mapping[int, list[ValueSpec]]) -> None:
+                 out_specs: Mapping[int, list[ValueSpec]], device: torch.device = torch.device("cpu")) -> None:
         self.schedule = schedule
         self.axis = axis
         self.rank = rank
@@ -68,6 +68,8 @@ class StageLinks:
         self.local_stages = local_stages
         self.in_specs = in_specs
         self.out_specs = out_specs
+        self.device = device
+        """Where receive buffers and handshake messages are allocated (NCCL: this rank's GPU)."""
 
     def send_forward(self, mb: int, stage: int, outputs: Sequence[torch.Tensor]) -> list[tuple[Any, torch.Tensor]]:
         """Post the sends of ``stage``'s outputs of microbatch ``mb`` to the next stage's rank."""
@@ -102,7 +104,7 @@ class StageLinks:
                    stage: int) -> list[tuple[Any, torch.Tensor]]:
         out = []
         for i, spec in enumerate(specs):
-            buf = torch.empty(spec.shape, dtype=spec.dtype)
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             nbytes = buf.numel() * buf.element_size()
             comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
             out.append((p2p.recv(buf, peer, group=comm.get_group(self.axis), tag=p2p.tag(kind, mb, stage, i)), buf))
@@ -121,20 +123,20 @@ class StageLinks:
             return
         sends, recvs = [], []
         for peer_stage, boundary, role, specs in mine:
-            code = torch.tensor(p2p.encode_specs(specs), dtype=torch.int64)
-            size = torch.tensor([code.numel()], dtype=torch.int64)
+            code = torch.tensor(p2p.encode_specs(specs), dtype=torch.int64, device=self.device)
+            size = torch.tensor([code.numel()], dtype=torch.int64, device=self.device)
             tag = p2p.tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
             peer = self.peer(peer_stage)
             group = comm.get_group(self.axis)
             sends += [p2p.send(size, peer, group=group, tag=tag), p2p.send(code, peer, group=group, tag=tag + 2)]
-            other = torch.zeros(1, dtype=torch.int64)
+            other = torch.zeros(1, dtype=torch.int64, device=self.device)
             other_tag = p2p.tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
             recvs.append((p2p.recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
                           role, specs))
         problems = []
         for work, size, peer, other_tag, boundary, role, specs in recvs:
             work.wait()
-            code = torch.zeros(int(size.item()), dtype=torch.int64)
+            code = torch.zeros(int(size.item()), dtype=torch.int64, device=self.device)
             p2p.recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
             theirs = p2p.decode_specs(code.tolist())
             ours = [(tuple(s.shape), s.dtype) for s in specs]

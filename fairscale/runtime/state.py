@@ -171,7 +171,7 @@ def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor
         for b in info.buckets:
             if b.shard is None:
                 continue
-            flat = torch.zeros(b.padded, dtype=b.shard.dtype)
+            flat = torch.zeros(b.padded, dtype=b.shard.dtype, device=b.shard.device)
             start = 0
             for key, shape in zip(b.keys, b.shapes):
                 flat[start:start + shape.numel()] = local(key, state[key]).reshape(-1)
@@ -180,7 +180,7 @@ def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor
             b.shard.copy_(flat[lo:hi])
     for attr, flat_spec in layout.flat.items():
         shard = resolve(gm, attr)
-        full = torch.zeros(flat_spec.padded, dtype=shard.dtype)
+        full = torch.zeros(flat_spec.padded, dtype=shard.dtype, device=shard.device)
         for (key, start, n) in flat_spec.offsets():
             full[start:start + n] = local(key, state[key]).reshape(-1)
         per = flat_spec.shard_numel
@@ -277,8 +277,9 @@ def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceM
         for name, value in st.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
                 for key, _ in members:
+                    # lint: cpu -- a Python scalar of the state, saved as a host tensor
                     out[f"optim.{key}.{name}"] = value.clone() if isinstance(value, torch.Tensor) else \
-                        torch.tensor(value)
+                        torch.tensor(value, device="cpu")
                 continue
             full = _gather_flat(value, padded, axis) if padded > 0 else value.reshape(-1)
             start = 0
@@ -305,21 +306,22 @@ def load_optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, full: di
         for other in others:
             for k in [k for k in full if k.startswith(f"optim.{other}.")]:
                 full.setdefault(f"optim.{key}." + k[len(f"optim.{other}."):], full[k])
+    groups_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
     for p, members, padded, _ in _optim_targets(gm, optimizer):
         names = {k.rsplit(".", 1)[1] for k in full if k.startswith(f"optim.{members[0][0]}.")}
         st: dict[str, Any] = {}
         for name in names:
             first = full[f"optim.{members[0][0]}.{name}"]
             if first.dim() == 0:  # scalar state (Adam's step): the same for every member
-                st[name] = first.clone()
+                st[name] = _scalar_state(p, name, first, groups_of.get(id(p), {}))
                 continue
             flat = torch.cat([full[f"optim.{k}.{name}"].reshape(-1) for k, _ in members])
             if padded > 0:
                 flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
                 per = padded // n
-                st[name] = flat[i * per:(i + 1) * per].clone().to(p.dtype)
+                st[name] = flat[i * per:(i + 1) * per].to(device=p.device, dtype=p.dtype, copy=True)
             else:
-                st[name] = flat.view(p.shape).clone().to(p.dtype)
+                st[name] = flat.view(p.shape).to(device=p.device, dtype=p.dtype, copy=True)
         if st:
             optimizer.state[p] = st
     groups = full.get("optim.param_groups")
@@ -333,3 +335,16 @@ def load_optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, full: di
                     g[k] = v
                 elif isinstance(cur, tuple) and isinstance(v, list):
                     g[k] = tuple(v)
+
+
+def _scalar_state(p: torch.Tensor, name: str, value: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """A 0-d optimizer state where ``torch.optim.Optimizer.load_state_dict`` would put it: ``step``
+    stays a float32 host tensor unless the group is ``capturable`` or ``fused`` (then on ``p``'s
+    device); any other scalar follows ``p``'s device (and dtype, when both are floating point)."""
+    if name == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(device=p.device, dtype=torch.float32, copy=True)
+        return value.to(dtype=torch.float32, copy=True) if value.is_floating_point() else value.clone()
+    if value.is_floating_point() and p.is_floating_point():
+        return value.to(device=p.device, dtype=p.dtype, copy=True)
+    return value.to(device=p.device, copy=True)

@@ -34,8 +34,8 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
-from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, is_alias_op,
-                             positions, real_copy, rebuild, replace_param_uses)
+from passes.dp.graph import (ParamUse, Placement, cast_io, common_dtype, drop_aliases, find_params, fresh_layout,
+                             fill_shard, is_alias_op, positions, real_copy, rebuild, replace_param_uses)
 from passes.ops.dp_ops import FSDPUnit
 from passes.layout import FlatShard
 from planner.plan import DataParallel
@@ -71,7 +71,8 @@ def assign_units(keys: list[str], selector: str) -> dict[str, str]:
 
 def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 replicate: Collection[str] = (), experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
+                 place: Placement, replicate: Collection[str] = (),
+                 experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
     from passes.dp.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_experts, split_replicated
 
     layout = fresh_layout(gm)
@@ -82,7 +83,7 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
     objects: dict[str, object] = {}
     for use in params:
         if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
+            objects[use.attr] = nn.Parameter(real_copy(use.tensor, place.compute), requires_grad=False)
             info.replicated[use.attr] = use.key
             layout.keys[use.attr] = use.key
     trainable = [u for u in params if u.tensor.requires_grad]
@@ -90,13 +91,13 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
         own, trainable = split_experts(graph, trainable, layout, experts)
         if own:  # expert-parallel weights are this rank's own already: averaged, never flattened
             insert_buckets(graph, info, objects, own, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
-                           reduce_dtype=reduce_dtype, group=experts)
+                           reduce_dtype=reduce_dtype, group=experts, place=place)
             for u in own:
                 layout.keys[u.attr] = u.key
     plain, trainable = split_replicated(trainable, set(replicate))
     if plain:
         insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
-                       reduce_dtype=reduce_dtype)
+                       reduce_dtype=reduce_dtype, place=place)
         for u in plain:
             layout.keys[u.attr] = u.key
     owner = assign_units([u.key for u in trainable], cfg.units)
@@ -111,14 +112,15 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
         padded = -(-numel // dp_size) * dp_size
         per = padded // dp_size
         master = common_dtype([u.tensor for u in members], f"FSDP unit {name or '<root>'!r}")
-        flat = torch.zeros(per, dtype=master)
+        flat = place.store_zeros(per, master)  # this rank's shard only, built where it lives
         if not any(u.tensor.is_meta for u in members):  # meta: filled by materialize_sharded
-            _fill_shard(flat, [u.tensor.detach() for u in members], dp_index * per)
+            fill_shard(flat, [u.tensor.detach() for u in members], dp_index * per)
         reshard = cfg.reshard_after_forward and name != ""
         unit = FSDPUnit(index=i, name=name, keys=[u.key for u in members], shapes=list(shapes), n=dp_size,
                         rank=dp_index, axis=axis, param_dtype=param_dtype or master,
                         reduce_dtype=reduce_dtype or master, flat=flat,
-                        reshard=reshard, prefetch=cfg.prefetch, offload=cfg.offload)
+                        reshard=reshard, prefetch=cfg.prefetch, offload=cfg.offload, compute_device=place.compute,
+                        async_reduce=True)
         handle = f"fsdp_unit_{i}"
         objects[handle] = unit
         info.units.append(unit)
@@ -158,18 +160,6 @@ def _unlink(resharding: list[FSDPUnit], unit: FSDPUnit) -> None:
         if other.prev_bwd is unit:
             other.prev_bwd = unit.prev_bwd
     unit.prev_bwd = None
-
-
-def _fill_shard(shard: torch.Tensor, tensors: list[torch.Tensor], lo: int) -> None:
-    """Copy elements ``[lo, lo + shard.numel())`` of the concatenation of ``tensors`` into ``shard``."""
-    hi = lo + shard.numel()
-    start = 0
-    for t in tensors:
-        n = t.numel()
-        a, b = max(start, lo), min(start + n, hi)
-        if a < b:
-            shard[a - lo:b - lo] = t.reshape(-1)[a - start:b - start].to(shard.dtype)
-        start += n
 
 
 def _insert_reshard(graph: torch.fx.Graph, unit: FSDPUnit, views: list[torch.fx.Node]) -> bool:

@@ -90,12 +90,89 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
     return out
 
 
-def real_copy(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy; for a ``meta`` tensor, uninitialized CPU storage of its shape (filled later
-    by ``fairscale.runtime.init.materialize_sharded``)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a data-parallel rank graph's tensors live.
+
+    ``compute``: parameters as the graph reads them, gathered FSDP buffers, gradients in flight,
+    buffers and the tensors graph nodes create. ``store``: the tensors the optimizer steps (master
+    shards) and so its state; the host when ``data_parallel.offload`` is set, else ``compute``.
+    ``pin``: the store is page-locked host memory, so copies to and from a CUDA ``compute`` run
+    asynchronously (only meaningful, and only possible, with a CUDA device).
+    """
+
+    compute: torch.device
+    store: torch.device
+    pin: bool = False
+
+    def store_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed 1-D tensor on the store (pinned when the store is pinned)."""
+        return torch.zeros(numel, dtype=dtype, device=self.store, pin_memory=self.pin)
+
+
+def placement(device: torch.device | str | None, *, offload: bool, tensors: list[torch.Tensor]) -> Placement:
+    """The placement for ``device`` (default: where the graph's parameters are; ``cpu`` for a
+    ``meta`` capture), with the store on the host when ``offload``."""
+    if device is None:
+        device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+    compute = torch.device(device)
+    if compute.type == "cuda" and compute.index is None:
+        compute = torch.device("cuda", torch.cuda.current_device())
+    cpu = torch.device("cpu")
+    return Placement(compute=compute, store=cpu if offload else compute, pin=offload and compute.type == "cuda")
+
+
+def real_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy on ``device``; for a ``meta`` tensor, uninitialized storage of its shape
+    there (filled later by ``fairscale.runtime.init.materialize_sharded``)."""
     if t.is_meta:
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    return t.detach().clone()
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.detach().to(device, copy=True)
+
+
+def fill_shard(shard: torch.Tensor, tensors: list[torch.Tensor], lo: int) -> None:
+    """Copy elements ``[lo, lo + shard.numel())`` of the concatenation of ``tensors`` into ``shard``."""
+    hi = lo + shard.numel()
+    start = 0
+    for t in tensors:
+        n = t.numel()
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            shard[a - lo:b - lo] = t.reshape(-1)[a - start:b - start].to(shard.dtype)
+        start += n
+
+
+def place_graph(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Move ``gm`` to ``device`` in place: every buffer (and constant registered as one) not on it
+    yet, and every ``device`` argument the capture baked into graph nodes (``arange(...,
+    device=cpu)``, ``_to_copy(..., device=cpu)``, ``_assert_tensor_metadata``), so tensors the
+    graph creates at run time land on ``device`` too. Parameters are left where the pass put them
+    (an offloaded store stays on the host)."""
+    for name, buf in list(gm.named_buffers()):
+        if buf.device != device and not buf.is_meta:
+            *prefix, attr = name.split(".")
+            owner = resolve(gm, ".".join(prefix)) if prefix else gm
+            assert isinstance(owner, nn.Module)
+            owner.register_buffer(attr, buf.to(device), persistent=attr not in owner._non_persistent_buffers_set)
+
+    def move(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a != device else a
+
+    # nested graphs too: the bodies of higher-order ops (wrap_with_set_grad_enabled, autocast regions)
+    for sub in [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]:
+        changed = False
+        for node in sub.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            args = torch.fx.node.map_aggregate(node.args, move)
+            kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, move))
+            if isinstance(kwargs.get("device"), str):  # an fx trace keeps x.to(device="cpu") as written
+                kwargs["device"] = device
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed = True
+        if changed:
+            sub.recompile()
 
 
 def drop_aliases(params: list[ParamUse], layout: ParamLayout) -> dict[str, list[str]]:

@@ -43,11 +43,13 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops, ep_ops
-from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, dtype_of, find_params, fresh_layout,
-                             positions, real_copy, rebuild, replace_param_uses)
+from passes.dp.graph import (ParamUse, Placement, cast_io, common_dtype, drop_aliases, dtype_of, fill_shard,
+                             find_params, fresh_layout, place_graph, placement, positions, real_copy, rebuild,
+                             replace_param_uses)
 from passes.ops.dp_ops import DDPBucket, FSDPUnit, no_sync
 from passes.layout import INSIDE_DP, ParamLayout
 from planner.plan import DP_KINDS, DataParallel, Plan
+from planner.validate_fields import fp16_problem
 
 __all__ = ["shard_data_parallel_pass", "no_sync", "DataParallelInfo", "META_DP"]
 
@@ -74,6 +76,8 @@ class DataParallelInfo:
     replicated: dict[str, str] = field(default_factory=dict)
     """attr -> user key of parameters kept whole on every rank (all of them for ddp/zero; frozen
     ones for fsdp)."""
+    placement: Placement = field(default_factory=lambda: Placement(torch.device("cpu"), torch.device("cpu")))
+    """Where the graph computes and where the optimizer's tensors live (``passes.dp.graph.Placement``)."""
 
     def plain_params(self) -> list[nn.Parameter]:
         """Trainable parameters kept whole and all-reduced (every parameter for ddp; for the
@@ -91,7 +95,8 @@ class DataParallelInfo:
 
 def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel, *, dp_index: int, dp_size: int,
                              axis: str = "dp", replicate: Collection[str] = (), ep_size: int = 1,
-                             expert_axis: str = "ep_rep") -> torch.fx.GraphModule:
+                             expert_axis: str = "ep_rep", device: torch.device | str | None = None,
+                             ) -> torch.fx.GraphModule:
     """Rewrite ``gm`` for rank ``dp_index`` of ``dp_size`` data-parallel ranks per ``plan.data_parallel``.
 
     Args:
@@ -108,6 +113,12 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
             this rank's own: whatever the kind, they stay as they are and their gradients, which come
             back summed over the ep group's tokens, are scaled by 1/ep and all-reduced DDP-style over
             ``expert_axis``, the dp/ep ranks holding the same experts (rank ``dp_index // ep``).
+        device: where the rank graph runs (default: where ``gm``'s parameters are). Every tensor
+            the pass makes is created there (shards directly, one parameter copied at a time, so
+            the whole model never lands on the device), the graph's buffers move there, and
+            device arguments baked into the capture's nodes are rewritten to it. With
+            ``data_parallel.offload`` the tensors the optimizer steps (ZeRO master shards, FSDP
+            flat shards) and so its state stay in host memory, pinned when ``device`` is CUDA.
     """
     cfg = plan.data_parallel if isinstance(plan, Plan) else plan
     if cfg.kind not in DP_KINDS:
@@ -122,16 +133,25 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
                          "replicated on the device); change kind or set offload=false")
     param_dtype = dtype_of(cfg.param_dtype, "param_dtype")
     reduce_dtype = dtype_of(cfg.reduce_dtype, "reduce_dtype")
+    for name in ("param_dtype", "reduce_dtype"):  # refused in plan validation too; this path may skip it
+        problem = fp16_problem(f"data_parallel.{name}", getattr(cfg, name))
+        if problem:
+            raise ValueError(problem)
     if ep_size < 1 or dp_size % ep_size:
         raise ValueError(f"ep_size = {ep_size} must divide dp_size = {dp_size}")
     experts = ExpertGroup(axis=expert_axis, size=dp_size // ep_size, index=dp_index // ep_size, ep=ep_size)
+    place = placement(device, offload=cfg.offload, tensors=list(gm.parameters()))
     if cfg.kind == "fsdp":
         from passes.dp.fsdp import rewrite_fsdp
 
-        return rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts)
-    return _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                            reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts)
+        result = rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
+                              reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts, place=place)
+    else:
+        result = _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
+                                  reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts, place=place)
+    result.meta[META_DP].placement = place
+    place_graph(result, place.compute)
+    return result
 
 
 @dataclass(frozen=True)
@@ -188,7 +208,7 @@ def _buckets(params: list[ParamUse], bucket_bytes: float) -> list[list[ParamUse]
 
 def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                     replicate: set[str], experts: ExpertGroup) -> torch.fx.GraphModule:
+                     replicate: set[str], experts: ExpertGroup, place: Placement) -> torch.fx.GraphModule:
     if cfg.bucket_mb <= 0:
         raise ValueError(f"data_parallel.bucket_mb = {cfg.bucket_mb}; it must be > 0")
     layout = fresh_layout(gm)
@@ -200,20 +220,20 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     trainable = [u for u in params if u.tensor.requires_grad]
     for use in params:
         if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(real_copy(use.tensor), requires_grad=False)
+            objects[use.attr] = nn.Parameter(real_copy(use.tensor, place.compute), requires_grad=False)
             info.replicated[use.attr] = use.key
     own, trainable = split_experts(graph, trainable, layout, experts)
     if own:
         insert_buckets(graph, info, objects, own, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
-                       reduce_dtype=reduce_dtype, group=experts)
+                       reduce_dtype=reduce_dtype, group=experts, place=place)
     plain, rest = split_replicated(trainable, replicate)
     if plain and cfg.kind != "ddp":
         insert_buckets(graph, info, objects, plain, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
-                       reduce_dtype=reduce_dtype)
+                       reduce_dtype=reduce_dtype, place=place)
     else:
         rest = trainable
     insert_buckets(graph, info, objects, rest, kind=cfg.kind, bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
-                   reduce_dtype=reduce_dtype)
+                   reduce_dtype=reduce_dtype, place=place)
     if param_dtype is not None:
         cast_io(graph, param_dtype)
     result = rebuild(gm, graph, objects, layout)
@@ -225,10 +245,12 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
 
 def insert_buckets(graph: torch.fx.Graph, info: DataParallelInfo, objects: dict[str, object],
                    trainable: list[ParamUse], *, kind: str, bucket_mb: float, param_dtype: torch.dtype | None,
-                   reduce_dtype: torch.dtype | None, group: ExpertGroup | None = None) -> None:
+                   reduce_dtype: torch.dtype | None, place: Placement, group: ExpertGroup | None = None) -> None:
     """Bucket ``trainable`` and insert one ``dp_bucket`` call per bucket (``kind`` ddp, zero1 or
     zero2), recording buckets and replicated parameters in ``info`` and tensors in ``objects``.
-    With ``group`` the buckets reduce over its axis instead of the dp axis."""
+    With ``group`` the buckets reduce over its axis instead of the dp axis. Replicas live on
+    ``place.compute``; zero master shards on ``place.store`` (the host when offloaded; ddp
+    buckets, whose optimizer steps the replicas, are never offloaded)."""
     dp_index, dp_size, axis = info.dp_index, info.dp_size, info.axis
     if group is not None:
         dp_index, dp_size, axis = group.index, group.size, group.axis
@@ -239,16 +261,21 @@ def insert_buckets(graph: torch.fx.Graph, info: DataParallelInfo, objects: dict[
         numel = sum(s.numel() for s in shapes)
         padded = -(-numel // dp_size) * dp_size
         master = common_dtype([u.tensor for u in bucket_params], f"bucket {i}")
-        full = torch.zeros(padded, dtype=master)
+        full = torch.zeros(padded, dtype=master, device=place.compute)
         start = 0
-        for u in bucket_params:
+        for u in bucket_params:  # one parameter at a time onto the device
             if not u.tensor.is_meta:  # meta: filled by materialize_sharded
                 full[start:start + u.tensor.numel()] = u.tensor.detach().reshape(-1)
             start += u.tensor.numel()
         shard = None
         if sharded:
             s = padded // dp_size
-            shard = full[dp_index * s:(dp_index + 1) * s].clone()
+            if place.store == place.compute:
+                shard = full[dp_index * s:(dp_index + 1) * s].clone()
+            else:  # offloaded: filled on the host straight from the parameters, no device round trip
+                shard = place.store_zeros(s, master)
+                if not any(u.tensor.is_meta for u in bucket_params):
+                    fill_shard(shard, [u.tensor.detach() for u in bucket_params], dp_index * s)
         bucket = DDPBucket(kind=kind, index=i, keys=[u.key for u in bucket_params], shapes=list(shapes),
                            n=dp_size, rank=dp_index, axis=axis, param_dtype=param_dtype or master,
                            reduce_dtype=reduce_dtype or master, shard=shard)
@@ -264,7 +291,7 @@ def insert_buckets(graph: torch.fx.Graph, info: DataParallelInfo, objects: dict[
                 start += n
         else:
             for u in bucket_params:
-                objects[u.attr] = nn.Parameter(real_copy(u.tensor), requires_grad=True)
+                objects[u.attr] = nn.Parameter(real_copy(u.tensor, place.compute), requires_grad=True)
         for u in bucket_params:
             info.replicated[u.attr] = u.key
         bucket.params = [p for p in (objects[u.attr] for u in bucket_params) if isinstance(p, nn.Parameter)]

@@ -11,17 +11,18 @@ registers on the GraphModule, reached by a ``get_attr`` node) plus tensors::
     h = fsdp_reshard(unit, h1, h2)               # forward: identity + free the gathered storage;
                                                  #   backward: all-gather again before the unit's backward
 
-Bucket reductions are asynchronous, as in PyTorch DDP's reducer: a bucket's backward launches its
+Reductions are asynchronous, as in PyTorch DDP's reducer: a bucket's backward launches its
 all-reduce / reduce-scatter (``async_op=True``) as soon as autograd has every gradient of the
-bucket, and returns without waiting, so the collective overlaps the rest of backward. A callback
-queued on the autograd engine (``Variable._execution_engine.queue_callback``, what DDP uses) runs
-when that backward call finishes: it waits for the call's reductions in launch order, divides by
-``n`` and accumulates the results into ``.grad`` with AccumulateGrad's rule (assign when ``None``,
-else add), so ``zero_grad(set_to_none=True)`` stays safe and every caller of ``backward`` sees
-final averaged gradients when it returns. Where autograd would not accumulate into the parameters
-(``torch.autograd.grad``, ``create_graph=True``, non-leaf inputs, parameters with hooks) a bucket
-reduces synchronously and returns its gradients through autograd instead. FSDP units reduce
-synchronously.
+bucket, and returns without waiting, so the collective overlaps the rest of backward; the results
+reach ``.grad`` when that backward call finishes (:mod:`passes.ops.grad_sync` says how, and when an
+op reduces synchronously instead). FSDP units do the same with their reduce-scatter; a unit's
+result lands when the next unit's reduce-scatter starts (at most one unit's full-size gradient
+waits in flight, as in PyTorch FSDP2) or at the end of backward.
+
+Devices: everything runs on the device of the graph's parameters, except an offloaded store
+(``data_parallel.offload``): master shards and their gradients in host memory. Shards go up with an
+asynchronous copy from pinned memory before each gather; gradient shards come down into pinned
+memory with a blocking copy (the CPU optimizer reads them next; ``.grad`` may be read by anything).
 
 Averaging over ``n`` data-parallel ranks is post-division: sum in ``reduce_dtype``, then divide by
 ``n`` (one rounding in fp32; PyTorch DDP does the same by default).
@@ -34,52 +35,17 @@ full-size buffer for the duration of the accumulation, as PyTorch FSDP's ``no_sy
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from passes.ops import comm
+from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, enqueue, finish_where, flat_grads,
+                                  no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
 
 __all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
            "pending_reductions", "wait_reductions"]
-
-_SYNC = [True]
-
-
-@contextlib.contextmanager
-def no_sync() -> Iterator[None]:
-    """Defer gradient reduction: backward passes inside accumulate locally; the next backward
-    outside reduces the accumulated total once. Nestable; applies to every data-parallel graph of
-    this process (all pipeline stages of a rank accumulate the same microbatches)."""
-    prev = _SYNC[0]
-    _SYNC[0] = False
-    try:
-        yield
-    finally:
-        _SYNC[0] = prev
-
-
-def sync_enabled() -> bool:
-    return _SYNC[0]
-
-
-def _flat_grads(grads: tuple[torch.Tensor | None, ...], shapes: list[torch.Size], padded: int,
-                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Concatenate member gradients (None = zero, unused member) into one padded flat tensor."""
-    flat = torch.empty(padded, dtype=dtype, device=device)  # one write per element, not zero-fill + copy
-    start = 0
-    for g, shape in zip(grads, shapes):
-        n = shape.numel()
-        if g is not None:
-            flat[start:start + n].copy_(g.reshape(-1))
-        else:
-            flat[start:start + n].zero_()
-        start += n
-    flat[start:].zero_()
-    return flat
-
 
 # ------------------------------------------------------------------------------------------------
 # DDP / ZeRO-1 / ZeRO-2 buckets
@@ -121,7 +87,7 @@ class DDPBucket(nn.Module):
     def gather_params(self) -> None:
         """zero1/zero2: all-gather the updated master shards into the replicated parameters."""
         assert self.shard is not None and self.flat is not None
-        comm.all_gather_flat(self.flat, self.shard.detach().to(self.param_dtype), self.axis)
+        comm.all_gather_flat(self.flat, to_compute(self.shard, self.flat.device, self.param_dtype), self.axis)
 
 
 class _Reduction:
@@ -153,7 +119,7 @@ class _Reduction:
         nones = (None,) * len(self.dtypes)
         if b.kind == "zero2":
             assert b.shard is not None and self.out is not None
-            return (self.out.div_(b.n).to(b.shard.dtype),) + nones
+            return (to_store(self.out.div_(b.n), b.shard),) + nones
         flat = self.flat.div_(b.n)
         param_grads = []
         start = 0
@@ -162,92 +128,14 @@ class _Reduction:
             param_grads.append(flat[start:start + n].view(shape).to(dtype))
             start += n
         lo, hi = b.shard_range
-        shard_grad = flat[lo:hi].to(b.shard.dtype, copy=True) if b.shard is not None else None
+        shard_grad = to_store(flat[lo:hi], b.shard) if b.shard is not None else None
         return (shard_grad, *param_grads)
-
-
-_INFLIGHT: list[tuple[int, _Reduction]] = []
-"""(autograd graph task id, reduction) of every bucket reduction launched and not yet finished."""
-_CALLBACK_TASKS: set[int] = set()
-"""Graph tasks that already have a finishing callback queued."""
-
-
-def pending_reductions() -> int:
-    """How many asynchronous bucket reductions are in flight (0 outside backward)."""
-    return len(_INFLIGHT)
-
-
-@torch.no_grad()
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """AccumulateGrad's rule: take the gradient when ``.grad`` is None, else add into it."""
-    if leaf.grad is None:
-        leaf.grad = grad
-    else:
-        leaf.grad += grad
-
-
-def _finish(items: list[tuple[int, _Reduction]], *, apply: bool = True) -> None:
-    for _, red in items:
-        grads = red.finish()
-        if apply:
-            for leaf, g in zip(red.targets, grads):
-                if leaf is not None and g is not None:
-                    _accumulate(leaf, g)
-
-
-def _finish_task(task: int) -> None:
-    mine = [item for item in _INFLIGHT if item[0] == task]
-    _INFLIGHT[:] = [item for item in _INFLIGHT if item[0] != task]
-    _CALLBACK_TASKS.discard(task)
-    _finish(mine)
-
-
-def wait_reductions() -> None:
-    """Finish every in-flight bucket reduction now (the end-of-backward callback does this on its
-    own; call it only to read gradients from inside a backward, e.g. in a hook)."""
-    items = list(_INFLIGHT)
-    _INFLIGHT.clear()
-    _CALLBACK_TASKS.clear()
-    _finish(items)
-
-
-def _drop_stale() -> None:
-    """Reductions still in flight outside any backward belong to a backward that raised before its
-    callback ran: complete the collectives (every rank issued them) and drop their partial results."""
-    items = list(_INFLIGHT)
-    _INFLIGHT.clear()
-    _CALLBACK_TASKS.clear()
-    _finish(items, apply=False)
-
-
-def _async_targets(ctx: Any) -> tuple[torch.Tensor | None, ...] | None:
-    """The leaves whose ``.grad`` an asynchronous reduction may write: (shard, *params), None for
-    inputs that take no gradient. None when autograd would not accumulate into every one of them
-    (``autograd.grad``, a subset ``inputs=``, non-leaves, hooks, ``create_graph``): reduce synchronously."""
-    if torch.is_grad_enabled():  # create_graph=True: gradients must stay differentiable graph values
-        return None
-    targets: list[torch.Tensor | None] = []
-    for t, (node, _) in zip(ctx.tensor_inputs, ctx.next_functions):
-        if not t.requires_grad:
-            targets.append(None)
-            continue
-        hooked = t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
-        if node is None or t.grad_fn is not None or hooked:  # hooks expect AccumulateGrad to run them
-            return None
-        try:
-            if not torch._C._will_engine_execute_node(node):
-                return None
-        except RuntimeError:  # autograd.grad(): the engine captures gradients instead of accumulating
-            return None
-        targets.append(t)
-    return tuple(targets) if ctx.has_shard else (None, *targets)
 
 
 class _Bucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> Any:
-        if _INFLIGHT and torch._C._current_graph_task_id() == -1:
-            _drop_stale()
+        drop_stale_outside_backward()
         ctx.bucket = bucket
         ctx.dtypes = [p.dtype for p in params]
         ctx.device = params[0].device
@@ -259,7 +147,7 @@ class _Bucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         b: DDPBucket = ctx.bucket
-        flat = _flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
+        flat = flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
         nones = (None,) * len(grads)
         if not sync_enabled():
             b.acc = flat if b.acc is None else b.acc.add_(flat)
@@ -268,16 +156,12 @@ class _Bucket(torch.autograd.Function):
             flat.add_(b.acc)
             b.acc = None
         red = _Reduction(b, flat, ctx.dtypes)
-        targets = _async_targets(ctx) if comm.group_size(b.axis) > 1 else None
+        targets = async_targets(ctx) if comm.group_size(b.axis) > 1 else None
         red.start(async_op=targets is not None)
         if targets is None:
             return (None, *red.finish())
-        red.targets = targets
-        task = torch._C._current_graph_task_id()
-        _INFLIGHT.append((task, red))
-        if task not in _CALLBACK_TASKS:
-            _CALLBACK_TASKS.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_task(task))
+        red.targets = targets if ctx.has_shard else (None, *targets)
+        enqueue(red)
         return (None, None) + nones
 
 
@@ -300,7 +184,8 @@ class FSDPUnit(nn.Module):
 
     def __init__(self, *, index: int, name: str, keys: list[str], shapes: list[torch.Size], n: int, rank: int,
                  axis: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype, flat: torch.Tensor,
-                 reshard: bool, prefetch: bool, offload: bool) -> None:
+                 reshard: bool, prefetch: bool, offload: bool, compute_device: torch.device | None = None,
+                 async_reduce: bool = False) -> None:
         super().__init__()
         self.index, self.name, self.keys, self.shapes = index, name, keys, shapes
         self.n, self.rank, self.axis = n, rank, axis
@@ -309,8 +194,11 @@ class FSDPUnit(nn.Module):
         self.numel = sum(s.numel() for s in shapes)
         self.padded = flat.numel() * n
         self.flat = nn.Parameter(flat)
-        self.compute_device = torch.device("cuda", torch.cuda.current_device()) \
-            if offload and torch.cuda.is_available() else flat.device
+        self.compute_device = flat.device if compute_device is None else compute_device
+        """Where the gathered parameters, activations and gradient collectives live (the shard
+        ``flat`` may be elsewhere: offloaded to the host)."""
+        self.async_reduce = async_reduce
+        """Launch the gradient reduce-scatter without waiting (see the module docstring)."""
         self.full = torch.empty(self.padded, dtype=param_dtype, device=self.compute_device)
         self.full.untyped_storage().resize_(0)
         self.acc: torch.Tensor | None = None
@@ -347,7 +235,7 @@ class FSDPUnit(nn.Module):
         self.gathered_version = None
 
     def _shard_for_comm(self) -> torch.Tensor:
-        return self.flat.detach().to(device=self.compute_device, dtype=self.param_dtype)
+        return to_compute(self.flat, self.compute_device, self.param_dtype)
 
     def start_gather(self) -> None:
         """Issue an asynchronous all-gather (prefetch) unless the buffer is current or in flight."""
@@ -376,10 +264,42 @@ class FSDPUnit(nn.Module):
         self.gathered_version = version
 
 
+class _UnitReduction:
+    """One FSDP unit's gradient reduce-scatter: launched in backward, finished (wait, divide, move
+    to the shard's device) later."""
+
+    def __init__(self, unit: FSDPUnit, flat: torch.Tensor) -> None:
+        self.unit = unit
+        self.flat: torch.Tensor | None = flat
+        self.out = torch.empty(unit.padded // unit.n, dtype=unit.reduce_dtype, device=unit.compute_device)
+        self.work: Any = None
+        self.targets: tuple[torch.Tensor | None, ...] = ()
+
+    def start(self, *, async_op: bool) -> None:
+        assert self.flat is not None
+        self.work = comm.reduce_scatter_flat(self.out, self.flat, self.unit.axis, async_op=async_op)
+
+    @torch.no_grad()
+    def finish(self) -> tuple[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.flat = None  # the full-size gradient is free once the collective has read it
+        u = self.unit
+        return (to_store(self.out.div_(u.n), u.flat),)
+
+
+def _finish_units(task: int) -> None:
+    """Finish the running backward's unit reductions still in flight (in launch order)."""
+    finish_where(task, lambda red: isinstance(red, _UnitReduction))
+
+
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
+        drop_stale_outside_backward()
         ctx.unit = unit
+        ctx.tensor_inputs = (flat,)
         unit.gather()
         if unit.prefetch and unit.next_fwd is not None:
             unit.next_fwd.start_gather()
@@ -393,7 +313,7 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         u: FSDPUnit = ctx.unit
-        flat = _flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
+        flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
         u.free()  # every backward op that read the gathered parameters has run
         if not sync_enabled():
             u.acc = flat if u.acc is None else u.acc.add_(flat)
@@ -401,9 +321,16 @@ class _Unshard(torch.autograd.Function):
         if u.acc is not None:
             flat.add_(u.acc)
             u.acc = None
-        out = torch.empty(u.padded // u.n, dtype=u.reduce_dtype, device=u.compute_device)
-        comm.reduce_scatter_flat(out, flat, u.axis)
-        return None, out.div_(u.n).to(device=u.flat.device, dtype=u.flat.dtype)
+        red = _UnitReduction(u, flat)
+        targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
+        if targets is not None:
+            _finish_units(torch._C._current_graph_task_id())  # at most one unit's gradient in flight
+        red.start(async_op=targets is not None)
+        if targets is None:
+            return None, red.finish()[0]
+        red.targets = targets
+        enqueue(red)
+        return None, None
 
 
 class _Reshard(torch.autograd.Function):

@@ -16,6 +16,12 @@ experts (Hugging Face's ``grouped_mm`` layout)::
 Both are exact: rows are moved, never summed, so the experts see exactly the rows a single process
 would give them, and every output row comes back to its place. The counter records the bytes a rank
 sends to other ranks (its own rows stay put).
+
+Host syncs: ``all_to_all_single`` takes its split sizes as host integers, so each dispatch copies the
+``[n, E]`` routing table to the host once (one device sync per MoE layer per forward, as in
+DeepSpeed-MoE and Megatron-LM's token dispatchers). Everything derived from it (split sizes, the
+regrouping index, local offsets) is computed on the host from that copy and sent back with
+asynchronous copies; :func:`moe_combine` reuses the host table and never syncs.
 """
 
 from __future__ import annotations
@@ -69,15 +75,23 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _route(offsets: torch.Tensor, axis: str) -> torch.Tensor:
-    """Every ep rank's row count per expert, ``[n, E]`` int64 (one tiny all-gather)."""
+    """Every ep rank's row count per expert, ``[n, E]`` int64 on the host (one tiny all-gather on
+    the device, then the layer's one host copy)."""
     ends = offsets.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     n = comm.group_size(axis)
     if n == 1:
-        return counts.unsqueeze(0)
+        return counts.unsqueeze(0).cpu()
     out = counts.new_empty(n * counts.numel())
     comm.all_gather_flat(out, counts, axis)
-    return out.view(n, -1)
+    return out.view(n, -1).cpu()
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, copied without blocking (from pinned memory on CUDA)."""
+    if t.device == device:
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def _plan(route: torch.Tensor, axis: str) -> tuple[list[int], list[int], torch.Tensor | None]:
@@ -101,7 +115,9 @@ def regroup_order(counts: torch.Tensor) -> torch.Tensor:
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(counts)  # where block (s, e) begins as received
     sizes, firsts = counts.t().reshape(-1), starts.t().reshape(-1)  # the blocks in (expert, source) order
-    offset_in_block = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    # lint: cpu -- counts are the routing table's host copy: host ops, no device sync
+    offset_in_block = torch.arange(int(sizes.sum()), device="cpu") - \
+        torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
     return torch.repeat_interleave(firsts, sizes) + offset_in_block
 
 
@@ -117,8 +133,8 @@ def moe_dispatch(rows: torch.Tensor, offsets: torch.Tensor, axis: str,
 
     Returns:
         ``(grouped, local_offsets, route)``: the received rows grouped by local expert, the running
-        end row of each local expert (``offsets``' dtype), and every rank's per-expert row counts
-        ``[n, E]`` for :func:`moe_combine`.
+        end row of each local expert (``offsets``' dtype and device), and every rank's per-expert
+        row counts ``[n, E]``, on the host, for :func:`moe_combine`.
     """
     if offsets.numel() != num_experts:
         raise ValueError(f"moe_dispatch: offsets has {offsets.numel()} entries for {num_experts} experts")
@@ -128,10 +144,10 @@ def moe_dispatch(rows: torch.Tensor, offsets: torch.Tensor, axis: str,
     route = _route(offsets, axis)
     send, recv, order = _plan(route, axis)
     got = _AllToAll.apply(rows, send, recv, axis) if n > 1 else rows
-    grouped = got if order is None else got[order]
+    grouped = got if order is None else got[_to(order, got.device)]
     me, local = comm.group_rank(axis), num_experts // n
     local_offsets = torch.cumsum(route[:, me * local:(me + 1) * local].sum(0), 0).to(offsets.dtype)
-    return grouped, local_offsets, route
+    return grouped, _to(local_offsets, offsets.device), route
 
 
 def moe_combine(out: torch.Tensor, route: torch.Tensor, axis: str) -> torch.Tensor:
@@ -142,6 +158,6 @@ def moe_combine(out: torch.Tensor, route: torch.Tensor, axis: str) -> torch.Tens
     send, recv, order = _plan(route, axis)
     if order is not None:
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        out = out[inverse]
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = out[_to(inverse, out.device)]
     return _AllToAll.apply(out, recv, send, axis)

@@ -129,7 +129,8 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, tp_index: int) -> to
         return x.clone()
     if p == 1.0:
         return x * 0.0
-    seed = int(torch.randint(0, 2**62, (1,)).item())
+    # lint: cpu -- drawn from the default host generator, which every rank advances alike (no device sync)
+    seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
     gen = torch.Generator(device=x.device).manual_seed((seed + 2718281 * (tp_index + 1)) % 2**63)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
