@@ -169,9 +169,21 @@ class ParallelModule:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only;
         other ranks get ``{}``. Collective: every rank must call it."""
+        return self._on_rank0(_state.full_state_dict)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The full gradients of the last backward (after ``train_step``, or ``loss.backward()``
+        in the plain loop), in the user's keys (``model.named_parameters()`` names, and every name
+        of a tied weight), on global rank 0 only; other ranks get ``{}``. Tensors without a
+        gradient are absent. Collective. ``fairscale.check`` compares them with one process."""
+        return self._on_rank0(_state.full_grads)
+
+    def _on_rank0(self, gather: Callable[..., dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``gather(stage_gm, aliases=, rank0_only=False)`` over this rank's stages, collected from
+        one rank per pipeline stage (dp 0, tp 0) onto global rank 0."""
         mine: dict[str, torch.Tensor] = {}
         for s in self.local_stages:
-            mine.update(_state.full_state_dict(self.modules[s], aliases=self.graph.tied, rank0_only=False))
+            mine.update(gather(self.modules[s], aliases=self.graph.tied, rank0_only=False))
         first_of_stage = self.mesh.dp_index == 0 and self.mesh.tp_index == 0
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine if first_of_stage else None)
