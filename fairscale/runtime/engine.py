@@ -102,6 +102,8 @@ class ParallelModule:
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping of the last ``train_step(..., clip_norm=...)``."""
         self._render_report = render_report
+        self.check_report: Any = None
+        """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
     # -- training ---------------------------------------------------------------------------------
 
