@@ -319,8 +319,9 @@ def _compile_check(plan: Plan, loaded: Loaded | None, args: argparse.Namespace) 
     plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, global_batch=gb))
     checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn).check(plan, source=args.plan)
     stages = plan.mesh.pp * plan.schedule.virtual_stages
-    print(f"compiles: {stages} stage(s) × {len(rank_index_sets(plan))} rank index set(s) through every pass "
-          "and the verifier")
+    on_meta = any(p.is_meta for p in loaded.model.parameters())
+    print(f"compiles: {stages} stage(s) × {len(rank_index_sets(plan, on_meta=on_meta))} rank index set(s) "
+          "through every pass and the verifier")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

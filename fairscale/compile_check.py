@@ -14,13 +14,16 @@ model's source line, and what to change in the plan::
 Which rank programs. A rank's program is fixed by its pipeline stages and its (dp, tp) indices
 (the expert group is ``dp_index % ep``). All stages are compiled. The indices only choose which
 slice or shard a rank keeps: every slice has the same shape (the passes refuse uneven splits for
-every index alike), so one index is structurally every index, except at the ends of a padded
-flat buffer: ZeRO buckets and FSDP units are padded to a multiple of dp, and only the last dp
-rank's shard ends in padding (a member may be cut by the end of the real data, or the shard hold
-padding only), while rank 0's starts at offset 0. So two index sets are compiled: (dp 0, tp 0)
-and, when dp or tp is above 1, (dp - 1, tp - 1), which is also the last expert group and the last
-tensor-parallel slice. Middle ranks combine a mid-member start (as the last rank) with a
-mid-member end (as rank 0), both already exercised.
+every index alike), so one index is structurally every index: the passes use it only as slice
+offsets and constants (vocabulary start, dropout seed offset), except where they fill a rank's
+shard with parameter values: ZeRO buckets and FSDP units are padded to a multiple of dp, and only
+the last dp rank's shard ends in padding (a member may be cut by the end of the real data, or the
+shard hold padding only), while rank 0's starts at offset 0. So two index sets are compiled:
+(dp 0, tp 0) and, when dp or tp is above 1, (dp - 1, tp - 1), which is also the last expert
+group and the last tensor-parallel slice; middle ranks combine a mid-member start (as the last
+rank) with a mid-member end (as rank 0), both already exercised. Parameters on ``meta`` have no
+values, the fills are skipped for them, and what remains does not depend on the index: their
+plans are compiled for (dp 0, tp 0) only, which halves the cost where it is largest.
 
 Cost. The passes run under ``FakeTensorMode``: parameters are read for their shapes only and no
 shard, bucket or slice is allocated, so a plan for a model of any size compiles in host memory
@@ -35,10 +38,12 @@ index set for 128 stages after a ~12 s export capture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -101,10 +106,10 @@ class PlanCompileError(PlanError):
         super().__init__([refusal.message()], source=source)
 
 
-def rank_index_sets(plan: Plan) -> list[tuple[int, int]]:
-    """The (dp_index, tp_index) pairs compiled for ``plan`` (module docstring: why these two)."""
+def rank_index_sets(plan: Plan, *, on_meta: bool = False) -> list[tuple[int, int]]:
+    """The (dp_index, tp_index) pairs compiled for ``plan`` (module docstring: why these)."""
     dp, tp = plan.mesh.dp, plan.mesh.tp
-    return [(0, 0)] if dp == 1 and tp == 1 else [(0, 0), (dp - 1, tp - 1)]
+    return [(0, 0)] if on_meta or (dp == 1 and tp == 1) else [(0, 0), (dp - 1, tp - 1)]
 
 
 _FAKE_LIMITS: tuple[type[BaseException], ...] = ()
@@ -124,13 +129,17 @@ def graph_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
     of :func:`rank_index_sets`; the first failure, or None."""
     stages = range(plan.mesh.pp * plan.schedule.virtual_stages)
     on_meta = any(p.is_meta for p in graph.gm.parameters())
-    for dp_index, tp_index in rank_index_sets(plan):
+    for dp_index, tp_index in rank_index_sets(plan, on_meta=on_meta):
         where = f"dp rank {dp_index} of {plan.mesh.dp}, tp rank {tp_index} of {plan.mesh.tp}"
         try:
             _compile(graph, plan, stages, dp_index, tp_index, fake=FakeTensorMode is not None)
-        except _FAKE_LIMITS:
-            if on_meta:  # no values to retry with; the message would only be about fake tensors
-                continue
+        except _FAKE_LIMITS as exc:
+            if on_meta:  # no values to retry with: the check cannot vouch for the plan, so refuse it
+                found = _refusal(exc, plan, where)
+                return dataclasses.replace(found, reason=f"a pass needs parameter values, which a model on meta "
+                                                         f"does not have ({found.reason})",
+                                           hint="check the plan with the real model (parallelize or "
+                                                "`fairscale validate` with a factory that builds it on CPU)")
             try:
                 _compile(graph, plan, stages, dp_index, tp_index, fake=False)
             except Exception as exc:  # noqa: BLE001 - every failure of the passes is a refusal
@@ -156,11 +165,19 @@ class CompileChecker:
 
     def __init__(self, model: nn.Module, example_inputs: Sequence[Any], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
+        self._strong: nn.Module | None = model  # dropped by checker_for: its cache must not keep models alive
         self.example_inputs = tuple(example_inputs)
         self.loss_fn = loss_fn
         self._graphs: dict[tuple[Any, ...], ModelGraph | Refusal] = {}
         self._verdicts: dict[str, Refusal | None] = {}
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model this compile checker was made for no longer exists")
+        return model
 
     def __call__(self, plan: Plan) -> str | None:
         found = self.refusal(plan)
@@ -220,12 +237,16 @@ _CHECKERS: dict[tuple[Any, ...], CompileChecker] = {}
 def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> CompileChecker:
     """The cached :class:`CompileChecker` of this model, batch shapes and loss (shared by the
-    search, ``parallelize`` and ranks forked after either ran)."""
+    search, ``parallelize`` and ranks forked after either ran). An entry lives as long as its
+    model, so a new model at a freed one's address never meets the old verdicts."""
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
     key = (id(model), shapes, id(loss_fn))
-    if key not in _CHECKERS:
-        _CHECKERS[key] = CompileChecker(model, example_inputs, loss_fn=loss_fn)
-    return _CHECKERS[key]
+    found = _CHECKERS.get(key)
+    if found is None or found._model() is not model:
+        found = _CHECKERS[key] = CompileChecker(model, example_inputs, loss_fn=loss_fn)
+        found._strong = None
+        weakref.finalize(model, _CHECKERS.pop, key, None)
+    return found
 
 
 def _plan_key(plan: Plan) -> str:

@@ -148,7 +148,7 @@ def test_cli_check(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     bad = tmp_path / "bad.json"
     Plan(mesh=Mesh(dp=2, tp=2), schedule=Schedule(global_batch=8),
          tensor_parallel=TensorParallel(rules={"layers.*.up": "colwise"})).save(bad)
-    assert cli.main(["check", "cli_factories:inplace_residual", "--devices", "4", "--plan", str(bad)]) == 1
+    assert cli.main(["check", "check_factories:inplace_residual", "--devices", "4", "--plan", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "the plan does not compile" in err and "r += h" in err
     assert cli.main(["check", "cli_factories:gpt", "--devices", "2", "--plan", str(bad),

@@ -3,6 +3,7 @@ with the reason, the pass, the module path, the op and the model's source line."
 
 from __future__ import annotations
 
+import gc
 import resource
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,12 @@ import torch
 
 import fairscale
 import passes
-from cli_factories import InplaceResidual, inplace_residual
+from check_factories import InplaceResidual, inplace_residual
 from fairscale import cli
 from fairscale.compile_check import CompileChecker, PlanCompileError, checker_for, rank_index_sets
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 
-FACTORIES = Path(__file__).parent / "cli_factories.py"
+FACTORIES = Path(__file__).parent / "check_factories.py"
 BAD_RULES = {"layers.[2-3].up": "colwise"}  # `r += h` with r replicated, h a shard: refused in place
 
 
@@ -163,7 +164,7 @@ def test_cli_validate_compiles_the_plan(tmp_path: Path, capsys: pytest.CaptureFi
     monkeypatch.syspath_prepend(str(FACTORIES.parent))
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     base = plan(mesh=Mesh(pp=1, dp=2, tp=2), stages=[], schedule=Schedule(global_batch=8))
-    base.model.factory = "cli_factories:inplace_residual"
+    base.model.factory = "check_factories:inplace_residual"
     base.save(bad)
     base.tensor_parallel.rules = {"layers.*.[up,skip]": "colwise", "layers.*.down": "rowwise"}
     base.save(good)
@@ -180,3 +181,9 @@ def test_checkers_are_shared_per_model_and_shapes() -> None:
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     assert checker_for(model, batch) is checker_for(model, (torch.randn(8, 16), torch.randint(0, 4, (8,))))
     assert checker_for(model, batch) is not checker_for(model, (torch.randn(4, 16), torch.randint(0, 4, (4,))))
+    import fairscale.compile_check as cc
+
+    before = len(cc._CHECKERS)
+    del model
+    gc.collect()
+    assert len(cc._CHECKERS) == before - 2, "a dead model's entries go (its address may be reused)"
