@@ -154,3 +154,33 @@ def test_cli_check(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert cli.main(["check", "cli_factories:gpt", "--devices", "2", "--plan", str(bad),
                      "--constraints", "{}"]) == 2
     assert "give one of them" in capsys.readouterr().err
+
+
+class _GPT2Default(nn.Module):
+    """Hugging Face GPT-2 with its default config values (dropout 0.1, use_cache), shrunk in size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        self.inner = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_default_gpt2_with_dropout_and_mixtral_with_experts_split() -> None:
+    """Dropout modules are turned off in both runs (GPT-2's defaults have seven); Mixtral's experts
+    split over ep = 2 groups of the dp ranks are gathered back by full_grads."""
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    report = fairscale.check(_GPT2Default(), (ids, ids), devices=4,
+                             plan=Plan(mesh=Mesh(dp=4), schedule=Schedule(global_batch=8),
+                                       data_parallel=DataParallel(kind="fsdp", units="inner.transformer.h.*")))
+    assert report.ok, report.describe()
+    assert len(report.dropout_off) == 7 and "dropout off in both runs (7 module(s)" in report.describe()
+    case = build("mixtral")
+    report = fairscale.check(case.model, case.make_batch(0, 8), devices=4, loss_fn=case.loss_fn,
+                             constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1, "ep": 2}})
+    assert report.ok and report.plan.mesh.ep == 2, report.describe()
