@@ -120,11 +120,12 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
             continue
         name = str(node.target)
         schema = getattr(node.target, "_schema", None)
-        names = [a.name for a in schema.arguments] if schema is not None else []
-        prob = next((n for n in ("dropout_p", "p") if n in names and "dropout" in name.lower() + n), None)
+        args = list(schema.arguments) if schema is not None else []
+        names = [a.name for a in args]
+        prob = "dropout_p" if "dropout_p" in names else "p" if "p" in names and "dropout" in name.lower() else None
         if prob is not None:
             i = names.index(prob)
-            value = node.kwargs.get(prob, node.args[i] if i < len(node.args) else schema.arguments[i].default_value)
+            value = node.kwargs.get(prob, node.args[i] if i < len(node.args) else args[i].default_value)
             if isinstance(value, (int, float)) and value == 0:
                 continue
             detail = f", {prob}={value}"

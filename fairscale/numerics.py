@@ -146,15 +146,15 @@ class Comparison:
     def describe(self, *, limit: int = 12) -> str:
         """A readable report: verdict, losses, the first differing module, and the worst tensors."""
         lines = []
-        bad_losses = [d for d in self.losses if not d.ok]
+        bad_losses = [loss for loss in self.losses if not loss.ok]
         bad = [d for d in self.grads if not d.ok]
         verdict = "MATCH" if self.ok else "DIFFERENT"
         lines.append(f"{verdict}: {len(self.losses)} loss(es), {len(self.grads)} gradient tensors compared with the "
                      "unparallelized model")
-        for d in self.losses:
-            mark = "ok " if d.ok else "BAD"
-            lines.append(f"  {mark} loss step {d.step}: {d.got:.9g} vs {d.reference:.9g} (relative error "
-                         f"{d.error:.2e}, tolerance {d.rtol:.1e})")
+        for loss in self.losses:
+            mark = "ok " if loss.ok else "BAD"
+            lines.append(f"  {mark} loss step {loss.step}: {loss.got:.9g} vs {loss.reference:.9g} (relative error "
+                         f"{loss.error:.2e}, tolerance {loss.rtol:.1e})")
         if self.grads:
             worst = self.worst()
             assert worst is not None
