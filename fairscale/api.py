@@ -169,7 +169,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
                                 source=str(plan) if isinstance(plan, (str, Path)) else "plan")
     report = None
     if check:
-        from fairscale.check import check_on_ranks
+        from fairscale.check_step import check_on_ranks
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
     pm = ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,

@@ -22,7 +22,6 @@ without --force, a model ``check`` cannot compare).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -305,23 +304,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _compile_check(plan: Plan, loaded: Loaded | None, args: argparse.Namespace) -> None:
-    """Compile the plan for every rank (fairscale.compile_check); PlanCompileError (exit 1) if the
-    passes refuse it. Needs the model, so only when a factory was given or recorded."""
-    if loaded is None:
-        print("compile check: skipped, no model (give FACTORY)")
-        return
-    from fairscale.compile_check import checker_for, rank_index_sets
+    """Compile the plan for every rank (needs the model): PlanCompileError, exit 1, if refused."""
+    from fairscale.compile_check import validate_compiles
 
-    gb = args.global_batch or plan.schedule.global_batch
-    if not gb:
-        print("compile check: skipped, the plan records no global batch (give --global-batch)")
-        return
-    plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, global_batch=gb))
-    checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn).check(plan, source=args.plan)
-    stages = plan.mesh.pp * plan.schedule.virtual_stages
-    on_meta = any(p.is_meta for p in loaded.model.parameters())
-    print(f"compiles: {stages} stage(s) × {len(rank_index_sets(plan, on_meta=on_meta))} rank index set(s) "
-          "through every pass and the verifier")
+    print("compile check: skipped, no model (give FACTORY)" if loaded is None else validate_compiles(
+        plan, loaded.model, loaded.batch, loss_fn=loaded.loss_fn, global_batch=args.global_batch, source=args.plan))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -57,7 +57,8 @@ from planner.capture import CaptureError, capture
 from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
 
-__all__ = ["Refusal", "PlanCompileError", "CompileChecker", "checker_for", "rank_index_sets", "graph_refusal"]
+__all__ = ["Refusal", "PlanCompileError", "CompileChecker", "checker_for", "rank_index_sets", "graph_refusal",
+           "validate_compiles"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +248,21 @@ def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
         found._strong = None
         weakref.finalize(model, _CHECKERS.pop, key, None)
     return found
+
+
+def validate_compiles(plan: Plan, model: nn.Module, example_inputs: Sequence[Any], *,
+                      loss_fn: Callable[..., torch.Tensor] | None = None, global_batch: int | None = None,
+                      source: str = "plan") -> str:
+    """``fairscale validate``'s compile step: raise :class:`PlanCompileError` if ``plan`` (at
+    ``global_batch``, default the one it records) does not compile; else the line to print."""
+    gb = global_batch or plan.schedule.global_batch
+    if not gb:
+        return "compile check: skipped, the plan records no global batch (give --global-batch)"
+    plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, global_batch=gb))
+    checker_for(model, example_inputs, loss_fn=loss_fn).check(plan, source=source)
+    sets = rank_index_sets(plan, on_meta=any(p.is_meta for p in model.parameters()))
+    return (f"compiles: {plan.mesh.pp * plan.schedule.virtual_stages} stage(s) × {len(sets)} rank index set(s) "
+            "through every pass and the verifier")
 
 
 def _plan_key(plan: Plan) -> str:
