@@ -68,7 +68,7 @@ class Refusal:
     reason: str
     """The pass's own words (``TPShardError: in-place add_ would need its input converted ...``)."""
     stage: str = ""
-    """Which rank program failed (``pipeline stage 1 of 2, dp rank 3, tp rank 1``)."""
+    """Which rank program failed (``pipeline stage 1 (0-based, of 2), dp rank 3 of 4, tp rank 1 of 2``)."""
     pass_name: str = ""
     """The pass that refused (``the tensor-parallel pass``)."""
     module: str = ""
