@@ -45,4 +45,3 @@ def broken() -> Case:
 
 def wrong_type() -> int:
     return 42
-
