@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.arguments import check_all
+from fairscale.compile_check import checker_for
 from fairscale.report.text import render_report
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
@@ -94,6 +95,10 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
            top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
     """Capture ``model`` and search plans for the cluster; returns the best plan and runners-up.
 
+    Every plan returned compiles: the search runs the plan-time compilation check
+    (:mod:`fairscale.compile_check`) on its winner and runners-up and moves on from any plan the
+    passes refuse; ``result.refused`` (and ``result.table()``) say which and why.
+
     Args:
         example_inputs: one batch (a tuple), as ``planner.capture`` takes it.
         devices: number of devices (default: the launched world size, or the detected GPUs).
@@ -109,7 +114,8 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
     key = (graph.fingerprint, id(graph), json.dumps(cl.to_dict(), sort_keys=True), gb, ckey, top_k)
     if key not in _SEARCHES:
         _SEARCHES[key] = _search(graph, cl, global_batch=gb, constraints=constraints, top_k=top_k, progress=progress,
-                                 tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
+                                 tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules,
+                                 compiles=checker_for(model, example_inputs, loss_fn=loss_fn))
     return _SEARCHES[key]
 
 
@@ -122,7 +128,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
                 loss_fn: Callable[..., torch.Tensor] | None = None, plan: Plan | str | Path | None = None,
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
                 global_batch: int | None = None, constraints: dict[str, Any] | None = None,
-                device: str | torch.device | None = None, tf32: bool = True) -> ParallelModule:
+                device: str | torch.device | None = None, tf32: bool = True,
+                check: bool = False) -> ParallelModule:
     """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
 
     Call it on every rank (inside ``fairscale.launch`` or torchrun) with the same model and batch.
@@ -135,7 +142,9 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         loss_fn: ``loss_fn(model(batch[0]), *batch[1:])``; without it ``model(*batch)`` returns
             the loss (or an object with ``.loss``).
         plan: a Plan, or the path of a plan file, to use instead of searching. It is validated
-            against the model and re-costed; a plan predicted not to fit in memory warns.
+            against the model, re-costed (a plan predicted not to fit in memory warns) and
+            compiled for every rank before any rank builds its module (``PlanCompileError``,
+            the same on every rank, if the passes refuse it).
         cluster: what to plan for (default: detected GPUs, else CPU ranks).
         optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3).
         global_batch: samples per step (default: the example batch's size).
@@ -147,6 +156,10 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
             on the device one parameter at a time, and batches are moved there without blocking.
         tf32: on a CUDA device, run fp32 matmuls in TF32 (unless the user already chose a
             precision; ``fairscale.runtime.device.enable_tf32``). ``False`` keeps IEEE fp32.
+        check: first run one step of the plan on a copy of the model and compare its loss and
+            gradients with one process (``fairscale check``, :mod:`fairscale.check`); raises
+            ``fairscale.CheckFailed`` on every rank if they differ, else the report is
+            ``pm.check_report``. Costs one extra compile and step.
 
     Returns:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
@@ -175,8 +188,32 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     else:
         chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
                                 global_batch=global_batch)
-    return ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                          render_report=render_report, device=rank_device, tf32=tf32)
+        check_compiles_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn,
+                                source=str(plan) if isinstance(plan, (str, Path)) else "plan")
+    report = None
+    if check:
+        from fairscale.check_step import check_on_ranks
+
+        report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
+    pm = ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        render_report=render_report, device=rank_device, tf32=tf32)
+    pm.check_report = report
+    return pm
+
+
+def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, *,
+                            loss_fn: Callable[..., torch.Tensor] | None = None, source: str = "plan") -> None:
+    """The plan-time compilation check, run once (on global rank 0, or found in the cache of a
+    parent that already checked) with its verdict sent to every rank, so that all ranks refuse
+    the plan alike (``PlanCompileError``) before any of them builds its module. Collective."""
+    from fairscale.compile_check import PlanCompileError
+
+    checker = checker_for(model, example_inputs, loss_fn=loss_fn)
+    verdict = [checker.refusal(plan) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise PlanCompileError(verdict[0], source=source)
 
 
 def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,

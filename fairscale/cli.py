@@ -3,6 +3,7 @@
     fairscale plan mypkg.models:build_gpt --devices 8 -o plan.json
     fairscale validate plan.json                 # the factory is recorded in the plan
     fairscale report plan.json mypkg.models:build_gpt
+    fairscale check mypkg.models:build_gpt --devices 8 [--plan plan.json]   # one step vs one process
     python -m fairscale ...                      # the same
 
 A FACTORY is ``pkg.module:function`` (or ``path/to/file.py:function``) naming a function that takes
@@ -12,8 +13,10 @@ no arguments and returns one of
 * ``(model, example_inputs)``: the model returns its loss (e.g. a Hugging Face model given labels);
 * ``(model, example_inputs, loss_fn)``: the loss is ``loss_fn(model(inputs[0]), *inputs[1:])``.
 
-Exit codes: 0 success, 1 invalid plan (every problem is printed), 2 usage error (bad arguments, a
-factory that cannot be imported or run, a missing file, an output file that exists without --force).
+Exit codes: 0 success, 1 invalid plan (every problem is printed; also a plan the passes cannot
+compile, and for ``check`` a run that differs from one process or crashed), 2 usage error (bad
+arguments, a factory that cannot be imported or run, a missing file, an output file that exists
+without --force, a model ``check`` cannot compare).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Loaded:
     model: nn.Module
     batch: tuple[Any, ...]
     loss_fn: Callable[..., Any] | None
+    make_batch: Callable[[int, int], Any] | None = None
+    """A Case's ``make_batch(step, batch_size)``: real batches of any size (``check`` uses it)."""
 
 
 # --- factories ---------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ _RETURNS = ("return a fairscale.testing.models.Case, (model, example_inputs) or 
 
 def _read_result(spec: str, result: Any) -> Loaded:
     if all(hasattr(result, a) for a in ("model", "make_batch", "loss_fn")) and isinstance(result.model, nn.Module):
-        return Loaded(result.model, tuple(result.make_batch(0, CAPTURE_BATCH)), result.loss_fn)
+        return Loaded(result.model, tuple(result.make_batch(0, CAPTURE_BATCH)), result.loss_fn, result.make_batch)
     if isinstance(result, nn.Module):
         raise UsageError(f"FACTORY {spec!r} returned a {type(result).__name__} but no example inputs; {_RETURNS}")
     if isinstance(result, (tuple, list)) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
@@ -125,6 +130,10 @@ def _read_result(spec: str, result: Any) -> Loaded:
 
 
 def _capture(spec: str, out: Callable[[str], None]) -> ModelGraph:
+    return _capture_loaded(spec, out)[1]
+
+
+def _capture_loaded(spec: str, out: Callable[[str], None]) -> tuple[Loaded, ModelGraph]:
     loaded = load_factory(spec)
     start = time.perf_counter()
     try:
@@ -133,7 +142,7 @@ def _capture(spec: str, out: Callable[[str], None]) -> ModelGraph:
         raise UsageError(f"FACTORY {spec!r}: the model could not be captured: {exc}") from exc
     out(f"captured {graph.model_class} from {spec}: {graph.num_parameters:,} parameters, {len(graph.layers)} layers "
         f"({time.perf_counter() - start:.1f} s)")
-    return graph
+    return loaded, graph
 
 
 # --- clusters ----------------------------------------------------------------------------------
@@ -190,9 +199,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if search is None and global_batch % n:
         raise UsageError(f"--global-batch {global_batch} does not divide evenly over {n} data-parallel ranks "
                          f"({global_batch} % {n} = {global_batch % n}); use a multiple of {n}")
-    graph = _capture(args.factory, out)
+    loaded, graph = _capture_loaded(args.factory, out)
     if search is not None:
-        result = search(graph, cluster, global_batch=global_batch, constraints=constraints)
+        from fairscale.compile_check import checker_for
+
+        result = search(graph, cluster, global_batch=global_batch, constraints=constraints,
+                        compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn))
         plan = result if isinstance(result, Plan) else result.plan
         if hasattr(result, "table"):
             out(result.table())
@@ -255,14 +267,15 @@ def data_parallel_plan(graph: ModelGraph, cluster: Cluster) -> Plan:
                 data_parallel=DataParallel(kind="ddp"))
 
 
-def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | None, Cluster | None]:
+def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | None, Cluster | None, Loaded | None]:
     path = Path(args.plan)
     if not path.is_file():
         raise UsageError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
     plan, args.schema_problems = Plan.read(path)  # every problem is reported once the model is captured
     factory = args.factory or plan.model.factory
+    loaded: Loaded | None = None
     if factory:
-        graph = _capture(factory, print)
+        loaded, graph = _capture_loaded(factory, print)
     else:
         graph = None
         print("no FACTORY given and the plan records none (model.factory): checked the plan without the model; "
@@ -274,14 +287,15 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
             cluster = Cluster.from_dict(plan.cluster)
         except (ValueError, TypeError, KeyError):
             cluster = None  # device_count still reads a partial record; validate says if none is known
-    return plan, graph, cluster
+    return plan, graph, cluster, loaded
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    plan, graph, cluster = _load_plan_and_model(args)
+    plan, graph, cluster, loaded = _load_plan_and_model(args)
     validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan,
                   schema_problems=args.schema_problems)
     _recost(plan, graph, cluster, args)
+    _compile_check(plan, loaded, args)
     n = args.devices or device_count(cluster) or device_count(plan.cluster)
     model = f"{graph.model_class} (fingerprint {graph.fingerprint})" if graph is not None else "any model"
     print(f"{args.plan} is valid for {model} on {n if n is not None else 'an unknown number of'} devices")
@@ -289,8 +303,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_check(plan: Plan, loaded: Loaded | None, args: argparse.Namespace) -> None:
+    """Compile the plan for every rank (needs the model): PlanCompileError, exit 1, if refused."""
+    from fairscale.compile_check import validate_compiles
+
+    print("compile check: skipped, no model (give FACTORY)" if loaded is None else validate_compiles(
+        plan, loaded.model, loaded.batch, loss_fn=loaded.loss_fn, global_batch=args.global_batch, source=args.plan))
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
-    plan, graph, cluster = _load_plan_and_model(args)
+    plan, graph, cluster, _ = _load_plan_and_model(args)
     validate_plan(plan, graph, cluster, devices=args.devices, source=args.plan,
                   schema_problems=args.schema_problems)
     _recost(plan, graph, cluster, args)
@@ -379,6 +401,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="samples per step for re-costing (default: the plan's schedule.global_batch)")
         p.set_defaults(run=run)
 
+    p = sub.add_parser("check", help="run one step of a plan on CPU ranks against one process", description=(
+        "Run one training step of a plan (the searched one, or --plan) on N forked CPU ranks and compare "
+        "its loss and every gradient with the unparallelized model on the same batch, within float "
+        "tolerance (fairscale.numerics). Prints per-loss and per-gradient errors and the first module "
+        "whose gradient differs. Exit 0 when they match, 1 when they differ, the plan does not compile, "
+        "or it crashed. Dropout modules are turned off in both runs."))
+    p.add_argument("factory", metavar="FACTORY", help=factory_help)
+    devices(p, required_note="(the CPU ranks the check runs on; --cluster plans for that system instead)")
+    p.add_argument("--plan", metavar="PLAN.json", help="check this plan instead of searching one")
+    p.add_argument("--global-batch", type=int, metavar="B",
+                   help="samples in the checked step (default: the plan's, else N)")
+    p.add_argument("--constraints", metavar="JSON", help="a partial plan the search must keep (without --plan)")
+    p.set_defaults(run=_cmd_check)
+
     p = sub.add_parser("run", help="run a script on N CPU ranks, as torchrun would", description=(
         "Run SCRIPT on N forked ranks with torch.distributed initialized (gloo on CPU) and RANK, WORLD_SIZE, "
         "LOCAL_RANK set. Arguments after the script are passed to it."))
@@ -392,6 +428,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("demo_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from fairscale.check import RandomOpsError, check
+    from fairscale.runtime.launch import RankFailedError
+
+    cluster = _cluster(args)
+    if cluster is None:
+        raise UsageError("check needs the devices: give --devices N (the CPU ranks it runs on)")
+    plan_path = None
+    if args.plan is not None:
+        plan_path = Path(args.plan)
+        if not plan_path.is_file():
+            raise UsageError(f"--plan {plan_path}: no such file")
+        if args.constraints is not None:
+            raise UsageError("--constraints shapes a search; with --plan nothing is searched: give one of them")
+    loaded = load_factory(args.factory)
+    gb = args.global_batch or (Plan.load(plan_path).schedule.global_batch if plan_path else 0) or cluster.devices
+    if gb < 1:
+        raise UsageError(f"--global-batch must be at least 1, got {gb}")
+    batch = tuple(loaded.make_batch(0, gb)) if loaded.make_batch is not None else loaded.batch
+    print(f"checking {type(loaded.model).__name__} from {args.factory} on {cluster.devices} CPU ranks "
+          f"({'plan ' + str(plan_path) if plan_path else 'the searched plan'}, global batch {gb})")
+    try:
+        report = check(loaded.model, batch, devices=cluster.devices, loss_fn=loaded.loss_fn, plan=plan_path,
+                       cluster=cluster, global_batch=gb, constraints=_constraints(args.constraints))
+    except RandomOpsError as exc:
+        raise UsageError(str(exc)) from exc
+    except RankFailedError as exc:
+        print(f"fairscale check: the plan crashed on the ranks after launch (a fairscale bug; please report it):\n{exc}",
+              file=sys.stderr)
+        return 1
+    print(report.describe())
+    return 0 if report.ok else 1
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
+from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_stream import iter_full_state
 from passes import compile_rank
 from passes.ops import comm
@@ -116,6 +117,8 @@ class ParallelModule:
         self.optimizer = _StageOptimizers(self._optimizers)
         self._render_report = render_report
         self._grad_norm: torch.Tensor | None = None
+        self.check_report: Any = None
+        """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -197,7 +200,21 @@ class ParallelModule:
         Gathered one tensor (or ZeRO bucket, or FSDP unit) at a time: each stage's first rank
         (dp 0, tp 0) sends its stage's tensors to rank 0 one by one, so no device ever holds more
         than its own shards plus one gathered unit, and only rank 0's host holds the whole model."""
-        mine = self._full_tensors()
+        return self._on_rank0(self._full_tensors())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The full gradients of the last backward (after ``train_step``, or ``loss.backward()``
+        in the plain loop), in the user's keys (``model.named_parameters()`` names, and every name
+        of a tied weight), on global rank 0 only; other ranks get ``{}``. Tensors without a
+        gradient are absent. Collective. ``fairscale.check`` compares them with one process."""
+        grads = ((k, g) for s in self.local_stages
+                 for k, g in _full_grads(self.modules[s], aliases=self.graph.tied, rank0_only=False,
+                                               cpu=False).items())
+        return self._on_rank0(([k], g) for k, g in grads)
+
+    def _on_rank0(self, mine: Iterator[tuple[list[str], torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Collect (user names, tensor) pairs onto global rank 0, from one rank per pipeline stage
+        (dp 0, tp 0), one tensor at a time; ``mine`` may be collective, so every rank drains it."""
         first_of_stage = self.mesh.dp_index == 0 and self.mesh.tp_index == 0
         if dist.get_rank() == 0:
             out: dict[str, torch.Tensor] = {}

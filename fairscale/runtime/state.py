@@ -7,6 +7,7 @@ Usage::
     shard = sharded_state_dict(rank_gm, dp_mesh)               # {key: DTensor Shard(0) on dp}
     load_sharded_state_dict(rank_gm, shard)
     opt_state = optimizer_state_dict(rank_gm, opt, dp_mesh)    # {"optim.<key>.<name>": ...}
+    grads = full_grads(rank_gm, aliases=graph.tied)            # rank 0: {key: full gradient}
 
 Smaller pieces for other savers (``fairscale.runtime.engine_checkpoint``): :func:`param_layout`,
 :func:`held_keys`, :func:`tied_aliases`, :func:`gather_tensor_shard`,
@@ -37,7 +38,7 @@ from passes.dp.graph import resolve
 from passes.layout import INSIDE_DP, META_LAYOUT, ParamLayout
 from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
 
-__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
+__all__ = ["full_state_dict", "full_grads", "local_grads", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
            "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",
            "optimizer_state_dict", "load_optimizer_state_dict"]
 
@@ -348,3 +349,76 @@ def _scalar_state(p: torch.Tensor, name: str, value: torch.Tensor, group: dict[s
     if value.is_floating_point() and p.is_floating_point():
         return value.to(device=p.device, dtype=p.dtype, copy=True)
     return value.to(device=p.device, copy=True)
+
+
+# -- gradients in user keys (fairscale check, exactness tests) ----------------------------------
+
+
+def _gather_flat_uncounted(shard: torch.Tensor, padded: int, axis: str) -> torch.Tensor:
+    """All-gather equal flat shards over ``axis`` into ``padded`` elements, outside
+    ``comm.COUNTER``: reading gradients back is inspection, not the model's traffic."""
+    n = comm.group_size(axis)
+    shard = shard.detach().reshape(-1).contiguous()
+    if n == 1:
+        return shard.clone()
+    full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(full, shard, group=comm.get_group(axis))
+    return full
+
+
+def local_grads(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """user key -> this rank's gradient of that tensor, whole over dp (shards of ZeRO buckets and
+    FSDP units are all-gathered over their axis), tensor-parallel and expert slices still local.
+    Collective over the dp axis. Keys whose tensor has no gradient (frozen, or unused this step
+    under ddp) are absent; a sharded holder without a gradient yet contributes zeros, because the
+    gather must run on every rank alike.
+
+    Read it after backward: ddp/zero1 replicas and kept-whole tensors hold the averaged gradient
+    in ``.grad``; zero buckets hold it in their fp32 master shard, FSDP units in their flat shard."""
+    layout = param_layout(gm)
+    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    out: dict[str, torch.Tensor] = {}
+    for attr, key in layout.keys.items():
+        try:
+            t = resolve(gm, attr)
+        except AttributeError:
+            continue
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            out[key] = t.grad.detach()
+    sharded = [(b.shard, b.padded, b.axis, list(zip(b.keys, b.shapes))) for b in (info.buckets if info else [])
+               if b.shard is not None]
+    for attr, flat in layout.flat.items():
+        sharded.append((resolve(gm, attr), flat.padded, flat.axis,
+                        [(k, torch.Size(s)) for k, s in flat.members]))
+    for shard, padded, axis, members in sharded:
+        g = shard.grad if shard.grad is not None else torch.zeros_like(shard)
+        full = _gather_flat_uncounted(g, padded, axis)
+        start = 0
+        for key, shape in members:
+            out[key] = full[start:start + shape.numel()].view(shape)
+            start += shape.numel()
+    for key, others in (info.aliases.items() if info is not None else []):
+        for other in others:
+            if key in out:
+                out[other] = out[key]
+    return out
+
+
+def full_grads(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]] = (), rank0_only: bool = True,
+               cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The full gradients of the user's parameters, keyed like ``model.state_dict()``: shards
+    gathered over dp, slices over tp and ep. Collective: every rank of the graph's dp, tp and ep
+    groups calls it. Same arguments as :func:`full_state_dict`; the gradient of a tied group is
+    given under every name of the group."""
+    layout = param_layout(gm)
+    out = {k: gather_tensor_shard(k, v, layout) for k, v in local_grads(gm).items()}
+    for group in aliases:
+        group = list(group)
+        have = next((k for k in group if k in out), None)
+        if have is not None:
+            for k in group:
+                out.setdefault(k, out[have])
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return {k: (v.cpu() if cpu else v).clone() for k, v in out.items()}

@@ -1,4 +1,16 @@
-"""Single-process reference training: the numbers every parallel configuration must reproduce."""
+"""Single-process reference training: the numbers every parallel configuration must reproduce.
+
+Two comparisons:
+
+* :func:`compare`: losses of every step, then parameters after the last step within ``atol``.
+  Tight and right in float64, where rounding stays far below any tolerance.
+* :func:`compare_grads`: losses of every step and the FULL gradients of the first step, each
+  tensor relative to its norm, through :func:`fairscale.numerics.compare` (the bound and why it is
+  principled are there; ``fairscale check`` uses the same code). This is the float32 standard: after
+  a few Adam steps, float32 parameters differ by up to ``lr`` from rounding noise alone in entries
+  whose gradient is ~0 (``m/√v`` is scale-free), by an amount that depends on the machine.
+"""
+
 
 from __future__ import annotations
 
@@ -7,10 +19,11 @@ from typing import Callable, Iterable
 
 import torch
 
+from fairscale import numerics
 from fairscale.testing.models import Case
 from planner.capture import LossModule
 
-__all__ = ["Trajectory", "train_reference", "compare"]
+__all__ = ["Trajectory", "train_reference", "compare", "compare_grads"]
 
 
 @dataclass
@@ -21,6 +34,12 @@ class Trajectory:
     """state_dict after the last step (detached clones)."""
     grad_norms: list[float] = field(default_factory=list)
     """Gradient 2-norm of each step before clipping (only when trained with ``clip_norm``)."""
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Full gradients of the first step (user keys, before clipping and the optimizer step); a
+    parallel run fills it from ``ParallelModule.full_grads`` / ``fairscale.runtime.state.full_grads``."""
+    loss_dtype: torch.dtype | None = None
+    """The dtype the loss was computed in (a float64 model may compute it in float32, as
+    ``lm_loss`` does); it sets the losses' tolerance in :func:`compare_grads`."""
 
 
 def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:
@@ -49,6 +68,9 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
         opt.zero_grad(set_to_none=True)
         loss = wrapped(*batch)
         loss.backward()
+        if step == 0:
+            out.loss_dtype = loss.dtype
+            out.grads = {k: p.grad.detach().clone() for k, p in case.model.named_parameters() if p.grad is not None}
         if clip_norm is not None:
             out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(case.model.parameters(), clip_norm)))
         opt.step()
@@ -57,9 +79,11 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
     return out
 
 
-def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float = 1e-5,
+            dtypes: tuple[torch.dtype, ...] | None = None) -> None:
     """Assert ``got`` reproduces ``ref``: losses (and gradient norms, when ``ref`` has them) within
-    ``rtol`` relative, parameters within ``atol``."""
+    ``rtol`` relative, parameters within ``atol``. With ``dtypes`` only parameters of those dtypes
+    are compared (e.g. the float64 ones of a mixed model; check the rest with :func:`compare_grads`)."""
     assert len(ref.losses) == len(got.losses), (ref.losses, got.losses)
     for i, (a, b) in enumerate(zip(ref.losses, got.losses)):
         assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {i}: loss {b!r} != reference {a!r}"
@@ -70,7 +94,23 @@ def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float
     missing = sorted(set(ref.params) - set(got.params))
     assert not missing, f"parameters missing from the parallel run: {missing[:5]}"
     for k, v in ref.params.items():
+        if dtypes is not None and v.dtype not in dtypes:
+            continue
         w = got.params[k]
         assert w.shape == v.shape, f"{k}: shape {tuple(w.shape)} != {tuple(v.shape)}"
         err = (w.float() - v.float()).abs().max().item() if v.numel() else 0.0
         assert err <= atol, f"{k}: max abs diff {err:.3e} > {atol:.0e}"
+
+
+def compare_grads(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype | None = None) -> numerics.Comparison:
+    """Assert ``got`` has the losses of every step and the first step's gradients of ``ref`` within
+    float tolerance (:mod:`fairscale.numerics`: each gradient relative to its norm, at ``2¹⁰·u``
+    and losses at ``2⁸·u``, ``u`` the roundoff of the least precise dtype of the computation: of
+    the parameters and the reference's loss). Returns the comparison (``.describe()`` for the
+    numbers). ``loss_dtype``: the precision the run reported its losses in, when coarser."""
+    assert ref.grads, "the reference recorded no gradients (train it with train_reference)"
+    assert got.grads, "the parallel run recorded no gradients: fill Trajectory.grads from pm.full_grads()"
+    dtype = numerics.least_precise([t.dtype for t in ref.grads.values()] + [ref.loss_dtype])
+    result = numerics.compare(ref.losses, got.losses, ref.grads, got.grads, dtype=dtype, loss_dtype=loss_dtype)
+    result.assert_ok()
+    return result

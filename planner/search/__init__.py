@@ -18,6 +18,13 @@ Seams with the rest of fairscale:
   :func:`planner.search.tp.default_tp_rules`. A constraint ``{"tensor_parallel": {"rules": ...}}``
   overrides both. A degree whose rules are empty is not considered.
 * ``options`` (:class:`planner.cost.CostOptions`) says what the runtime overlaps.
+* ``compiles`` (plan -> None, or the reason the passes cannot compile it) is the plan-time
+  compilation check, given as a function for the same reason (the face passes
+  ``fairscale.compile_check.checker_for(model, batch, loss_fn=...)``). With it the search never
+  returns a plan the passes refuse: it checks the winner and the runners-up fastest first, a
+  refused plan moves the search on to the next mesh, and each refusal is kept in
+  ``SearchResult.refused`` and its table. If every plan that fits is refused it raises
+  :class:`NoCompilablePlan` with all the reasons.
 """
 
 from __future__ import annotations
@@ -30,18 +37,20 @@ from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
 from planner.search.core import fixed_cuts, fixed_recompute, fixed_selective, make_context, run_search
 from planner.search.config import Breakdown, Config
+from planner.search.core import Compiles
 from planner.search.evaluate import evaluate
-from planner.search.result import Candidate, NoFeasiblePlan, SearchResult
+from planner.search.result import Candidate, NoCompilablePlan, NoFeasiblePlan, SearchResult
 from planner.search.tp import default_tp_rules
 from planner.validate import validate_plan
 
-__all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "default_tp_rules"]
+__all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "NoCompilablePlan",
+           "default_tp_rules"]
 
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: dict[str, Any] | Plan | None = None,
            top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
            tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
-           options: CostOptions | None = None) -> SearchResult:
+           options: CostOptions | None = None, compiles: Compiles | None = None) -> SearchResult:
     """Best plan for ``graph`` on ``cluster`` at ``global_batch`` samples per step, plus ``top_k``
     runners-up (one per mesh shape).
 
@@ -53,13 +62,15 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
             returning them (e.g. ``lambda tp: propose_tp_rules(graph.gm, tp=tp).rules``, which
             only keeps rules the TP pass accepts at that degree); default: :func:`default_tp_rules`.
         options: runtime overlap model and memory reserve.
+        compiles: the compile check (module docstring); without it plans are costed, not compiled.
 
     Raises:
         NoFeasiblePlan: nothing fits; the message gives the smallest shortfall and what would help.
+        NoCompilablePlan: plans fit, but ``compiles`` refused every one of them.
         PlanError: the constraints are malformed or contradict each other.
     """
     return run_search(graph, cluster, global_batch=global_batch, constraints=constraints, top_k=top_k,
-                      progress=progress, tp_rules=tp_rules, options=options)
+                      progress=progress, tp_rules=tp_rules, options=options, compiles=compiles)
 
 
 def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,

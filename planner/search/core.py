@@ -25,13 +25,14 @@ from planner.cost import CostOptions, LayerCost, layer_facts
 from planner.cost_comm import all_gather_time, all_reduce_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.graph import ModelGraph
-from planner.plan import PlanError
+from planner.plan import Plan, PlanError
 from planner.schedule_cost import in_flight, pipeline_time
 from planner.schedule_kinds import KINDS
 from planner.search.config import Breakdown, Config, Context
 from planner.search.evaluate import choose_recompute, evaluate, fsdp_buffer_terms, stage_cuts_even
 from planner.search.partition import SegmentModel, partition
-from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
+from planner.search.result import (Candidate, NoCompilablePlan, NoFeasiblePlan, SearchResult, build_plan,
+                                   infeasible_message, loss_reason)
 from planner.search.candidates import enumerate_configs
 from planner.search.space import Fixed, parse_constraints
 from planner.search.tp import default_tp_rules
@@ -54,6 +55,8 @@ def captured_dtype(graph: ModelGraph) -> str:
 
 
 TPRules = Union[dict[str, str], Callable[[int], dict[str, str]]]
+Compiles = Callable[[Plan], Union[str, None]]
+"""The compile check: a plan -> None if the passes compile it, else the reason (see ``search``)."""
 
 
 def rules_function(graph: ModelGraph, rules: TPRules | None) -> Callable[[int], dict[str, str]]:
@@ -208,7 +211,7 @@ def fluid_bottleneck(tot: _Totals, flights: list[float], per_param: float, cap: 
 
 def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
                top_k: int = 3, progress: Progress | None = None, tp_rules: TPRules | None = None,
-               options: CostOptions | None = None) -> SearchResult:
+               options: CostOptions | None = None, compiles: Compiles | None = None) -> SearchResult:
     start = time.perf_counter()
     fixed = parse_constraints(constraints)  # type: ignore[arg-type]
     if fixed.global_batch is not None and fixed.global_batch != global_batch:
@@ -239,33 +242,9 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                  cfg.pp, cfg.tp)
         bounded.append((lb, order, cfg, mem_lb))
     bounded.sort(key=lambda x: (x[0], x[1]))
-    keep = top_k + 1
-    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = {}
-    closest: Breakdown | None = None
-    evaluated = 0
+    found = _branch_and_bound(ctx, bounded, top_k + 1, cuts, rec, sel, progress=progress)
+    best, closest, evaluated = found.best, found.closest, found.evaluated
     total = len(cands)
-    for n, (lb, order, cfg, _) in enumerate(bounded):  # noqa: B007 - order is the tie-break key
-        times = sorted(v[0] for v in best.values())
-        threshold = times[keep - 1] if len(times) >= keep else float("inf")
-        if lb >= threshold:
-            break
-        mesh = (cfg.pp, cfg.dp, cfg.tp)
-        if mesh in best and lb >= best[mesh][0]:
-            continue
-        if progress is not None and n % 64 == 0:
-            progress(n, len(bounded), times[0] if times else None)
-        evaluated += 1
-        b = _cost(ctx, cfg, cuts, rec, sel)
-        if b is None:
-            continue
-        if not b.fits:
-            if closest is None or b.shortfall < closest.shortfall:
-                closest = b
-            continue
-        if mesh not in best or (b.step_time_s, order) < best[mesh][:2]:
-            best[mesh] = (b.step_time_s, order, b)
-    if progress is not None:
-        progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
     if not best:
         closest = _closest(ctx, mem_fail, closest, cuts, rec, sel)
         fixes = _fixed_notes(fixed)
@@ -283,15 +262,114 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                                         param_dtype=fixed.param_dtype or "fp32", fixed_notes=fixes,
                                         offloaded=offloaded)
         raise NoFeasiblePlan(msg, shortfall_bytes=short)
-    ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
-    win = ranked[0][2]
-    out = []
-    for t, _, b in ranked:
+
+    def plan_of(b: Breakdown) -> Plan:
         assert b.config is not None
-        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
-        out.append(Candidate(plan=plan, breakdown=b, reason="" if b is win else loss_reason(b, win)))
-    return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
-                        elapsed_s=time.perf_counter() - start)
+        return build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
+
+    if compiles is None:
+        ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
+        win = ranked[0][2]
+        out = [Candidate(plan=plan_of(b), breakdown=b, reason="" if b is win else loss_reason(b, win))
+               for _, _, b in ranked]
+        return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
+                            elapsed_s=time.perf_counter() - start)
+    accepted, refused, more = _check_compiles(ctx, bounded, best, top_k, cuts, rec, sel, plan_of, compiles)
+    evaluated += more
+    if not accepted:
+        raise NoCompilablePlan(refused)
+    win = accepted[0].breakdown
+    for c in accepted[1:]:
+        c.reason = loss_reason(c.breakdown, win)
+    return SearchResult(best=accepted[0], runners_up=accepted[1:], refused=refused, considered=total,
+                        evaluated=evaluated, elapsed_s=time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class _Found:
+    """What one branch-and-bound pass over the bounded configurations kept."""
+
+    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]]
+    """Best costed configuration per mesh (pp, dp, tp): (step time, tie-break order, breakdown)."""
+    closest: Breakdown | None
+    """The costed configuration that missed memory by the least (for the infeasible message)."""
+    evaluated: int
+
+
+def _branch_and_bound(ctx: Context, bounded: list[tuple[float, tuple[object, ...], Config, float]], keep: int,
+                      cuts: tuple[int, ...] | None, rec: frozenset[int] | None, sel: frozenset[int], *,
+                      progress: Progress | None = None,
+                      skip: frozenset[tuple[int, int, int]] = frozenset()) -> _Found:
+    """Cost configurations in bound order until no bound can beat the ``keep`` best meshes; meshes
+    in ``skip`` (refused by the compile check) are passed over."""
+    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = {}
+    closest: Breakdown | None = None
+    evaluated = 0
+    for n, (lb, order, cfg, _) in enumerate(bounded):  # noqa: B007 - order is the tie-break key
+        times = sorted(v[0] for v in best.values())
+        threshold = times[keep - 1] if len(times) >= keep else float("inf")
+        if lb >= threshold:
+            break
+        mesh = (cfg.pp, cfg.dp, cfg.tp)
+        if mesh in skip or (mesh in best and lb >= best[mesh][0]):
+            continue
+        if progress is not None and n % 64 == 0:
+            progress(n, len(bounded), times[0] if times else None)
+        evaluated += 1
+        b = _cost(ctx, cfg, cuts, rec, sel)
+        if b is None:
+            continue
+        if not b.fits:
+            if closest is None or b.shortfall < closest.shortfall:
+                closest = b
+            continue
+        if mesh not in best or (b.step_time_s, order) < best[mesh][:2]:
+            best[mesh] = (b.step_time_s, order, b)
+    if progress is not None:
+        progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
+    return _Found(best=best, closest=closest, evaluated=evaluated)
+
+
+def _check_compiles(ctx: Context, bounded: list[tuple[float, tuple[object, ...], Config, float]],
+                    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]], top_k: int, cuts: tuple[int, ...] | None, rec: frozenset[int] | None, sel: frozenset[int],
+                    plan_of: Callable[[Breakdown], Plan], compiles: Compiles,
+                    ) -> tuple[list[Candidate], list[Candidate], int]:
+    """The winner and up to ``top_k`` runners-up that ``compiles`` accepts, best first, the
+    candidates it refused (with its reason) in the order they were checked, and how many more
+    configurations were costed to find them.
+
+    Candidates are checked fastest first. A refusal rules out its whole mesh (pp, dp, tp): the
+    other configurations of a mesh share its stage cuts and tensor-parallel rules, where the
+    refusals come from, so the search moves to the next mesh (conservative: a mesh refused for a
+    reason particular to one schedule or data-parallel kind is given up whole). When every kept
+    mesh is refused before a winner is found, branch and bound runs again without the refused
+    meshes, until a mesh compiles or none is left."""
+    accepted: list[Candidate] = []
+    refused: list[Candidate] = []
+    skip: set[tuple[int, int, int]] = set()
+    evaluated = 0
+    while True:
+        for _, _, b in sorted(best.values(), key=lambda v: (v[0], v[1])):
+            assert b.config is not None
+            mesh = (b.config.pp, b.config.dp, b.config.tp)
+            if mesh in skip or any(c.breakdown is b for c in accepted):
+                continue
+            plan = plan_of(b)
+            why = compiles(plan)
+            if why:
+                refused.append(Candidate(plan=plan, breakdown=b, reason=f"does not compile: {why}", refused=why))
+                skip.add(mesh)
+            else:
+                accepted.append(Candidate(plan=plan, breakdown=b))
+                if len(accepted) == top_k + 1:
+                    return accepted, refused, evaluated
+        if accepted:
+            return accepted, refused, evaluated
+        found = _branch_and_bound(ctx, bounded, top_k + 1, cuts, rec, sel, skip=frozenset(skip))
+        evaluated += found.evaluated
+        if not found.best:
+            return accepted, refused, evaluated
+        best = found.best
 
 
 def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,

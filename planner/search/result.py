@@ -11,7 +11,8 @@ from planner.schedule_kinds import KINDS
 from planner.search.config import Breakdown, Config, Context
 from planner.selectors import format_layers
 
-__all__ = ["Candidate", "SearchResult", "NoFeasiblePlan", "build_plan", "loss_reason", "infeasible_message"]
+__all__ = ["Candidate", "SearchResult", "NoFeasiblePlan", "NoCompilablePlan", "build_plan", "loss_reason",
+           "infeasible_message"]
 
 GiB = float(2**30)
 
@@ -26,6 +27,9 @@ class Candidate:
     """Where its step time and memory go."""
     reason: str = ""
     """For a runner-up: one line on why it lost to the winner (empty for the winner)."""
+    refused: str = ""
+    """Why the compile check refused the plan (``search(compiles=...)``); empty when it compiled
+    or was not checked."""
 
     def summary(self) -> str:
         b, c = self.breakdown, self.breakdown.config
@@ -51,6 +55,9 @@ class SearchResult:
     """The next best plans (one per mesh shape), each with the reason it lost."""
     considered: int = 0
     """Configurations enumerated."""
+    refused: list[Candidate] = field(default_factory=list)
+    """Plans the compile check refused (``search(compiles=...)``), in the order they were
+    checked, each with ``refused`` set; their meshes were given up for the next."""
     evaluated: int = 0
     """Configurations whose stages were cut and costed (the rest were pruned by a lower bound)."""
     elapsed_s: float = 0.0
@@ -64,6 +71,9 @@ class SearchResult:
         lines = [f"best:  {self.best.summary()}"]
         for i, c in enumerate(self.runners_up, 1):
             lines.append(f"#{i + 1}:    {c.summary()}\n       lost: {c.reason}")
+        for c in self.refused:
+            why = c.refused.replace("\n", "\n       ")
+            lines.append(f"refused: {c.summary()}\n       {why}")
         lines.append(f"({self.considered} configurations, {self.evaluated} costed in full, {self.elapsed_s:.2f} s)")
         return "\n".join(lines)
 
@@ -74,6 +84,20 @@ class NoFeasiblePlan(PlanError):
     def __init__(self, message: str, *, shortfall_bytes: float) -> None:
         self.shortfall_bytes = shortfall_bytes
         super().__init__([message], source="search")
+
+
+class NoCompilablePlan(PlanError):
+    """Every plan that fits was refused by the compile check; ``refused`` holds them with the reasons."""
+
+    def __init__(self, refused: list[Candidate]) -> None:
+        self.refused = refused
+        lines = [f"no plan that fits in memory compiles: the passes refused all {len(refused)} candidate(s) "
+                 "(each mesh's best; a refused mesh is given up whole)"]
+        for c in refused[:8]:
+            lines.append(f"{c.summary()}: {c.refused}")
+        if len(refused) > 8:
+            lines.append(f"... and {len(refused) - 8} more")
+        super().__init__(lines, source="search")
 
 
 def build_plan(graph: ModelGraph, ctx: Context, cfg: Config, breakdown: Breakdown, *,

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from fairscale.testing.reference import compare
+from fairscale.testing.reference import compare, compare_grads
 from dp_harness import KINDS, run_kinds
 
 DEFAULT = [("mlp", 2), ("mlp", 4), ("mlp", 8), ("gpt", 2), ("gpt", 4), ("llama", 2), ("t5", 2)]
@@ -36,8 +36,19 @@ def test_matches_single_process(family, world, kind):
 
 @pytest.mark.parametrize("family,world,kind", _cases([("mlp", 4), ("gpt", 2)]))
 def test_matches_single_process_fp32(family, world, kind):
-    ref, got = _results(family, world, torch.float32, family == "gpt")
-    compare(ref, got[kind]["trajectory"])
+    """float32: the losses of every step and the first step's full gradients, each within float32
+    tolerance of one process (fairscale.numerics); parameters after 3 Adam steps are not a
+    machine-independent measure in float32 (see dp_harness)."""
+    ref, got = _results(family, world, torch.float32)
+    compare_grads(ref, got[kind]["trajectory"])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_float64_gradients_match(kind):
+    """The gradient comparison holds in float64 too, at float64's tolerance (1e-13). The runner
+    reports losses as Python floats of float32 precision, so losses get float32's tolerance."""
+    ref, got = _results("gpt", 2)
+    compare_grads(ref, got[kind]["trajectory"], loss_dtype=torch.float32)
 
 
 def _theory(kind: str, rank: dict, n: int, steps: int) -> dict[str, float]:
