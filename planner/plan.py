@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.tp_styles import TP_STYLES  # the one table of tensor-parallel styles, re-exported
+
 PLAN_VERSION = 1
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "v")
 DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
-TP_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_loss", "expert", "replicate")
 RECOMPUTE_KINDS = ("full", "selective", "none")
 DTYPES = ("fp32", "bf16", "fp16")
 

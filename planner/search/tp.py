@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from planner.graph import ModelGraph
+from planner.tp_styles import STYLES, module_shard_problem
 
 __all__ = ["default_tp_rules", "tp_degrees_allowed", "tp_allowed"]
 
@@ -71,30 +72,25 @@ def tp_degrees_allowed(graph: ModelGraph, tp_rules: dict[str, str], max_tp: int)
 
 
 def tp_allowed(graph: ModelGraph, tp_rules: dict[str, str], tp: int) -> bool:
-    """Whether ``tp`` divides every split layer's heads and kv heads and the split dimension of
-    every split weight. tp = 1 always is; tp > 1 needs rules."""
+    """Whether ``tp`` divides the heads and kv heads of every layer whose attention the rules split
+    and the split dimension of every split weight (``planner.tp_styles``). tp = 1 always is; tp > 1
+    needs rules."""
     if tp == 1:
         return True
     if not tp_rules:
         return False
     from planner.selectors import parse_selector
+    from planner.validate_tp import heads_problems
 
-    for layer in graph.layers:
-        if layer.attention:
-            heads = layer.attention.get("heads", 0)
-            if heads % tp or layer.attention.get("kv_heads", heads) % tp:
-                return False
+    parsed = [(text, parse_selector(text), style) for text, style in tp_rules.items()]
+    if heads_problems(graph, parsed, tp):
+        return False
     for sel_text, style in tp_rules.items():
-        dim = _SPLIT_DIM.get(style)
-        if dim is None:
-            continue
+        if style not in STYLES:
+            return False
         sel = parse_selector(sel_text)
         for mod in sel.select(graph.modules):
-            shape = graph.param_shapes.get(f"{mod}.weight")
-            if shape and len(shape) == 2 and shape[dim] % tp:
+            if module_shard_problem(graph, mod, style, tp) is not None:
                 return False
     return True
 
-
-# dim of an nn.Linear / nn.Embedding weight each style splits
-_SPLIT_DIM = {"colwise": 0, "colwise_gather": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_loss": 0}
