@@ -82,6 +82,7 @@ from torch.fx import Node
 from passes.ops import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp.functionalize import functionalize_inplace
+from passes.tp.normalize import to_aten
 from passes.tp.fuse import fuse_gather_copy, hoist_copy_over_scatter
 from passes.split_stages import META_IO, StageIO
 from passes.tp.placement import Placement, R, S, local_shape
@@ -93,7 +94,7 @@ from planner.plan import Plan
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES, TP_STYLES, split_dim
 
-__all__ = ["shard_tensor_parallel_pass", "TPShardError", "COLLECTIVES", "collective_counts"]
+__all__ = ["shard_tensor_parallel_pass", "check_tensor_parallel", "TPShardError", "COLLECTIVES", "collective_counts"]
 
 aten = torch.ops.aten
 META_STYLE = "fs_tp_style"
@@ -126,6 +127,23 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: int,
                                axis: str = "tp", seq_dim: int = 1) -> torch.fx.GraphModule:
     """Rewrite ``gm`` into the graph of tp rank ``tp_index`` of ``tp_size`` (see the module docstring)."""
+    gm, rw, params, sp, boundary = _rewrite(gm, plan, tp_index=tp_index, tp_size=tp_size, axis=axis, seq_dim=seq_dim)
+    fuse_gather_copy(rw.graph)
+    hoist_copy_over_scatter(rw.graph, gm)
+    rw.graph.lint()
+    out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
+    out.meta[META_SUMMARY].update(boundary)
+    return out
+
+
+def check_tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_size: int, seq_dim: int = 1) -> None:
+    """Raise :class:`TPShardError` where :func:`shard_tensor_parallel_pass` would (rank 0's rewrite;
+    no module is built): what the pattern detector runs to check its proposals."""
+    _rewrite(gm, plan, tp_index=0, tp_size=tp_size, axis="tp", seq_dim=seq_dim)
+
+
+def _rewrite(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: int, axis: str,
+             seq_dim: int) -> tuple[torch.fx.GraphModule, Rewriter, dict[str, Placement], bool, dict[str, Any]]:
     if plan.mesh.tp != tp_size:
         raise TPShardError(f"plan.mesh.tp is {plan.mesh.tp} but tp_size={tp_size} was given")
     if not 0 <= tp_index < tp_size:
@@ -140,7 +158,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         rules, sp = [], False
     else:
         sp = tpp.sequence_parallel
-        gm = functionalize_inplace(gm)  # out += x on a partial sum runs as out = out + x
+        gm = functionalize_inplace(to_aten(gm))  # fx-captured graphs in ATen form; out += x as out = out + x
     params, styles = _plan_params(gm, rules, tp_size)
     rw = Rewriter(gm, tp=tp_size, index=tp_index, axis=axis, sequence_parallel=sp, seq_dim=seq_dim,
                   params=params, styles=styles)
@@ -187,6 +205,11 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
                 for a in outs if isinstance(outs, (tuple, list)) else [outs]:
                     boundary["sent"].append(_io_record(rw, a, want.get(a)))
             continue
+        elif node.op == "call_module":  # a leaf module fx could not trace into: runs whole on every rank
+            want = {a: R for a in rw.tensor_inputs(node)}
+            new = rw.graph.call_module(str(node.target), rw.map_args(node.args, want, R), rw.map_args(node.kwargs, want, R))
+            new.meta = {k: v for k, v in node.meta.items()}
+            place = R if rw.is_tensor(node) else None
         else:
             raise TPShardError(f"{fmt(node)}: {node.op} nodes are not supported; capture with planner.capture")
         if isinstance(place, Placement):
@@ -194,12 +217,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         if node in styles:
             new.meta[META_STYLE] = styles[node]
         rw.env[node], rw.place[node] = new, place
-    fuse_gather_copy(rw.graph)
-    hoist_copy_over_scatter(rw.graph, gm)
-    rw.graph.lint()
-    out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
-    out.meta[META_SUMMARY].update(boundary)
-    return out
+    return gm, rw, params, sp, boundary
 
 
 def _io_record(rw: Rewriter, node: Any, place: Any) -> tuple[str, tuple[int, ...]]:
@@ -369,6 +387,8 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
     sharded: dict[str, str] = {}
     sliced: dict[int, Any] = {}  # id of a full tensor -> its local piece (tied names share one)
     for node in rw.graph.nodes:
+        if node.op == "call_module":
+            root[str(node.target)] = _attr(gm, str(node.target))
         if node.op != "get_attr":
             continue
         target = str(node.target)
