@@ -122,37 +122,44 @@ def _check_inplace(rw: Rewriter, node: Node, want: dict[Node, Placement]) -> Non
 
 
 def elementwise(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """Elementwise ops with broadcasting: a shard of one operand is a shard of the output when the
+    others are split alike (replicated operands are split locally, no communication); partial sums
+    pass only through ops linear in them (see :func:`_partial_elementwise`), else they are reduced.
+    An in-place op's output is its first operand, so its placement cannot change."""
     ops = rw.operands(node)  # one entry per occurrence: mul(x, x) is [x, x]
     ins = list(dict.fromkeys(ops))
+    inplace = is_inplace(node.target)
+    mutated = args_of(node)[0] if inplace else None
     if any(rw.p(a).is_p for a in ins):
         out_p = _partial_elementwise(rw, node, ops)
-        if out_p is not None:
+        if out_p is not None and (mutated is None or out_p == rw.p(mutated)):
             return rw.finish(node, {}, out_p), out_p
     want = _resolve_partials(rw, node)
     out_nd = rw.ndim(node) if rw.is_tensor(node) else 0
     chosen: Placement | None = None
-    for a in ins:
+    if isinstance(mutated, Node) and _placed(rw, mutated, want).is_s:
+        chosen = _placed(rw, mutated, want)
+    for a in ins if chosen is None else []:
         pl = _placed(rw, a, want)
         if pl.is_s:
             chosen = S(pl.dim + out_nd - rw.ndim(a), pl.parts)
             break
     if chosen is None:
-        want = {a: R for a in want}
-        if is_inplace(node.target):
+        if inplace:
             _check_inplace(rw, node, want)
         return rw.finish(node, want, R), R
     for a in ins:
         pl = _placed(rw, a, want)
         shift = out_nd - rw.ndim(a)
         local_dim = chosen.dim - shift
-        if pl.is_s:
-            if S(pl.dim + shift, pl.parts) != chosen:
-                want[a] = S(local_dim) if local_dim >= 0 else R
-        elif local_dim >= 0 and rw.shape(a)[local_dim] != 1:
+        if pl.is_s and S(pl.dim + shift, pl.parts) == chosen:
+            continue
+        if pl.is_s or (local_dim >= 0 and rw.shape(a)[local_dim] != 1):
             if chosen.parts != 1:
-                raise TPShardError(f"{fmt(node)} combines the fused shard {chosen} with the full tensor {fmt(a)}")
-            want[a] = S(local_dim)
-    if is_inplace(node.target):
+                raise TPShardError(f"{fmt(node)} combines the fused shard {chosen} with {fmt(a)} ({pl}), which is "
+                                   "not split into the same blocks")
+            want[a] = S(local_dim) if local_dim >= 0 else R
+    if inplace:
         _check_inplace(rw, node, want)
     if node.target == aten.dropout.default and args_of(node)[1] > 0 and args_of(node)[2]:
         # each shard needs its own mask (the same mask on every rank would correlate the shards)

@@ -135,6 +135,11 @@ def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     last = rw.ndim(x) - 1
     if pw.is_r:
         want = _resolve_partials(rw, node)
+        if b is not None and not want.get(b, rw.p(b)).is_r:
+            if b.op == "get_attr":
+                raise TPShardError(f"{fmt(node)}: bias {fmt(b)} is {rw.p(b)} but the weight {fmt(w)} is replicated; "
+                                   "split both (colwise) or neither")
+            want[b] = R
         px = want.get(x, rw.p(x))
         # A replicated weight on a sequence/batch shard computes locally, but its gradient is then
         # a sum over shards (an all-reduce of |W|); gathering the input instead moves |x|. Take the
