@@ -41,9 +41,41 @@ def _is_aten(target: Any) -> bool:
     return isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))
 
 
+_TRANSPOSES = {torch.ops.aten.numpy_T.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+               torch.ops.aten.permute.default}
+_MATMULS = {torch.ops.aten.matmul.default, torch.ops.aten.mm.default}
+
+
+def _transposed_param(node: Any) -> Node | None:
+    """The 2-D parameter ``w`` when ``node`` is ``w.T`` (``numpy_T``, ``t``, ``transpose(0, 1)``,
+    ``permute([1, 0])``), else None."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target in _TRANSPOSES):
+        return None
+    w = node.args[0]
+    if not (isinstance(w, Node) and w.op == "get_attr" and "fs_param" in w.meta):
+        return None
+    v = w.meta.get("val")
+    if not isinstance(v, torch.Tensor) or v.dim() != 2:
+        return None
+    if node.target == torch.ops.aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    if node.target == torch.ops.aten.permute.default and [d % 2 for d in node.args[1]] != [1, 0]:
+        return None
+    return w
+
+
+def _is_weight_transpose_matmul(node: Node) -> bool:
+    """``x @ w.T`` with a 2-D parameter ``w`` (Falcon's ``FalconLinear``): ``linear(x, w)``."""
+    return node.op == "call_function" and node.target in _MATMULS and len(node.args) == 2 and \
+        _transposed_param(node.args[1]) is not None and isinstance(node.args[0], Node)
+
+
 def needs_normalizing(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` holds torch-level nodes (fx capture) that :func:`to_aten` would rewrite."""
+    """Whether ``gm`` holds torch-level nodes (fx capture) or ``x @ w.T`` matmuls that
+    :func:`to_aten` would rewrite."""
     for node in gm.graph.nodes:
+        if _is_weight_transpose_matmul(node):
+            return True
         if node.op == "call_method":
             return True
         if node.op == "call_function" and not _is_aten(node.target) and node.target is not operator.getitem \
@@ -70,6 +102,7 @@ def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if new is None:
             new = graph.node_copy(node, env.__getitem__)
         env[node] = new
+    _linear_from_transposed_weights(graph)
     _drop_dead_shape_math(graph)
     graph.lint()
     out_gm = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
@@ -182,6 +215,23 @@ def _splice(graph: torch.fx.Graph, template: torch.fx.GraphModule, inputs: list[
         new.meta.update({k: like.meta[k] for k in _KEEP_META if k in like.meta})
         env[n] = new
     return env[result]  # an input itself when the op returned it unchanged (x.float() of a float x)
+
+
+def _linear_from_transposed_weights(graph: torch.fx.Graph) -> None:
+    """``matmul(x, w.T)`` -> ``linear(x, w)`` for a 2-D parameter ``w``: the same product, seen as the
+    ``nn.Linear``-kind weight it is (Falcon's ``FalconLinear``), so the tensor-parallel styles apply."""
+    for node in list(graph.nodes):
+        if not _is_weight_transpose_matmul(node):
+            continue
+        transposed = node.args[1]
+        w = _transposed_param(transposed)
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.aten.linear.default, (node.args[0], w))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        if not transposed.users:
+            graph.erase_node(transposed)
 
 
 def _drop_dead_shape_math(graph: torch.fx.Graph) -> None:

@@ -184,14 +184,16 @@ def _param_weight(node: Node, params: set[Node]) -> Node | None:
 
 
 def _activation_dependent(gm: torch.fx.GraphModule, params: set[Node]) -> set[Node]:
-    """Nodes whose value depends on a float graph input or a parameter (not only on constants,
-    buffers and integer inputs); the rest are replicated constants such as masks and rotary tables."""
+    """Nodes whose value depends on the data: a floating-point graph input, an embedding looked up
+    by ids from the graph inputs, or a parameter matmul of such values. The rest (constants,
+    masks, rotary tables, learned position tables and biases indexed by positions) are the same on
+    every rank and broadcast into head-local ops like constants."""
     out: set[Node] = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
             out.add(n)
-        elif n in params and isinstance(v, torch.Tensor) and v.requires_grad:
+        elif n.op == "call_function" and n.target == aten.embedding.default and _from_int_input(args_of(n)[1]):
             out.add(n)
         elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
             if "wrap_with_set_grad_enabled" not in str(n.target):
@@ -278,11 +280,24 @@ def _op_name(node: Node) -> str:
 
 
 def _from_int_input(ids: Any) -> bool:
-    cur = ids
-    while isinstance(cur, Node) and cur.op == "call_function" and cur.target in VIEWS | {aten.to.dtype}:
-        cur = args_of(cur)[0]
-    v = cur.meta.get("val") if isinstance(cur, Node) else None
-    return isinstance(cur, Node) and cur.op == "placeholder" and isinstance(v, torch.Tensor) and not v.is_floating_point()
+    """Whether ``ids`` are integer token ids computed from the graph inputs (the ids themselves, or
+    decoder ids shifted from the labels), not positions made by ``arange``."""
+    v = ids.meta.get("val") if isinstance(ids, Node) else None
+    if not isinstance(v, torch.Tensor) or v.is_floating_point():
+        return False
+    seen: set[Node] = set()
+    stack = [ids]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            nv = n.meta.get("val")
+            if isinstance(nv, torch.Tensor) and not nv.is_floating_point():
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _heads(node: Node) -> dict[str, int]:
