@@ -38,10 +38,20 @@ from typing import TYPE_CHECKING, Mapping
 if TYPE_CHECKING:
     from planner.graph import ModelGraph
 
-__all__ = ["Style", "STYLES", "TP_STYLES", "MODULE_KINDS", "module_kind", "split_dim", "dim_name",
+__all__ = ["TPRules", "Style", "STYLES", "TP_STYLES", "MODULE_KINDS", "module_kind", "split_dim", "dim_name",
            "shard_problem", "own_param_shapes", "module_shard_problem"]
 
 MODULE_KINDS = ("linear", "conv1d", "embedding", "experts")
+
+
+class TPRules(dict):  # type: ignore[type-arg] - dict[str, str]
+    """Selector -> style rules as a pattern detector returns them, with ``reason``: why it left
+    modules (or the whole model) without tensor parallelism (the op and the model's source line),
+    so a refusal can say so instead of blaming divisibility."""
+
+    def __init__(self, rules: Mapping[str, str] | None = None, *, reason: str = "") -> None:
+        super().__init__(rules or {})
+        self.reason = reason
 
 
 @dataclass(frozen=True)

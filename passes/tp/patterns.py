@@ -46,6 +46,7 @@ from passes.tp.rewrite import TPShardError, args_of, source_of
 from passes.tp.rules import ELEMENTWISE, VIEWS
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
+from planner.tp_styles import TPRules
 
 __all__ = ["TPProposal", "propose_tp_rules"]
 
@@ -67,8 +68,9 @@ _TO_LOSS = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, 
 class TPProposal:
     """Tensor-parallel rules the pass can apply to one graph at one tp degree."""
 
-    rules: dict[str, str] = field(default_factory=dict)
-    """Module selector -> style, ready for ``Plan.tensor_parallel.rules``."""
+    rules: dict[str, str] = field(default_factory=TPRules)
+    """Module selector -> style, ready for ``Plan.tensor_parallel.rules`` (a :class:`TPRules`
+    carrying :meth:`reason`, which the search quotes when it refuses a tp degree)."""
     modules: dict[str, str] = field(default_factory=dict)
     """Every matched module path -> its style (before grouping into selectors), after checking."""
     attention: list[dict[str, int]] = field(default_factory=list)
@@ -102,13 +104,14 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
             _verify(gm, styles, tp, sequence_parallel, out)
         paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
         out.modules = dict(styles)
-        out.rules = _group(styles, paths)
+        out.rules = TPRules(_group(styles, paths), reason=out.reason())
     except Exception as exc:  # noqa: BLE001 - the detector must never take the search down
         node = getattr(exc, "node", None)
         why = (f"the tensor-parallel detector could not analyse this model ({type(exc).__name__}: {exc}"
                f"{source_of(node) if isinstance(node, Node) else ''})")
-        out.rules, out.modules = {}, {}
+        out.modules = {}
         out.refused["*"] = why
+        out.rules = TPRules(reason=out.reason())
         out.notes.append(f"tensor parallelism dropped entirely: {why}")
     return out
 

@@ -18,6 +18,7 @@ regions, Korthikanti et al. 2022 section 4.2.2).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -57,9 +58,15 @@ def fmt(node: Node | None) -> str:
     return node.format_node() or node.name
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OWN = (os.path.join(_REPO, "planner") + os.sep, os.path.join(_REPO, "passes") + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
 def source_of(node: Node | None) -> str:
     """`` at file.py:12 (code)``: the user's line that made ``node`` (the innermost frame of its
-    recorded stack trace outside torch), or "" when capture recorded none."""
+    recorded stack trace outside torch and this package), `` in the loss function`` for ops of a
+    ``loss_fn`` (export records only module frames), or "" when capture recorded nothing."""
     trace = node.meta.get("stack_trace") if node is not None else None
     if not trace:
         return ""
@@ -71,10 +78,12 @@ def source_of(node: Node | None) -> str:
             frames.append((line, code))
     for line, code in reversed(frames):
         path = line.split('"')[1] if '"' in line else line
-        if "/torch/" in path or "/site-packages/torch" in path:
+        if path.startswith(_OWN):
             continue
         lineno = line.split("line ")[1].split(",")[0] if "line " in line else "?"
-        return f" at {path.rsplit('/', 1)[-1]}:{lineno}" + (f" ({code})" if code else "")
+        return f" at {os.path.basename(path)}:{lineno}" + (f" ({code})" if code else "")
+    if any("loss_fn" in code for _, code in frames):
+        return " in the loss function"
     return ""
 
 

@@ -446,3 +446,73 @@ def all_placements(case: Case, tp: int) -> list[tuple[Placement, ...]]:
     return combos
 
 
+
+
+# ------------------------------------------------------------------------------------------ whole graphs
+
+
+def simulate_graph(gm: torch.fx.GraphModule, rules: dict[str, str], tp: int, batch: Sequence[Any], *,
+                   sequence_parallel: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    """Run ``shard_tensor_parallel_pass``'s rank graphs of a captured graph on ``tp`` simulated ranks
+    (threads, collectives in memory): one forward and backward. Returns the loss (checked equal on
+    every rank) and every parameter's gradient by user key, assembled from the ranks' shards."""
+    import copy
+
+    from passes.layout import META_LAYOUT
+    from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
+    from planner.plan import Mesh, Plan, TensorParallel
+
+    plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sequence_parallel))
+    ranks = [shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=r, tp_size=tp) for r in range(tp)]
+    losses: list[Any] = [None] * tp
+    errors: list[BaseException] = []
+    with simulated_comm(tp) as group:
+
+        def work(r: int) -> None:
+            group.local.rank = r
+            try:
+                loss = ranks[r](*batch)
+                loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+                loss.backward()
+                losses[r] = loss.item()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(exc)
+                group.barrier.abort()
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    assert all(x == losses[0] for x in losses), f"tp ranks disagree on the loss: {losses}"
+    layout = ranks[0].meta[META_LAYOUT]
+    grads: dict[str, torch.Tensor] = {}
+    for attr, key in layout.keys.items():
+        pieces = [dict(rk.named_parameters(remove_duplicate=False)).get(attr) for rk in ranks]
+        if pieces[0] is None or pieces[0].grad is None:
+            continue
+        g = [p.grad for p in pieces]
+        grads[key] = layout.tp[key].assemble(g) if key in layout.tp else g[0]
+    return losses[0], grads
+
+
+def reference_graph(gm: torch.fx.GraphModule, batch: Sequence[Any]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The captured graph run whole: loss and gradients by user key."""
+    import copy
+
+    from passes.layout import META_LAYOUT
+
+    one = copy.deepcopy(gm)
+    loss = one(*batch)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    loss.backward()
+    keys = {n.target: n.meta.get("fs_param") for n in one.graph.nodes if n.op == "get_attr"}
+    layout = gm.meta.get(META_LAYOUT)
+    grads = {}
+    for attr, p in one.named_parameters(remove_duplicate=False):
+        key = keys.get(attr) or (layout.keys.get(attr) if layout else None) or attr
+        if p.grad is not None:
+            grads[key] = p.grad
+    return loss.item(), grads
