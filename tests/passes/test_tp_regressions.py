@@ -60,7 +60,7 @@ class XXNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, *, inplace_residual: bool = False, norm_after: bool = False) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D, bias=False)  # no bias: the output stays a partial sum
         self.act = nn.ReLU(inplace=True)
         self.norm = XXNorm(D) if norm_after else None
         self.inplace_residual = inplace_residual
@@ -105,8 +105,10 @@ def test_x_times_x_norm_on_a_partial_sum_is_exact() -> None:
 
 def test_inplace_residual_on_a_partial_sum() -> None:
     """Issue 12.8: ``out += x`` on a row-parallel output was refused by the pass after the search
-    proposed it; it now runs out of place, exactly."""
+    proposed it (under sequence parallelism, where the residual is a sequence shard); it now runs out
+    of place, exactly."""
     _exact(LM(inplace_residual=True), flat_loss, expect=PAIRS)
+    _exact(LM(inplace_residual=True), flat_loss, expect=PAIRS, sp=True)
 
 
 def test_flatten_loss_gets_a_vocab_parallel_head() -> None:

@@ -30,7 +30,6 @@ from torch import nn
 
 from passes.layout import TensorShard
 from passes.ops import comm
-from passes.tp.functionalize import functionalize_inplace
 from passes.tp.model_rules import rule_for
 from passes.tp.placement import PD, P, Placement, R, S
 from passes.tp.rewrite import Rewriter, TPShardError
@@ -304,7 +303,11 @@ def _graph(case: Case, vals: list[torch.Tensor]) -> torch.fx.GraphModule:
         outs.append(last)
     g.output(tuple(outs))
     gm = torch.fx.GraphModule(root, g)
-    return functionalize_inplace(gm) if case.functionalize else gm
+    if case.functionalize:
+        from passes.tp.functionalize import functionalize_inplace
+
+        gm = functionalize_inplace(gm)
+    return gm
 
 
 def _io(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[Any]]:

@@ -124,3 +124,58 @@ def test_default_config_matches_single_process(name: str, sp: bool) -> None:
 def test_default_config_matches_single_process_slow(name: str, sp: bool) -> None:
     counts = _check(SLOW, name, sp)
     assert counts.get("vocab_parallel_cross_entropy") == 1, counts
+
+
+# ------------------------------------------------------------------------------------------ pp × tp, tied
+
+
+def _flat_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def _pp_tp_rank(rank: int, world: int, rules: dict[str, str]) -> list[float]:
+    import functools
+
+    from fairscale.runtime.engine import ParallelModule
+    from planner.plan import Schedule, Stage
+
+    plan = Plan(mesh=Mesh(pp=2, tp=2), schedule=Schedule(kind="1f1b", microbatches=2),
+                stages=[Stage(layers="inner.transformer.wte, inner.transformer.wpe, inner.transformer.h.0"),
+                        Stage(layers="inner.transformer.h.1, inner.transformer.ln_f, inner.lm_head")],
+                tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
+    pm = ParallelModule(_Logits(_model("gpt2").inner), plan, example_inputs=_batch("gpt2", 0), loss_fn=_flat_loss,
+                        optimizer=functools.partial(torch.optim.SGD, lr=LR))
+    return [pm.train_step(_batch("gpt2", s)) for s in range(STEPS)]
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        return self.inner(input_ids=ids)
+
+
+def test_pipeline_and_tensor_parallel_with_a_tied_embedding_and_flatten_loss() -> None:
+    """Issue 12.6: GPT-2 (tied wte / lm_head) with ``cross_entropy(out.flatten(0, 1), y.flatten())``
+    under pp2 × tp2 aborted gloo ("Received data size doesn't match expected size. 65536 vs 32768"):
+    the flatten crash made the detector drop the LM head's rule and keep the embedding's, so the
+    tied weight was split on stage 0 and whole on stage 1, and the pipeline's tied-gradient sum
+    exchanged buffers of different sizes. Now flatten has its rule, the head is vocab-parallel on
+    stage 1 like the embedding on stage 0, and the run matches one process."""
+    graph = capture(_Logits(_model("gpt2").inner), _batch("gpt2", 0), loss_fn=_flat_loss)
+    rules = propose_tp_rules(graph.gm, tp=2).rules
+    assert rules["inner.lm_head"] == "vocab_loss" and rules["inner.transformer.wte"] == "vocab_embedding"
+    ref = _Logits(_model("gpt2").inner)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    want = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = _flat_loss(ref(_batch("gpt2", step)[0]), _batch("gpt2", step)[1])
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    got = fairscale.launch(_pp_tp_rank, devices=4, args=(rules,))
+    for losses in got:
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(want, losses)), (want, losses)
