@@ -17,6 +17,7 @@ from planner.cost_comm import all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
 from planner.graph import ModelGraph
 from planner.selectors import parse_selector
+from planner.tp_styles import STYLES
 
 __all__ = ["CostOptions", "TPInfo", "LayerFacts", "LayerCost", "compute_time", "layer_facts", "layer_costs",
            "ATTENTION_REPLICATED_INPUTS"]
@@ -243,12 +244,13 @@ def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str,
              layer_params: int) -> TPInfo:
     if not styles:
         return TPInfo()
-    # expert-sharded weights (the TP pass's expert parallelism) leave partial sums: one forward
-    # all-reduce per expert group, and the replicated input's gradient is all-reduced backward
-    experts = {m.rpartition(".")[0] for m, s in styles.items() if s == "expert"}
-    rowwise = sum(1 for s in styles.values() if s in ("rowwise", "vocab_embedding")) + len(experts)
-    col_parents = {m.rpartition(".")[0] for m, s in styles.items() if s in ("colwise", "colwise_gather",
-                                                                          "vocab_loss", "expert")}
+    # a partial-sum output costs one forward reduction (expert weights of one MoE block share it),
+    # and a replicated input feeding sharded compute one backward all-reduce per parent module
+    # (q|k|v share their input): the forward_reduce / backward_reduce columns of planner.tp_styles
+    grouped = {m.rpartition(".")[0] for m, s in styles.items() if STYLES[s].reduce_per_parent}
+    rowwise = sum(1 for s in styles.values() if STYLES[s].forward_reduce and not STYLES[s].reduce_per_parent) \
+        + len(grouped)
+    col_parents = {m.rpartition(".")[0] for m, s in styles.items() if STYLES[s].backward_reduce}
     heads = attention.get("heads", 0) if attention else 0
     # a tied weight is owned by its first user, so a split module may own fewer elements than it holds
     split = min(layer_params, sum(owned.get(m, 0) for m in styles))

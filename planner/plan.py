@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from planner.messages import closest, describe, json_path_key
+from planner.tp_styles import TP_STYLES  # the one table of tensor-parallel styles, re-exported
 
 PLAN_VERSION = 1
 READABLE_VERSIONS = (PLAN_VERSION,)
 """Plan file versions this build can read."""
 
 DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
-TP_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_loss", "expert", "replicate")
 RECOMPUTE_KINDS = ("full", "selective", "none")
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -7,71 +7,13 @@ from __future__ import annotations
 import re
 
 from planner.graph import ModelGraph
-from planner.plan import TP_STYLES, Plan
 from planner.messages import json_path_key
+from planner.plan import Plan
 from planner.selectors import Selector, format_layers
+from planner.tp_styles import STYLES, TP_STYLES, module_kind, module_shard_problem, own_param_shapes, split_dim
 from planner.validate_fields import check_choice, check_conflicts, check_matches, module_names, parse_field
 
-__all__ = ["check_tensor_parallel", "check_experts"]
-
-
-# Which dim of ``weight`` a style splits, by module kind. HF's Conv1D stores weight as (in, out).
-_SHARD_DIM: dict[str, dict[str, int]] = {
-    "colwise": {"linear": 0, "conv1d": 1, "embedding": 1},
-    "colwise_gather": {"linear": 0, "conv1d": 1, "embedding": 1},
-    "rowwise": {"linear": 1, "conv1d": 0, "embedding": 0},
-    "vocab_embedding": {"embedding": 0},
-    "vocab_loss": {"linear": 0, "conv1d": 1},
-}
-
-
-_DIM_NAME = {("linear", 0): "output features", ("linear", 1): "input features", ("conv1d", 1): "output features",
-             ("conv1d", 0): "input features", ("embedding", 0): "vocabulary rows",
-             ("embedding", 1): "embedding columns"}
-
-
-def _kind(cls: str) -> str | None:
-    if cls.endswith("Linear"):
-        return "linear"
-    if cls == "Conv1D":
-        return "conv1d"
-    if cls.endswith("Embedding"):
-        return "embedding"
-    return None
-
-
-def _own_params(graph: ModelGraph, module: str) -> dict[str, tuple[int, ...]]:
-    prefix = module + "." if module else ""
-    return {k[len(prefix):]: s for k, s in graph.param_shapes.items()
-            if k.startswith(prefix) and "." not in k[len(prefix):]}
-
-
-def _shard_problem(graph: ModelGraph, module: str, style: str, tp: int) -> str | None:
-    """Why ``style`` cannot shard ``module`` over tp ranks, or None."""
-    if style == "replicate":
-        return None
-    params = _own_params(graph, module)
-    cls = graph.modules.get(module, "?")
-    if style == "expert":
-        if not params:
-            return f"expert shards the experts (dim 0) of a module's own parameters, but {module} ({cls}) has none"
-        for name, shape in params.items():
-            if shape and shape[0] % tp:
-                return (f"expert splits {module}.{name} {shape} along dim 0 ({shape[0]} experts), but {shape[0]} % "
-                        f"tp({tp}) = {shape[0] % tp}")
-        return None
-    kind = _kind(cls)
-    dims = _SHARD_DIM[style]
-    weight = params.get("weight")
-    if kind not in dims or weight is None or len(weight) != 2:
-        kinds = sorted({"Linear" if k == "linear" else "Conv1D" if k == "conv1d" else "Embedding" for k in dims})
-        return f"{style} applies to {' / '.join(kinds)} modules, but {module} is {cls}"
-    dim = dims[kind]
-    size = weight[dim]
-    if size % tp:
-        return (f"{style} splits {module}.weight {weight} along dim {dim} ({size} {_DIM_NAME[(kind, dim)]}), "
-                f"but {size} % tp({tp}) = {size % tp}")
-    return None
+__all__ = ["check_tensor_parallel", "check_experts", "heads_problems", "tied_layout"]
 
 
 def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
@@ -92,7 +34,7 @@ def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[s
         if known:
             parsed.append((key, sel, style))
             if tp >= 1:
-                bad = [p for p in (_shard_problem(graph, m, style, tp) for m in sel.select(modules)) if p]
+                bad = [p for p in (module_shard_problem(graph, m, style, tp) for m in sel.select(modules)) if p]
                 if bad:
                     more = f" (and {len(bad) - 1} more module{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
                     problems.append(f"{path}: {bad[0]}{more}")
@@ -101,6 +43,7 @@ def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[s
     check_conflicts("tensor_parallel.rules", parsed, module_names(graph), "style", problems)
     if tp > 1 and parsed:
         _check_heads(plan, graph, parsed, problems)
+        _check_tied(graph, parsed, problems)
 
 
 def check_experts(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
@@ -123,13 +66,52 @@ def check_experts(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> 
                         "or set mesh.ep to 1")
 
 
+def tied_layout(graph: ModelGraph, key: str, parsed: list[tuple[str, Selector, str]]) -> tuple[str | None, int | None]:
+    """(rule key, split dim or None for whole) that the rules give parameter ``key``."""
+    module, _, leaf = key.rpartition(".")
+    hit = next(((text, style) for text, sel, style in parsed if sel.matches(module)), None)
+    if hit is None:
+        return None, None
+    text, style = hit
+    st = STYLES[style]
+    kind = module_kind(graph.modules.get(module, "?"), own_param_shapes(graph, module))
+    if leaf == "weight" or kind == "experts":
+        return text, split_dim(style, kind)
+    if leaf == "bias" and st.bias == "split":
+        return text, 0
+    return text, None
+
+
+def _check_tied(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], problems: list[str]) -> None:
+    """Every tied group gets one layout: its copies (one per pipeline stage that reads it) are
+    summed after backward, which needs the same piece of the tensor on every copy."""
+    for group in graph.tied:
+        layouts = {k: tied_layout(graph, k, parsed) for k in group}
+        if len({dim for _, dim in layouts.values()}) <= 1:
+            continue
+        parts = []
+        for k, (text, dim) in layouts.items():
+            how = "kept whole" if dim is None else f"split on dim {dim}"
+            why = f"rule {json_path_key('tensor_parallel.rules', text)}" if text else "no rule"
+            parts.append(f"{k} is {how} ({why})")
+        problems.append(f"tensor_parallel.rules: the tied weights {group} must have one layout, but "
+                        f"{'; '.join(parts)}. Give every module that uses the tied tensor a matching style "
+                        "(an embedding with vocab_embedding and its tied LM head with vocab_loss split the same "
+                        "vocabulary rows), or replicate all of them")
+
+
 _ATTENTION = re.compile(r"Attention")
 """Class names of attention modules (LlamaAttention, GPT2Attention, nn.MultiheadAttention, ours)."""
 
 
 def _check_heads(plan: Plan, graph: ModelGraph, parsed: list[tuple[str, Selector, str]],
                  problems: list[str]) -> None:
-    tp = plan.mesh.tp
+    problems.extend(heads_problems(graph, parsed, plan.mesh.tp))
+
+
+def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], tp: int) -> list[str]:
+    """Attention layers whose heads the rules split although tp does not divide their heads and
+    kv heads (an MLP-only rule splits no heads)."""
     bad: dict[tuple[int, int], list[str]] = {}
     for layer in graph.layers:
         att = layer.attention
@@ -145,7 +127,6 @@ def _check_heads(plan: Plan, graph: ModelGraph, parsed: list[tuple[str, Selector
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))
         if heads % tp or kv % tp:
             bad.setdefault((heads, kv), []).append(layer.name)
-    for (heads, kv), layers in bad.items():
-        problems.append(f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers(layers)} "
-                        f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}); each tp rank "
-                        "must hold whole heads, so use a tp that divides both")
+    return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers(layers)} "
+            f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}); each tp rank "
+            "must hold whole heads, so use a tp that divides both" for (heads, kv), layers in bad.items()]

@@ -9,9 +9,9 @@ record into :data:`passes.ops.comm.COUNTER` like every other collective.
   ``VocabParallelEmbedding``; Shoeybi et al. 2019). No communication; the pass inserts the
   all-reduce (or the reduce-scatter under sequence parallelism).
 * :func:`vocab_parallel_cross_entropy` - cross-entropy of vocab-sharded logits without gathering
-  them: an all-reduce(max) of [N] and one all-reduce(sum) of [2, N] (sum of exp and target logit).
-  Megatron-LM ``_VocabParallelCrossEntropy`` (which uses three all-reduces; the two sums are fused
-  here).
+  them: an all-reduce(max) of [N] and one all-reduce(sum) of [2, N] (sum of exp and target logit;
+  [3, N] with label smoothing, which also needs the sum of the logits). Megatron-LM
+  ``_VocabParallelCrossEntropy`` (which uses three all-reduces; the sums are fused here).
 * :func:`sharded_dropout` - dropout of a tensor-parallel shard with a mask stream of its own per
   tp rank (Megatron's model-parallel RNG region), while the shared stream advances alike on
   every rank so replicated dropouts stay identical.
@@ -52,7 +52,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_star
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
-                ignore_index: int, reduction: int) -> torch.Tensor:
+                ignore_index: int, reduction: int, smoothing: float) -> torch.Tensor:
         x = logits if logits.dtype == torch.float64 else logits.float()
         gmax = x.max(dim=-1).values
         comm.all_reduce_(gmax, axis, op=dist.ReduceOp.MAX)
@@ -62,15 +62,21 @@ class _VocabParallelCE(torch.autograd.Function):
         inside = (target >= vocab_start) & (target < vocab_start + rows)
         local_t = (target - vocab_start).masked_fill(~inside, 0)
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), picked])
+        parts = [exp.sum(dim=-1), picked] + ([shifted.sum(dim=-1)] if smoothing else [])
+        sums = torch.stack(parts)
         comm.all_reduce_(sums, axis)
         sum_exp, target_logit = sums[0], sums[1]
         valid = target != ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        vocab = rows * comm.group_size(axis)
+        if smoothing:  # PyTorch's label smoothing: (1-e)·nll + e·mean over the vocabulary of -log p
+            loss = (1.0 - smoothing) * loss + smoothing * (log_z - sums[2] / vocab)
+        loss = loss.masked_fill(~valid, 0.0)
         count = valid.sum()
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
         ctx.save_for_backward(exp, local_t, inside, valid, count)
-        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        ctx.reduction, ctx.dtype, ctx.smoothing, ctx.vocab = reduction, logits.dtype, smoothing, vocab
         if reduction == 0:
             return loss.to(logits.dtype)
         total = loss.sum()
@@ -79,27 +85,32 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         softmax, local_t, inside, valid, count = ctx.saved_tensors
-        g = softmax
-        hit = torch.zeros_like(g).scatter_(-1, local_t.unsqueeze(-1), inside.unsqueeze(-1).to(g.dtype))
-        g = (g - hit) * valid.unsqueeze(-1).to(g.dtype)
+        eps = ctx.smoothing
+        hit = torch.zeros_like(softmax).scatter_(-1, local_t.unsqueeze(-1), inside.unsqueeze(-1).to(softmax.dtype))
+        g = softmax - (1.0 - eps) * hit - eps / ctx.vocab if eps else softmax - hit
+        g = g * valid.unsqueeze(-1).to(g.dtype)
         if ctx.reduction == 0:
             g = g * grad.unsqueeze(-1)
         elif ctx.reduction == 1:
             g = g * (grad / count)
         else:
             g = g * grad
-        return g.to(ctx.dtype), None, None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
-                                 ignore_index: int = -100, reduction: int = 1) -> torch.Tensor:
-    """``F.cross_entropy(full_logits, target)`` from this rank's vocab columns ``logits`` [N, V/tp].
+                                 ignore_index: int = -100, reduction: int = 1,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target, ignore_index=, label_smoothing=)`` from this rank's
+    vocab columns ``logits`` [N, V/tp].
 
-    ``reduction`` uses aten's codes: 0 none, 1 mean (over targets != ignore_index), 2 sum.
+    ``reduction`` uses aten's codes: 0 none, 1 mean (over targets != ignore_index), 2 sum. With
+    label smoothing ``e`` the loss of a row is ``(1-e)·(log Z - x_t) + e·(log Z - sum_v x_v / V)``
+    (PyTorch's definition), so a third sum (of the logits) joins the all-reduce.
     """
     if logits.dim() != 2:
         raise ValueError(f"vocab_parallel_cross_entropy takes [N, V/tp] logits, got shape {tuple(logits.shape)}")
-    return _VocabParallelCE.apply(logits, target, axis, vocab_start, ignore_index, reduction)
+    return _VocabParallelCE.apply(logits, target, axis, vocab_start, ignore_index, reduction, float(label_smoothing))
 
 
 def expert_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_start: int) -> torch.Tensor:

@@ -11,64 +11,71 @@ import torch
 from torch.fx import Node
 
 from passes.ops import tp_ops
-from passes.tp.placement import PD, P, Placement, R, S
+from passes.tp.placement import PD, P, Placement, R, S, partial_moved
 from passes.tp.rewrite import Rewriter, TPShardError, args_of, fmt
 from passes.tp.rules import (ELEMENTWISE, NOT_OUTPUT, VIEWS, Rule, _gather_all, _nd, _ops, _resolve_partials,
-                             assert_meta, batched_matmul, cat, dim_op, elementwise, expand, fallback, getitem,
-                             layer_norm, linear_like, reduction, slice_like, softmax, split, view)
+                             assert_meta, elementwise, fallback)
+from passes.tp.rules_matmul import batched_matmul, layer_norm, linear_like, reduction, softmax
+from passes.tp.rules_shape import (cat, dim_op, expand, flatten, getitem, slice_like, split, unflatten, view,
+                                   view_dtype)
+from planner.tp_styles import split_dim
 
 __all__ = ["RULES", "rule_for"]
 
 aten = torch.ops.aten
 
+def _arg(node: Node, pos: int, name: str, default: Any) -> Any:
+    """Argument ``name`` of an ATen call, given positionally at ``pos`` or by keyword."""
+    args = args_of(node)
+    return args[pos] if len(args) > pos else node.kwargs.get(name, default)
+
+
 def embedding(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """embedding(weight, ids, padding_idx, scale_grad_by_freq, sparse): vocabulary rows split ->
+    masked lookup with a partial-sum output; embedding columns split -> output sharded on its last dim
+    (the dims come from ``planner.tp_styles``)."""
     w, ids = args_of(node)[0], args_of(node)[1]
     pw = rw.p(w)
-    if len(args_of(node)) > 3 and (args_of(node)[3] or (len(args_of(node)) > 4 and args_of(node)[4])):
+    if _arg(node, 3, "scale_grad_by_freq", False) or _arg(node, 4, "sparse", False):
         if not pw.is_r:
             raise TPShardError(f"{fmt(node)}: scale_grad_by_freq/sparse embeddings cannot be vocab-sharded")
     if pw.is_r:
         want = {ids: R} if not rw.p(ids).is_r else {}
         return rw.finish(node, want, R), R
-    if pw == S(0):
-        padding = int(args_of(node)[2]) if len(args_of(node)) > 2 else -1
+    if pw == S(split_dim("vocab_embedding", "embedding")):
+        padding = int(_arg(node, 2, "padding_idx", -1))
         start = rw.index * (rw.shape(w)[0] // rw.tp)
         new = rw.finish(node, {ids: R}, P, target=tp_ops.vocab_parallel_embedding, args=(w, ids, start, padding),
                         kwargs={})
         return new, P
-    if pw == S(1):
+    if pw == S(split_dim("colwise", "embedding")):
         out = S(rw.ndim(node) - 1)
         return rw.finish(node, {ids: R}, out), out
     raise TPShardError(f"{fmt(node)}: embedding weight is {pw}")
 
 
 def cross_entropy(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """cross_entropy_loss(logits [N, V], target [N], weight, reduction, ignore_index, label_smoothing):
+    on vocab-sharded logits, Megatron's vocab-parallel cross-entropy (``tp_ops``)."""
     x, target = args_of(node)[0], args_of(node)[1]
-    args: list[Any] = list(args_of(node)) + [None, 1, -100, 0.0][len(args_of(node)) - 2:]
-    weight, reduction, ignore, smoothing = args[2], args[3], args[4], args[5]
-    kwargs: dict[str, Any] = dict(node.kwargs)
-    for k, v in kwargs.items():
-        if k == "weight":
-            weight = v
-        elif k == "reduction":
-            reduction = v
-        elif k == "ignore_index":
-            ignore = v
-        elif k == "label_smoothing":
-            smoothing = v
+    weight = _arg(node, 2, "weight", None)
+    reduction = int(_arg(node, 3, "reduction", 1))
+    ignore = int(_arg(node, 4, "ignore_index", -100))
+    smoothing = float(_arg(node, 5, "label_smoothing", 0.0))
     px = rw.p(x)
-    if px.is_s and px.dim == 1 and px.parts == 1 and rw.ndim(x) == 2:
-        if weight is not None or smoothing:
-            raise TPShardError(f"{fmt(node)}: vocab-parallel cross-entropy supports no class weights and no "
-                               "label smoothing; replicate the LM head (or use 'colwise_gather') instead")
-        return _vocab_ce(rw, node, x, target, int(ignore), int(reduction))
+    if px.is_s and px.dim == 1 and px.parts == 1 and rw.ndim(x) == 2 and rw.ndim(target) == 1:
+        if weight is not None:
+            raise TPShardError(f"{fmt(node)}: the vocab-parallel cross-entropy takes no class weights; use "
+                               "'colwise_gather' (or 'replicate') for the LM head instead of 'vocab_loss'")
+        return _vocab_ce(rw, node, x, target, ignore, reduction, smoothing)
     return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
 
 
-def _vocab_ce(rw: Rewriter, node: Node, logits: Node, target: Node, ignore: int, reduction: int) -> tuple[Node, Any]:
+def _vocab_ce(rw: Rewriter, node: Node, logits: Node, target: Node, ignore: int, reduction: int,
+              smoothing: float = 0.0) -> tuple[Node, Any]:
     start = rw.index * (rw.shape(logits)[1] // rw.tp)
     new = rw.finish(node, {target: R}, R, target=tp_ops.vocab_parallel_cross_entropy,
-                    args=(logits, target, rw.axis, start, ignore, reduction), kwargs={})
+                    args=(logits, target, rw.axis, start, ignore, reduction, smoothing), kwargs={})
     return new, R
 
 
@@ -77,7 +84,7 @@ def log_softmax(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     x = args_of(node)[0]
     px = rw.p(x)
     dim = _nd(args_of(node)[1], rw.ndim(x))
-    nll = [u for u in node.users if str(u.target).startswith("aten.nll_loss")]
+    nll = [u for u in node.users if u.target in _NLL]
     if px.is_s and px.dim == dim == 1 and px.parts == 1 and rw.ndim(x) == 2 and node.users and \
             len(nll) == len(node.users) and all(args_of(u)[0] is node for u in nll):
         rw.place[node] = ("log_softmax", x)
@@ -89,11 +96,15 @@ def nll_loss(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     src = args_of(node)[0]
     marker = rw.place.get(src)
     if isinstance(marker, tuple) and marker[0] == "log_softmax":
-        args: list[Any] = list(args_of(node)) + [None, 1, -100][len(args_of(node)) - 2:]
-        if args[2] is not None:
-            raise TPShardError(f"{fmt(node)}: vocab-parallel nll_loss supports no class weights")
-        return _vocab_ce(rw, node, marker[1], args_of(node)[1], int(args[4]), int(args[3]))
+        if _arg(node, 2, "weight", None) is not None:
+            raise TPShardError(f"{fmt(node)}: the vocab-parallel nll_loss takes no class weights; use "
+                               "'colwise_gather' (or 'replicate') for the LM head instead of 'vocab_loss'")
+        return _vocab_ce(rw, node, marker[1], args_of(node)[1], int(_arg(node, 4, "ignore_index", -100)),
+                         int(_arg(node, 3, "reduction", 1)))
     return rw.finish(node, {a: R for a in rw.tensor_inputs(node)}, R), R
+
+
+_NLL = {aten.nll_loss.default, aten.nll_loss_nd.default}
 
 
 def sdpa(rw: Rewriter, node: Node) -> tuple[Node, Any]:
@@ -126,12 +137,15 @@ def grouped_mm(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if pw != S(0):
         raise TPShardError(f"{fmt(node)}: expert weights must be sharded along the expert dim 0, got {pw}")
     px = rw.p(x)
+    # rows are sorted by expert and partitioned by the offsets: this rank computes the rows of its
+    # experts, so the output is disjoint along dim 0 under the partition named by the offsets
+    support = PD(f"experts:{offs.name}", 0)
     want: dict[Node, Placement] = {offs: R}
-    if not (px.is_r or (px.is_p and px.disjoint)):
+    if not (px.is_r or px == support):
         want[x] = R
     start = rw.index * (rw.shape(w)[0] // rw.tp)
-    new = rw.finish(node, want, PD, target=tp_ops.expert_grouped_mm, args=(x, w, offs, start))
-    return new, PD
+    new = rw.finish(node, want, support, target=tp_ops.expert_grouped_mm, args=(x, w, offs, start))
+    return new, support
 
 
 def index(rw: Rewriter, node: Node) -> tuple[Node, Any]:
@@ -142,7 +156,10 @@ def index(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if any(not rw.p(i).is_r for i in tensors):
         return rw.finish(node, _gather_all(rw, node), R), R
     if px.is_p and len(idx) >= 1 and all(isinstance(i, Node) for i in idx):
-        return rw.finish(node, {}, px), px
+        # gathering rows is linear; it moves a disjoint partial's rows, so the result is an ordinary P
+        keep = px.disjoint and px.dim >= len(idx)
+        out_p = partial_moved(px, px.dim - len(idx) + max(rw.ndim(i) for i in tensors) if keep else None)
+        return rw.finish(node, {}, out_p), out_p
     if px.is_s and len(idx) == 1 and px.dim >= 1 and isinstance(idx[0], Node):
         out = S(px.dim - 1 + rw.ndim(idx[0]), px.parts)
         return rw.finish(node, {}, out), out
@@ -150,25 +167,29 @@ def index(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 
 
 RULES: dict[Any, Rule] = {}
+"""ATen op -> sharding rule. Every entry has conformance cases in tests/passes/test_tp_conformance.py."""
 for _op in ELEMENTWISE:
     RULES[_op] = elementwise
-for _op in VIEWS | _ops("flatten.using_ints"):
+for _op in VIEWS:
     RULES[_op] = view
-for _op in _ops("transpose.int", "permute", "t", "unsqueeze", "squeeze"):
+for _op in _ops("transpose.int", "permute", "t", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze"):
     RULES[_op] = dim_op
 for _op in NOT_OUTPUT:
     RULES[_op] = assert_meta
 RULES.update({
+    aten.flatten.using_ints: flatten, aten.unflatten.int: unflatten, aten.view.dtype: view_dtype,
     aten.expand.default: expand, aten.slice.Tensor: slice_like, aten.select.int: slice_like,
     aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
     aten.cat.default: cat, operator.getitem: getitem,
-    aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
-    aten.softmax.int: softmax, aten._softmax.default: softmax, aten.layer_norm.default: layer_norm,
+    aten.sum.dim_IntList: reduction, aten.sum.default: reduction, aten.mean.dim: reduction,
+    aten.mean.default: reduction, aten.amax.default: reduction, aten.amin.default: reduction,
+    aten.softmax.int: softmax, aten._softmax.default: softmax,
+    aten.layer_norm.default: layer_norm, aten.rms_norm.default: layer_norm,
     aten.log_softmax.int: log_softmax, aten._log_softmax.default: log_softmax,
     aten.linear.default: linear_like, aten.addmm.default: linear_like, aten.mm.default: linear_like,
     aten.matmul.default: linear_like, aten.bmm.default: batched_matmul,
     aten.embedding.default: embedding, aten.cross_entropy_loss.default: cross_entropy,
-    aten.nll_loss.default: nll_loss, aten.nll_loss_forward.default: nll_loss, aten.nll_loss_nd.default: nll_loss,
+    aten.nll_loss.default: nll_loss, aten.nll_loss_nd.default: nll_loss,
     aten.scaled_dot_product_attention.default: sdpa, aten.index.Tensor: index,
 })
 # Hugging Face registers its MoE op when transformers' MoE integration is imported; match by name

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,13 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes.tp.rewrite import TPShardError, args_of
+from passes.tp.functionalize import functionalize_inplace
+from passes.tp.normalize import to_aten
+from passes.tp.rewrite import TPShardError, args_of, source_of
 from passes.tp.rules import ELEMENTWISE, VIEWS
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
+from planner.tp_styles import TPRules
 
 __all__ = ["TPProposal", "propose_tp_rules"]
 
@@ -56,27 +60,75 @@ _HEAD_LOCAL = ELEMENTWISE | VIEWS | {
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
            aten.nll_loss_nd.default}
 _TO_LOSS = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default,
-                    aten.log_softmax.int, aten._log_softmax.default, aten.contiguous.default}
+                    aten.log_softmax.int, aten._log_softmax.default, aten.contiguous.default, aten.clone.default,
+                    aten.flatten.using_ints}
 
 
 @dataclass(kw_only=True)
 class TPProposal:
     """Tensor-parallel rules the pass can apply to one graph at one tp degree."""
 
-    rules: dict[str, str] = field(default_factory=dict)
-    """Module selector -> style, ready for ``Plan.tensor_parallel.rules``."""
+    rules: dict[str, str] = field(default_factory=TPRules)
+    """Module selector -> style, ready for ``Plan.tensor_parallel.rules`` (a :class:`TPRules`
+    carrying :meth:`reason`, which the search quotes when it refuses a tp degree)."""
     modules: dict[str, str] = field(default_factory=dict)
-    """Every matched module path -> its style (before grouping into selectors)."""
+    """Every matched module path -> its style (before grouping into selectors), after checking."""
     attention: list[dict[str, int]] = field(default_factory=list)
     """Per attention node: ``{"heads": h, "kv_heads": k, "head_dim": d}`` as seen in the graph."""
     notes: list[str] = field(default_factory=list)
-    """What was left replicated and why."""
+    """What was left replicated and why (``"<module>: left replicated (<style>): <op> at <source line>: ..."``)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Module path (``"*"``: the whole model) -> why it gets no tensor parallelism: the op, its
+    source line and the pass's reason. What a user is told when a tp degree is refused."""
+
+    def reason(self) -> str:
+        """One line saying why the proposal is empty or partial ("" when nothing was refused)."""
+        if not self.refused:
+            return ""
+        items = sorted(self.refused.items())
+        head = "; ".join(f"{m}: {why}" if m != "*" else why for m, why in items[:3])
+        return head + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
 
 
 def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bool = False,
                      verify: bool = True) -> TPProposal:
-    """Propose ``{selector: style}`` for ``gm`` at tensor-parallel degree ``tp`` (see module doc)."""
+    """Propose ``{selector: style}`` for ``gm`` at tensor-parallel degree ``tp`` (see module doc).
+
+    Never raises: a graph it cannot analyse, or a pass failure it cannot attribute to a module,
+    gives no rules, and ``refused`` / ``notes`` say why (the op and the model's source line)."""
     out = TPProposal()
+    try:
+        gm = _prepared(gm)
+        styles = _detect(gm, out)
+        if verify and tp > 1:
+            _verify(gm, styles, tp, sequence_parallel, out)
+        paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
+        out.modules = dict(styles)
+        out.rules = TPRules(_group(styles, paths), reason=out.reason())
+    except Exception as exc:  # noqa: BLE001 - the detector must never take the search down
+        node = getattr(exc, "node", None)
+        why = (f"the tensor-parallel detector could not analyse this model ({type(exc).__name__}: {exc}"
+               f"{source_of(node) if isinstance(node, Node) else ''})")
+        out.modules = {}
+        out.refused["*"] = why
+        out.rules = TPRules(reason=out.reason())
+        out.notes.append(f"tensor parallelism dropped entirely: {why}")
+    return out
+
+
+_PREPARED: weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule] = weakref.WeakKeyDictionary()
+
+
+def _prepared(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` in ATen form with its safe in-place ops functional, as the pass sees it (cached per
+    captured graph: the search asks for every tp degree)."""
+    if gm not in _PREPARED:
+        _PREPARED[gm] = functionalize_inplace(to_aten(gm))
+    return _PREPARED[gm]
+
+
+def _detect(gm: torch.fx.GraphModule, out: TPProposal) -> dict[str, str]:
+    """Module path -> proposed style (before checking it with the pass)."""
     params = {n for n in gm.graph.nodes if n.op == "get_attr" and "fs_param" in n.meta}
     act = _activation_dependent(gm, params)
     styles: dict[str, str] = {}
@@ -97,9 +149,19 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
                 claim(a, "colwise")
             role[b] = "rowwise"
             claim(b, "rowwise")
-    for n in matmuls:
-        if n.meta.get("fs_module") not in styles and _reaches_loss(n):
+    for n in matmuls:  # output heads: the last matmuls before the loss
+        path = n.meta.get("fs_module", "")
+        if path in styles or not _is_head(n, params):
+            continue
+        blocker = _loss_blocker(n)
+        if blocker is None:
             claim(n, "vocab_loss")
+        else:
+            why = (f"its output reaches {_op_name(blocker)}{source_of(blocker)} before the loss; the vocab-parallel "
+                   "loss needs the logits to reach cross_entropy (or log_softmax + nll_loss) through views, "
+                   "flatten, casts and slices of other dims")
+            out.refused[path] = why
+            out.notes.append(f"{path}: left replicated (vocab_loss): {why}")
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -110,12 +172,7 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
             claim(n, "expert")
         elif n.target == aten.scaled_dot_product_attention.default:
             out.attention.append(_heads(n))
-    out.modules = dict(styles)
-    if verify and tp > 1:
-        _verify(gm, styles, tp, sequence_parallel, out.notes)
-    paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
-    out.rules = _group(styles, paths)
-    return out
+    return styles
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -130,14 +187,16 @@ def _param_weight(node: Node, params: set[Node]) -> Node | None:
 
 
 def _activation_dependent(gm: torch.fx.GraphModule, params: set[Node]) -> set[Node]:
-    """Nodes whose value depends on a float graph input or a parameter (not only on constants,
-    buffers and integer inputs); the rest are replicated constants such as masks and rotary tables."""
+    """Nodes whose value depends on the data: a floating-point graph input, an embedding looked up
+    by ids from the graph inputs, or a parameter matmul of such values. The rest (constants,
+    masks, rotary tables, learned position tables and biases indexed by positions) are the same on
+    every rank and broadcast into head-local ops like constants."""
     out: set[Node] = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.is_floating_point():
             out.add(n)
-        elif n in params and isinstance(v, torch.Tensor) and v.requires_grad:
+        elif n.op == "call_function" and n.target == aten.embedding.default and _from_int_input(args_of(n)[1]):
             out.add(n)
         elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
             if "wrap_with_set_grad_enabled" not in str(n.target):
@@ -170,28 +229,78 @@ def _column_sources(x: Any, params: set[Node], act: set[Node]) -> list[Node]:
     return sorted(found, key=lambda n: n.name)
 
 
-def _reaches_loss(node: Node) -> bool:
+def _is_head(node: Node, params: set[Node]) -> bool:
+    """Whether ``node`` (a parameter matmul) is an output head: a loss is computed from its output
+    without another parameter matmul in between."""
+    seen: set[Node] = set()
+    stack = list(node.users)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        if n.op == "call_function" and n.target in _MATMUL_W and _param_weight(n, params) is not None:
+            continue
+        if n.op == "call_function" and n.target in _LOSSES:
+            return True
+        stack.extend(n.users)
+    return False
+
+
+def _loss_blocker(node: Node) -> Node | None:
+    """None when every use of ``node``'s output reaches ``cross_entropy`` / ``nll_loss`` (as their
+    input) through ops that keep the vocabulary dim whole; else the first op in the way."""
     cur = [node]
+    seen: set[Node] = set()
     while cur:
         nxt = []
         for n in cur:
             for u in n.users:
+                if u in seen or "_assert_tensor_metadata" in str(u.target):
+                    continue
+                seen.add(u)
                 if u.target in _LOSSES and args_of(u)[0] is n:
-                    return True
-                if u.target in _TO_LOSS:
+                    continue
+                if u.target in _TO_LOSS or (u.target == aten.slice.Tensor and _slices_other_dim(u)):
                     nxt.append(u)
-                elif "_assert_tensor_metadata" not in str(u.target):
-                    return False
+                    continue
+                return u
         cur = nxt
-    return False
+    return None
+
+
+def _slices_other_dim(node: Node) -> bool:
+    src = args_of(node)[0]
+    v = src.meta.get("val") if isinstance(src, Node) else None
+    dim = args_of(node)[1] if len(args_of(node)) > 1 else 0
+    return isinstance(v, torch.Tensor) and dim % v.dim() != v.dim() - 1
+
+
+def _op_name(node: Node) -> str:
+    return f"{node.name} ({node.target})" if node.op != "output" else "the graph output (the logits are returned)"
 
 
 def _from_int_input(ids: Any) -> bool:
-    cur = ids
-    while isinstance(cur, Node) and cur.op == "call_function" and cur.target in VIEWS | {aten.to.dtype}:
-        cur = args_of(cur)[0]
-    v = cur.meta.get("val") if isinstance(cur, Node) else None
-    return isinstance(cur, Node) and cur.op == "placeholder" and isinstance(v, torch.Tensor) and not v.is_floating_point()
+    """Whether ``ids`` are integer token ids computed from the graph inputs (the ids themselves, or
+    decoder ids shifted from the labels), not positions made by ``arange``."""
+    v = ids.meta.get("val") if isinstance(ids, Node) else None
+    if not isinstance(v, torch.Tensor) or v.is_floating_point():
+        return False
+    seen: set[Node] = set()
+    stack = [ids]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            nv = n.meta.get("val")
+            if isinstance(nv, torch.Tensor) and not nv.is_floating_point():
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _heads(node: Node) -> dict[str, int]:
@@ -214,19 +323,25 @@ def _kv_source(k: Node) -> Node:
 # ------------------------------------------------------------------------------------------ checking
 
 
-def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool, notes: list[str]) -> None:
+def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool, out: TPProposal) -> None:
     """Drop rules the pass rejects at this tp (one block family at a time), noting why."""
-    from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
+    from passes.tp.shard_tensor_parallel import check_tensor_parallel
 
     paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
     for _ in range(len(styles) + 1):
+        if not styles:
+            return
         plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=_group(styles, paths), sequence_parallel=sp))
         try:
-            shard_tensor_parallel_pass(gm, plan, tp_index=0, tp_size=tp)
+            check_tensor_parallel(gm, plan, tp_size=tp)
             return
-        except TPShardError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the pass refuses, the rules responsible are dropped
             node = getattr(exc, "node", None)
-            culprit = node.meta.get("fs_module", "") if node is not None else ""
+            culprit = node.meta.get("fs_module", "") if isinstance(node, Node) else ""
+            text = str(exc) if isinstance(exc, TPShardError) else f"{type(exc).__name__}: {exc}"
+            where = source_of(node) if isinstance(node, Node) else ""
+            if where and where.strip() not in text:
+                text = f"{text}{where}"
             general = _generalize(culprit)
             if culprit:
                 dropped = [p for p in styles if _generalize(p) == general or _generalize(p).startswith(general + ".")
@@ -234,11 +349,14 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
             else:
                 dropped = [p for p, st in styles.items() if st == "vocab_loss"]
             if not dropped:
-                notes.append(f"tensor parallelism dropped entirely: {exc}")
-                styles.clear()
-                return
+                break
             for p in sorted(dropped):
-                notes.append(f"{p}: left replicated ({styles.pop(p)}): {exc}")
+                out.notes.append(f"{p}: left replicated ({styles.pop(p)}): {text}")
+                out.refused[p] = text
+    if styles:  # the pass still refuses and no rule can be blamed: no tensor parallelism at all
+        out.notes.append(f"tensor parallelism dropped entirely: {text}")
+        out.refused["*"] = text
+        styles.clear()
 
 
 def _generalize(path: str) -> str:
@@ -250,12 +368,23 @@ def _group(styles: dict[str, str], paths: set[str] | None = None) -> dict[str, s
     pattern matches has the same style, and siblings with one style are bracketed
     (``self_attn.[q_proj,k_proj,v_proj]``)."""
     paths = set(styles) | (paths or set())
+    # a selector matches a path by its trailing segments, so a path it matches ends with the same
+    # last segment (the generalized last segment is '*' only for numbered modules): match within those
+    by_last: dict[str, list[str]] = {}
+    for p in paths:
+        if p:
+            by_last.setdefault(p.rpartition(".")[2], []).append(p)
+    every = [p for p in paths if p]
     flat: dict[str, str] = {}
+    checked: dict[tuple[str, str], bool] = {}
     for path, style in styles.items():
         general = _generalize(path)
-        sel = parse_selector(general)
-        same = all(styles.get(p) == style for p in paths if p and sel.matches(p))
-        flat[general if same else path] = style
+        if (general, style) not in checked:
+            sel = parse_selector(general)
+            last = general.rpartition(".")[2]
+            bucket = every if "*" in last else by_last.get(last, [])
+            checked[(general, style)] = all(styles.get(p) == style for p in bucket if sel.matches(p))
+        flat[general if checked[(general, style)] else path] = style
     grouped: dict[tuple[str, str], list[str]] = {}
     for text, style in flat.items():
         parent, _, leaf = text.rpartition(".")

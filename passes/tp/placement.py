@@ -7,9 +7,13 @@ A :class:`Placement` on the tp axis is one of (DTensor's vocabulary, Megatron's 
   is first cut into ``k`` equal blocks (fused q|k|v, gate|up) and each block is chunked, so the
   local tensor is the concatenation of chunk ``i`` of every block;
 * ``P``  partial sum: the full value is the sum of the ranks' local values (a row-parallel matmul
-  output before its all-reduce). ``P`` with ``disjoint=True`` additionally says that every element
-  is non-zero on at most one rank (expert-parallel outputs: each token row is computed by the rank
-  owning its expert), so elementwise ``f`` with ``f(0) = 0`` may be applied before the reduction.
+  output before its all-reduce). ``PD(support, dim)`` is a *disjoint* partial sum: every element
+  is non-zero on at most one rank, and that rank is fixed by the element's index along ``dim``
+  through the partition named ``support`` (expert-parallel outputs: each token row is computed by
+  the rank owning its expert, rows partitioned by one grouped matmul's offsets). So elementwise
+  ``f`` with ``f(0) = 0`` may run before the reduction, and two disjoint partials with the same
+  support on the same (aligned) dim multiply exactly. An op that moves elements along ``dim``
+  (cat, index, a view that merges it) makes the result an ordinary ``P``.
 
 Gradient convention (what makes the inserted collectives correct): the gradient of an ``R`` value
 is replicated, of an ``S`` value is the matching shard of the full gradient, and of a ``P`` value is
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-__all__ = ["Placement", "R", "P", "PD", "S", "map_view_dim"]
+__all__ = ["Placement", "R", "P", "PD", "S", "map_view_dim", "partial_moved", "same_dim"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +42,12 @@ class Placement:
     kind: str
     """``"R"``, ``"S"`` or ``"P"``."""
     dim: int = -1
-    """For ``S``: the sharded dim, non-negative."""
+    """For ``S``: the sharded dim, non-negative. For a disjoint ``P``: the dim whose index picks the rank."""
     parts: int = 1
     """For ``S``: fused blocks along ``dim`` that are chunked separately."""
-    disjoint: bool = False
-    """For ``P``: each element is non-zero on at most one rank."""
+    disjoint: str = ""
+    """For ``P``: non-empty when each element is non-zero on at most one rank; names the partition
+    (values with the same name are non-zero on the same rank)."""
 
     @property
     def is_r(self) -> bool:
@@ -66,7 +71,21 @@ class Placement:
 
 R = Placement("R")
 P = Placement("P")
-PD = Placement("P", disjoint=True)
+
+
+def PD(support: str, dim: int) -> Placement:  # noqa: N802 - reads like the notation
+    """A disjoint partial sum whose elements' rank is given by their index along ``dim`` through the
+    partition ``support``."""
+    return Placement("P", dim=dim, disjoint=support)
+
+
+def partial_moved(place: Placement, dim: int | None) -> Placement:
+    """The partial sum ``place`` after a linear op that moves its owner dim to ``dim``: a disjoint
+    partial stays disjoint on the new dim, or becomes an ordinary ``P`` when the op loses the dim
+    (None: it merged, cut or reordered the owner dim)."""
+    if place.disjoint and dim is not None:
+        return PD(place.disjoint, dim)
+    return P
 
 
 def S(dim: int, parts: int = 1) -> Placement:  # noqa: N802 - reads like the notation
@@ -114,3 +133,17 @@ def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp
             break
     return None, (f"the sharded dim {dim} of {list(in_shape)} is merged with an outer dim in "
                   f"{list(out_shape)}, so the local chunk is not a chunk of the result")
+
+
+def same_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> int | None:
+    """The dim of ``out_shape`` that is ``in_shape``'s ``dim`` unchanged (same size, same elements
+    before it) after a view, or None."""
+    pre = prod(in_shape[:dim])
+    acc = 1
+    for k, size in enumerate(out_shape):
+        if acc == pre and size == in_shape[dim] and size != 1:
+            return k
+        acc *= size
+        if acc > pre:
+            break
+    return None

@@ -18,6 +18,7 @@ regions, Korthikanti et al. 2022 section 4.2.2).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,7 @@ from passes.ops import comm
 from passes.graph_utils import local_fake
 from passes.tp.placement import Placement, R, S, local_shape
 
-__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt"]
+__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt", "source_of"]
 
 META_TP = "fs_tp"
 """str on every rewritten node: the placement of its rank-local value (``R``, ``S(2)``, ``P``)."""
@@ -55,6 +56,35 @@ def fmt(node: Node | None) -> str:
     if node is None:
         return "<no node>"
     return node.format_node() or node.name
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OWN = (os.path.join(_REPO, "planner") + os.sep, os.path.join(_REPO, "passes") + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def source_of(node: Node | None) -> str:
+    """`` at file.py:12 (code)``: the user's line that made ``node`` (the innermost frame of its
+    recorded stack trace outside torch and this package), `` in the loss function`` for ops of a
+    ``loss_fn`` (export records only module frames), or "" when capture recorded nothing."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    if not trace:
+        return ""
+    frames = []
+    lines = [ln.strip() for ln in str(trace).strip().splitlines()]
+    for i, line in enumerate(lines):
+        if line.startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            frames.append((line, code))
+    for line, code in reversed(frames):
+        path = line.split('"')[1] if '"' in line else line
+        if path.startswith(_OWN):
+            continue
+        lineno = line.split("line ")[1].split(",")[0] if "line " in line else "?"
+        return f" at {os.path.basename(path)}:{lineno}" + (f" ({code})" if code else "")
+    if any("loss_fn" in code for _, code in frames):
+        return " in the loss function"
+    return ""
 
 
 class Rewriter:
@@ -275,7 +305,23 @@ class Rewriter:
         return new
 
     def tensor_inputs(self, node: Node) -> list[Node]:
+        """The distinct tensor inputs of ``node`` (fx's de-duplicated ``all_input_nodes``): for
+        converting every input. A rule that reasons about *how many* operands are partial or
+        sharded must use :meth:`operands`, which keeps repeats (``mul(x, x)`` is not linear in x)."""
         return [a for a in node.all_input_nodes if self.is_tensor(a)]
+
+    def operands(self, node: Node) -> list[Node]:
+        """Every tensor operand of ``node`` in argument order (positional, then keyword, through
+        nested lists), one entry per occurrence: ``mul(x, x)`` gives ``[x, x]``."""
+        out: list[Node] = []
+
+        def visit(a: Any) -> Any:
+            if self.is_tensor(a):
+                out.append(a)
+            return a
+
+        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+        return out
 
 
 def _any_not_r(place: Any) -> bool:

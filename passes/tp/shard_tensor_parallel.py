@@ -81,16 +81,20 @@ from torch.fx import Node
 
 from passes.ops import comm
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
+from passes.tp.functionalize import functionalize_inplace
+from passes.tp.normalize import to_aten
 from passes.tp.fuse import fuse_gather_copy, hoist_copy_over_scatter
 from passes.split_stages import META_IO, StageIO
 from passes.tp.placement import Placement, R, S, local_shape
-from passes.tp.rewrite import META_TP, Rewriter, TPShardError, args_of, fmt
+from passes.tp.rewrite import META_TP, Rewriter, TPShardError, args_of, fmt, source_of
 from passes.tp.model_rules import rule_for
-from passes.tp.rules import VIEWS
-from planner.plan import TP_STYLES, Plan
+from passes.tp.rules import NOT_OUTPUT, VIEWS
+from passes.tp.rules_matmul import WEIGHT_OPS
+from planner.plan import Plan
 from planner.selectors import parse_selector
+from planner.tp_styles import STYLES, TP_STYLES, split_dim
 
-__all__ = ["shard_tensor_parallel_pass", "TPShardError", "COLLECTIVES", "collective_counts"]
+__all__ = ["shard_tensor_parallel_pass", "check_tensor_parallel", "TPShardError", "COLLECTIVES", "collective_counts"]
 
 aten = torch.ops.aten
 META_STYLE = "fs_tp_style"
@@ -103,11 +107,6 @@ COLLECTIVES = {
 }
 """Autograd-paired collective functions the pass inserts, by name."""
 
-# (weight arg position, bias arg position, column dim, row dim) of the weight for each matmul kind
-_MATMULS: dict[Any, tuple[int, int | None, int, int]] = {
-    aten.linear.default: (1, 2, 0, 1), aten.addmm.default: (2, 0, 1, 0),
-    aten.mm.default: (1, None, 1, 0), aten.matmul.default: (1, None, 1, 0),
-}
 _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten._to_copy.default}
 
 
@@ -128,6 +127,23 @@ def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
 def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: int,
                                axis: str = "tp", seq_dim: int = 1) -> torch.fx.GraphModule:
     """Rewrite ``gm`` into the graph of tp rank ``tp_index`` of ``tp_size`` (see the module docstring)."""
+    gm, rw, params, sp, boundary = _rewrite(gm, plan, tp_index=tp_index, tp_size=tp_size, axis=axis, seq_dim=seq_dim)
+    fuse_gather_copy(rw.graph)
+    hoist_copy_over_scatter(rw.graph, gm)
+    rw.graph.lint()
+    out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
+    out.meta[META_SUMMARY].update(boundary)
+    return out
+
+
+def check_tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_size: int, seq_dim: int = 1) -> None:
+    """Raise :class:`TPShardError` where :func:`shard_tensor_parallel_pass` would (rank 0's rewrite;
+    no module is built): what the pattern detector runs to check its proposals."""
+    _rewrite(gm, plan, tp_index=0, tp_size=tp_size, axis="tp", seq_dim=seq_dim)
+
+
+def _rewrite(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: int, axis: str,
+             seq_dim: int) -> tuple[torch.fx.GraphModule, Rewriter, dict[str, Placement], bool, dict[str, Any]]:
     if plan.mesh.tp != tp_size:
         raise TPShardError(f"plan.mesh.tp is {plan.mesh.tp} but tp_size={tp_size} was given")
     if not 0 <= tp_index < tp_size:
@@ -142,6 +158,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         rules, sp = [], False
     else:
         sp = tpp.sequence_parallel
+        gm = functionalize_inplace(to_aten(gm))  # fx-captured graphs in ATen form; out += x as out = out + x
     params, styles = _plan_params(gm, rules, tp_size)
     rw = Rewriter(gm, tp=tp_size, index=tp_index, axis=axis, sequence_parallel=sp, seq_dim=seq_dim,
                   params=params, styles=styles)
@@ -176,6 +193,10 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
             except TPShardError as exc:
                 exc.node = getattr(exc, "node", None) or node  # for the pattern detector's retries
                 raise
+            except Exception as exc:  # a rule that breaks on an op it does not expect refuses, never crashes
+                raise _at(node, TPShardError(
+                    f"the tensor-parallel rule for {node.target} failed on {fmt(node)}{source_of(node)}: "
+                    f"{type(exc).__name__}: {exc}; replicate this module (rule 'replicate') or report it")) from exc
         elif node.op == "output":
             want = {a: rw.boundary_place(a) if sends else R for a in node.all_input_nodes if rw.is_tensor(a)}
             rw.graph.output(rw.map_args(args_of(node)[0], want, R), type_expr=node.type)
@@ -184,6 +205,11 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
                 for a in outs if isinstance(outs, (tuple, list)) else [outs]:
                     boundary["sent"].append(_io_record(rw, a, want.get(a)))
             continue
+        elif node.op == "call_module":  # a leaf module fx could not trace into: runs whole on every rank
+            want = {a: R for a in rw.tensor_inputs(node)}
+            new = rw.graph.call_module(str(node.target), rw.map_args(node.args, want, R), rw.map_args(node.kwargs, want, R))
+            new.meta = {k: v for k, v in node.meta.items()}
+            place = R if rw.is_tensor(node) else None
         else:
             raise TPShardError(f"{fmt(node)}: {node.op} nodes are not supported; capture with planner.capture")
         if isinstance(place, Placement):
@@ -191,12 +217,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
         if node in styles:
             new.meta[META_STYLE] = styles[node]
         rw.env[node], rw.place[node] = new, place
-    fuse_gather_copy(rw.graph)
-    hoist_copy_over_scatter(rw.graph, gm)
-    rw.graph.lint()
-    out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
-    out.meta[META_SUMMARY].update(boundary)
-    return out
+    return gm, rw, params, sp, boundary
 
 
 def _io_record(rw: Rewriter, node: Any, place: Any) -> tuple[str, tuple[int, ...]]:
@@ -252,8 +273,25 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
                 f"which has no linear/embedding/expert parameter to shard (first node: {fmt(node)}); name the "
                 "projection modules instead"))
     params: dict[str, Placement] = {}
+    readers: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in canonical:
+            readers.setdefault(canonical[str(node.target)], []).extend(
+                u for u in node.users if u.op == "call_function" and u.target not in NOT_OUTPUT)
     for target, uses in claims.items():
         first = uses[0]
+        claimed = {node.meta.get("fs_module") for _, node, _ in uses}
+        if first[0].is_s:
+            # a tied weight is one tensor: every reader must agree on its layout, or the copies held
+            # by different pipeline stages would be different pieces (their gradient sum would break)
+            stray = next((u for u in readers.get(target, []) if u.meta.get("fs_module") not in claimed), None)
+            if stray is not None:
+                raise _at(first[1], TPShardError(
+                    f"parameter {target} is split by rule {first[2]!r} ({first[0]}, module "
+                    f"{first[1].meta.get('fs_module')!r}) but is also read by module {stray.meta.get('fs_module')!r} "
+                    f"({fmt(stray)}{source_of(stray)}), which no rule splits the same way; a tied weight needs one "
+                    "layout: give that module the matching style (an embedding's tied LM head: vocab_loss) or "
+                    "replicate both"))
         for place, node, text in uses[1:]:
             if place != first[0]:
                 raise _at(node, TPShardError(
@@ -278,42 +316,32 @@ def _at(node: Node, exc: TPShardError) -> TPShardError:
 
 
 def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> list[tuple[str, Placement]]:
+    """(parameter, placement) claims of one node of a module with ``style``: the weight dim and the
+    bias handling come from the style table (``planner.tp_styles``), the module kind from the op."""
     params = [a for a in node.all_input_nodes if a.op == "get_attr" and "fs_param" in a.meta]
     if not params:
         return []
-    if style == "replicate":
+    st = STYLES[style]
+    if not st.weight_dim:
         return [(str(a.target), R) for a in params]
-    if style == "expert":
-        return [(str(a.target), S(0)) for a in params if _attr(gm, str(a.target)).dim() >= 3]
-    t = node.target
-    if t in _MATMULS:
-        wpos, bpos, col, row = _MATMULS[t]
-        w = args_of(node)[wpos] if len(args_of(node)) > wpos else None
-        b = args_of(node)[bpos] if bpos is not None and len(args_of(node)) > bpos else None
-        if not (isinstance(w, Node) and w in params and _attr(gm, str(w.target)).dim() == 2):
-            return []
-        if style in ("colwise", "colwise_gather", "vocab_loss"):
-            parts = _infer_parts(node)
-            out = [(str(w.target), S(col, parts))]
-            if isinstance(b, Node) and b in params:
-                out.append((str(b.target), S(0, parts)))
-            return out
-        if style == "rowwise":
-            out = [(str(w.target), S(row))]
-            if isinstance(b, Node) and b in params:
-                out.append((str(b.target), R))
-            return out
-        raise TPShardError(f"style {style!r} does not apply to the matmul {fmt(node)}; use colwise, "
-                           "colwise_gather, rowwise, vocab_loss or replicate")
-    if t == aten.embedding.default:
-        w = args_of(node)[0]
-        if style in ("vocab_embedding", "rowwise"):
-            return [(str(w.target), S(0))]
-        if style == "colwise":
-            return [(str(w.target), S(1))]
-        raise TPShardError(f"style {style!r} does not apply to the embedding {fmt(node)}; use vocab_embedding, "
-                           "colwise or replicate")
-    return []
+    if "experts" in st.weight_dim:
+        return [(str(a.target), S(st.weight_dim["experts"])) for a in params if _attr(gm, str(a.target)).dim() >= 3]
+    if node.target not in WEIGHT_OPS:
+        return []
+    kind, wpos, bpos = WEIGHT_OPS[node.target]
+    w = args_of(node)[wpos] if len(args_of(node)) > wpos else None
+    b = args_of(node)[bpos] if bpos is not None and len(args_of(node)) > bpos else None
+    if not (isinstance(w, Node) and w in params and _attr(gm, str(w.target)).dim() == 2):
+        return []
+    dim = split_dim(style, kind)
+    if dim is None:
+        usable = sorted(name for name, other in STYLES.items() if kind in other.weight_dim) + ["replicate"]
+        raise TPShardError(f"style {style!r} does not apply to the {kind} op {fmt(node)}; use one of {usable}")
+    parts = _infer_parts(node) if st.fused_blocks and kind != "embedding" else 1
+    out = [(str(w.target), S(dim, parts))]
+    if isinstance(b, Node) and b in params:
+        out.append((str(b.target), S(0, parts) if st.bias == "split" else R))
+    return out
 
 
 def _infer_parts(node: Node) -> int:
@@ -359,6 +387,8 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
     sharded: dict[str, str] = {}
     sliced: dict[int, Any] = {}  # id of a full tensor -> its local piece (tied names share one)
     for node in rw.graph.nodes:
+        if node.op == "call_module":
+            root[str(node.target)] = _attr(gm, str(node.target))
         if node.op != "get_attr":
             continue
         target = str(node.target)

@@ -15,7 +15,7 @@ from planner.plan import PlanError
 from planner.schedule_kinds import KINDS
 from planner.search.config import Config, Context
 from planner.search.space import Fixed, divisors
-from planner.search.tp import tp_allowed
+from planner.search.tp import tp_allowed, tp_refusal
 from planner.selectors import parse_selector
 
 __all__ = ["enumerate_configs", "units_of"]
@@ -37,9 +37,9 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
     allowed_tp = [t for t in range(1, min(c.devices_per_node, N) + 1)
                   if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t)]
     if fixed.tp is not None and fixed.tp not in allowed_tp:
-        raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} (tp must "
-                         f"divide the {c.devices_per_node} devices of a node and the {N} devices, the attention heads "
-                         "and every split weight dimension, and needs tensor_parallel rules)"], source="constraints")
+        why = tp_refusal(graph, rules(fixed.tp), fixed.tp, devices=N, per_node=c.devices_per_node)
+        raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} ({why})"],
+                        source="constraints")
     dtype = fixed.param_dtype or "fp32"
     experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
     out: list[Config] = []

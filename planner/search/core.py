@@ -36,6 +36,7 @@ from planner.search.result import (Candidate, NoCompilablePlan, NoFeasiblePlan, 
 from planner.search.candidates import enumerate_configs
 from planner.search.space import Fixed, parse_constraints
 from planner.search.tp import default_tp_rules
+from planner.tp_styles import TPRules as DetectedRules
 from planner.selectors import parse_selector
 
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
@@ -70,8 +71,9 @@ def rules_function(graph: ModelGraph, rules: TPRules | None) -> Callable[[int], 
     fn = rules
 
     def at(tp: int) -> dict[str, str]:
-        if tp not in cache:
-            cache[tp] = dict(fn(tp)) if tp > 1 else {}
+        if tp not in cache:  # a TPRules keeps the detector's reasons for what it left out
+            got = fn(tp) if tp > 1 else {}
+            cache[tp] = got if isinstance(got, DetectedRules) else dict(got)
         return cache[tp]
     return at
 

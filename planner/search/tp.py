@@ -14,8 +14,9 @@ from __future__ import annotations
 import re
 
 from planner.graph import ModelGraph
+from planner.tp_styles import STYLES, module_shard_problem
 
-__all__ = ["default_tp_rules", "tp_degrees_allowed", "tp_allowed"]
+__all__ = ["default_tp_rules", "tp_degrees_allowed", "tp_allowed", "tp_refusal"]
 
 _COLWISE = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "Wqkv", "qkv",
             "up_proj", "gate_proj", "fc1", "c_fc", "w1", "w3", "wi", "wi_0", "wi_1", "fc_in", "dense_h_to_4h",
@@ -71,30 +72,50 @@ def tp_degrees_allowed(graph: ModelGraph, tp_rules: dict[str, str], max_tp: int)
 
 
 def tp_allowed(graph: ModelGraph, tp_rules: dict[str, str], tp: int) -> bool:
-    """Whether ``tp`` divides every split layer's heads and kv heads and the split dimension of
-    every split weight. tp = 1 always is; tp > 1 needs rules."""
+    """Whether ``tp`` divides the heads and kv heads of every layer whose attention the rules split
+    and the split dimension of every split weight (``planner.tp_styles``). tp = 1 always is; tp > 1
+    needs rules."""
     if tp == 1:
         return True
     if not tp_rules:
         return False
     from planner.selectors import parse_selector
+    from planner.validate_tp import heads_problems
 
-    for layer in graph.layers:
-        if layer.attention:
-            heads = layer.attention.get("heads", 0)
-            if heads % tp or layer.attention.get("kv_heads", heads) % tp:
-                return False
+    parsed = [(text, parse_selector(text), style) for text, style in tp_rules.items()]
+    if heads_problems(graph, parsed, tp):
+        return False
     for sel_text, style in tp_rules.items():
-        dim = _SPLIT_DIM.get(style)
-        if dim is None:
-            continue
+        if style not in STYLES:
+            return False
         sel = parse_selector(sel_text)
         for mod in sel.select(graph.modules):
-            shape = graph.param_shapes.get(f"{mod}.weight")
-            if shape and len(shape) == 2 and shape[dim] % tp:
+            if module_shard_problem(graph, mod, style, tp) is not None:
                 return False
     return True
 
 
-# dim of an nn.Linear / nn.Embedding weight each style splits
-_SPLIT_DIM = {"colwise": 0, "colwise_gather": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_loss": 0}
+
+def tp_refusal(graph: ModelGraph, tp_rules: dict[str, str], tp: int, *, devices: int, per_node: int) -> str:
+    """Why ``tp`` is not allowed, in words: the devices, the missing rules (with the detector's
+    reason when it gave one: the op and source line it could not shard), the heads, or the first
+    weight dimension that does not divide."""
+    from planner.selectors import parse_selector
+    from planner.validate_tp import heads_problems
+
+    if devices % tp or per_node % tp:
+        return f"tp must divide the {per_node} devices of a node and the {devices} devices"
+    reason = getattr(tp_rules, "reason", "")
+    if not tp_rules:
+        return (f"no tensor-parallel rules at tp={tp}: {reason}" if reason else
+                "tp > 1 needs tensor_parallel rules, and none were given or found")
+    parsed = [(text, parse_selector(text), style) for text, style in tp_rules.items()]
+    heads = heads_problems(graph, parsed, tp)
+    if heads:
+        return heads[0].removeprefix("mesh.tp: ")
+    for text, _, style in parsed:
+        for mod in parse_selector(text).select(graph.modules):
+            problem = module_shard_problem(graph, mod, style, tp)
+            if problem:
+                return f"rule {text!r}: {problem}"
+    return reason or "the tensor-parallel rules do not apply at this degree"

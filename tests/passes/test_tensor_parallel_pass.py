@@ -219,8 +219,30 @@ class _Reg(nn.Module):
         return self.out(self.proj(x)).sum() + self.proj.weight.cumsum(0).sum()
 
 
+class _RegLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.weight.cumsum(0).sum()
+
+
+class _RegInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _RegLinear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x)).sum()
+
+
 def test_sharded_weight_in_an_op_without_rule_raises() -> None:
+    # read by another module that no rule splits: one tensor, two layouts (pipeline copies would disagree)
     g = capture(_Reg(), (torch.randn(2, 8),))
+    with pytest.raises(TPShardError, match=r"parameter model.proj.weight is split by rule 'proj' \(S\(0\), module "
+                                           r"'proj'\) but is also read by module ''.*aten.cumsum.default.*"
+                                           r"a tied weight needs one layout"):
+        shard_tensor_parallel_pass(g.gm, plan({"proj": "colwise"}), tp_index=0, tp_size=2)
+    # read inside the split module by an op without a rule: gathering the weight would undo the plan
+    g = capture(_RegInside(), (torch.randn(2, 8),))
     with pytest.raises(TPShardError, match=r"uses the tensor-parallel-sharded parameter model.proj.weight \(S\(0\)\)"
                                            r".*no sharding rule for aten.cumsum.default"):
         shard_tensor_parallel_pass(g.gm, plan({"proj": "colwise"}), tp_index=0, tp_size=2)
@@ -240,8 +262,18 @@ def test_errors_name_the_rule_and_node() -> None:
         shard("gpt2", tp=3)
 
 
+class _Cum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x)).cumsum(-1).sum()  # cumsum along the vocab needs the logits whole
+
+
 def test_vocab_loss_refuses_to_gather_logits() -> None:
-    g = capture(_Reg(), (torch.randn(2, 8),))
+    g = capture(_Cum(), (torch.randn(2, 8),))
     with pytest.raises(TPShardError, match=r"vocab_loss on %linear_1.*would be gathered"):
         shard_tensor_parallel_pass(g.gm, plan({"out": "vocab_loss"}), tp_index=0, tp_size=2)
 

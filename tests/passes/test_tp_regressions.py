@@ -1,0 +1,290 @@
+"""Tensor-parallel failures found on models as users write them (issue 12, 13), each checked end to
+end: the pattern detector proposes rules, ``shard_tensor_parallel_pass`` rewrites every rank, and
+the ranks run in one process (``tp_sim.simulate_graph``: threads, collectives in memory) against
+the captured graph run whole, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from passes.tp.patterns import propose_tp_rules
+from passes.tp.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
+from planner.capture import capture
+from planner.plan import Mesh, Plan, PlanError, TensorParallel
+from planner.validate import validate_plan
+from tp_sim import reference_graph, simulate_graph
+
+V, D, T, B = 32, 16, 8, 4
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def _exact(model: nn.Module, loss_fn=None, tp: int = 2, *, expect: set[str] | None = None, sp: bool = False):
+    """Detector rules for ``model`` at ``tp``; the simulated ranks match the whole graph (loss and
+    every gradient). Returns (rules, proposal)."""
+    model = model.double()
+    batch = _batch()
+    graph = capture(model, batch, loss_fn=loss_fn)
+    proposal = propose_tp_rules(graph.gm, tp=tp, sequence_parallel=sp)
+    if expect is not None:
+        assert expect <= set(proposal.modules.items()), (proposal.modules, proposal.notes)
+    loss, grads = simulate_graph(graph.gm, proposal.rules, tp, batch, sequence_parallel=sp)
+    ref_loss, ref_grads = reference_graph(graph.gm, batch)
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss), (loss, ref_loss)
+    assert set(grads) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
+    return proposal.rules, proposal, graph
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+class XXNorm(nn.Module):
+    """RMSNorm written ``x * x`` (as several LLM codebases do)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, *, inplace_residual: bool = False, norm_after: bool = False) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D, bias=False)  # no bias: the output stays a partial sum
+        self.act = nn.ReLU(inplace=True)
+        self.norm = XXNorm(D) if norm_after else None
+        self.inplace_residual = inplace_residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(self.act(self.up(x)))
+        if self.norm is not None:  # the norm reads the row-parallel output before any residual: a partial sum
+            return x + self.norm(out)
+        if self.inplace_residual:
+            out += x  # ResNet style: an in-place add on the row-parallel (partial-sum) output
+            return out
+        return x + out
+
+
+class LM(nn.Module):
+    def __init__(self, **block: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(MLP(**block) for _ in range(2))
+        self.norm = XXNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.norm(x))
+
+
+def flat_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+PAIRS = {("blocks.0.up", "colwise"), ("blocks.0.down", "rowwise")}
+
+
+def test_x_times_x_norm_on_a_partial_sum_is_exact() -> None:
+    """Issue 12.1: ``x * x`` on a row-parallel output was treated as linear (sum_r x_r^2)."""
+    _exact(LM(norm_after=True), flat_loss, expect=PAIRS)
+    _exact(LM(norm_after=True), flat_loss, expect=PAIRS, sp=True)
+
+
+def test_inplace_residual_on_a_partial_sum() -> None:
+    """Issue 12.8: ``out += x`` on a row-parallel output was refused by the pass after the search
+    proposed it (under sequence parallelism, where the residual is a sequence shard); it now runs out
+    of place, exactly."""
+    _exact(LM(inplace_residual=True), flat_loss, expect=PAIRS)
+    _exact(LM(inplace_residual=True), flat_loss, expect=PAIRS, sp=True)
+
+
+def test_flatten_loss_gets_a_vocab_parallel_head() -> None:
+    """Issue 12.6 / 13.4: ``cross_entropy(out.flatten(0, 1), y.flatten())``: flatten was fed a shape
+    list by the view rule; now the untied head is vocab-parallel and the loss too."""
+    rules, proposal, graph = _exact(LM(), flat_loss, expect={("lm_head", "vocab_loss"), ("embed", "vocab_embedding")})
+    gm = shard_tensor_parallel_pass(graph.gm, Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules)),
+                                    tp_index=0, tp_size=2)
+    assert collective_counts(gm).get("vocab_parallel_cross_entropy") == 1
+
+
+def test_hf_style_shifted_loss_with_label_smoothing() -> None:
+    """Hugging Face's causal-LM loss shape: logits.float(), labels padded with -100 and shifted,
+    view(-1, V), ignore_index; with label smoothing (exact in the vocab-parallel loss too)."""
+    def hf_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.1) -> torch.Tensor:
+        logits = logits.float() if logits.dtype != torch.float64 else logits
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100, label_smoothing=smoothing)
+
+    _exact(LM(), hf_loss, expect={("lm_head", "vocab_loss")})
+
+    def logit_shift(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # the older HF form
+        return F.cross_entropy(logits[:, :-1, :].contiguous().view(-1, V), labels[:, 1:].reshape(-1))
+
+    _exact(LM(), logit_shift, expect={("lm_head", "vocab_loss")})
+
+
+def test_unrecognised_loss_keeps_the_head_replicated_and_says_why() -> None:
+    def z_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return flat_loss(logits, y) + 1e-4 * torch.logsumexp(logits, -1).pow(2).mean()
+
+    _, proposal, _ = _exact(LM(), z_loss)
+    assert "lm_head" not in proposal.modules
+    assert "logsumexp" in proposal.refused["lm_head"] and "in the loss function" in proposal.refused["lm_head"]
+
+    def weighted(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), weight=torch.linspace(0.5, 1.5, V,
+                                                                                        dtype=logits.dtype))
+
+    _, proposal, _ = _exact(LM(), weighted)
+    assert "lm_head" not in proposal.modules and "class weights" in proposal.refused["lm_head"]
+
+
+# ------------------------------------------------------------------------------------------ the detector
+
+
+class CumsumUp(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.weight.cumsum(0).sum()
+
+
+class Refused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = CumsumUp(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))).sum()
+
+
+def test_detector_never_crashes_and_keeps_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12.5 / 13.2: a rule that breaks took the whole search down; now the module gets no
+    tensor parallelism, and the reason names the op and the model's source line."""
+    from passes.tp import model_rules
+
+    graph = capture(LM().double(), _batch(), loss_fn=flat_loss)
+
+    def broken(rw, node):  # noqa: ANN001, ANN202 - a rule with a bug on sharded inputs
+        if not rw.p(node.args[0]).is_r:
+            raise IndexError("list index out of range")
+        return model_rules.fallback(rw, node)
+
+    monkeypatch.setitem(model_rules.RULES, torch.ops.aten.relu_.default, broken)
+    monkeypatch.setitem(model_rules.RULES, torch.ops.aten.relu.default, broken)
+    proposal = propose_tp_rules(graph.gm, tp=2)
+    assert "blocks.0.up" not in proposal.modules and ("lm_head", "vocab_loss") in proposal.modules.items()
+    why = proposal.refused["blocks.0.up"]
+    assert "aten.relu" in why and "IndexError: list index out of range" in why and "test_tp_regressions.py:" in why
+
+
+def test_search_says_why_tp_is_refused() -> None:
+    """The refusal quoted divisibility ("allowed degrees are [1]"); it now quotes the detector."""
+    from planner.cluster import Cluster
+    from planner.search import search
+
+    graph = capture(Refused().double(), (torch.randn(B, D, dtype=torch.float64),))
+    rules = propose_tp_rules(graph.gm, tp=2).rules
+    assert rules == {} and "aten.cumsum" in rules.reason
+    with pytest.raises(PlanError, match=r"tp=2 is not possible here; allowed degrees are \[1\] \(no tensor-parallel "
+                                        r"rules at tp=2: .*no sharding rule for aten.cumsum.default.*"
+                                        r"test_tp_regressions.py:\d+"):
+        search(graph, Cluster.cpu(2, memory_bytes=2**30), global_batch=B, constraints={"tp": 2},
+               tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
+
+
+def test_default_hf_llama_does_not_crash_the_detector() -> None:
+    """Issue 12.5: ``use_cache=True`` (the default) puts ``cat([empty_cache, k], -2)`` in the graph;
+    the cat rule indexed the empty tensor's missing dims."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=D * 4, intermediate_size=D * 8, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
+    assert cfg.use_cache
+    ids, y = _batch()
+    graph = capture(LlamaForCausalLM(cfg), (ids, y), loss_fn=lambda out, y: flat_loss(out.logits, y))
+    proposal = propose_tp_rules(graph.gm, tp=2)
+    assert proposal.notes == [] and proposal.modules["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert proposal.modules["lm_head"] == "vocab_loss"
+    assert propose_tp_rules(graph.gm, tp=1).rules  # tp=1 never checks, never crashes
+
+
+def test_meta_models_get_tensor_parallel_rules() -> None:
+    """Issue 13.2: models on ``meta`` are captured with torch.fx (``call_method`` nodes, an opaque
+    loss function); the detector now reads them in ATen form and proposes the same rules as for
+    the export-captured model."""
+    from fairscale.testing.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(layers=2, dim=64, heads=4, seq=16, vocab=64)
+    with torch.device("meta"):
+        meta_model = GPT(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    meta = capture(meta_model, (ids.to("meta"), ids.to("meta")), loss_fn=lm_loss)
+    assert meta.tracer == "fx"
+    torch.manual_seed(0)
+    real = capture(GPT(cfg), (ids, ids), loss_fn=lm_loss)
+    assert real.tracer == "export"
+    for tp in (2, 4):
+        got, want = propose_tp_rules(meta.gm, tp=tp), propose_tp_rules(real.gm, tp=tp)
+        assert got.rules == want.rules and got.notes == [], (got.rules, got.notes)
+        assert {"colwise", "rowwise", "vocab_embedding", "vocab_loss"} <= set(got.rules.values())
+
+
+@pytest.mark.slow
+def test_one_trillion_parameter_gpt_on_meta_gets_rules() -> None:
+    """The 1T GPT of benchmarks/planner/speed.py (Megatron 2021 Table 1's last row)."""
+    from fairscale.testing.models import GPT, GPTConfig, lm_loss
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(layers=128, dim=25600, heads=160, seq=2048, vocab=51200))
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    graph = capture(model, (ids, ids), loss_fn=lm_loss)
+    rules = propose_tp_rules(graph.gm, tp=8).rules
+    assert rules == {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+                     "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+                     "lm_head": "vocab_loss", "wte": "vocab_embedding"}
+
+
+# ------------------------------------------------------------------------------------------ tied weights
+
+
+def test_tied_weights_need_one_layout_in_validation() -> None:
+    """Issue 12.7: an embedding split on its vocabulary with its tied LM head left whole passed
+    validation and aborted gloo in the pipeline's tied-gradient sum (buffers of different sizes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=D * 4, n_layer=2, n_head=4))
+    ids, y = _batch()
+    graph = capture(model, (ids, y), loss_fn=lambda out, y: flat_loss(out.logits, y))
+    rules = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+             "transformer.wte": "vocab_embedding"}
+    plan = Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules))
+    with pytest.raises(PlanError, match=r"tensor_parallel.rules: the tied weights \['transformer.wte.weight', "
+                                        r"'lm_head.weight'\] must have one layout, but transformer.wte.weight is "
+                                        r"split on dim 0 \(rule tensor_parallel.rules\[\"transformer.wte\"\]\); "
+                                        r"lm_head.weight is kept whole \(no rule\)"):
+        validate_plan(plan, graph, devices=2)
+    validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules={**rules, "lm_head": "vocab_loss"})),
+                  graph, devices=2)
+    # the detector proposes the consistent pair, and the pass refuses the inconsistent one
+    assert {("transformer.wte", "vocab_embedding"), ("lm_head", "vocab_loss")} <= set(
+        propose_tp_rules(graph.gm, tp=2).modules.items())
+    from passes.tp.rewrite import TPShardError
+
+    with pytest.raises(TPShardError, match="a tied weight needs one layout"):
+        shard_tensor_parallel_pass(graph.gm, Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules)),
+                                   tp_index=0, tp_size=2)
