@@ -44,7 +44,7 @@ __all__ = ["TPRules", "Style", "STYLES", "TP_STYLES", "MODULE_KINDS", "module_ki
 MODULE_KINDS = ("linear", "conv1d", "embedding", "experts")
 
 
-class TPRules(dict):  # type: ignore[type-arg] - dict[str, str]
+class TPRules(dict[str, str]):
     """Selector -> style rules as a pattern detector returns them, with ``reason``: why it left
     modules (or the whole model) without tensor parallelism (the op and the model's source line),
     so a refusal can say so instead of blaming divisibility."""

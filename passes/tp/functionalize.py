@@ -92,6 +92,7 @@ def functionalize_inplace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if any(_is_view(u) and order[u] < order[node] for u in mutated.users):
             continue
         functional = functional_of(node.target)
+        assert functional is not None  # checked above with the other conditions
         with graph.inserting_before(node):
             new = graph.call_function(functional, node.args, node.kwargs)
         new.meta = dict(node.meta)

@@ -24,6 +24,13 @@ __all__ = ["RULES", "rule_for"]
 
 aten = torch.ops.aten
 
+def _dim(style: str, kind: str) -> int:
+    """The weight dim ``style`` splits for ``kind`` (a style that splits one)."""
+    d = split_dim(style, kind)
+    assert d is not None, (style, kind)
+    return d
+
+
 def _arg(node: Node, pos: int, name: str, default: Any) -> Any:
     """Argument ``name`` of an ATen call, given positionally at ``pos`` or by keyword."""
     args = args_of(node)
@@ -42,13 +49,13 @@ def embedding(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if pw.is_r:
         want = {ids: R} if not rw.p(ids).is_r else {}
         return rw.finish(node, want, R), R
-    if pw == S(split_dim("vocab_embedding", "embedding")):
+    if pw == S(_dim("vocab_embedding", "embedding")):
         padding = int(_arg(node, 2, "padding_idx", -1))
         start = rw.index * (rw.shape(w)[0] // rw.tp)
         new = rw.finish(node, {ids: R}, P, target=tp_ops.vocab_parallel_embedding, args=(w, ids, start, padding),
                         kwargs={})
         return new, P
-    if pw == S(split_dim("colwise", "embedding")):
+    if pw == S(_dim("colwise", "embedding")):
         out = S(rw.ndim(node) - 1)
         return rw.finish(node, {ids: R}, out), out
     raise TPShardError(f"{fmt(node)}: embedding weight is {pw}")

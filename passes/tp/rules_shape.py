@@ -208,7 +208,7 @@ def split(rw: Rewriter, node: Node) -> tuple[Node, Any]:
 def cat(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     tensors = list(args_of(node)[0])
     dim_arg = args_of(node)[1] if len(args_of(node)) > 1 else node.kwargs.get("dim", 0)
-    dim = _nd(dim_arg, rw.ndim(node))
+    dim = _nd(int(dim_arg), rw.ndim(node))  # type: ignore[arg-type]
     # torch.cat skips 1-D empty tensors whatever the others' rank (an empty KV cache: cat([empty, k], -2)):
     # they contribute nothing and stay as they are
     real = [t for t in tensors if not _legacy_empty(rw, t, rw.ndim(node))]
