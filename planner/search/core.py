@@ -289,6 +289,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     for t, _, b in ranked:
         assert b.config is not None
         plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
+        plan.batch_norm = fixed.batch_norm or plan.batch_norm
         out.append(Candidate(plan=plan, breakdown=b, reason="" if b is win else loss_reason(b, win)))
     return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
                         elapsed_s=time.perf_counter() - start)
