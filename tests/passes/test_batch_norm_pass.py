@@ -62,6 +62,20 @@ def test_local_op_equals_native_batch_norm(shape, affine, stats):
         torch.testing.assert_close(rv1, rv0, rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("offset", [0.0, 100.0])
+def test_float32_statistics_are_as_accurate_as_native(offset):
+    """Two passes (mean, then Σ(x-μ)²), so an offset mean costs no more digits than natively."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 8, 8, dtype=torch.float32) + offset
+    w, b = torch.randn(4, dtype=torch.float32), torch.randn(4, dtype=torch.float32)
+    truth = F.batch_norm(x.double(), None, None, w.double(), b.double(), True, 0.1, 1e-5)
+    native = F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)
+    ours = bn_ops.batch_norm_local(x, w, b, None, None, None, 0.1, 1e-5)
+    assert ours.dtype == torch.float32
+    native_err = (native.double() - truth).abs().max().item()
+    assert (ours.double() - truth).abs().max().item() <= 2 * native_err + 1e-6
+
+
 def _case(build, **kwargs):
     case = build(**kwargs)
     case.model.double()

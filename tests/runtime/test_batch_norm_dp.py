@@ -34,9 +34,11 @@ UNITS = {"resnet": "layer1, layer2", "tabular": "layers.*"}
 TP_RULES = {"layers.0.0": "colwise", "layers.1.0": "rowwise"}  # tabular: BatchNorm1d on a column shard
 
 
-def _case(family: str) -> Case:
+def _case(family: str, *, eval_mode: bool = False) -> Case:
     case = BATCH_NORM_FAMILIES[family]()
     case.model.double()
+    if eval_mode:  # frozen statistics (fine-tuning): batch norm is elementwise
+        case.model.eval()
     make = case.make_batch
     case.make_batch = lambda step, n: tuple(t.double() if t.is_floating_point() else t for t in make(step, n))
     return case
@@ -82,6 +84,14 @@ def _rank(rank: int, world: int, graphs: dict[str, Any]) -> dict[str, Any]:
         out[f"{family}-runner-microbatches"] = _refusal(
             lambda: runner.train_step(case.make_batch(0, BATCH), microbatches=2))
     if world == 2:
+        eval_case = _case("resnet", eval_mode=True)
+        eval_graph = capture(eval_case.model, eval_case.make_batch(0, BATCH // world), loss_fn=eval_case.loss_fn,
+                             annotate=False)
+        for kind in ("ddp", "fsdp"):
+            cfg = DataParallel(kind=kind, units=UNITS["resnet"] if kind == "fsdp" else "")
+            runner = DataParallelRunner.build(eval_graph, cfg, torch.optim.Adam, lr=LR)
+            losses = [runner.train_step(eval_case.make_batch(step, BATCH)) for step in range(STEPS)]
+            out[f"eval-{kind}"] = dict(losses=losses, state=_numpy(runner.full_state_dict(rank0_only=False)))
         out["engine-sync"] = _engine("resnet", Plan(mesh=Mesh(dp=2)))
         out["engine-local"] = _engine("resnet", Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=2),
                                                      batch_norm="local"))
@@ -172,6 +182,19 @@ def test_runner_refuses_microbatches(world):
                             "DataParallelRunner.build (each dp rank and microbatch normalizes with its own statistics "
                             "and updates the running statistics once per microbatch, as torch DDP without "
                             "SyncBatchNorm does)")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_eval_mode_batch_norm_just_works(kind):
+    """Eval-mode batch norm uses its running statistics: elementwise, nothing to synchronize."""
+    ref = train_reference(functools.partial(_case, "resnet", eval_mode=True), steps=STEPS, global_batch=BATCH, lr=LR)
+    _, results = _runs(2)
+    for rank, result in enumerate(results):
+        got = result[f"eval-{kind}"]
+        assert got["losses"] == pytest.approx(ref.losses, rel=1e-7, abs=0)
+        # the graph never reads num_batches_tracked in eval mode, so the rank graph does not hold it
+        held = {k: v for k, v in ref.params.items() if not k.endswith("num_batches_tracked")}
+        _assert_state({k: v for k, v in got["state"].items()}, held, f"rank {rank} eval {kind}")
 
 
 def test_engine_plan_matches_one_process_and_reports_sync():
