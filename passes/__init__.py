@@ -2,8 +2,12 @@
 
 The pipeline is one flat function, :func:`compile_rank`, with the verifier at both ends::
 
-    verify → split_stages → for each of this rank's stages:
+    batch_norm → verify → split_stages → for each of this rank's stages:
                  shard_tensor_parallel → shard_experts → insert_recompute → shard_data_parallel → verify
+
+Batch norm comes first, on the whole graph: training-mode batch statistics are taken over the dp
+group's global batch (``plan.batch_norm``), and norm modules that torch.fx kept whole are inlined,
+so every later pass sees their parameters as get_attr nodes.
 
 Parameters that several stages hold (tied embeddings) are kept whole on the dp axis whatever the
 data-parallel kind, because the pipeline sums the stage copies' gradients after backward.
@@ -24,6 +28,7 @@ from typing import Iterable
 import torch
 import torch.fx
 
+from passes.dp.batch_norm import batch_norm_pass
 from passes.ep.shard_experts import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
 from passes.dp.shard_data_parallel import shard_data_parallel_pass
@@ -33,8 +38,8 @@ from passes.verify import verify_pass
 from planner.graph import ModelGraph
 from planner.plan import Plan
 
-__all__ = ["compile_rank", "split_stages_pass", "shard_tensor_parallel_pass", "insert_recompute_pass",
-           "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
+__all__ = ["compile_rank", "batch_norm_pass", "split_stages_pass", "shard_tensor_parallel_pass",
+           "insert_recompute_pass", "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
 
 
 def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int, tp_index: int,
@@ -43,8 +48,9 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
     ``tp_index``, its experts (``dp_index % mesh.ep``), recompute regions, and data-parallel shard
     ``dp_index``, placed on ``device`` (default: where the capture's parameters are) by the
     data-parallel pass, the last one. ``graph`` is left intact."""
-    verify_pass(graph.gm, where="after capture")
-    program = split_stages_pass(graph.gm, plan, graph=graph)
+    gm = batch_norm_pass(graph.gm, plan)
+    verify_pass(gm, where="after capture")
+    program = split_stages_pass(gm, plan, graph=graph)
     modules: dict[int, torch.fx.GraphModule] = {}
     for s in stages:
         gm = program.stages[s].gm

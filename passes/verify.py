@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from passes.ops import comm, ep_ops
+from passes.ops import bn_ops, comm, ep_ops
 from passes.layout import layout_of
 from passes.dp.shard_data_parallel import META_DP
 
@@ -23,7 +23,8 @@ __all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
 
 COLLECTIVES = {comm.copy_to_group: 1, comm.reduce_from_group: 1, comm.gather_from_group: 1,
                comm.scatter_to_group: 1, comm.gather_seq: 1, comm.reduce_scatter_seq: 1,
-               ep_ops.moe_dispatch: 2, ep_ops.moe_combine: 2}
+               ep_ops.moe_dispatch: 2, ep_ops.moe_combine: 2, bn_ops.batch_norm_sync: 8,
+               bn_ops.instance_norm_sync: 7}
 """Collective calls the passes insert -> the position of their axis-name argument."""
 
 

@@ -17,6 +17,7 @@ A plan names modules by path, with globs and ranges (see ``planner.selectors``):
                         "param_dtype": "fp32", "reduce_dtype": "fp32", "offload": false,
                         "prefetch": true, "bucket_mb": 25},
       "recompute": {"layers.[0-7]": "full"},
+      "batch_norm": "sync",
       "predicted": {"step_time_s": 0.0, "tflops_per_device": 0.0, "memory_gib": [0.0, 0.0],
                     "comm_gib_per_step": 0.0}
     }
@@ -49,6 +50,8 @@ READABLE_VERSIONS = (PLAN_VERSION,)
 DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTE_KINDS = ("full", "selective", "none")
 DTYPES = ("fp32", "bf16", "fp16")
+BATCH_NORM_MODES = ("sync", "local")
+"""``Plan.batch_norm``: how training-mode batch statistics are taken when the batch is split."""
 
 
 @dataclass(kw_only=True)
@@ -180,6 +183,14 @@ class Plan:
     """Data-parallel kind and options."""
     recompute: dict[str, str] = field(default_factory=dict)
     """Layer selector -> full, selective or none."""
+    batch_norm: str = "sync"
+    """Batch statistics (training-mode BatchNorm, InstanceNorm running statistics) when dp ranks
+    and microbatches split the batch. ``sync`` (exact): over the dp group's global batch, as one
+    process computes them (SyncBatchNorm); a plan with more than one microbatch is refused, since
+    no pipeline can give each microbatch the whole batch's statistics. ``local`` (opt-in): each dp
+    rank and microbatch uses its own statistics and updates the running statistics once per
+    microbatch, as torch DDP without SyncBatchNorm does; losses and running statistics then differ
+    from one process's."""
     predicted: Predicted = field(default_factory=Predicted)
     """Cost-model prediction (informational; recomputed when a plan is loaded)."""
 

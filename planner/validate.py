@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from planner.batch_stats import find_batch_stat_ops, microbatch_problem, min_rows, rows_problem, unsupported_problem
 from planner.graph import ModelGraph
-from planner.plan import READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
+from planner.plan import BATCH_NORM_MODES, READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
 from planner.schedule_kinds import KINDS
 from planner.messages import describe, json_path_key
 from planner.selectors import Selector, format_layers
@@ -59,6 +60,7 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     check_experts(plan, graph, problems)
     _check_data_parallel(plan, graph, problems)
     _check_recompute(plan, graph, problems)
+    _check_batch_norm(plan, graph, problems)
     broken = {_section(p) for p in schema_problems}
     broken |= {d for s in broken for d in _READS.get(s, ())}
     problems = list(schema_problems) + [p for p in problems if _section(p) not in broken]
@@ -297,3 +299,29 @@ def _check_recompute(plan: Plan, graph: ModelGraph | None, problems: list[str]) 
             parsed.append((key, sel, kind))
     if graph is not None:
         check_conflicts("recompute", parsed, module_names(graph), "kind", problems)
+
+
+# --- batch statistics --------------------------------------------------------------------------
+
+
+def _check_batch_norm(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
+    """``"batch_norm": "sync"`` is exact over dp ranks but not across microbatches: refuse those
+    (naming the model's batch-statistic ops) unless the plan opts in to ``"local"``; and refuse
+    rank microbatches too small for a batch norm in either mode."""
+    if not check_choice("batch_norm", plan.batch_norm, BATCH_NORM_MODES, "batch-norm mode", problems):
+        return
+    if graph is None:
+        return
+    ops = find_batch_stat_ops(graph.gm)
+    if not ops:
+        return
+    dp, m = plan.mesh.dp, plan.schedule.microbatches
+    batch = plan.schedule.global_batch or graph.batch_size
+    if dp >= 1 and m >= 1 and batch % (dp * m) == 0 and batch // (dp * m) < min_rows(ops):
+        problems.append(rows_problem(ops, batch // (dp * m), dp=dp, microbatches=m))
+    if plan.batch_norm != "sync":
+        return
+    if plan.schedule.microbatches > 1:
+        problems.append(microbatch_problem(ops, plan.schedule.microbatches))
+    if (plan.mesh.dp > 1 or plan.schedule.microbatches > 1) and any(not op.supported for op in ops):
+        problems.append(unsupported_problem(ops))

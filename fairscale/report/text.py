@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from planner.batch_stats import describe_ops, find_batch_stat_ops
 from planner.graph import ModelGraph
 from planner.plan import Plan, Stage
 from planner.schedule_kinds import KINDS
@@ -38,11 +39,28 @@ def render_report(plan: Plan, graph: ModelGraph | None) -> str:
         lines.extend(f"  {k:<40} {v}" for k, v in plan.recompute.items())
     else:
         lines.append("recompute: none")
+    lines.extend(_batch_norm(plan, graph))
     lines.append("")
     lines.extend(_stage_table(plan, graph))
     lines.append("")
     lines.extend(_predictions(plan))
     return "\n".join(lines)
+
+
+def _batch_norm(plan: Plan, graph: ModelGraph | None) -> list[str]:
+    """How the model's batch statistics are taken (nothing for a model without any)."""
+    ops = find_batch_stat_ops(graph.gm) if graph is not None else []
+    if graph is not None and not ops:
+        return []
+    if plan.batch_norm == "local":
+        return ["batch norm: local (opted in): each dp rank and microbatch normalizes with its own batch statistics "
+                "and updates the running statistics once per microbatch, like torch DDP without SyncBatchNorm; "
+                "losses and running statistics differ from one process's"
+                + (f": {describe_ops(ops)}" if ops else "")]
+    if not ops:
+        return []
+    return [f"batch norm: sync: statistics over the dp group's global batch, as one process computes them: "
+            f"{describe_ops(ops)}"]
 
 
 def _placement(plan: Plan, stages: int) -> list[int]:

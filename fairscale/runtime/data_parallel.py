@@ -34,9 +34,11 @@ from fairscale.runtime.init import check_replicas, sync_params
 from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
 from passes.ops import comm
+from passes.dp.batch_norm import META_BATCH_NORM, batch_norm_pass
 from passes.dp.shard_data_parallel import META_DP, DataParallelInfo, no_sync, shard_data_parallel_pass
+from planner.batch_stats import microbatch_problem
 from planner.graph import ModelGraph
-from planner.plan import DataParallel, Plan
+from planner.plan import DataParallel, Mesh, Plan
 
 __all__ = ["DataParallelRunner", "local_slice", "memory_bytes"]
 
@@ -136,6 +138,9 @@ class DataParallelRunner:
             sync_params(gm)
         else:
             check_replicas(gm)
+        # batch statistics over the global batch (plan.batch_norm; a DataParallel section: "sync")
+        gm = batch_norm_pass(gm, plan if isinstance(plan, Plan) else Plan(mesh=Mesh(dp=world), data_parallel=plan),
+                             axis=axis)
         rank_gm = shard_data_parallel_pass(gm, plan, dp_index=rank, dp_size=world, axis=axis)
         opt = DataParallelOptimizer(rank_gm, optimizer_cls, **optimizer_kwargs)
         return cls(gm=rank_gm, optimizer=opt, graph=graph if isinstance(graph, ModelGraph) else None,
@@ -149,6 +154,10 @@ class DataParallelRunner:
         With ``microbatches > 1`` the slice is cut again; gradients accumulate under ``no_sync`` and
         are reduced once, on the last microbatch.
         """
+        bn = self.gm.meta.get(META_BATCH_NORM)
+        if microbatches > 1 and bn is not None and bn.mode == "sync" and bn.ops:
+            raise ValueError(microbatch_problem(bn.ops, microbatches, where="train_step(microbatches=...)",
+                                                opt_in='a Plan with batch_norm="local" given to DataParallelRunner.build'))
         mine = tuple(global_batch) if local else local_slice(global_batch, self.dp_index, self.dp_size)
         self.optimizer.zero_grad(set_to_none=True)
         total: torch.Tensor | None = None  # summed on the device: one host sync per step, at the end

@@ -339,8 +339,11 @@ class _Reshard(torch.autograd.Function):
         ctx.unit = unit
         ctx.set_materialize_grads(False)
         unit.free()
-        # values of unknown type (graphs without shape meta) may be ints or tuples: pass them through
-        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in xs)
+        # values of unknown type (graphs without shape meta) may be ints or tuples: pass them through.
+        # Aliases by detach(), not views: autograd forbids in-place ops on the views a multi-output
+        # Function returns, and the model may update them in place (torchvision's `out += identity`);
+        # detach() shares the version counter, so autograd still catches a saved tensor changed in place
+        return tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from planner.batch_stats import find_batch_stat_ops, microbatch_problem, min_rows
 from planner.graph import ModelGraph
 from planner.plan import PlanError
 from planner.schedule_kinds import KINDS
@@ -42,6 +43,13 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                         source="constraints")
     dtype = fixed.param_dtype or "fp32"
     experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
+    stats = find_batch_stat_ops(graph.gm)
+    # BatchNorm is exact over dp ranks (synchronized) but not across microbatches: one microbatch
+    # unless the constraints opt in to per-microbatch statistics
+    one_microbatch = bool(stats) and fixed.batch_norm != "local"
+    if one_microbatch and fixed.microbatches is not None and fixed.microbatches > 1:
+        raise PlanError([microbatch_problem(stats, fixed.microbatches)], source="constraints")
+    rows = min_rows(stats)
     out: list[Config] = []
     for tp in ([fixed.tp] if fixed.tp else allowed_tp):
         for pp in divisors(N // tp):
@@ -56,6 +64,12 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                 [fixed.microbatches] if per % fixed.microbatches == 0 else [])
             if not ms:
                 notes.append(f"microbatches={fixed.microbatches} does not divide the per-replica batch {per} (dp={dp})")
+            if one_microbatch:
+                ms = [m for m in ms if m == 1]
+            for m in [m for m in ms if per // m < rows]:
+                notes.append(f"dp={dp} × microbatches={m} leaves {per // m} sample per rank microbatch, too few for "
+                             "the model's batch norm (one value per channel)")
+            ms = [m for m in ms if per // m >= rows]
             for m in ms:
                 for kind, v in _schedules(pp, m, L, fixed, cuts):
                     for dp_kind, reshard in _dp_kinds(dp, fixed):

@@ -267,7 +267,9 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
 
     def plan_of(b: Breakdown) -> Plan:
         assert b.config is not None
-        return build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
+        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
+        plan.batch_norm = fixed.batch_norm or plan.batch_norm
+        return plan
 
     if compiles is None:
         ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from planner.plan import DP_KINDS, DTYPES, RECOMPUTE_KINDS, Plan, PlanError
+from planner.plan import BATCH_NORM_MODES, DP_KINDS, DTYPES, RECOMPUTE_KINDS, Plan, PlanError
 from planner.schedule_kinds import KINDS
 
 __all__ = ["Fixed", "parse_constraints", "divisors"]
@@ -26,6 +26,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
                       "prefetch", "bucket_mb"),
 }
 _WHOLE = ("stages", "recompute")
+_SCALARS = ("batch_norm",)
 _DESCRIPTIVE = ("model", "cluster", "version", "predicted")
 _SHORT = {"pp": ("mesh", "pp"), "dp": ("mesh", "dp"), "tp": ("mesh", "tp"),
           "microbatches": ("schedule", "microbatches")}
@@ -75,6 +76,8 @@ class Fixed:
     """The global batch a plan records (must equal the one searched for; 0 = not recorded)."""
     offload: bool | None = None
     """Fixed FSDP CPU offload of parameter shards, gradients and optimizer states."""
+    batch_norm: str | None = None
+    """Fixed batch-statistics mode (``"local"`` lets the search use microbatches with BatchNorm)."""
 
 
 def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
@@ -103,10 +106,10 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
                     problems.append(f"{key}.{sub}: unknown field; {key} has {', '.join(_SECTIONS[key])}")
                 else:
                     nested.setdefault(key, {})[sub] = val
-        elif key in _WHOLE or key in _DESCRIPTIVE:
+        elif key in _WHOLE or key in _DESCRIPTIVE or key in _SCALARS:
             nested[key] = value
         else:
-            allowed = sorted(list(_SECTIONS) + list(_WHOLE) + list(_SHORT))
+            allowed = sorted(list(_SECTIONS) + list(_WHOLE) + list(_SCALARS) + list(_SHORT))
             problems.append(f"{key}: unknown constraint; use one of {', '.join(allowed)}")
     out = Fixed()
     mesh = nested.get("mesh", {})
@@ -162,6 +165,8 @@ def parse_constraints(constraints: dict[str, Any] | Plan | None) -> Fixed:
                 if kind not in RECOMPUTE_KINDS:
                     problems.append(f'recompute["{sel}"]: "{kind}" is not one of {", ".join(RECOMPUTE_KINDS)}')
             out.recompute = dict(rec)
+    if "batch_norm" in nested:
+        out.batch_norm = _choice("batch_norm", nested["batch_norm"], BATCH_NORM_MODES, problems)
     if isinstance(constraints, Plan):
         _fill_plan_defaults(out, constraints)
     if problems:

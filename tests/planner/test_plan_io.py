@@ -28,6 +28,7 @@ def full_plan() -> Plan:
         data_parallel=DataParallel(kind="fsdp", units="layers.*", reshard_after_forward=False, param_dtype="bf16",
                                    reduce_dtype="fp16", offload=True, prefetch=False, bucket_mb=12.5),
         recompute={"layers.[0-7]": "full", "layers.[8-15]": "selective"},
+        batch_norm="local",
         predicted=Predicted(step_time_s=0.1234567890123, tflops_per_device=312.0000001, memory_gib=[71.5, 1 / 3],
                             comm_gib_per_step=2.0 ** -20, bubble=0.1),
     )
@@ -136,7 +137,7 @@ def test_all_schema_problems_are_reported_at_once() -> None:
         'recompute: expected an object, got ["layers.*"]',
         'predicted.memory_gib[1]: expected a number, got "2"',
         "fsdp: unknown key; (allowed: version, model, cluster, mesh, schedule, stages, tensor_parallel, "
-        "data_parallel, recompute, predicted)",
+        "data_parallel, recompute, batch_norm, predicted)",
     ]
     assert info.value.source == "plan.json"
     assert str(info.value).splitlines()[0] == "plan.json has 14 problems:"
