@@ -39,7 +39,8 @@ class CostOptions:
     """Share of device memory the plan may use; the rest goes to the CUDA context, allocator
     fragmentation and library workspaces (~5-8% on 80 GB parts)."""
     overlap_dp: bool = True
-    """Gradient reduction (DDP buckets, ZeRO reduce-scatter) runs during the last microbatch's backward."""
+    """Gradient reductions (DDP/ZeRO buckets) run alongside the backward that produces them, and
+    ZeRO's parameter all-gather alongside the next forward (``planner.search.dp_cost``)."""
     overlap_fsdp: bool = True
     """FSDP all-gathers and reduce-scatters run under compute (needs prefetch)."""
     overlap_tp: bool = False
@@ -51,11 +52,15 @@ class CostOptions:
     zero_shard_copy: bool = False
     """ZeRO-1/2 step a separate fp32 shard of the parameters (``P/dp`` more bytes when parameters are
     fp32; with 16-bit parameters that shard is the master copy Adam's K = 12 already counts)."""
-    fsdp_accumulate_unsharded: bool = False
-    """With several microbatches, FSDP accumulates each unit's full (unsharded) gradient locally and
-    reduce-scatters once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds
-    full gradients of all its units between microbatches, and sends one reduce-scatter per step
-    instead of one per microbatch."""
+    accumulate_unsharded: bool = False
+    """With several microbatches, ZeRO-2 and FSDP accumulate full (unsharded) gradients locally and
+    reduce-scatter once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds a
+    full gradient between microbatches, and sends one reduce-scatter per step instead of one per
+    microbatch."""
+    p2p_scatter_gather: bool = False
+    """Pipeline sends between nodes carry 1/tp of the activation per tensor-parallel rank, which
+    then all-gather it over NVLink (Megatron-LM's scatter/gather optimization, Narayanan et al.
+    2021 §4.1). Without it (and without sequence parallelism) each tp rank sends the whole tensor."""
 
     @classmethod
     def for_runtime(cls, cluster: Cluster) -> CostOptions:
@@ -66,7 +71,7 @@ class CostOptions:
           on CPU ranks gloo's threads share the oversubscribed cores with compute, so exposed.
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
-        * FSDP accumulates unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
+        * ZeRO-2 and FSDP accumulate unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
         * ZeRO-1/2 keep the optimizer's parameter shard as its own tensor (``fairscale.runtime.optim``).
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
@@ -74,13 +79,17 @@ class CostOptions:
         """
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
         return cls(overlap_dp=not cpu, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
-                   fsdp_accumulate_unsharded=True, zero_shard_copy=True)
+                   accumulate_unsharded=True, zero_shard_copy=True)
 
     @classmethod
-    def megatron2021(cls) -> CostOptions:
-        """The runtime of Narayanan et al. 2021: no DP/TP/P2P overlap (gradient all-reduce after
-        the pipeline flush, blocking p2p), Adam."""
-        return cls(overlap_dp=False, overlap_fsdp=False, overlap_tp=False, overlap_p2p=False)
+    def megatron2021(cls, *, torch_ddp: bool = False) -> CostOptions:
+        """The runtime of Narayanan et al. 2021 (Megatron-LM's ``examples/sc21`` scripts): blocking
+        tensor-parallel all-reduces and pipeline sends, the scatter/gather optimization on those
+        sends, Adam. Gradients are all-reduced by Megatron's "local" DDP after the rank's last
+        backward (``--DDP-impl local``), or, with ``torch_ddp``, by PyTorch DDP in buckets during
+        the last microbatch's backward (``--DDP-impl torch``)."""
+        return cls(overlap_dp=torch_ddp, overlap_fsdp=False, overlap_tp=False, overlap_p2p=False,
+                   p2p_scatter_gather=True)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -97,7 +97,8 @@ def device_count(cluster: Any) -> int | None:
             return len(value)
     nodes, per_node = get("nodes"), get("gpus_per_node") or get("devices_per_node")
     if isinstance(nodes, int) and isinstance(per_node, int):
-        return nodes * per_node
+        last = get("last_node_devices")  # a partial last node (planner.cluster.Cluster)
+        return (nodes - 1) * per_node + (last if isinstance(last, int) and last > 0 else per_node)
     return None
 
 

@@ -90,12 +90,9 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
                          f" = {stages} are needed"], source="plan")
     rec = fixed_recompute(ctx, plan.recompute) if plan.recompute else frozenset()
     sel = fixed_selective(ctx, plan.recompute) if plan.recompute else frozenset()
-    units = None
-    if dp.kind == "fsdp" and dp.units:
-        from planner.selectors import parse_selector
-
-        unit_sel = parse_selector(dp.units)
-        units = frozenset(i for i, f in enumerate(ctx.facts) if unit_sel.matches(f.name))
+    units = dp.units if dp.kind == "fsdp" and dp.units else None
+    if units is not None:
+        ctx.units(units)  # a selector that selects no module holding parameters is an error
     cfg = Config(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, microbatches=sched.microbatches, kind=sched.kind,
                  v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
                  sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,

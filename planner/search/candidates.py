@@ -20,12 +20,13 @@ from planner.selectors import parse_selector
 
 __all__ = ["enumerate_configs", "units_of"]
 
-def units_of(ctx: Context, text: str | None) -> frozenset[int] | None:
-    """Indices of the layers an FSDP unit selector names (None: no selector, the block default)."""
+def units_of(ctx: Context, text: str | None) -> str | None:
+    """The FSDP unit selector to cost (None: no selector, the block default); raises PlanError
+    when it selects no module holding parameters."""
     if not text:
         return None
-    sel = parse_selector(text)
-    return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+    ctx.units(text)
+    return text
 
 
 def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[int], dict[str, str]],

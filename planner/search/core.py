@@ -22,14 +22,16 @@ from typing import Callable, Union
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, layer_facts
-from planner.cost_comm import all_gather_time, all_reduce_time
+from planner.cost_comm import group_all_reduce_time, group_reduce_scatter_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.graph import ModelGraph
 from planner.plan import PlanError
 from planner.schedule_cost import in_flight, pipeline_time
 from planner.schedule_kinds import KINDS
 from planner.search.config import Breakdown, Config, Context
-from planner.search.evaluate import choose_recompute, evaluate, fsdp_buffer_terms, stage_cuts_even
+from planner.search.dp_cost import dp_bound_terms, dp_group, optimizer_time
+from planner.search.evaluate import evaluate, stage_cuts_even
+from planner.search.memory import choose_recompute, fsdp_buffer_terms
 from planner.search.partition import SegmentModel, partition
 from planner.search.result import Candidate, NoFeasiblePlan, SearchResult, build_plan, infeasible_message, loss_reason
 from planner.search.candidates import enumerate_configs
@@ -86,7 +88,8 @@ def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rule
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
         options = CostOptions.for_runtime(cluster) if cpu else CostOptions()
     return Context(layer_facts(graph, {}), cluster, global_batch=global_batch, options=options,
-                   captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)))
+                   captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)),
+                   graph=graph)
 
 
 def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
@@ -146,13 +149,14 @@ class _Totals:
         self.act = sum(c.act for c in costs)
         self.min_act = sum(min(c.act, c.act_recompute) for c in costs)
         self.rec_time = sum(c.fwd for c in costs if c.act > c.act_recompute)
+        self.tied = 0.0  # elements of tied weights a sharded kind may keep whole (set by run_search)
         freed = self.act - self.min_act
         self.rho = self.rec_time / freed if freed > 0 else 0.0
         self._costs = costs
-        self._buffers: dict[tuple[str, bool, bool, int], tuple[float, float]] = {}
+        self._buffers: dict[tuple[object, ...], tuple[float, float]] = {}
 
     def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float]:
-        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp)
+        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp, cfg.units, cfg.microbatches > 1)
         if key not in self._buffers:
             self._buffers[key] = fsdp_buffer_terms(ctx, cfg, self._costs)
         return self._buffers[key]
@@ -231,6 +235,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         key = (cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
         if key not in totals:
             totals[key] = _Totals(ctx.costs(*key), rec, sel)
+            totals[key].tied = _tied_elements(ctx, cfg.tp)
         lb, mem_lb = _bounds(ctx, cfg, totals[key])
         if mem_lb > ctx.cap or math.isinf(lb):
             mem_fail.append((mem_lb - ctx.cap, cfg))
@@ -312,6 +317,15 @@ def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozense
 
 
 
+def _tied_elements(ctx: Context, tp: int) -> float:
+    """Elements (after the tp split) of the tied weights: at most these stay whole on dp."""
+    owners: dict[int, float] = {}
+    for f in ctx.facts_for(tp):
+        for owner, count in f.tied:
+            owners[owner] = max(owners.get(owner, 0.0), count / (tp if f.tp.sharded and tp > 1 else 1))
+    return sum(owners.values())
+
+
 def _apply_recompute(costs: list[LayerCost], rec: frozenset[int], sel: frozenset[int] = frozenset()) -> list[LayerCost]:
     """Costs with a fixed recompute map (full ``rec``, selective ``sel``) folded in, and no further
     recompute possible."""
@@ -355,14 +369,24 @@ def _fixed_notes(fixed: Fixed) -> list[str]:
 
 
 def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
-    """(lower bound on step time, lower bound on the fullest rank's memory)."""
+    """(lower bound on step time, lower bound on the fullest rank's memory).
+
+    Time: the bottleneck rank's microbatch time is at least the fluid bound (memory-forced
+    recompute) and its share of the data-parallel traffic; the ranks' times sum to at least the
+    whole model's; the schedule's closed form is monotone in both, so a vector with that bottleneck
+    and that sum bounds the pipeline from below. After it, the optimizer step of an average rank
+    (the slowest is slower), and with one pipeline rank (nothing to hide behind) the gradient
+    reduction that does not overlap compute. Every collective is counted once with its bytes:
+    buckets and units only add latencies. ``test_search_bounds`` checks the bound against
+    :func:`evaluate` on random configurations."""
     pp, m, v = cfg.pp, cfg.microbatches, cfg.v
+    o = ctx.options
     per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                  optimizer=ctx.options.optimizer)
+                                  optimizer=o.optimizer)
     params = tot.params / pp
     if cfg.ep > 1 and tot.experts:  # split over ep, kept whole on dp: an average state cost per element
         whole = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                  optimizer=ctx.options.optimizer)
+                                  optimizer=o.optimizer)
         share = tot.experts / tot.params
         per_param = (1 - share) * per_param + share * whole
     state_per_param = per_param
@@ -370,36 +394,39 @@ def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
         per_param = 0.0
         if state_per_param * params > ctx.host_cap:
             return math.inf, ctx.cap * 1.0000001
-    dp_params = params - (tot.experts / pp if cfg.ep > 1 else 0.0)  # what the dp axis gathers and reduces
+    # what the dp axis gathers and reduces: no tied weight a sharded kind keeps whole, no expert
+    dp_params = max(0.0, tot.params - tot.tied - (tot.experts if cfg.ep > 1 else 0.0)) / pp
     extra, fixed_bytes = tot.buffers(ctx, cfg)
     mem_lb = (per_param + extra) * params + tot.min_act / pp + fixed_bytes
     flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
     t = max(tot.max_layer, fluid_bottleneck(tot, flights, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
-    c = ctx.cluster
-    if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):  # per-microbatch traffic of the rank's share
-        bw, lat = c.link(cfg.tp * cfg.dp)
-        bw *= c.efficiency.network
-        gathers = 2 if cfg.reshard else 1
-        comm = (gathers * all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
-                + all_gather_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
-        if cfg.offload:
-            comm += (gathers * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * dp_params / cfg.dp / c.host_bandwidth
-        t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
-    pipe = pipeline_time(cfg.kind, [t] * pp, m, v=v)
-    share = c.core_share
+    mean = tot.time / pp
+    comm, overlapped = dp_bound_terms(ctx, cfg, dp_params)
+    if overlapped:
+        t, mean = max(t, comm), max(mean, comm)
+    else:
+        t, mean = max(t, mean + comm), mean + comm
+    t = max(t, mean)
+    rest = (pp * mean - t) / (pp - 1) if pp > 1 else 0.0
+    pipe = pipeline_time(cfg.kind, [t] + [rest] * (pp - 1), m, v=v)
+    share = ctx.cluster.core_share
     if share > 1.0:  # ranks time-sharing cores: see evaluate.shared_core_pipeline_time
-        pipe = max(pipe / share, m * tot.time / pp)
-    opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
-    tail = 2 * state_per_param * params / (opt_bw * c.efficiency.memory)
-    bw, lat = c.link(cfg.tp * cfg.dp)
-    bw *= c.efficiency.network
-    if cfg.dp > 1 and not ctx.options.overlap_dp:
+        pipe = max(pipe / share, m * mean)
+    tail = optimizer_time(ctx, cfg, state_per_param * params)
+    if pp == 1 and cfg.dp > 1 and not o.overlap_dp:
+        g = dp_group(ctx, cfg)
+        grads, weights = dp_params * DTYPE_BYTES[cfg.reduce_dtype], dp_params * DTYPE_BYTES[cfg.param_dtype]
+        once = o.accumulate_unsharded or m == 1
         if cfg.dp_kind == "ddp":
-            tail += all_reduce_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat)
-    if cfg.dp > 1 and cfg.dp_kind in ("zero1", "zero2"):
-        tail += all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
+            tail += group_all_reduce_time(g, grads)
+        elif cfg.dp_kind in ("zero1", "zero2"):
+            tail += group_reduce_scatter_time(g, weights)  # the parameter all-gather after the step
+            if cfg.dp_kind == "zero1" or once:
+                tail += group_reduce_scatter_time(g, grads)
+        elif cfg.dp_kind == "fsdp" and o.accumulate_unsharded:
+            tail += group_reduce_scatter_time(g, grads)
     return pipe + tail, mem_lb
 
 

@@ -4,7 +4,7 @@ rank splits, and the dispatch/combine all-to-alls of one microbatch."""
 from __future__ import annotations
 
 from planner.cost import LayerCost
-from planner.cost_comm import all_to_all_time, all_to_all_volume
+from planner.cost_comm import all_to_all_volume, comm_group, group_all_to_all_time
 from planner.search.config import Config, Context
 
 __all__ = ["expert_params", "expert_comm"]
@@ -22,15 +22,14 @@ def expert_comm(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[
     rank keeps the 1/ep of its rows bound for its own experts (uniform routing)."""
     if cfg.ep <= 1:
         return 0.0, 0.0
-    bw, lat = ctx.cluster.link(cfg.tp * cfg.ep)
-    bw *= ctx.cluster.efficiency.network
+    g = comm_group(ctx.cluster, cfg.ep, stride=cfg.tp)  # ep consecutive dp ranks
     seconds = volume = 0.0
     for i in layers:
         rows = costs[i].expert_rows
         if rows <= 0:
             continue
         times = 3 if i in cfg.recompute or i in cfg.selective else 2
-        # dispatch and combine are two all-to-alls, each a (n-1)·α latency term
-        seconds += times * (all_to_all_time(rows, cfg.ep, bandwidth=bw, latency=lat) + (cfg.ep - 1) * lat)
+        # dispatch and combine: two all-to-alls (``rows`` holds both payloads)
+        seconds += times * 2 * group_all_to_all_time(g, rows / 2)
         volume += times * all_to_all_volume(rows, cfg.ep)
     return seconds, volume

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from planner.cost import LayerCost
-from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.cost_memory import model_state_bytes
 from planner.schedule_cost import in_flight, stage_placement
 from planner.search.config import Config, Context
-from planner.search.evaluate import fsdp_buffer_terms
+from planner.search.dp_cost import dp_bound_terms
 from planner.search.expert_cost import expert_comm
+from planner.search.memory import fsdp_buffer_terms
+from planner.search.ranks import stage_send
 
 __all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
 
@@ -92,11 +93,7 @@ class SegmentModel:
         extra, self.buffers = fsdp_buffer_terms(ctx, cfg, costs)
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
-        c = ctx.cluster
-        bw, lat = c.link(cfg.tp * cfg.dp * cfg.pp)
-        self.pp_bw, self.pp_lat = bw * c.efficiency.network, lat
-        dbw, dlat = c.link(cfg.tp * cfg.dp)
-        self.dp_bw, self.dp_lat = dbw * c.efficiency.network, dlat
+        self.sends = [0.0 if ctx.options.overlap_p2p else stage_send(ctx, cfg, c.output)[0] for c in costs]
 
     def params(self, s: int, e: int) -> float:
         total = self.p.params[e] - self.p.params[s]
@@ -126,22 +123,13 @@ class SegmentModel:
             if count > n:
                 return INF
             t += count * (p.f[e] - p.f[s]) / n
-        if not self.ctx.options.overlap_p2p:
-            if k + 1 < self.S and self.placement[k + 1] != self.placement[k]:
-                t += p2p_time(self.costs[e - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-            if k > 0 and self.placement[k - 1] != self.placement[k]:
-                t += p2p_time(self.costs[s - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-        if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
-            ag = all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=self.dp_bw,
-                                 latency=self.dp_lat)
-            rs = reduce_scatter_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=self.dp_bw,
-                                     latency=self.dp_lat)
-            units = (self.p.n[e] - self.p.n[s]) + 1  # ~ one unit per block layer, plus the root
-            comm = (2 if cfg.reshard else 1) * ag + rs + 3 * (units - 1) * (cfg.dp - 1) * self.dp_lat
-            if cfg.offload:
-                comm += ((2 if cfg.reshard else 1) * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp \
-                    / self.ctx.cluster.host_bandwidth
-            t = max(t, comm) if self.ctx.options.overlap_fsdp and cfg.prefetch else t + comm
+        if k + 1 < self.S and self.placement[k + 1] != self.placement[k]:
+            t += self.sends[e - 1]
+        if k > 0 and self.placement[k - 1] != self.placement[k]:
+            t += self.sends[s - 1]
+        comm, overlapped = dp_bound_terms(self.ctx, cfg, params)
+        if comm:  # FSDP gathers / ZeRO-2 reduce-scatters of the segment, as one collective each
+            t = max(t, comm) if overlapped else t + comm
         return t
 
 
