@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -247,6 +247,22 @@ class Cluster:
         eff = data.pop("efficiency", None)
         data["peak_flops"] = {str(k): float(v) for k, v in data["peak_flops"].items()}
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
+
+
+def default_compute_dtype(cluster: Cluster) -> str:
+    """The compute dtype a plan uses unless told otherwise: mixed precision on GPUs, as Megatron-LM
+    and torchtitan train (16-bit parameters and activations, fp32 master weights and Adam states,
+    gradients reduced in fp32): ``bf16`` where the device has bf16 tensor cores (its bf16 peak
+    beats fp32), else ``fp16`` (with loss scaling; V100), else ``fp32``. CPU ranks stay ``fp32``
+    (bf16 on CPU is slower than fp32, and fairscale's CPU runs are exactness checks)."""
+    if cluster.device.startswith("cpu") or cluster.name.startswith("cpu"):
+        return "fp32"
+    fp32 = cluster.peak_flops.get("fp32", 0.0)
+    if cluster.peak_flops.get("bf16", 0.0) > fp32:
+        return "bf16"
+    if cluster.peak_flops.get("fp16", 0.0) > fp32:
+        return "fp16"
+    return "fp32"
 
 
 def host_memory_bytes() -> int:

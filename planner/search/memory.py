@@ -72,23 +72,26 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     return {**parts, "activations": flight * kept + transient, "buffers": buffers}
 
 
-def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float]:
-    """Buffers as (bytes per parameter element the rank holds, fixed bytes), for the search's fast
-    paths: FSDP without reshard keeps every gathered parameter (per element), with it the two
-    largest units (fixed), plus one unit of full gradients either way; a runtime that accumulates
-    unsharded gradients holds a full gradient per element."""
-    per, fixed = 0.0, 0.0
+def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float]:
+    """Buffers for the search's fast paths as (bytes per parameter element the rank holds, fixed
+    bytes of a rank holding every unit, elements of the largest unit): FSDP without reshard
+    keeps every gathered parameter (per element), with it the two largest units (fixed), plus one
+    unit of full gradients either way; a runtime that accumulates unsharded gradients holds a full
+    gradient per element. The rank holding the largest unit ``U`` needs at least ``U·(p + g)``
+    bytes of buffers (resharded) or ``U·g`` beyond its per-element ``p`` (kept)."""
+    per = 0.0
     if ctx.options.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 \
             and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         per += DTYPE_BYTES[cfg.reduce_dtype]
     if not _fsdp(cfg):
-        return per, fixed
+        return per, 0.0, 0.0
     b, g = DTYPE_BYTES[cfg.param_dtype], DTYPE_BYTES[cfg.reduce_dtype]
     units = sorted(units_on(ctx, cfg, costs, list(range(len(costs)))), reverse=True) \
         or [max(c.params for c in costs)]
     if not cfg.reshard:
-        return per + b, units[0] * g
-    return per, (units[0] + (units[1] if cfg.prefetch and len(units) > 1 else 0.0)) * b + units[0] * g
+        return per + b, units[0] * g, units[0]
+    second = units[1] if cfg.prefetch and len(units) > 1 else 0.0
+    return per, (units[0] + second) * b + units[0] * g, units[0]
 
 
 def choose_recompute(ctx: Context, cfg: Config) -> frozenset[int]:

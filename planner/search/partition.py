@@ -22,6 +22,7 @@ evenly by its ``v`` chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -29,13 +30,15 @@ from typing import Callable
 from planner.cost import LayerCost
 from planner.cost_memory import model_state_bytes
 from planner.schedule_cost import in_flight, stage_placement
-from planner.search.config import Config, Context
+from planner.search.bounds import apply_recompute
+from planner.search.config import Breakdown, Config, Context
 from planner.search.dp_cost import dp_bound_terms
 from planner.search.expert_cost import expert_comm
-from planner.search.memory import fsdp_buffer_terms
+from planner.search.evaluate import evaluate
+from planner.search.memory import choose_recompute, fsdp_buffer_terms
 from planner.search.ranks import stage_send
 
-__all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
+__all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition", "cut_and_cost"]
 
 INF = math.inf
 _BIG = 1e300  # any finite segment time
@@ -90,7 +93,7 @@ class SegmentModel:
         self.host_per_param = 0.0
         if cfg.offload:  # states live on the host; the device keeps only unshard buffers
             self.host_per_param, self.per_param = self.per_param, 0.0
-        extra, self.buffers = fsdp_buffer_terms(ctx, cfg, costs)
+        extra, self.buffers, _ = fsdp_buffer_terms(ctx, cfg, costs)
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
         self.sends = [0.0 if ctx.options.overlap_p2p else stage_send(ctx, cfg, c.output)[0] for c in costs]
@@ -210,3 +213,18 @@ def partition(model: SegmentModel, *, exact_limit: int = 20_000) -> tuple[float,
     if S * L * L <= exact_limit:
         return partition_dp(model.time, L, S)
     return partition_fast(model.time, L, S, lower=model.p.t[L] / S)
+
+
+def cut_and_cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+                 sel: frozenset[int] = frozenset()) -> Breakdown | None:
+    """Cut (unless ``cuts`` are fixed), choose the recompute set (unless ``rec`` is fixed), cost.
+    None when no cut fits (the segment model says so)."""
+    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+    if cuts is None:
+        _, found = partition(SegmentModel(ctx, cfg, apply_recompute(costs, rec, sel) if rec is not None else costs))
+        if not found:
+            return None
+        cuts = found
+    cfg = dataclasses.replace(cfg, cuts=cuts, selective=sel)
+    cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
+    return evaluate(ctx, cfg)

@@ -198,21 +198,26 @@ def test_megatron_expert_configs_are_within_15_percent():
         assert abs(tflops / published - 1) < 0.15, (l, tflops)
 
 
-def test_plan_model_entry_point_and_progress_printer(small):
+def test_plan_for_entry_point_and_progress_printer(small):
     import io
 
-    from planner.api import plan_model, progress_printer, resolve_cluster
+    from planner.api import plan_for, progress_printer, resolve_cluster
 
     assert resolve_cluster("a100-80gb:4").devices == 32
     assert resolve_cluster(2).name == "cpu" and resolve_cluster(2).devices == 2
     assert resolve_cluster({"preset": "h200"}).name == "h200"
+    assert resolve_cluster("a100-80gb", devices=6).devices == 6  # a partial node
+    assert resolve_cluster(Cluster.preset("h100", nodes=2), devices=12).last_node_devices == 4
+    assert resolve_cluster(None, devices=3) == Cluster.cpu(3)  # no GPU here: CPU ranks
+    with pytest.raises(ValueError, match=r"devices=24, but the cluster has 16 \(2 node\(s\) of 8\)"):
+        resolve_cluster(Cluster.preset("h100", nodes=2), devices=24)
     with pytest.raises(TypeError, match="cluster must be a Cluster"):
         resolve_cluster(2.5)
     out = io.StringIO()
-    r = plan_model(small, cluster=Cluster.cpu(2, memory_bytes=GiB), global_batch=4, progress=progress_printer(out))
+    r = plan_for(small, Cluster.cpu(2, memory_bytes=GiB), global_batch=4, progress=progress_printer(out))
     assert r.plan.mesh.size == 2 and r.plan.schedule.global_batch == 4
     assert "planning:" in out.getvalue() and "configurations, best" in out.getvalue()
-    assert plan_model(small, cluster=Cluster.cpu(1, memory_bytes=GiB)).plan.schedule.global_batch == small.batch_size
+    assert plan_for(small, Cluster.cpu(1, memory_bytes=GiB)).plan.schedule.global_batch == small.batch_size
 
 
 def test_tp_rules_may_depend_on_the_degree(small):
@@ -238,8 +243,8 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(monkeypatch):
     g = gpt_graph(layers=8, hidden=256, heads=8, seq=2048, vocab=1000)
     c = Cluster.from_dict({**Cluster.preset("a100-40gb").to_dict(), "memory_bytes": 512 * 2**20})
     pruned = search(g, c, global_batch=16)
-    real = core._bounds
-    monkeypatch.setattr(core, "_bounds", lambda ctx, cfg, tot: (
+    real = core.bounds
+    monkeypatch.setattr(core, "bounds", lambda ctx, cfg, tot: (
         lambda lb, mem: (lb if math.isinf(lb) else 0.0, mem))(*real(ctx, cfg, tot)))
     full = search(g, c, global_batch=16)
     assert full.evaluated > pruned.evaluated

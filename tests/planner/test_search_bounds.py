@@ -20,7 +20,8 @@ from planner.cost import CostOptions
 from planner.cost_gpt import gpt_graph
 from planner.search import default_tp_rules
 from planner.search.candidates import enumerate_configs
-from planner.search.core import _bounds, _tied_elements, _Totals, make_context, rules_function
+from planner.search.bounds import Totals, bounds, tied_elements
+from planner.search.core import make_context, rules_function
 from planner.search.evaluate import evaluate
 from planner.search.memory import choose_recompute
 from planner.search.partition import SegmentModel, partition
@@ -68,9 +69,9 @@ def test_search_bounds_never_exceed_the_exact_cost(seed: int) -> None:
     checked = 0
     for cfg in rng.sample(cands, min(40, len(cands))):
         costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
-        tot = _Totals(costs, None)
-        tot.tied = _tied_elements(ctx, cfg.tp)
-        lb, mem_lb = _bounds(ctx, cfg, tot)
+        tot = Totals(costs, None)
+        tot.tied = tied_elements(ctx, cfg.tp)
+        lb, mem_lb = bounds(ctx, cfg, tot)
         stages = cfg.pp * cfg.v
         cut_sets = []
         _, found = partition(SegmentModel(ctx, cfg, costs))
