@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import Cluster
-from planner.cost_comm import all_reduce_time, all_reduce_volume
+from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
 from planner.graph import ModelGraph
 from planner.selectors import parse_selector
@@ -108,6 +108,13 @@ class TPInfo:
     """Attention heads (0 if none); tp must divide heads and kv_heads."""
     kv_heads: int = 0
     """Key/value heads (grouped-query attention); equal to heads otherwise."""
+    gather_bytes: float = 0.0
+    """Bytes per sample (captured dtype) of outputs all-gathered forward: ``colwise_gather`` modules,
+    e.g. an LM head split on the vocabulary whose full logits the loss then reads."""
+    loss_tokens: float = 0.0
+    """Tokens per sample reaching a vocabulary-parallel cross-entropy (``vocab_loss``): it all-reduces
+    three fp32 numbers per token forward (the logits' max, the target logit, the sum of exponentials;
+    Megatron-LM's ``vocab_parallel_cross_entropy``), so the logits are never gathered."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -230,7 +237,8 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         prefix = layer.name + "."
         inside = [m for m in modules if m == layer.name or m.startswith(prefix)]
         styles = {m: style for m in inside for sel, style in rules if sel.matches(m)}
-        info = _tp_info(styles, owned, layer.attention, layer.param_count)
+        info = _tp_info(styles, owned, layer.attention, layer.param_count,
+                        _vocab_traffic(styles, graph, layer.input_bytes / batch))
         keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
         tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
                      if k in graph.param_shapes and first_user[k] < layer.index)
@@ -248,8 +256,29 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     return out
 
 
+def _vocab_traffic(styles: dict[str, str], graph: ModelGraph, input_bytes: float) -> tuple[float, float]:
+    """(gathered output bytes, loss tokens) per sample for a layer's ``colwise_gather`` and
+    ``vocab_loss`` modules, from their weights ``[out, in]``: the layer's input holds
+    ``input_bytes / (in · itemsize)`` tokens, and a gathered output ``out`` values per token."""
+    gathered = tokens = 0.0
+    for mod, style in styles.items():
+        if style not in ("colwise_gather", "vocab_loss"):
+            continue
+        key = f"{mod}.weight"
+        shape = graph.param_shapes.get(key)
+        if not shape or len(shape) != 2:
+            continue
+        itemsize = DTYPE_BYTES.get(graph.param_dtypes.get(key, "float32"), 4)
+        rows = input_bytes / (shape[1] * itemsize)
+        if style == "colwise_gather":
+            gathered += rows * shape[0] * itemsize
+        else:
+            tokens = max(tokens, rows)
+    return gathered, tokens
+
+
 def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str, int] | None,
-             layer_params: int) -> TPInfo:
+             layer_params: int, vocab: tuple[float, float] = (0.0, 0.0)) -> TPInfo:
     if not styles:
         return TPInfo()
     # expert-sharded weights (the TP pass's expert parallelism) leave partial sums: one forward
@@ -263,7 +292,8 @@ def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str,
     split = min(layer_params, sum(owned.get(m, 0) for m in styles))
     return TPInfo(sharded=True, param_count=split,
                   allreduce_fwd=rowwise, allreduce_bwd=len(col_parents), heads=heads,
-                  kv_heads=attention.get("kv_heads", heads) if attention else 0)
+                  kv_heads=attention.get("kv_heads", heads) if attention else 0,
+                  gather_bytes=vocab[0], loss_tokens=vocab[1])
 
 
 def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: int, compute_dtype: str,
@@ -274,7 +304,9 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Activation bytes scale from the captured dtype to ``compute_dtype``. Under tp a sharded layer
     divides its FLOPs and its sharded parameters by tp, keeps ``ATTENTION_REPLICATED_INPUTS`` (or
     1) × its input unsharded unless ``sequence_parallel``, and adds its all-reduces of the
-    activation width (ring, within the tp group's node).
+    activation width (ring, within the tp group's node). A head split on the vocabulary adds the
+    all-gather of its logits (``colwise_gather``) or, with the fused vocabulary-parallel loss
+    (``vocab_loss``), three all-reduces of one fp32 number per token instead.
 
     Memory-bound traffic: a forward writes each saved tensor once and its elementwise kernels read
     about as much, so forward traffic ≈ the saved bytes; backward reads them and writes the
@@ -317,6 +349,16 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             if sharded else (0.0, 0.0)
         t_b, v_b = (all_reduce_time(inp, tp, bandwidth=bw, latency=lat), all_reduce_volume(inp, tp)) \
             if sharded else (0.0, 0.0)
+        # vocabulary-parallel heads: a gathered output forward, or the fused loss's per-token all-reduces
+        t_x = v_x = 0.0
+        if sharded and f.tp.gather_bytes:
+            g_b = f.tp.gather_bytes * micro * scale
+            t_x += all_gather_time(g_b, tp, bandwidth=bw, latency=lat)
+            v_x += all_gather_volume(g_b, tp)
+        if sharded and f.tp.loss_tokens:
+            l_b = f.tp.loss_tokens * micro * 4  # fp32 per token
+            t_x += 3 * all_reduce_time(l_b, tp, bandwidth=bw, latency=lat)
+            v_x += 3 * all_reduce_volume(l_b, tp)
         exposed = 0.0 if options.overlap_tp else 1.0
         fwd = compute_time(f.flops_fwd * micro / div, act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
@@ -332,11 +374,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         rec_sel = compute_time(0.0, max(0.0, act - sel_out), peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                                matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         rec_sel += f.ops * cluster.op_overhead_s
-        out.append(LayerCost(fwd=fwd + exposed * n_fwd * t_f, bwd=bwd + exposed * n_bwd * t_b, act=act,
-                             act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
-                             tp_bytes_recompute=n_fwd * v_f, output=output,
-                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b), act_selective=act_sel,
-                             rec_selective=rec_sel + exposed * n_fwd * t_f,
+        out.append(LayerCost(fwd=fwd + exposed * (n_fwd * t_f + t_x), bwd=bwd + exposed * n_bwd * t_b, act=act,
+                             act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b + v_x,
+                             tp_bytes_recompute=n_fwd * v_f + v_x, output=output,
+                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b + t_x), act_selective=act_sel,
+                             rec_selective=rec_sel + exposed * (n_fwd * t_f + t_x),
                              experts=float(f.expert_params),  # never tp-split when ep > 1 (validate)
                              expert_rows=f.expert_rows * micro * scale))
     return out

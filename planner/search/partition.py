@@ -204,15 +204,92 @@ def partition_fast(seg: SegFn, n_layers: int, stages: int, *, lower: float = 0.0
     return hi, cuts
 
 
+def _last_fit(seg: SegFn, s: int, lo: int, hi: int, k: int, limit: float) -> int:
+    """Largest e in [lo, hi] with seg(s, e, k) <= limit (lo - 1 if none)."""
+    if lo > hi or not seg(s, lo, k) <= limit:
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seg(s, mid, k) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _first_start(seg: SegFn, e: int, lo: int, k: int, limit: float) -> int:
+    """Smallest s in [lo, e-1] with seg(s, e, k) <= limit (e if none)."""
+    hi = e - 1
+    if hi < lo or not seg(hi, e, k) <= limit:
+        return e
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seg(mid, e, k) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def balanced_cuts(seg: SegFn, prefix: list[float], n_layers: int, stages: int, limit: float) -> tuple[int, ...] | None:
+    """Among the cuts whose every stage takes at most ``limit`` (the optimal bottleneck), the one
+    whose stage ends stay closest to the even split of the total time (``prefix``: cumulative
+    layer times). Min-max alone leaves every stage but the slowest free, and a greedy fill then
+    packs the first stages to the limit and leaves the last layers (a final norm, the head) alone on
+    stages of their own; this keeps them with their neighbours. O(S·log L) segment evaluations:
+    a backward greedy gives, per stage, the earliest end from which the rest still fits."""
+    L, S = n_layers, stages
+    limit = min(limit * (1 + 1e-9), _BIG)
+    earliest = [L] * (S + 1)  # earliest[k]: the smallest start from which stages k..S-1 can cover the rest
+    for k in range(S - 1, -1, -1):
+        start = _first_start(seg, earliest[k + 1], k, k, limit)
+        if start >= earliest[k + 1]:
+            return None
+        earliest[k] = start
+    if earliest[0] != 0:
+        return None
+    cuts, s, total = [0], 0, prefix[L]
+    for k in range(S - 1):
+        lo = max(s + 1, earliest[k + 1])
+        hi = _last_fit(seg, s, lo, L - (S - k - 1), k, limit)
+        if hi < lo:
+            return None
+        target = total * (k + 1) / S
+        e = min(range(lo, hi + 1), key=lambda x: (abs(prefix[x] - target), x)) if hi - lo < 64 else \
+            _closest_index(prefix, target, lo, hi)
+        cuts.append(e)
+        s = e
+    cuts.append(L)
+    return tuple(cuts)
+
+
+def _closest_index(prefix: list[float], target: float, lo: int, hi: int) -> int:
+    """Index in [lo, hi] whose prefix value is closest to ``target`` (prefix is non-decreasing)."""
+    a, b = lo, hi
+    while a < b:
+        mid = (a + b) // 2
+        if prefix[mid] < target:
+            a = mid + 1
+        else:
+            b = mid
+    return min((x for x in (a - 1, a) if lo <= x <= hi), key=lambda x: (abs(prefix[x] - target), x))
+
+
 def partition(model: SegmentModel, *, exact_limit: int = 20_000) -> tuple[float, tuple[int, ...]]:
-    """Best cuts for ``model``: exact DP when S·L² <= exact_limit, else bisection."""
+    """Best cuts for ``model``: the optimal bottleneck (exact DP when S·L² <= exact_limit, else
+    bisection), then the most even cuts that keep it (:func:`balanced_cuts`)."""
     L, S = model.L, model.S
     if S == 1:
         t = model.time(0, L, 0)
         return t, ((0, L) if t < INF else ())
     if S * L * L <= exact_limit:
-        return partition_dp(model.time, L, S)
-    return partition_fast(model.time, L, S, lower=model.p.t[L] / S)
+        best, cuts = partition_dp(model.time, L, S)
+    else:
+        best, cuts = partition_fast(model.time, L, S, lower=model.p.t[L] / S)
+    if not cuts:
+        return best, cuts
+    even = balanced_cuts(model.time, model.p.t, L, S, best)
+    return best, even or cuts
 
 
 def cut_and_cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,

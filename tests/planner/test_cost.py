@@ -239,3 +239,32 @@ def test_hierarchical_collectives_cross_nodes_once_per_node():
                                                                               latency=5e-6))
     # all-to-all over 16: 7 shares over NVLink, 8 over the NIC
     assert group_all_to_all_time(g, 16e6) == pytest.approx(7 * (5e-6 + 1e6 / intra) + 8 * (10e-6 + 1e6 / inter))
+
+
+def test_a_head_split_on_the_vocabulary_is_costed_with_its_loss_or_its_gather():
+    from planner.cost import layer_facts
+
+    s, h, v = 256, 512, 32000
+    g = gpt_graph(layers=2, hidden=h, heads=8, seq=s, vocab=v)
+    c = Cluster.preset("a100-80gb")
+    block = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise"}
+
+    def head(style):
+        facts = layer_facts(g, {**block, "lm_head": style} if style else block)
+        f = facts[-1]
+        return f, layer_costs(facts, c, tp=8, micro=1, compute_dtype="bf16")[-1]
+    rep_f, rep = head(None)
+    loss_f, loss = head("vocab_loss")
+    gath_f, gath = head("colwise_gather")
+    assert loss_f.tp.loss_tokens == s and loss_f.tp.gather_bytes == 0
+    assert gath_f.tp.gather_bytes == s * v * 4 and gath_f.tp.loss_tokens == 0  # fp32 logits per sample
+    # the fused loss: three all-reduces of one fp32 per token forward, and the input gradient's backward
+    intra = (300e9 * 0.8, 5e-6)
+    want = 3 * all_reduce_time(s * 4, 8, bandwidth=intra[0], latency=intra[1])
+    assert loss.tp_bytes == pytest.approx(3 * all_reduce_volume(s * 4, 8) + all_reduce_volume(s * h * 2, 8))
+    assert loss.tp_s - gath.tp_s == pytest.approx(want - all_gather_time(s * v * 2, 8, bandwidth=intra[0],
+                                                                         latency=intra[1]))
+    # splitting the head divides its compute by 8 (what is left besides the collectives)
+    assert loss.fwd - want < rep.fwd / 4
+    assert gath.fwd - loss.fwd == pytest.approx(all_gather_time(s * v * 2, 8, bandwidth=intra[0], latency=intra[1])
+                                                - want, rel=1e-6)

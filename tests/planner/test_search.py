@@ -277,3 +277,33 @@ def test_offload_is_proposed_when_nothing_else_fits_and_costed_when_asked_for():
     no_host = Cluster.from_dict({**c.to_dict(), "host_memory_bytes": 2**20})
     with pytest.raises(NoFeasiblePlan, match="with these constraints it does not fit either"):
         search(g, no_host, global_batch=4)
+
+
+def test_stage_cuts_keep_light_layers_with_their_neighbours():
+    """Six blocks, a final norm and a light head on 4 stages: the bottleneck is two blocks however
+    the rest falls; a greedy fill packs three stages with two blocks and leaves the norm and the
+    head alone on the last one. The balanced cut keeps the bottleneck and the head with a block."""
+    from planner.search.partition import balanced_cuts
+
+    t = [1.0] * 6 + [0.01, 0.5]
+    prefix = [sum(t[:i]) for i in range(len(t) + 1)]
+
+    def seg(s, e, k):
+        return sum(t[s:e])
+    best, greedy = partition_fast(seg, 8, 4, rel_tol=1e-12)
+    assert best == pytest.approx(2.0) and greedy[-2] == 6  # norm and head alone
+    cuts = balanced_cuts(seg, prefix, 8, 4, best)
+    assert max(seg(a, b, k) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))) <= best + 1e-12
+    assert cuts[-2] <= 5  # the last stage holds a block besides the norm and the head
+    for seed in range(30):  # and on random monotone costs it never loses the optimal bottleneck
+        rng = random.Random(seed)
+        L, S = rng.randint(3, 9), rng.randint(2, 4)
+        S = min(S, L)
+        seg_r = random_seg(rng, L, S)
+        want, _ = partition_dp(seg_r, L, S)
+        if want == float("inf"):
+            continue
+        pre = [seg_r(0, i, 0) if i else 0.0 for i in range(L + 1)]
+        got = balanced_cuts(seg_r, [p if p < float("inf") else 1e300 for p in pre], L, S, want)
+        assert got is not None
+        assert max(seg_r(a, b, k) for k, (a, b) in enumerate(zip(got, got[1:]))) <= want * (1 + 1e-9)
