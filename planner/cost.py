@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
-from planner.graph import ModelGraph
+from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 
 __all__ = ["CostOptions", "TPInfo", "LayerFacts", "LayerCost", "compute_time", "layer_facts", "layer_costs",
@@ -49,6 +49,14 @@ class CostOptions:
     """Pipeline sends/receives overlap compute."""
     optimizer: str = "adam"
     """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
+    moe_imbalance: float = 1.2
+    """Tokens the busiest expert-parallel rank receives over the mean (routing is not uniform).
+    Under expert parallelism the step waits for that rank: its expert matmuls and all-to-alls take
+    this factor longer. GShard (Lepikhin et al. 2021) and Switch (Fedus et al. 2021) train with
+    capacity factors of 1.0-1.25, i.e. experts sized for up to a quarter more than the mean load,
+    which is also about what dropless routing with a balancing loss leaves on the busiest expert;
+    1.2 sits in that range. With ep = 1 every rank runs all experts on its own tokens, so the
+    imbalance moves work between a rank's experts but not between ranks."""
     zero_shard_copy: bool = False
     """ZeRO-1/2 step a separate fp32 shard of the parameters (``P/dp`` more bytes when parameters are
     fp32; with 16-bit parameters that shard is the master copy Adam's K = 12 already counts)."""
@@ -156,6 +164,10 @@ class LayerFacts:
     expert_rows: float = 0.0
     """Bytes per sample of the rows the layer's experts take in and give back (what expert
     parallelism's dispatch and combine all-to-alls carry, forward)."""
+    expert_flops_fwd: float = 0.0
+    """Forward FLOPs per sample of the layer's expert matmuls (part of ``flops_fwd``)."""
+    expert_flops_bwd: float = 0.0
+    """Backward FLOPs per sample of the layer's expert matmuls (part of ``flops_bwd``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -188,6 +200,13 @@ class LayerCost:
     """MoE expert parameter elements on the rank without expert parallelism (part of ``params``)."""
     expert_rows: float = 0.0
     """Bytes of rows the experts take in and give back for one microbatch (dispatch + combine payload)."""
+    experts_held: float = 0.0
+    """MoE expert parameter elements on the rank without expert parallelism (after a tensor-parallel
+    split of the experts, when the rules split them)."""
+    expert_fwd_s: float = 0.0
+    """Seconds of the expert matmuls' FLOPs inside ``fwd`` (at the matmul rate, every expert on the rank)."""
+    expert_bwd_s: float = 0.0
+    """Seconds of the expert matmuls' FLOPs inside ``bwd``."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -232,6 +251,13 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     selective = selective_output_bytes(graph)
     calls = {n.name for n in graph.gm.graph.nodes if n.op == "call_function"}
     experts = graph.experts()
+    expert_flops: dict[str, tuple[float, float]] = {}
+    if experts:
+        for node in graph.gm.graph.nodes:
+            if node.op == "call_function" and str(node.target) == GROUPED_MM and META_LAYER in node.meta:
+                fwd, bwd = expert_flops.get(node.meta[META_LAYER], (0.0, 0.0))
+                expert_flops[node.meta[META_LAYER]] = (fwd + node.meta.get(META_FLOPS_FWD, 0),
+                                                       bwd + node.meta.get(META_FLOPS_BWD, 0))
     out: list[LayerFacts] = []
     for layer in graph.layers:
         prefix = layer.name + "."
@@ -252,7 +278,9 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               ops=sum(1 for n in layer.nodes if n in calls),
                               expert_params=sum(math.prod(graph.param_shapes[k]) for e in moe for k in e.keys
                                                 if k in graph.param_shapes),
-                              expert_rows=sum(e.dispatch_bytes + e.combine_bytes for e in moe) / batch))
+                              expert_rows=sum(e.dispatch_bytes + e.combine_bytes for e in moe) / batch,
+                              expert_flops_fwd=expert_flops.get(layer.name, (0.0, 0.0))[0] / batch,
+                              expert_flops_bwd=expert_flops.get(layer.name, (0.0, 0.0))[1] / batch))
     return out
 
 
@@ -380,5 +408,8 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                              tp_s=exposed * (n_fwd * t_f + n_bwd * t_b + t_x), act_selective=act_sel,
                              rec_selective=rec_sel + exposed * (n_fwd * t_f + t_x),
                              experts=float(f.expert_params),  # never tp-split when ep > 1 (validate)
-                             expert_rows=f.expert_rows * micro * scale))
+                             expert_rows=f.expert_rows * micro * scale,
+                             experts_held=f.expert_params / (div if f.tp.param_count >= f.expert_params else 1),
+                             expert_fwd_s=f.expert_flops_fwd * micro / div / (peak * eff.matmul),
+                             expert_bwd_s=f.expert_flops_bwd * micro / div / (peak * eff.matmul)))
     return out

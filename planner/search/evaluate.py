@@ -18,7 +18,7 @@ from planner.cost_memory import model_state_bytes
 from planner.schedule_cost import pipeline_time, stage_placement
 from planner.search.config import Breakdown, Config, Context
 from planner.search.dp_cost import optimizer_time, rank_dp_comm
-from planner.search.expert_cost import expert_comm, expert_params
+from planner.search.expert_cost import expert_comm, expert_matmul_extra, expert_params
 from planner.search.memory import choose_recompute, rank_memory_parts, units_on
 from planner.search.ranks import (drain_idle, rank_layers, rank_params, rank_stages, replicated_params, stage_send,
                                   warmup_idle)
@@ -63,7 +63,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         own = experts / cfg.ep  # this rank's experts: averaged over the dp/ep ranks holding them
         whole = replicated_params(ctx, cfg, costs, layers)
         a2a_s, a2a_bytes = expert_comm(ctx, cfg, costs, layers)
-        busy = t + t_rec + a2a_s
+        moe_s = expert_matmul_extra(ctx, cfg, costs, layers)
+        busy = t + t_rec + a2a_s + moe_s
         fwd = sum(costs[i].fwd for i in layers)
         dp = rank_dp_comm(ctx, cfg, params=params - experts - whole, whole=whole, own=own,
                           units=units_on(ctx, cfg, costs, layers), busy=busy, fwd=fwd, bwd=busy - fwd)
@@ -83,7 +84,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         if tails[-1] >= max(tails):
             tail_parts = (sync + gather, opt_s)
         if rank_t >= max(times):
-            worst.update(compute=compute * m, recompute=t_rec * m, tp=(t - compute) * m, ep=a2a_s * m,
+            worst.update(compute=(compute + moe_s) * m, recompute=t_rec * m, tp=(t - compute) * m, ep=a2a_s * m,
                          p2p=p2p_s * m, fsdp=dp.per_microbatch_s * m)
     pipe = shared_core_pipeline_time(cfg.kind, times, m, v=cfg.v, share=c.core_share)
     step = pipe + max(tails)

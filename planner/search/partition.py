@@ -33,7 +33,7 @@ from planner.schedule_cost import in_flight, stage_placement
 from planner.search.bounds import apply_recompute
 from planner.search.config import Breakdown, Config, Context
 from planner.search.dp_cost import dp_bound_terms
-from planner.search.expert_cost import expert_comm
+from planner.search.expert_cost import expert_comm, expert_matmul_extra
 from planner.search.evaluate import evaluate
 from planner.search.memory import choose_recompute, fsdp_buffer_terms
 from planner.search.ranks import stage_send
@@ -75,7 +75,8 @@ class SegmentModel:
                                            optimizer=ctx.options.optimizer)
         # expert parallelism: a layer's experts are E/ep of them kept whole on dp, so their states
         # cost ddp/ep per element instead of the kind's; count them as that many plain elements
-        a2a = [expert_comm(ctx, cfg, costs, [i])[0] for i in range(len(costs))]
+        a2a = [expert_comm(ctx, cfg, costs, [i])[0] + expert_matmul_extra(ctx, cfg, costs, [i])
+               for i in range(len(costs))]
         ratio = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=ctx.options.optimizer) / self.per_param if cfg.ep > 1 else 1.0
         eq = [c.params - c.experts + c.experts * ratio if cfg.ep > 1 else c.params for c in costs]
