@@ -168,6 +168,12 @@ class LayerFacts:
     """Forward FLOPs per sample of the layer's expert matmuls (part of ``flops_fwd``)."""
     expert_flops_bwd: float = 0.0
     """Backward FLOPs per sample of the layer's expert matmuls (part of ``flops_bwd``)."""
+    bmm_flops: float = 0.0
+    """Forward FLOPs per sample of unfused attention matmuls (scores ``QKᵀ`` and ``PV`` as separate
+    kernels, as Megatron-LM 2021 ran them; part of ``flops_fwd``). 0 for fused (flash) attention."""
+    bmm_bytes: float = 0.0
+    """Bytes per sample (captured dtype) those matmuls read and write in HBM: Q, K, V and the
+    output, and the ``heads × s × s`` scores written by the first and read by the second."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -232,11 +238,28 @@ def _module_params(graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]:
-    """Per-sample facts of every layer, with what ``tp_rules`` (selector -> style) does to each."""
-    batch = max(1, graph.batch_size)
-    rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
-    owned = _module_params(graph)
+@dataclass
+class _GraphTables:
+    """What :func:`layer_facts` reads from a graph that does not depend on the tp rules."""
+
+    owned: dict[str, int]
+    inside: dict[str, list[str]]
+    """Layer name -> the module paths inside it (the layer's own included)."""
+    tied: dict[str, tuple[tuple[int, int], ...]]
+    selective: dict[str, int]
+    ops: dict[str, int]
+    experts: dict[str, tuple[int, float, float, float]]
+    """Layer name -> (expert parameter elements, rows bytes, forward FLOPs, backward FLOPs)."""
+
+
+_TABLES: dict[int, tuple[ModelGraph, _GraphTables]] = {}
+
+
+def _tables(graph: ModelGraph) -> _GraphTables:
+    """The tp-independent tables of ``graph``, built once per graph (a search asks for several tp)."""
+    hit = _TABLES.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
     # a tied weight may be listed under each alias (``lm_head.weight`` for GPT's ``wte.weight``):
     # count it under the one key param_shapes holds
     alias: dict[str, str] = {}
@@ -247,40 +270,73 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     for layer in graph.layers:
         for key in layer.params:
             first_user.setdefault(alias.get(key, key), layer.index)
-    modules = sorted(graph.modules)
-    selective = selective_output_bytes(graph)
+    names = {layer.name for layer in graph.layers}
+    inside: dict[str, list[str]] = {n: [] for n in names}
+    for mod in sorted(graph.modules):
+        parts = mod.split(".")
+        for i in range(len(parts), 0, -1):  # the innermost layer holding the module
+            owner = ".".join(parts[:i])
+            if owner in names:
+                inside[owner].append(mod)
+                break
+    tied = {}
+    for layer in graph.layers:
+        keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
+        tied[layer.name] = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
+                                 if k in graph.param_shapes and first_user[k] < layer.index)
+    layer_of_node: dict[str, str] = {}
+    ops: dict[str, int] = {}
     calls = {n.name for n in graph.gm.graph.nodes if n.op == "call_function"}
-    experts = graph.experts()
-    expert_flops: dict[str, tuple[float, float]] = {}
-    if experts:
+    for layer in graph.layers:
+        ops[layer.name] = sum(1 for n in layer.nodes if n in calls)
+        layer_of_node.update({n: layer.name for n in layer.nodes})
+    experts: dict[str, tuple[int, float, float, float]] = {}
+    moe = graph.experts()
+    if moe:
+        flops: dict[str, tuple[float, float]] = {}
         for node in graph.gm.graph.nodes:
             if node.op == "call_function" and str(node.target) == GROUPED_MM and META_LAYER in node.meta:
-                fwd, bwd = expert_flops.get(node.meta[META_LAYER], (0.0, 0.0))
-                expert_flops[node.meta[META_LAYER]] = (fwd + node.meta.get(META_FLOPS_FWD, 0),
-                                                       bwd + node.meta.get(META_FLOPS_BWD, 0))
+                fwd, bwd = flops.get(node.meta[META_LAYER], (0.0, 0.0))
+                flops[node.meta[META_LAYER]] = (fwd + node.meta.get(META_FLOPS_FWD, 0),
+                                                bwd + node.meta.get(META_FLOPS_BWD, 0))
+        for layer in graph.layers:
+            prefix = layer.name + "."
+            mine = [e for m, e in moe.items() if m == layer.name or m.startswith(prefix)]
+            if mine or layer.name in flops:
+                experts[layer.name] = (sum(math.prod(graph.param_shapes[k]) for e in mine for k in e.keys
+                                           if k in graph.param_shapes),
+                                       float(sum(e.dispatch_bytes + e.combine_bytes for e in mine)),
+                                       *flops.get(layer.name, (0.0, 0.0)))
+    tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied,
+                          selective=selective_output_bytes(graph), ops=ops, experts=experts)
+    if len(_TABLES) > 8:
+        _TABLES.clear()
+    _TABLES[id(graph)] = (graph, tables)
+    return tables
+
+
+def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]:
+    """Per-sample facts of every layer, with what ``tp_rules`` (selector -> style) does to each."""
+    batch = max(1, graph.batch_size)
+    rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
+    t = _tables(graph)
+    bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
-        prefix = layer.name + "."
-        inside = [m for m in modules if m == layer.name or m.startswith(prefix)]
-        styles = {m: style for m in inside for sel, style in rules if sel.matches(m)}
-        info = _tp_info(styles, owned, layer.attention, layer.param_count,
+        styles = {m: style for m in t.inside[layer.name] for sel, style in rules if sel.matches(m)}
+        info = _tp_info(styles, t.owned, layer.attention, layer.param_count,
                         _vocab_traffic(styles, graph, layer.input_bytes / batch))
-        keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
-        tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
-                     if k in graph.param_shapes and first_user[k] < layer.index)
-        moe = [e for m, e in experts.items() if m == layer.name or m.startswith(prefix)]
+        e_params, e_rows, e_fwd, e_bwd = t.experts.get(layer.name, (0, 0.0, 0.0, 0.0))
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
-                              output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
+                              output=layer.output_bytes / batch, params=layer.param_count, tied=t.tied[layer.name],
                               tp=info, attention=layer.attention is not None,
-                              selective=selective.get(layer.name, 0) / batch,
-                              ops=sum(1 for n in layer.nodes if n in calls),
-                              expert_params=sum(math.prod(graph.param_shapes[k]) for e in moe for k in e.keys
-                                                if k in graph.param_shapes),
-                              expert_rows=sum(e.dispatch_bytes + e.combine_bytes for e in moe) / batch,
-                              expert_flops_fwd=expert_flops.get(layer.name, (0.0, 0.0))[0] / batch,
-                              expert_flops_bwd=expert_flops.get(layer.name, (0.0, 0.0))[1] / batch))
+                              selective=t.selective.get(layer.name, 0) / batch, ops=t.ops[layer.name],
+                              expert_params=e_params, expert_rows=e_rows / batch,
+                              expert_flops_fwd=e_fwd / batch, expert_flops_bwd=e_bwd / batch,
+                              bmm_flops=bmm.get(layer.name, (0, 0))[0] / batch,
+                              bmm_bytes=bmm.get(layer.name, (0, 0))[1] / batch))
     return out
 
 
@@ -347,6 +403,10 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
 
     Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
     that backward (autograd runs about two kernels per forward op: input and weight gradients).
+
+    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take
+    ``max(FLOPs/(peak·e_mm), bytes/(bw·e_mem))``, the roofline of a matmul whose arithmetic
+    intensity is about the head dimension (Williams et al. 2009); backward twice that.
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -392,6 +452,12 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         bwd = compute_time(f.flops_bwd * micro / div, 2 * act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        # unfused attention matmuls run at their own roofline: with a head dimension below the
+        # device's FLOP/byte ridge they wait for the s×s scores, not for the tensor cores
+        bmm_extra = max(0.0, f.bmm_bytes * micro * scale / div / (cluster.hbm_bandwidth * eff.memory)
+                        - f.bmm_flops * micro / div / (peak * eff.matmul)) if f.bmm_flops else 0.0
+        fwd += bmm_extra
+        bwd += 2 * bmm_extra  # the input gradients of both matmuls: twice the FLOPs and the bytes
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)

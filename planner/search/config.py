@@ -178,6 +178,7 @@ class Context:
         self.graph = graph
         """The captured model (module paths and parameter shapes for FSDP units); None for bare facts."""
         self._units: dict[str | None, UnitTable] = {}
+        self._ties: dict[int, list[tuple[int, int, float]]] = {}
         """Facts without tensor parallelism (names, FLOPs, bytes are the same under any tp)."""
         self._facts_for_tp = facts_for_tp
         self._by_tp: dict[int, list[LayerFacts]] = {1: facts}
@@ -190,6 +191,14 @@ class Context:
         self.model_flops = sum(f.flops_fwd + f.flops_bwd for f in facts) * global_batch
         self.blocks = frozenset(f.index for f in facts if f.block is not None)
         self._costs: dict[tuple[int, int, str, bool], list[LayerCost]] = {}
+
+    def ties(self, tp: int) -> list[tuple[int, int, float]]:
+        """(user layer, owner layer, elements on a rank) of every tied weight a layer uses but
+        another owns, at tensor-parallel degree ``tp`` (cached)."""
+        if tp not in self._ties:
+            self._ties[tp] = [(f.index, owner, count / (tp if f.tp.sharded and tp > 1 else 1))
+                              for f in self.facts_for(tp) for owner, count in f.tied]
+        return self._ties[tp]
 
     def units(self, text: str | None) -> UnitTable:
         """The FSDP unit table for selector ``text`` (None: the repeated blocks), cached."""

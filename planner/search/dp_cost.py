@@ -39,7 +39,8 @@ from planner.cost_comm import (Group, comm_group, group_all_gather_time, group_a
 from planner.cost_memory import DTYPE_BYTES
 from planner.search.config import Config, Context
 
-__all__ = ["DPComm", "rank_dp_comm", "dp_group", "fsdp_microbatch_comm", "dp_bound_terms", "optimizer_time"]
+__all__ = ["DPComm", "rank_dp_comm", "dp_group", "fsdp_microbatch_comm", "dp_bound_terms", "dp_bound_affine",
+           "optimizer_time"]
 
 Collective = Callable[[Group, float], float]
 
@@ -176,6 +177,16 @@ def dp_bound_terms(ctx: Context, cfg: Config, params: float) -> tuple[float, boo
         rs = group_reduce_scatter_time(dp_group(ctx, cfg), params * DTYPE_BYTES[cfg.reduce_dtype])
         return rs, o.overlap_dp
     return 0.0, True
+
+
+def dp_bound_affine(ctx: Context, cfg: Config) -> tuple[float, float, bool]:
+    """:func:`dp_bound_terms` as ``(c0, c1, overlapped)`` with ``seconds = c0 + c1·params`` for
+    ``params > 0`` (every collective here is a latency plus bytes over a bandwidth), so that the
+    stage cutter evaluates it in O(1) per segment."""
+    one, _ = dp_bound_terms(ctx, cfg, 1e9)
+    two, overlapped = dp_bound_terms(ctx, cfg, 2e9)
+    slope = (two - one) / 1e9
+    return one - slope * 1e9, slope, overlapped
 
 
 def optimizer_time(ctx: Context, cfg: Config, state_bytes: float) -> float:

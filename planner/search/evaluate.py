@@ -66,8 +66,9 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         moe_s = expert_matmul_extra(ctx, cfg, costs, layers)
         busy = t + t_rec + a2a_s + moe_s
         fwd = sum(costs[i].fwd for i in layers)
-        dp = rank_dp_comm(ctx, cfg, params=params - experts - whole, whole=whole, own=own,
-                          units=units_on(ctx, cfg, costs, layers), busy=busy, fwd=fwd, bwd=busy - fwd)
+        units = units_on(ctx, cfg, costs, layers) if cfg.dp_kind == "fsdp" else []
+        dp = rank_dp_comm(ctx, cfg, params=params - experts - whole, whole=whole, own=own, units=units,
+                          busy=busy, fwd=fwd, bwd=busy - fwd)
         state = model_state_bytes(params - experts, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=opts.optimizer) \
             + model_state_bytes(own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype, optimizer=opts.optimizer)

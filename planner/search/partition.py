@@ -32,7 +32,7 @@ from planner.cost_memory import model_state_bytes
 from planner.schedule_cost import in_flight, stage_placement
 from planner.search.bounds import apply_recompute
 from planner.search.config import Breakdown, Config, Context
-from planner.search.dp_cost import dp_bound_terms
+from planner.search.dp_cost import dp_bound_affine
 from planner.search.expert_cost import expert_comm, expert_matmul_extra
 from planner.search.evaluate import evaluate
 from planner.search.memory import choose_recompute, fsdp_buffer_terms
@@ -98,24 +98,33 @@ class SegmentModel:
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
         self.sends = [0.0 if ctx.options.overlap_p2p else stage_send(ctx, cfg, c.output)[0] for c in costs]
+        self.comm0, self.comm1, self.overlapped = dp_bound_affine(ctx, cfg)
+
+        # per stage: microbatches in flight, and whether it sends to / receives from another rank
+        self.stage_flight = [self.flight[self.placement[k]] for k in range(self.S)]
+        self.sends_out = [k + 1 < self.S and self.placement[k + 1] != self.placement[k] for k in range(self.S)]
+        self.sends_in = [k > 0 and self.placement[k - 1] != self.placement[k] for k in range(self.S)]
+        self.fixed = self.buffers / cfg.v
+        self.host_cap = ctx.host_cap
 
     def params(self, s: int, e: int) -> float:
         total = self.p.params[e] - self.p.params[s]
-        seen: set[int] = set()
-        for i, owner, n in self.tied:
-            if s <= i < e and owner < s and owner not in seen:
-                seen.add(owner)
-                total += n
+        if self.tied:
+            seen: set[int] = set()
+            for i, owner, n in self.tied:
+                if s <= i < e and owner < s and owner not in seen:
+                    seen.add(owner)
+                    total += n
         return total
 
     def time(self, s: int, e: int, k: int) -> float:
         """Seconds of segment [s, e) as stage k for one microbatch, or inf if it cannot fit."""
-        cfg, p = self.cfg, self.p
-        flight = self.flight[self.placement[k]]
+        p = self.p
+        flight = self.stage_flight[k]
         params = self.params(s, e)
-        if self.host_per_param * params > self.ctx.host_cap:
+        if self.host_per_param and self.host_per_param * params > self.host_cap:
             return INF
-        mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.buffers / cfg.v
+        mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.fixed
         t = p.t[e] - p.t[s]
         if mem > self.cap:
             n = p.n[e] - p.n[s]
@@ -127,13 +136,13 @@ class SegmentModel:
             if count > n:
                 return INF
             t += count * (p.f[e] - p.f[s]) / n
-        if k + 1 < self.S and self.placement[k + 1] != self.placement[k]:
+        if self.sends_out[k]:
             t += self.sends[e - 1]
-        if k > 0 and self.placement[k - 1] != self.placement[k]:
+        if self.sends_in[k]:
             t += self.sends[s - 1]
-        comm, overlapped = dp_bound_terms(self.ctx, cfg, params)
-        if comm:  # FSDP gathers / ZeRO-2 reduce-scatters of the segment, as one collective each
-            t = max(t, comm) if overlapped else t + comm
+        if self.comm1 and params > 0:  # FSDP gathers / ZeRO-2 reduce-scatters of the segment, one collective each
+            comm = self.comm0 + self.comm1 * params
+            t = max(t, comm) if self.overlapped else t + comm
         return t
 
 

@@ -6,6 +6,9 @@ Units: parameter elements (after the tensor-parallel split), seconds.
 
 from __future__ import annotations
 
+import bisect
+from functools import lru_cache
+
 from planner.cost import LayerCost
 from planner.cost_comm import all_gather_time, p2p_time
 from planner.schedule_cost import stage_placement
@@ -17,7 +20,13 @@ __all__ = ["rank_stages", "rank_layers", "rank_params", "replicated_params", "ke
 
 def rank_stages(cfg: Config, rank: int) -> list[int]:
     """The stages (chunks) pipeline rank ``rank`` runs, in stage order."""
-    return [k for k, r in enumerate(stage_placement(cfg.kind, cfg.pp, cfg.v)) if r == rank]
+    return list(_stages_of(cfg.kind, cfg.pp, cfg.v)[rank])
+
+
+@lru_cache(maxsize=1024)
+def _stages_of(kind: str, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
+    where = stage_placement(kind, pp, v)
+    return tuple(tuple(k for k, r in enumerate(where) if r == rank) for rank in range(pp))
 
 
 def rank_layers(cfg: Config, rank: int) -> list[int]:
@@ -50,17 +59,19 @@ def replicated_params(ctx: Context, cfg: Config, costs: list[LayerCost], layers:
     gradients (``passes.compile_rank(replicate=...)``). 0 for ddp or dp = 1."""
     if cfg.dp_kind == "ddp" or cfg.dp <= 1 or cfg.pp * cfg.v <= 1:
         return 0.0
-    stage = {}
-    for k, (a, b) in enumerate(zip(cfg.cuts, cfg.cuts[1:])):
-        for i in range(a, b):
-            stage[i] = k
+    ties = ctx.ties(cfg.tp)
+    if not ties:
+        return 0.0
     held = set(layers)
     out: dict[int, float] = {}
-    for f in ctx.facts_for(cfg.tp):
-        for owner, count in f.tied:
-            if stage.get(f.index) != stage.get(owner) and (f.index in held or owner in held):
-                out[owner] = count / (cfg.tp if f.tp.sharded and cfg.tp > 1 else 1)
+    for user, owner, count in ties:
+        if (user in held or owner in held) and _stage_of(cfg.cuts, user) != _stage_of(cfg.cuts, owner):
+            out[owner] = count
     return sum(out.values())
+
+
+def _stage_of(cuts: tuple[int, ...], layer: int) -> int:
+    return bisect.bisect_right(cuts, layer) - 1
 
 
 def kept_act(costs: list[LayerCost], i: int, recompute: frozenset[int], selective: frozenset[int]) -> float:

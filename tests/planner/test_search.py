@@ -179,23 +179,28 @@ def test_tp_rules_given_as_data_replace_the_default(small):
     assert default_tp_rules(small)["wte"] == "vocab_embedding"
 
 
-def test_megatron_expert_configs_are_within_15_percent():
-    """The calibration the benchmark reports, kept honest: Table 1 rows 1, 5 and 10."""
-    from planner.cost_gpt import megatron_flops
-    from planner.search.evaluate import evaluate
+def test_megatron_runs_with_their_own_settings_are_predicted_within_10_percent():
+    """What benchmarks/planner/megatron_quality.py reports, kept honest: every Table 1 run, costed
+    with the plan it ran, against the step time its published TFLOP/s imply; 1T is the known miss
+    (+10.6%: the one matmul efficiency is low for its 25600-wide GEMMs). The search beats the run's
+    own plan under the same cost model (rows 1 and 5: one of each runtime)."""
+    from planner.api import plan_for
+    from planner.cost_gpt import TABLE1, megatron_plan
 
-    for l, h, a, tp, pp, n, B, published in [(24, 2304, 24, 1, 1, 32, 512, 137), (48, 8192, 64, 8, 2, 512, 1536, 138),
-                                             (128, 25600, 160, 8, 64, 3072, 3072, 163)]:
-        g = gpt_graph(layers=l, hidden=h, heads=a, seq=2048, vocab=51200)
-        ctx = make_context(g, Cluster.preset("a100-80gb", nodes=n // 8), global_batch=B, rules=default_tp_rules(g),
-                           options=CostOptions.megatron2021())
-        dp, per = n // (tp * pp), l // pp
-        cuts = (0, *[2 + per * k for k in range(1, pp)], l + 4)
-        rec = frozenset(i for i, f in enumerate(ctx.facts) if f.block)
-        b = evaluate(ctx, Config(pp=pp, dp=dp, tp=tp, microbatches=B // dp, param_dtype="bf16", reduce_dtype="bf16",
-                                 bucket_mb=2.0**20, cuts=cuts, recompute=rec))
-        tflops = megatron_flops(batch=B, seq=2048, layers=l, hidden=h, vocab=51200) / b.step_time_s / n / 1e12
-        assert abs(tflops / published - 1) < 0.15, (l, tflops)
+    errors = []
+    for i, run in enumerate(TABLE1):
+        g = run.graph()
+        cluster = Cluster.preset("a100-80gb", devices=run.gpus)
+        opts = CostOptions.megatron2021(torch_ddp=run.torch_ddp)
+        b = cost_plan(megatron_plan(run, g, default_tp_rules(g)), g, cluster, options=opts)
+        errors.append(b.step_time_s / run.published_step_s() - 1)
+        if i in (0, 4):
+            dtypes = {"param_dtype": "fp16", "reduce_dtype": "fp16", "bucket_mb": 25.0 if run.torch_ddp else 2.0**20}
+            ours = plan_for(g, cluster, global_batch=run.global_batch, tp_rules=default_tp_rules(g), options=opts,
+                            constraints={"data_parallel": dtypes})
+            assert ours.best.breakdown.step_time_s <= b.step_time_s
+    assert all(abs(e) <= 0.10 for e in errors[:9]), errors
+    assert abs(errors[9]) <= 0.11, errors
 
 
 def test_plan_for_entry_point_and_progress_printer(small):
