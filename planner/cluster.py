@@ -253,7 +253,7 @@ def default_compute_dtype(cluster: Cluster) -> str:
     """The compute dtype a plan uses unless told otherwise: mixed precision on GPUs, as Megatron-LM
     and torchtitan train (16-bit parameters and activations, fp32 master weights and Adam states,
     gradients reduced in fp32): ``bf16`` where the device has bf16 tensor cores (its bf16 peak
-    beats fp32), else ``fp16`` (with loss scaling; V100), else ``fp32``. CPU ranks stay ``fp32``
+    beats fp32), else ``fp16`` (V100; it needs loss scaling), else ``fp32``. CPU ranks stay ``fp32``
     (bf16 on CPU is slower than fp32, and fairscale's CPU runs are exactness checks)."""
     if cluster.device.startswith("cpu") or cluster.name.startswith("cpu"):
         return "fp32"

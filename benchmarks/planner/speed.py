@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import fairscale
-from fairscale.api import captured, search_graph, tp_rules_of
+from fairscale.api import captured, resolve_cluster, search_graph, tp_rules_of
 from fairscale.testing.models import GPT, GPTConfig, lm_loss
-from planner.api import plan_for, resolve_cluster
+from planner.api import plan_for
 from planner.cost_gpt import gpt_graph
 from planner.search import NoFeasiblePlan, default_tp_rules
 

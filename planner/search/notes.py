@@ -13,7 +13,7 @@ def precision_note(param_dtype: str, reduce_dtype: str) -> str:
     """One line on the training precision of a plan."""
     if param_dtype == "fp32":
         return f"precision: fp32 throughout (parameters, activations, Adam states), gradients reduced in {reduce_dtype}"
-    scaling = " with loss scaling (fp16 underflows without it)" if param_dtype == "fp16" else ""
+    scaling = " (needs loss scaling: fp16 gradients underflow without it)" if param_dtype == "fp16" else ""
     return (f"precision: mixed, {param_dtype} compute{scaling}: {param_dtype} parameters and activations, fp32 master "
             f"weights and Adam states, gradients reduced in {reduce_dtype}")
 

@@ -38,7 +38,7 @@ def test_mixed_precision_is_the_default_on_gpus_and_fp32_on_cpu_ranks():
                                peak_flops={"fp32": 15.7e12, "tf32": 15.7e12, "bf16": 15.7e12, "fp16": 125e12})
     assert default_compute_dtype(v100) == "fp16"
     notes = search(g, v100, global_batch=16).plan.predicted.notes
-    assert notes[0].startswith("precision: mixed, fp16 compute with loss scaling")
+    assert notes[0].startswith("precision: mixed, fp16 compute (needs loss scaling")
     # asked for explicitly, by dtype= or by the constraints (which must agree)
     assert search(g, a100, global_batch=16, dtype="fp32").plan.data_parallel.param_dtype == "fp32"
     assert search(g, a100, global_batch=16, dtype="float16").plan.data_parallel.param_dtype == "fp16"
