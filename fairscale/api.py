@@ -21,7 +21,6 @@ planned reuse its work instead of capturing eight times.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import warnings
@@ -41,13 +40,14 @@ from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
+from planner.api import plan_for
+from planner.api import resolve_cluster as _resolve_cluster
 from planner.plan import Plan, PlanError
-from planner.search import SearchResult, cost_plan
-from planner.search import search as _search
+from planner.search import Compiles, SearchResult, cost_plan
 from planner.validate import validate_plan
 from planner.validate_fields import fp16_problem
 
-__all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster"]
+__all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster", "search_graph", "tp_rules_of"]
 
 _CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
 _SEARCHES: dict[tuple[Any, ...], SearchResult] = {}
@@ -66,33 +66,48 @@ def captured(model: nn.Module, example_inputs: Sequence[Any], *,
 
 def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None, *,
                     device: torch.device | None = None) -> Cluster:
-    """The cluster to plan for: ``cluster`` (a Cluster or a preset name), else the detected GPUs
-    (``Cluster.detect``: no CUDA context is created), else ``devices`` CPU ranks (``devices``
-    defaults to the launched world size). ``device``: the ranks' device; a CPU device plans CPU
-    ranks even on a machine with GPUs."""
+    """The cluster to plan for (``planner.api.resolve_cluster``: a Cluster or a preset name, else
+    the detected GPUs, where no CUDA context is created), with ``devices`` defaulting to the
+    launched world size. Without GPUs, or when ``device`` (the ranks' device) is a CPU device,
+    ``devices`` CPU ranks (default ``WORLD_SIZE``), even on a machine with GPUs."""
     if devices is None and dist.is_initialized():
         devices = dist.get_world_size()
-    if isinstance(cluster, str):
-        per_node = Cluster.preset(cluster).devices_per_node
-        nodes = max(1, -(-(devices or per_node) // per_node))
-        cluster = Cluster.preset(cluster, nodes=nodes)
-    if cluster is None:
-        if (device is not None and device.type == "cpu") or torch.cuda.device_count() == 0:  # NVML: no context
-            cluster = Cluster.cpu(devices or int(os.environ.get("WORLD_SIZE", "1")))
-        else:
-            cluster = Cluster.detect()
-            if devices is not None and cluster.nodes == 1 and devices < cluster.devices_per_node:
-                cluster = dataclasses.replace(cluster, devices_per_node=devices)  # a job on part of one node
-    if devices is not None and cluster.devices != devices:
-        raise ValueError(f"devices={devices} but the cluster has {cluster.devices} "
-                         f"({cluster.nodes} nodes × {cluster.devices_per_node}); give matching numbers")
-    return cluster
+    if cluster is None and ((device is not None and device.type == "cpu") or torch.cuda.device_count() == 0):
+        return _resolve_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")), devices=devices)
+    return _resolve_cluster(cluster, devices=devices)
+
+
+def tp_rules_of(graph: ModelGraph) -> Callable[[int], dict[str, str]]:
+    """The tensor-parallel candidates every way in passes to the planner: the graph-based detector
+    next to the TP pass (``passes.tp.patterns.propose_tp_rules``), which keeps only the rules the
+    pass accepts at each degree."""
+    return lambda tp: propose_tp_rules(graph.gm, tp=tp).rules
+
+
+def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,
+                 constraints: dict[str, Any] | Plan | None = None, dtype: str | None = None, top_k: int = 3,
+                 progress: Callable[[int, int, float | None], None] | None = None,
+                 use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
+    """Search a captured graph through ``planner.api.plan_for`` with the face's tensor-parallel
+    rules (:func:`tp_rules_of`) and, given ``compiles`` (``fairscale.compile_check.checker_for``),
+    the plan-time compile check; what :func:`search`, :func:`parallelize` and ``fairscale plan``
+    all call, cached in this process."""
+    gb = global_batch or graph.batch_size
+    ckey = json.dumps(constraints.to_dict() if isinstance(constraints, Plan) else constraints, sort_keys=True)
+    key = (graph.fingerprint, id(graph), json.dumps(cluster.to_dict(), sort_keys=True), gb, ckey, dtype, top_k,
+           use_all_devices, compiles is not None)
+    if key not in _SEARCHES:
+        _SEARCHES[key] = plan_for(graph, cluster, global_batch=gb, constraints=constraints, tp_rules=tp_rules_of(graph),
+                                  dtype=dtype, top_k=top_k, progress=progress, use_all_devices=use_all_devices,
+                                  compiles=compiles)
+    return _SEARCHES[key]
 
 
 def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | None = None,
            cluster: Cluster | str | None = None, global_batch: int | None = None,
            loss_fn: Callable[..., torch.Tensor] | None = None, constraints: dict[str, Any] | Plan | None = None,
-           top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+           dtype: str | None = None, top_k: int = 3,
+           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
     """Capture ``model`` and search plans for the cluster; returns the best plan and runners-up.
 
     Every plan returned compiles: the search runs the plan-time compilation check
@@ -101,22 +116,22 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
 
     Args:
         example_inputs: one batch (a tuple), as ``planner.capture`` takes it.
-        devices: number of devices (default: the launched world size, or the detected GPUs).
+        devices: number of devices (default: the launched world size, or the detected GPUs); with
+            a preset, a count that is not a multiple of its node size leaves the last node partial.
         cluster: a ``planner.cluster.Cluster`` or a preset name such as ``"a100-80gb"``.
         global_batch: samples per optimizer step (default: the example batch's size).
         constraints: fields to fix, in the plan's JSON shape, e.g. ``{"mesh": {"tp": 2}}``.
+        dtype: compute dtype, ``bf16``, ``fp16``, ``fp32`` or ``auto`` (default): mixed precision
+            (bf16, fp16 where bf16 is unsupported) on GPUs, fp32 on CPU ranks.
+
+    A plan may leave devices idle when that is faster (a batch that does not split over them);
+    ``result.plan.predicted.notes`` says how many and why.
     """
     example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, devices=devices)
     graph = captured(model, example_inputs, loss_fn=loss_fn)
-    cl = resolve_cluster(devices, cluster)
-    gb = global_batch or graph.batch_size
-    ckey = json.dumps(constraints.to_dict() if isinstance(constraints, Plan) else constraints, sort_keys=True)
-    key = (graph.fingerprint, id(graph), json.dumps(cl.to_dict(), sort_keys=True), gb, ckey, top_k)
-    if key not in _SEARCHES:
-        _SEARCHES[key] = _search(graph, cl, global_batch=gb, constraints=constraints, top_k=top_k, progress=progress,
-                                 tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules,
-                                 compiles=checker_for(model, example_inputs, loss_fn=loss_fn))
-    return _SEARCHES[key]
+    return search_graph(graph, resolve_cluster(devices, cluster), global_batch=global_batch, constraints=constraints,
+                        dtype=dtype, top_k=top_k, progress=progress,
+                        compiles=checker_for(model, example_inputs, loss_fn=loss_fn))
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan:
@@ -128,7 +143,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
                 loss_fn: Callable[..., torch.Tensor] | None = None, plan: Plan | str | Path | None = None,
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
                 global_batch: int | None = None, constraints: dict[str, Any] | None = None,
-                device: str | torch.device | None = None, tf32: bool = True,
+                dtype: str | None = None, device: str | torch.device | None = None, tf32: bool = True,
                 check: bool = False) -> ParallelModule:
     """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
 
@@ -149,6 +164,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3).
         global_batch: samples per step (default: the example batch's size).
         constraints: fields the search must keep (ignored when ``plan`` is given).
+        dtype: compute dtype for the search (see :func:`search`; ignored when ``plan`` is given).
         device: where this rank computes. Default: ``cuda:LOCAL_RANK`` when the process group is
             NCCL (the default whenever CUDA is present), else ``cpu``. It is made the current CUDA
             device before anything touches CUDA. ``"cpu"`` with NCCL, or a CUDA device without
@@ -176,9 +192,10 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     rank_device = resolve_device(device)
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
     cl = resolve_cluster(devices, cluster, device=rank_device)
-    if plan is None:
-        chosen = search(model, example_inputs, devices=devices, cluster=cl, global_batch=global_batch,
-                        loss_fn=loss_fn, constraints=constraints).plan
+    if plan is None:  # every launched rank takes part: no plan that leaves devices idle
+        chosen = search_graph(captured(model, example_inputs, loss_fn=loss_fn), cl, global_batch=global_batch,
+                              constraints=constraints, dtype=dtype, use_all_devices=True,
+                              compiles=checker_for(model, example_inputs, loss_fn=loss_fn)).plan
         # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
         # loss scaling, which plan files are refused for in validation and searched plans here
         refused = [p for name in ("param_dtype", "reduce_dtype")

@@ -22,6 +22,7 @@ without --force, a model ``check`` cannot compare).
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import json
@@ -34,21 +35,22 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from planner.api import resolve_cluster
 from planner.capture import CaptureError, capture
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
-from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Stage
-from planner.selectors import SelectorError, format_layers, parse_selector
+from planner.plan import Plan, PlanError
+from planner.search import cost_plan
 from planner.validate import device_count, validate_plan
 
 __all__ = ["main", "render_report", "load_factory", "UsageError"]
 
+from fairscale.api import search_graph  # noqa: E402 - the face's one search, shared with fairscale.plan
+from fairscale.compile_check import checker_for  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
 
 CAPTURE_BATCH = 2
 """Samples in the example batch a Case is captured with (per-layer facts scale linearly with it)."""
-
-FALLBACK_NOTE = "planner search not available yet: emitted a pure data-parallel plan"
 
 
 class UsageError(Exception):
@@ -129,10 +131,6 @@ def _read_result(spec: str, result: Any) -> Loaded:
     raise UsageError(f"FACTORY {spec!r} returned {type(result).__name__}; {_RETURNS}")
 
 
-def _capture(spec: str, out: Callable[[str], None]) -> ModelGraph:
-    return _capture_loaded(spec, out)[1]
-
-
 def _capture_loaded(spec: str, out: Callable[[str], None]) -> tuple[Loaded, ModelGraph]:
     loaded = load_factory(spec)
     start = time.perf_counter()
@@ -149,31 +147,21 @@ def _capture_loaded(spec: str, out: Callable[[str], None]) -> tuple[Loaded, Mode
 
 
 def _cluster(args: argparse.Namespace, *, devices_mean_cpu: bool = True) -> Cluster | None:
-    """The cluster named by --cluster/--nodes (or by --devices alone when ``devices_mean_cpu``:
-    this machine's GPUs, or CPU ranks), or None when none was named."""
+    """The cluster named by --cluster/--nodes/--devices (``planner.api.resolve_cluster``: a preset
+    of K nodes, or of N devices with a partial last node; --devices alone: this machine's GPUs, or
+    N CPU ranks), or None when none was named (or only --devices, with ``devices_mean_cpu`` off)."""
     if args.nodes is not None and args.cluster is None:
         raise UsageError("--nodes needs --cluster PRESET (a CPU run is one node: use --devices N)")
     if args.devices is not None and args.devices < 1:
         raise UsageError(f"--devices must be at least 1, got {args.devices}")
-    if args.cluster is not None:
-        try:
-            cluster = Cluster.preset(args.cluster, nodes=args.nodes or 1)
-        except ValueError as exc:
-            raise UsageError(f"--cluster: {exc}") from exc
-        if args.devices is not None and args.devices != cluster.devices:
-            raise UsageError(f"--devices {args.devices} disagrees with --cluster {args.cluster} --nodes "
-                             f"{args.nodes or 1}, which has {cluster.devices} devices; give one of them, or make "
-                             "them agree")
-        return cluster
-    if args.devices is None or not devices_mean_cpu:
+    if args.cluster is None and (args.devices is None or not devices_mean_cpu):
         return None
-    detected = Cluster.detect()
-    if detected.device == "cpu":
-        return Cluster.cpu(args.devices)
-    if detected.devices != args.devices:
-        raise UsageError(f"--devices {args.devices}, but this machine has {detected.devices} {detected.device}; to "
-                         "plan for another machine name it with --cluster PRESET --nodes K")
-    return detected
+    spec = args.cluster if args.nodes is None else f"{args.cluster}:{args.nodes}"
+    try:
+        return resolve_cluster(spec, devices=args.devices)
+    except ValueError as exc:
+        raise UsageError(f"--cluster: {exc}" if args.cluster else
+                         f"--devices: {exc}; to plan for another machine name it with --cluster PRESET") from exc
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -188,34 +176,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     to_stdout = args.output is None
     # With the plan going to stdout, everything else goes to stderr so the JSON can be piped.
     out: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if to_stdout else print
-    n = cluster.devices
-    global_batch = args.global_batch if args.global_batch is not None else n
+    global_batch = args.global_batch if args.global_batch is not None else cluster.devices
     if global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {global_batch}")
-    search = _search_function()
     constraints = _constraints(args.constraints)
-    if search is None and constraints is not None:
-        raise UsageError("--constraints needs the planner search (planner.search), which is not installed")
-    if search is None and global_batch % n:
-        raise UsageError(f"--global-batch {global_batch} does not divide evenly over {n} data-parallel ranks "
-                         f"({global_batch} % {n} = {global_batch % n}); use a multiple of {n}")
     loaded, graph = _capture_loaded(args.factory, out)
-    if search is not None:
-        from fairscale.compile_check import checker_for
-
-        result = search(graph, cluster, global_batch=global_batch, constraints=constraints,
-                        compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn))
-        plan = result if isinstance(result, Plan) else result.plan
-        if hasattr(result, "table"):
-            out(result.table())
-    else:
-        plan = data_parallel_plan(graph, cluster)
-        out(f"{FALLBACK_NOTE} (mesh dp={n}, ddp, one stage holding every layer); it was not searched or "
-            "costed, so it has no predictions")
+    # the same search, rules and cache as fairscale.search / fairscale.plan, and the compile check
+    result = search_graph(graph, cluster, global_batch=global_batch, constraints=constraints, dtype=args.dtype,
+                          compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn))
+    plan = copy.deepcopy(result.plan)
+    out(result.table())
     plan.model.factory = args.factory
     plan.schedule.global_batch = global_batch
     # Our own output must be valid; if the search returned something invalid, that is its bug, said so.
-    validate_plan(plan, graph, cluster, source="the plan planner.search returned" if search else "the fallback plan")
+    validate_plan(plan, graph, cluster, source="the plan planner.search returned")
     if to_stdout:
         sys.stdout.write(plan.to_json())
         return 0
@@ -242,29 +216,6 @@ def _constraints(text: str | None) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise UsageError(f"{source}: expected a JSON object (a partial plan), got {type(data).__name__}")
     return data
-
-
-def _search_module_function(name: str) -> Callable[..., Any] | None:
-    """``planner.search.<name>`` once the planner search is installed, else None."""
-    try:
-        module = importlib.import_module("planner.search")
-    except ImportError:
-        return None
-    fn = getattr(module, name, None)
-    return fn if callable(fn) else None
-
-
-def _search_function() -> Callable[..., Any] | None:
-    return _search_module_function("search")
-
-
-def data_parallel_plan(graph: ModelGraph, cluster: Cluster) -> Plan:
-    """The plan to use without a search: every device holds the whole model (DDP), one stage."""
-    return Plan(model=ModelRef(class_=graph.model_class, fingerprint=graph.fingerprint,
-                               parameters=graph.num_parameters),
-                cluster=cluster.to_dict(), mesh=Mesh(pp=1, dp=cluster.devices, tp=1),
-                stages=[Stage(layers=format_layers([layer.name for layer in graph.layers]))],
-                data_parallel=DataParallel(kind="ddp"))
 
 
 def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | None, Cluster | None, Loaded | None]:
@@ -323,21 +274,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _recost(plan: Plan, graph: ModelGraph | None, cluster: Cluster | None, args: argparse.Namespace) -> None:
     """Replace ``plan.predicted`` (in memory; the file is never rewritten) by the cost model's figures
     for this model and cluster; raise PlanError if the plan no longer fits in device memory."""
-    cost_plan = _search_module_function("cost_plan")
     global_batch = args.global_batch or plan.schedule.global_batch
 
     def skip(why: str) -> None:
         print(f"predictions: as recorded in the plan, not re-costed: {why}")
 
-    if cost_plan is None:
-        return skip("the cost model (planner.search.cost_plan) is not installed")
     if graph is None:
         return skip("no model to cost (give FACTORY)")
     if cluster is None:
         return skip("the plan records no cluster (give --cluster)")
     if not global_batch:
         return skip("the plan records no global batch (give --global-batch)")
-    if cluster.devices != plan.mesh.size:
+    if cluster.devices < plan.mesh.size:
         return skip(f"the cluster has {cluster.devices} devices, the mesh {plan.mesh.size}")
     try:
         cost = cost_plan(plan, graph, cluster, global_batch=global_batch, validate=False)
@@ -374,12 +322,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nodes", type=int, metavar="K", help="nodes of the --cluster preset (default 1)")
 
     p = sub.add_parser("plan", help="make a plan for a model", description=(
-        "Capture the model and plan it for the devices. Prints the plan as JSON, or writes it to -o "
-        "and prints its report. Until the planner search is installed, this emits a pure data-parallel "
-        "plan and says so."))
+        "Capture the model and search a plan for the devices (what fairscale.plan does). Prints the plan as "
+        "JSON, or writes it to -o and prints its report."))
     p.add_argument("factory", metavar="FACTORY", help=factory_help)
     devices(p, required_note="(CPU ranks on a machine without GPUs); or name a --cluster")
     p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default: N)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default=None, help=(
+        "compute dtype (default auto: mixed precision, bf16 or fp16, on GPUs with fp32 master weights and "
+        "gradient reduction; fp32 on CPU ranks)"))
     p.add_argument("--constraints", metavar="JSON", help=(
         "a partial plan the search must keep, inline or a file, e.g. '{\"mesh\": {\"tp\": 2}}'"))
     p.add_argument("-o", "--output", metavar="PATH", help="write the plan here (never over a file without --force)")

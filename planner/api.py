@@ -1,14 +1,20 @@
-"""The planner's entry point for ``fairscale.plan`` and the ``fairscale plan`` CLI.
+"""The planner's one way in: :func:`plan_for` (a captured graph and a cluster in, a searched plan
+out), used by ``fairscale.search`` / ``fairscale.plan`` / ``fairscale.parallelize``, the
+``fairscale plan`` command and the planner benchmarks; and :func:`resolve_cluster`, the one
+reading of what a user may say a cluster is.
 
 Usage::
 
     from planner.capture import capture
-    from planner.api import plan_model, progress_printer
+    from planner.api import plan_for, progress_printer
     graph = capture(model, example_inputs, loss_fn=loss_fn)
-    result = plan_model(graph, cluster="a100-80gb:4", global_batch=512, constraints={"tp": 8},
-                        progress=progress_printer())
+    result = plan_for(graph, "a100-80gb", devices=12, global_batch=512, constraints={"tp": 4},
+                      progress=progress_printer())
     result.plan          # planner.plan.Plan, predicted filled in
     print(result.table())
+
+Tensor-parallel rules come in as data (``tp_rules``): the planner never imports the pass that
+detects them; the face passes ``passes.tp.patterns.propose_tp_rules`` for every caller.
 """
 
 from __future__ import annotations
@@ -21,42 +27,82 @@ from planner.cluster import Cluster
 from planner.cost import CostOptions
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from planner.search import SearchResult, search
+from planner.search import Compiles, SearchResult, search
 
-__all__ = ["plan_model", "resolve_cluster", "progress_printer"]
+__all__ = ["plan_for", "resolve_cluster", "progress_printer"]
+
+ClusterSpec = Cluster | dict[str, Any] | str | int | None
+"""What a user may say a cluster is: see :func:`resolve_cluster`."""
 
 
-def resolve_cluster(cluster: Cluster | dict[str, Any] | str | int | None) -> Cluster:
-    """A Cluster from what a user may pass: a Cluster, its dict, ``"preset"`` or ``"preset:nodes"``,
-    an int (that many CPU ranks), or None (:meth:`Cluster.detect`)."""
-    if cluster is None:
-        return Cluster.detect()
-    if isinstance(cluster, Cluster):
-        return cluster
+def resolve_cluster(cluster: ClusterSpec = None, *, devices: int | None = None) -> Cluster:
+    """A Cluster from a Cluster, its dict, a preset name (``"a100-80gb"``, ``"a100-80gb:4"`` for 4
+    nodes, ``"cpu"``), an int (that many CPU ranks), or None (the detected GPUs, else CPU ranks).
+
+    ``devices`` is the total device count. With a preset it may leave the last node partial
+    (``devices=12`` on 8-GPU nodes: a full node and 4 GPUs of another); with CPU ranks it is the
+    rank count; with a given Cluster or detected GPUs it takes that many of them (no more).
+    """
+    if devices is not None and (isinstance(devices, bool) or devices < 1):
+        raise ValueError(f"devices must be a positive number of devices, got {devices!r}")
     if isinstance(cluster, bool):
         raise TypeError("cluster must be a Cluster, a dict, a preset name, a number of CPU ranks or None")
-    if isinstance(cluster, int):
+    if cluster is None:
+        detected = Cluster.detect()
+        if detected.device == "cpu":
+            return Cluster.cpu(devices or detected.devices)
+        cluster = detected
+    elif isinstance(cluster, int):
+        if devices is not None and devices != cluster:
+            raise ValueError(f"devices={devices}, but cluster={cluster} CPU ranks; give one of them, or make them agree")
         return Cluster.cpu(cluster)
-    if isinstance(cluster, dict):
-        return Cluster.from_dict(cluster)
-    if isinstance(cluster, str):
+    elif isinstance(cluster, dict):
+        cluster = Cluster.from_dict(cluster)
+    elif isinstance(cluster, str):
         name, _, nodes = cluster.partition(":")
         if name == "cpu":
-            return Cluster.cpu(int(nodes) if nodes else 1)
-        return Cluster.preset(name, nodes=int(nodes) if nodes else 1)
-    raise TypeError(f"cluster must be a Cluster, a dict, a preset name, a number of CPU ranks or None, "
-                    f"got {type(cluster).__name__}")
+            ranks = int(nodes) if nodes else (devices or 1)
+            if devices is not None and devices != ranks:
+                raise ValueError(f'devices={devices}, but cluster="{cluster}" has {ranks} CPU ranks')
+            return Cluster.cpu(ranks)
+        return Cluster.preset(name, nodes=int(nodes) if nodes else None, devices=devices)
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, a dict, a preset name, a number of CPU ranks or None, "
+                        f"got {type(cluster).__name__}")
+    if devices is None or devices == cluster.devices:
+        return cluster
+    if cluster.device == "cpu" or cluster.name == "cpu":
+        return Cluster.cpu(devices, memory_bytes=cluster.memory_bytes)
+    if devices > cluster.devices:
+        raise ValueError(f"devices={devices}, but the cluster has {cluster.devices} ({cluster.nodes} node(s) of "
+                         f"{cluster.devices_per_node}); to plan for more, name a preset (cluster=\"{cluster.name}\", "
+                         f"devices={devices}) or give a Cluster of that size")
+    return cluster.with_devices(devices)
 
 
-def plan_model(graph: ModelGraph, *, cluster: Cluster | dict[str, Any] | str | int | None = None,
-               global_batch: int | None = None, constraints: dict[str, Any] | Plan | None = None,
-               tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None, top_k: int = 3,
-               progress: Callable[[int, int, float | None], None] | None = None,
-               options: CostOptions | None = None) -> SearchResult:
-    """Search a plan for a captured model. ``global_batch`` defaults to the captured batch size;
-    see :func:`planner.search.search` for the rest."""
-    return search(graph, resolve_cluster(cluster), global_batch=global_batch or graph.batch_size,
-                  constraints=constraints, top_k=top_k, progress=progress, tp_rules=tp_rules, options=options)
+def plan_for(graph: ModelGraph, cluster: ClusterSpec = None, *, devices: int | None = None,
+             global_batch: int | None = None, constraints: dict[str, Any] | Plan | None = None,
+             tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None, dtype: str | None = None,
+             top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
+             options: CostOptions | None = None, use_all_devices: bool = False,
+             compiles: Compiles | None = None) -> SearchResult:
+    """Search the best plan for a captured model on a cluster.
+
+    Args:
+        cluster, devices: what to plan for (:func:`resolve_cluster`).
+        global_batch: samples per optimizer step (default: the captured batch size).
+        constraints: fields to keep, in the plan's JSON shape (``planner.search.space``).
+        tp_rules: tensor-parallel candidates, or a function of the tp degree returning them.
+        dtype: compute dtype (``bf16``, ``fp16``, ``fp32``, ``auto``); default: mixed precision on
+            GPUs, fp32 on CPU ranks (``planner.cluster.default_compute_dtype``).
+        use_all_devices: every plan uses every device (a launched world needs that); otherwise a
+            plan may leave devices idle when that is faster, and its notes say why.
+        compiles: the plan-time compile check (``planner.search.Compiles``, the face's
+            ``fairscale.compile_check.checker_for``); the search moves on from plans it refuses.
+    """
+    return search(graph, resolve_cluster(cluster, devices=devices), global_batch=global_batch or graph.batch_size,
+                  constraints=constraints, top_k=top_k, progress=progress, tp_rules=tp_rules, options=options,
+                  dtype=dtype, use_all_devices=use_all_devices, compiles=compiles)
 
 
 def progress_printer(stream: TextIO | None = None, *, every_s: float = 0.5) -> Callable[[int, int, float | None], None]:

@@ -4,6 +4,7 @@ Usage::
 
     from planner.cluster import Cluster
     c = Cluster.preset("a100-80gb", nodes=128)      # 1024 GPUs, DGX A100 nodes
+    c = Cluster.preset("a100-80gb", devices=12)     # one full node and a partial one of 4
     c = Cluster.detect()                            # local GPUs, or CPU ranks when there are none
     c = Cluster.cpu(4)                              # 4 gloo ranks on this machine
     Cluster.from_dict(c.to_dict()) == c             # a plan records the cluster it was made for
@@ -25,7 +26,7 @@ from typing import Any, Callable, Mapping
 from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
 from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "detect_cluster"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -98,6 +99,10 @@ class Cluster:
     GPUs do). With fewer cores than ranks, the rates above are what a rank gets while all ranks
     compute; a rank that waits (pipeline bubble, a receive) frees its share for the others
     (``planner.search.evaluate.shared_core_pipeline_time``)."""
+    last_node_devices: int = 0
+    """Devices of the last node when it is partial (``devices=12`` on 8-GPU nodes: 4); 0 when
+    every node is full. Groups of a plan never straddle the gap: tp divides the node size and the
+    device count, so a tp group sits inside one node."""
     op_overhead_s: float = 0.0
     """Host seconds per executed graph op in forward (dispatch, autograd bookkeeping) that the
     device does not hide; backward pays twice as many. 0 for GPUs, whose kernels queue ahead of
@@ -114,6 +119,9 @@ class Cluster:
                     "host_memory_bytes", "host_memory_bandwidth"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key} must be > 0 (got {getattr(self, key)})")
+        if not 0 <= self.last_node_devices < self.devices_per_node:
+            problems.append(f"last_node_devices must be in 0..{self.devices_per_node - 1} (0: the last node is "
+                            f"full), got {self.last_node_devices}")
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
         if self.op_overhead_s < 0:
@@ -123,8 +131,8 @@ class Cluster:
 
     @property
     def devices(self) -> int:
-        """Total number of devices."""
-        return self.nodes * self.devices_per_node
+        """Total number of devices (the last node may be partial)."""
+        return (self.nodes - 1) * self.devices_per_node + (self.last_node_devices or self.devices_per_node)
 
     def flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (fp32, tf32, bf16, fp16)."""
@@ -149,20 +157,36 @@ class Cluster:
         return 1.0
 
     def with_nodes(self, nodes: int) -> Cluster:
-        return dataclasses.replace(self, nodes=nodes)
+        return dataclasses.replace(self, nodes=nodes, last_node_devices=0)
+
+    def with_devices(self, devices: int) -> Cluster:
+        """The same hardware with ``devices`` devices: full nodes and, for a remainder, a partial last node."""
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1, got {devices}")
+        per = self.devices_per_node
+        return dataclasses.replace(self, nodes=-(-devices // per), last_node_devices=devices % per)
 
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def preset(cls, name: str, *, nodes: int = 1) -> Cluster:
-        """A named system (``a100-40gb``, ``a100-80gb``, ``h100-sxm-80gb``, ``h200``) with ``nodes`` nodes."""
+    def preset(cls, name: str, *, nodes: int | None = None, devices: int | None = None) -> Cluster:
+        """A named system (``a100-40gb``, ``a100-80gb``, ``h100-sxm-80gb``, ``h200``) with ``nodes``
+        nodes (default 1), or with ``devices`` devices: as many full nodes as fit and a partial last
+        node for the remainder (``devices=6`` on 8-GPU nodes is one node of 6)."""
         key = name.lower().replace("_", "-")
         key = _ALIASES.get(key, key)
         if key not in PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        if nodes < 1:
+        if nodes is not None and nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
-        return dataclasses.replace(PRESETS[key], nodes=nodes)
+        base = PRESETS[key]
+        if devices is None:
+            return dataclasses.replace(base, nodes=nodes or 1)
+        sized = base.with_devices(devices)
+        if nodes is not None and nodes != sized.nodes:
+            raise ValueError(f"{devices} devices of {base.name} ({base.devices_per_node} per node) take "
+                             f"{sized.nodes} node(s), not {nodes}; give one of nodes= and devices=, or make them agree")
+        return sized
 
     @classmethod
     def cpu(cls, ranks: int, *, memory_bytes: int | None = None) -> Cluster:
@@ -199,10 +223,12 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
-        """Inverse of :meth:`to_dict`. A dict holding only ``preset`` (and ``nodes``) names a preset."""
+        """Inverse of :meth:`to_dict`. A dict holding only ``preset`` (and ``nodes`` or ``devices``) names a preset."""
         data = dict(data)
-        if set(data) <= {"preset", "nodes"} and "preset" in data:
-            return cls.preset(str(data["preset"]), nodes=int(data.get("nodes", 1)))
+        if set(data) <= {"preset", "nodes", "devices"} and "preset" in data:
+            nodes, devices = data.get("nodes"), data.get("devices")
+            return cls.preset(str(data["preset"]), nodes=int(nodes) if nodes is not None else None,
+                              devices=int(devices) if devices is not None else None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         missing = sorted(f.name for f in dataclasses.fields(cls)
@@ -259,6 +285,22 @@ def detect_cluster(*, gpus: Callable[[], int] | None = None, probe: Callable[[],
                    hbm_bandwidth=model.hbm_bandwidth, intra_bandwidth=intra, intra_latency=5e-6,
                    inter_bandwidth=INTER_NODE, inter_latency=10e-6, host_bandwidth=model.host_bandwidth,
                    host_memory_bytes=max(1, host))
+
+
+def default_compute_dtype(cluster: Cluster) -> str:
+    """The compute dtype a plan uses unless told otherwise: mixed precision on GPUs, as Megatron-LM
+    and torchtitan train (16-bit parameters and activations, fp32 master weights and Adam states,
+    gradients reduced in fp32): ``bf16`` where the device has bf16 tensor cores (its bf16 peak
+    beats fp32), else ``fp16`` (V100; it needs loss scaling), else ``fp32``. CPU ranks stay ``fp32``
+    (bf16 on CPU is slower than fp32, and fairscale's CPU runs are exactness checks)."""
+    if cluster.device.startswith("cpu") or cluster.name.startswith("cpu"):
+        return "fp32"
+    fp32 = cluster.peak_flops.get("fp32", 0.0)
+    if cluster.peak_flops.get("bf16", 0.0) > fp32:
+        return "bf16"
+    if cluster.peak_flops.get("fp16", 0.0) > fp32:
+        return "fp16"
+    return "fp32"
 
 
 def host_memory_bytes() -> int:

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cluster import Cluster
-from planner.cost_comm import all_reduce_time, all_reduce_volume
+from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
-from planner.graph import ModelGraph
+from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
 
@@ -40,7 +40,8 @@ class CostOptions:
     """Share of device memory the plan may use; the rest goes to the CUDA context, allocator
     fragmentation and library workspaces (~5-8% on 80 GB parts)."""
     overlap_dp: bool = True
-    """Gradient reduction (DDP buckets, ZeRO reduce-scatter) runs during the last microbatch's backward."""
+    """Gradient reductions (DDP/ZeRO buckets) run alongside the backward that produces them, and
+    ZeRO's parameter all-gather alongside the next forward (``planner.search.dp_cost``)."""
     overlap_fsdp: bool = True
     """FSDP all-gathers and reduce-scatters run under compute (needs prefetch)."""
     overlap_tp: bool = False
@@ -49,14 +50,26 @@ class CostOptions:
     """Pipeline sends/receives overlap compute."""
     optimizer: str = "adam"
     """adam or sgd; sets the optimizer-state bytes per parameter (``planner.cost_memory``)."""
+    moe_imbalance: float = 1.2
+    """Tokens the busiest expert-parallel rank receives over the mean (routing is not uniform).
+    Under expert parallelism the step waits for that rank: its expert matmuls and all-to-alls take
+    this factor longer. GShard (Lepikhin et al. 2021) and Switch (Fedus et al. 2021) train with
+    capacity factors of 1.0-1.25, i.e. experts sized for up to a quarter more than the mean load,
+    which is also about what dropless routing with a balancing loss leaves on the busiest expert;
+    1.2 sits in that range. With ep = 1 every rank runs all experts on its own tokens, so the
+    imbalance moves work between a rank's experts but not between ranks."""
     zero_shard_copy: bool = False
     """ZeRO-1/2 step a separate fp32 shard of the parameters (``P/dp`` more bytes when parameters are
     fp32; with 16-bit parameters that shard is the master copy Adam's K = 12 already counts)."""
-    fsdp_accumulate_unsharded: bool = False
-    """With several microbatches, FSDP accumulates each unit's full (unsharded) gradient locally and
-    reduce-scatters once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds
-    full gradients of all its units between microbatches, and sends one reduce-scatter per step
-    instead of one per microbatch."""
+    accumulate_unsharded: bool = False
+    """With several microbatches, ZeRO-2 and FSDP accumulate full (unsharded) gradients locally and
+    reduce-scatter once per step (fairscale's ``no_sync``, like PyTorch FSDP's): the rank holds a
+    full gradient between microbatches, and sends one reduce-scatter per step instead of one per
+    microbatch."""
+    p2p_scatter_gather: bool = False
+    """Pipeline sends between nodes carry 1/tp of the activation per tensor-parallel rank, which
+    then all-gather it over NVLink (Megatron-LM's scatter/gather optimization, Narayanan et al.
+    2021 §4.1). Without it (and without sequence parallelism) each tp rank sends the whole tensor."""
 
     @classmethod
     def for_runtime(cls, cluster: Cluster) -> CostOptions:
@@ -67,7 +80,7 @@ class CostOptions:
           on CPU ranks gloo's threads share the oversubscribed cores with compute, so exposed.
         * Tensor-parallel collectives are blocking autograd functions: not overlapped.
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
-        * FSDP accumulates unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
+        * ZeRO-2 and FSDP accumulate unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
         * ZeRO-1/2 keep the optimizer's parameter shard as its own tensor (``fairscale.runtime.optim``).
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
@@ -75,13 +88,17 @@ class CostOptions:
         """
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
         return cls(overlap_dp=not cpu, overlap_fsdp=not cpu, overlap_tp=False, overlap_p2p=False,
-                   fsdp_accumulate_unsharded=True, zero_shard_copy=True)
+                   accumulate_unsharded=True, zero_shard_copy=True)
 
     @classmethod
-    def megatron2021(cls) -> CostOptions:
-        """The runtime of Narayanan et al. 2021: no DP/TP/P2P overlap (gradient all-reduce after
-        the pipeline flush, blocking p2p), Adam."""
-        return cls(overlap_dp=False, overlap_fsdp=False, overlap_tp=False, overlap_p2p=False)
+    def megatron2021(cls, *, torch_ddp: bool = False) -> CostOptions:
+        """The runtime of Narayanan et al. 2021 (Megatron-LM's ``examples/sc21`` scripts): blocking
+        tensor-parallel all-reduces and pipeline sends, the scatter/gather optimization on those
+        sends, Adam. Gradients are all-reduced by Megatron's "local" DDP after the rank's last
+        backward (``--DDP-impl local``), or, with ``torch_ddp``, by PyTorch DDP in buckets during
+        the last microbatch's backward (``--DDP-impl torch``)."""
+        return cls(overlap_dp=torch_ddp, overlap_fsdp=False, overlap_tp=False, overlap_p2p=False,
+                   p2p_scatter_gather=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,6 +117,13 @@ class TPInfo:
     """Attention heads (0 if none); tp must divide heads and kv_heads."""
     kv_heads: int = 0
     """Key/value heads (grouped-query attention); equal to heads otherwise."""
+    gather_bytes: float = 0.0
+    """Bytes per sample (captured dtype) of outputs all-gathered forward: ``colwise_gather`` modules,
+    e.g. an LM head split on the vocabulary whose full logits the loss then reads."""
+    loss_tokens: float = 0.0
+    """Tokens per sample reaching a vocabulary-parallel cross-entropy (``vocab_loss``): it all-reduces
+    three fp32 numbers per token forward (the logits' max, the target logit, the sum of exponentials;
+    Megatron-LM's ``vocab_parallel_cross_entropy``), so the logits are never gathered."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -141,6 +165,16 @@ class LayerFacts:
     expert_rows: float = 0.0
     """Bytes per sample of the rows the layer's experts take in and give back (what expert
     parallelism's dispatch and combine all-to-alls carry, forward)."""
+    expert_flops_fwd: float = 0.0
+    """Forward FLOPs per sample of the layer's expert matmuls (part of ``flops_fwd``)."""
+    expert_flops_bwd: float = 0.0
+    """Backward FLOPs per sample of the layer's expert matmuls (part of ``flops_bwd``)."""
+    bmm_flops: float = 0.0
+    """Forward FLOPs per sample of unfused attention matmuls (scores ``QKᵀ`` and ``PV`` as separate
+    kernels, as Megatron-LM 2021 ran them; part of ``flops_fwd``). 0 for fused (flash) attention."""
+    bmm_bytes: float = 0.0
+    """Bytes per sample (captured dtype) those matmuls read and write in HBM: Q, K, V and the
+    output, and the ``heads × s × s`` scores written by the first and read by the second."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -173,6 +207,13 @@ class LayerCost:
     """MoE expert parameter elements on the rank without expert parallelism (part of ``params``)."""
     expert_rows: float = 0.0
     """Bytes of rows the experts take in and give back for one microbatch (dispatch + combine payload)."""
+    experts_held: float = 0.0
+    """MoE expert parameter elements on the rank without expert parallelism (after a tensor-parallel
+    split of the experts, when the rules split them)."""
+    expert_fwd_s: float = 0.0
+    """Seconds of the expert matmuls' FLOPs inside ``fwd`` (at the matmul rate, every expert on the rank)."""
+    expert_bwd_s: float = 0.0
+    """Seconds of the expert matmuls' FLOPs inside ``bwd``."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -198,11 +239,28 @@ def _module_params(graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]:
-    """Per-sample facts of every layer, with what ``tp_rules`` (selector -> style) does to each."""
-    batch = max(1, graph.batch_size)
-    rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
-    owned = _module_params(graph)
+@dataclass
+class _GraphTables:
+    """What :func:`layer_facts` reads from a graph that does not depend on the tp rules."""
+
+    owned: dict[str, int]
+    inside: dict[str, list[str]]
+    """Layer name -> the module paths inside it (the layer's own included)."""
+    tied: dict[str, tuple[tuple[int, int], ...]]
+    selective: dict[str, int]
+    ops: dict[str, int]
+    experts: dict[str, tuple[int, float, float, float]]
+    """Layer name -> (expert parameter elements, rows bytes, forward FLOPs, backward FLOPs)."""
+
+
+_TABLES: dict[int, tuple[ModelGraph, _GraphTables]] = {}
+
+
+def _tables(graph: ModelGraph) -> _GraphTables:
+    """The tp-independent tables of ``graph``, built once per graph (a search asks for several tp)."""
+    hit = _TABLES.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
     # a tied weight may be listed under each alias (``lm_head.weight`` for GPT's ``wte.weight``):
     # count it under the one key param_shapes holds
     alias: dict[str, str] = {}
@@ -213,35 +271,99 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     for layer in graph.layers:
         for key in layer.params:
             first_user.setdefault(alias.get(key, key), layer.index)
-    modules = sorted(graph.modules)
-    selective = selective_output_bytes(graph)
+    names = {layer.name for layer in graph.layers}
+    inside: dict[str, list[str]] = {n: [] for n in names}
+    for mod in sorted(graph.modules):
+        parts = mod.split(".")
+        for i in range(len(parts), 0, -1):  # the innermost layer holding the module
+            owner = ".".join(parts[:i])
+            if owner in names:
+                inside[owner].append(mod)
+                break
+    tied = {}
+    for layer in graph.layers:
+        keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
+        tied[layer.name] = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
+                                 if k in graph.param_shapes and first_user[k] < layer.index)
+    layer_of_node: dict[str, str] = {}
+    ops: dict[str, int] = {}
     calls = {n.name for n in graph.gm.graph.nodes if n.op == "call_function"}
-    experts = graph.experts()
+    for layer in graph.layers:
+        ops[layer.name] = sum(1 for n in layer.nodes if n in calls)
+        layer_of_node.update({n: layer.name for n in layer.nodes})
+    experts: dict[str, tuple[int, float, float, float]] = {}
+    moe = graph.experts()
+    if moe:
+        flops: dict[str, tuple[float, float]] = {}
+        for node in graph.gm.graph.nodes:
+            if node.op == "call_function" and str(node.target) == GROUPED_MM and META_LAYER in node.meta:
+                fwd, bwd = flops.get(node.meta[META_LAYER], (0.0, 0.0))
+                flops[node.meta[META_LAYER]] = (fwd + node.meta.get(META_FLOPS_FWD, 0),
+                                                bwd + node.meta.get(META_FLOPS_BWD, 0))
+        for layer in graph.layers:
+            prefix = layer.name + "."
+            mine = [e for m, e in moe.items() if m == layer.name or m.startswith(prefix)]
+            if mine or layer.name in flops:
+                experts[layer.name] = (sum(math.prod(graph.param_shapes[k]) for e in mine for k in e.keys
+                                           if k in graph.param_shapes),
+                                       float(sum(e.dispatch_bytes + e.combine_bytes for e in mine)),
+                                       *flops.get(layer.name, (0.0, 0.0)))
+    tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied,
+                          selective=selective_output_bytes(graph), ops=ops, experts=experts)
+    if len(_TABLES) > 8:
+        _TABLES.clear()
+    _TABLES[id(graph)] = (graph, tables)
+    return tables
+
+
+def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]:
+    """Per-sample facts of every layer, with what ``tp_rules`` (selector -> style) does to each."""
+    batch = max(1, graph.batch_size)
+    rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
+    t = _tables(graph)
+    bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
-        prefix = layer.name + "."
-        inside = [m for m in modules if m == layer.name or m.startswith(prefix)]
-        styles = {m: style for m in inside for sel, style in rules if sel.matches(m)}
-        info = _tp_info(styles, owned, layer.attention, layer.param_count)
-        keys = dict.fromkeys(alias.get(k, k) for k in layer.params)
-        tied = tuple((first_user[k], math.prod(graph.param_shapes[k])) for k in keys
-                     if k in graph.param_shapes and first_user[k] < layer.index)
-        moe = [e for m, e in experts.items() if m == layer.name or m.startswith(prefix)]
+        styles = {m: style for m in t.inside[layer.name] for sel, style in rules if sel.matches(m)}
+        info = _tp_info(styles, t.owned, layer.attention, layer.param_count,
+                        _vocab_traffic(styles, graph, layer.input_bytes / batch))
+        e_params, e_rows, e_fwd, e_bwd = t.experts.get(layer.name, (0, 0.0, 0.0, 0.0))
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
-                              output=layer.output_bytes / batch, params=layer.param_count, tied=tied,
+                              output=layer.output_bytes / batch, params=layer.param_count, tied=t.tied[layer.name],
                               tp=info, attention=layer.attention is not None,
-                              selective=selective.get(layer.name, 0) / batch,
-                              ops=sum(1 for n in layer.nodes if n in calls),
-                              expert_params=sum(math.prod(graph.param_shapes[k]) for e in moe for k in e.keys
-                                                if k in graph.param_shapes),
-                              expert_rows=sum(e.dispatch_bytes + e.combine_bytes for e in moe) / batch))
+                              selective=t.selective.get(layer.name, 0) / batch, ops=t.ops[layer.name],
+                              expert_params=e_params, expert_rows=e_rows / batch,
+                              expert_flops_fwd=e_fwd / batch, expert_flops_bwd=e_bwd / batch,
+                              bmm_flops=bmm.get(layer.name, (0, 0))[0] / batch,
+                              bmm_bytes=bmm.get(layer.name, (0, 0))[1] / batch))
     return out
 
 
+def _vocab_traffic(styles: dict[str, str], graph: ModelGraph, input_bytes: float) -> tuple[float, float]:
+    """(gathered output bytes, loss tokens) per sample for a layer's ``colwise_gather`` and
+    ``vocab_loss`` modules, from their weights ``[out, in]``: the layer's input holds
+    ``input_bytes / (in · itemsize)`` tokens, and a gathered output ``out`` values per token."""
+    gathered = tokens = 0.0
+    for mod, style in styles.items():
+        if style not in ("colwise_gather", "vocab_loss"):
+            continue
+        key = f"{mod}.weight"
+        shape = graph.param_shapes.get(key)
+        if not shape or len(shape) != 2:
+            continue
+        itemsize = DTYPE_BYTES.get(graph.param_dtypes.get(key, "float32"), 4)
+        rows = input_bytes / (shape[1] * itemsize)
+        if style == "colwise_gather":
+            gathered += rows * shape[0] * itemsize
+        else:
+            tokens = max(tokens, rows)
+    return gathered, tokens
+
+
 def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str, int] | None,
-             layer_params: int) -> TPInfo:
+             layer_params: int, vocab: tuple[float, float] = (0.0, 0.0)) -> TPInfo:
     if not styles:
         return TPInfo()
     # a partial-sum output costs one forward reduction (expert weights of one MoE block share it),
@@ -256,7 +378,8 @@ def _tp_info(styles: dict[str, str], owned: dict[str, int], attention: dict[str,
     split = min(layer_params, sum(owned.get(m, 0) for m in styles))
     return TPInfo(sharded=True, param_count=split,
                   allreduce_fwd=rowwise, allreduce_bwd=len(col_parents), heads=heads,
-                  kv_heads=attention.get("kv_heads", heads) if attention else 0)
+                  kv_heads=attention.get("kv_heads", heads) if attention else 0,
+                  gather_bytes=vocab[0], loss_tokens=vocab[1])
 
 
 def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: int, compute_dtype: str,
@@ -267,7 +390,9 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Activation bytes scale from the captured dtype to ``compute_dtype``. Under tp a sharded layer
     divides its FLOPs and its sharded parameters by tp, keeps ``ATTENTION_REPLICATED_INPUTS`` (or
     1) × its input unsharded unless ``sequence_parallel``, and adds its all-reduces of the
-    activation width (ring, within the tp group's node).
+    activation width (ring, within the tp group's node). A head split on the vocabulary adds the
+    all-gather of its logits (``colwise_gather``) or, with the fused vocabulary-parallel loss
+    (``vocab_loss``), three all-reduces of one fp32 number per token instead.
 
     Memory-bound traffic: a forward writes each saved tensor once and its elementwise kernels read
     about as much, so forward traffic ≈ the saved bytes; backward reads them and writes the
@@ -280,6 +405,10 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
 
     Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
     that backward (autograd runs about two kernels per forward op: input and weight gradients).
+
+    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take
+    ``max(FLOPs/(peak·e_mm), bytes/(bw·e_mem))``, the roofline of a matmul whose arithmetic
+    intensity is about the head dimension (Williams et al. 2009); backward twice that.
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -310,11 +439,27 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             if sharded else (0.0, 0.0)
         t_b, v_b = (all_reduce_time(inp, tp, bandwidth=bw, latency=lat), all_reduce_volume(inp, tp)) \
             if sharded else (0.0, 0.0)
+        # vocabulary-parallel heads: a gathered output forward, or the fused loss's per-token all-reduces
+        t_x = v_x = 0.0
+        if sharded and f.tp.gather_bytes:
+            g_b = f.tp.gather_bytes * micro * scale
+            t_x += all_gather_time(g_b, tp, bandwidth=bw, latency=lat)
+            v_x += all_gather_volume(g_b, tp)
+        if sharded and f.tp.loss_tokens:
+            l_b = f.tp.loss_tokens * micro * 4  # fp32 per token
+            t_x += 3 * all_reduce_time(l_b, tp, bandwidth=bw, latency=lat)
+            v_x += 3 * all_reduce_volume(l_b, tp)
         exposed = 0.0 if options.overlap_tp else 1.0
         fwd = compute_time(f.flops_fwd * micro / div, act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         bwd = compute_time(f.flops_bwd * micro / div, 2 * act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        # unfused attention matmuls run at their own roofline: with a head dimension below the
+        # device's FLOP/byte ridge they wait for the s×s scores, not for the tensor cores
+        bmm_extra = max(0.0, f.bmm_bytes * micro * scale / div / (cluster.hbm_bandwidth * eff.memory)
+                        - f.bmm_flops * micro / div / (peak * eff.matmul)) if f.bmm_flops else 0.0
+        fwd += bmm_extra
+        bwd += 2 * bmm_extra  # the input gradients of both matmuls: twice the FLOPs and the bytes
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
@@ -325,11 +470,14 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         rec_sel = compute_time(0.0, max(0.0, act - sel_out), peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                                matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         rec_sel += f.ops * cluster.op_overhead_s
-        out.append(LayerCost(fwd=fwd + exposed * n_fwd * t_f, bwd=bwd + exposed * n_bwd * t_b, act=act,
-                             act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b,
-                             tp_bytes_recompute=n_fwd * v_f, output=output,
-                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b), act_selective=act_sel,
-                             rec_selective=rec_sel + exposed * n_fwd * t_f,
+        out.append(LayerCost(fwd=fwd + exposed * (n_fwd * t_f + t_x), bwd=bwd + exposed * n_bwd * t_b, act=act,
+                             act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b + v_x,
+                             tp_bytes_recompute=n_fwd * v_f + v_x, output=output,
+                             tp_s=exposed * (n_fwd * t_f + n_bwd * t_b + t_x), act_selective=act_sel,
+                             rec_selective=rec_sel + exposed * (n_fwd * t_f + t_x),
                              experts=float(f.expert_params),  # never tp-split when ep > 1 (validate)
-                             expert_rows=f.expert_rows * micro * scale))
+                             expert_rows=f.expert_rows * micro * scale,
+                             experts_held=f.expert_params / (div if f.tp.param_count >= f.expert_params else 1),
+                             expert_fwd_s=f.expert_flops_fwd * micro / div / (peak * eff.matmul),
+                             expert_bwd_s=f.expert_flops_bwd * micro / div / (peak * eff.matmul)))
     return out

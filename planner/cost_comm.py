@@ -14,8 +14,16 @@ MPICH", Table 1), which are also what nccl-tests uses to turn times into bus ban
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planner.cluster import Cluster
+
 __all__ = ["all_reduce_time", "all_gather_time", "reduce_scatter_time", "all_to_all_time", "p2p_time",
-           "all_reduce_volume", "all_gather_volume", "reduce_scatter_volume", "all_to_all_volume"]
+           "all_reduce_volume", "all_gather_volume", "reduce_scatter_volume", "all_to_all_volume",
+           "Group", "comm_group", "group_all_reduce_time", "group_all_gather_time", "group_reduce_scatter_time",
+           "group_all_to_all_time", "group_all_reduce_volume", "group_all_gather_volume"]
 
 
 def all_reduce_time(nbytes: float, n: int, *, bandwidth: float, latency: float) -> float:
@@ -62,3 +70,102 @@ def all_gather_volume(nbytes: float, n: int) -> float:
 
 reduce_scatter_volume = all_gather_volume
 all_to_all_volume = all_gather_volume
+
+
+# --- groups laid out on a two-level cluster ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group as the cluster places it: ``size`` ranks, ``per_node`` of them in each
+    node, NVLink-class links inside a node and NIC links between nodes. Bandwidths are achieved
+    per-rank, per-direction rates (link rate × network efficiency), latencies per message.
+
+    Collectives on it are hierarchical (the two-level algorithms of Thakur et al. 2005 §4 and
+    NCCL's trees/rings over rails): a reduction first reduce-scatters inside each node, then the
+    ``per_node`` ranks of a node each all-reduce their ``1/per_node`` slice with their peers in the
+    other nodes over their own NIC, then all-gather inside the node. So an inter-node step carries
+    ``1/per_node`` of the bytes and pays ``(nodes - 1)`` latencies, not the flat ring's ``(size - 1)``.
+    """
+
+    size: int
+    """Ranks in the group."""
+    per_node: int
+    """Ranks of the group inside one node (``size`` when the group fits in a node)."""
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the group spans."""
+        return -(-self.size // self.per_node)
+
+
+def comm_group(cluster: "Cluster", size: int, stride: int = 1) -> Group:
+    """The group of ``size`` ranks spaced ``stride`` apart (a dp group has stride tp, an ep group
+    stride tp, a pp group stride tp·dp) on ``cluster``: how many share a node, and the links."""
+    per = cluster.devices_per_node
+    inside = max(1, per // stride) if stride < per else 1
+    eff = cluster.efficiency.network
+    return Group(size=max(1, size), per_node=max(1, min(size, inside)),
+                 intra_bandwidth=cluster.intra_bandwidth * eff, intra_latency=cluster.intra_latency,
+                 inter_bandwidth=cluster.inter_bandwidth * eff, inter_latency=cluster.inter_latency)
+
+
+def group_all_reduce_time(g: Group, nbytes: float) -> float:
+    """Hierarchical all-reduce of ``nbytes``: intra-node reduce-scatter, inter-node all-reduce of
+    ``nbytes/per_node`` over ``nodes``, intra-node all-gather (one flat ring when the group fits in
+    a node). Example: 1 GB over 16 ranks = 2 nodes × 8 at 240/20 GB/s: 2·(7/8)·1e9/240e9 +
+    2·(1/2)·(1e9/8)/20e9 = 7.3 ms + 6.3 ms (+ latencies), against a flat ring's 2·(15/16)·1e9/20e9 = 94 ms."""
+    k, n = g.per_node, g.nodes
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    intra = all_reduce_time(nbytes, k, bandwidth=g.intra_bandwidth, latency=g.intra_latency)
+    if n == 1:
+        return intra
+    return intra + all_reduce_time(nbytes / k, n, bandwidth=g.inter_bandwidth, latency=g.inter_latency)
+
+
+def group_all_gather_time(g: Group, nbytes: float) -> float:
+    """Hierarchical all-gather of a result of ``nbytes`` (reduce-scatter is its mirror image): the
+    inter-node step gathers ``nbytes/per_node`` over ``nodes``, the intra-node step the whole."""
+    k, n = g.per_node, g.nodes
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    intra = all_gather_time(nbytes, k, bandwidth=g.intra_bandwidth, latency=g.intra_latency)
+    if n == 1:
+        return intra
+    return intra + all_gather_time(nbytes / k, n, bandwidth=g.inter_bandwidth, latency=g.inter_latency)
+
+
+group_reduce_scatter_time = group_all_gather_time
+
+
+def group_all_to_all_time(g: Group, nbytes: float) -> float:
+    """All-to-all of a send buffer of ``nbytes`` per rank: ``1/size`` stays, the ``per_node - 1``
+    shares for the rank's node go over NVLink and the ``size - per_node`` others over its NIC
+    (each peer one message)."""
+    k, n = g.per_node, g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    share = nbytes / n
+    return ((k - 1) * (g.intra_latency + share / g.intra_bandwidth)
+            + (n - k) * (g.inter_latency + share / g.inter_bandwidth))
+
+
+def group_all_reduce_volume(g: Group, nbytes: float) -> float:
+    """Bytes one rank sends in :func:`group_all_reduce_time`: ``2(k-1)/k·S + 2(N-1)/N·S/k``."""
+    if g.size <= 1:
+        return 0.0
+    k, n = g.per_node, g.nodes
+    return all_reduce_volume(nbytes, k) + all_reduce_volume(nbytes / k, n)
+
+
+def group_all_gather_volume(g: Group, nbytes: float) -> float:
+    """Bytes one rank sends in :func:`group_all_gather_time` (or a reduce-scatter)."""
+    if g.size <= 1:
+        return 0.0
+    k, n = g.per_node, g.nodes
+    return all_gather_volume(nbytes, k) + all_gather_volume(nbytes / k, n)

@@ -72,24 +72,26 @@ def activation_bytes(saved_per_microbatch: float, in_flight: float) -> float:
 
 
 def unshard_buffer_bytes(unit_params: list[float], *, param_dtype: str, reshard_after_forward: bool,
-                         prefetch: bool) -> float:
+                         prefetch: bool, grad_dtype: str | None = None) -> float:
     """Peak bytes of gathered (unsharded) FSDP parameters plus their unsharded gradients.
 
     With ``reshard_after_forward`` a unit's full parameters live only while it runs: the peak is
     the largest unit, plus the next one when prefetching, plus one unit of full gradients waiting
     for its reduce-scatter (FSDP paper, Zhao et al. 2023, §3.2-3.3). Without it every unit stays
     gathered from its forward to its backward, so the peak is all units' parameters plus one
-    unit's gradients. ``unit_params`` are element counts; result in bytes of ``param_dtype``.
+    unit's gradients. ``unit_params`` are element counts; parameters in bytes of ``param_dtype``,
+    the gradient unit in ``grad_dtype`` (the reduce dtype; default ``param_dtype``).
     """
     if not unit_params:
         return 0.0
     b = DTYPE_BYTES[param_dtype]
+    g = DTYPE_BYTES[grad_dtype or param_dtype]
     largest = sorted(unit_params, reverse=True)
     if reshard_after_forward:
         gathered = largest[0] + (largest[1] if prefetch and len(largest) > 1 else 0.0)
     else:
         gathered = sum(unit_params)
-    return (gathered + largest[0]) * b
+    return gathered * b + largest[0] * g
 
 
 # --- activations kept for backward under recompute ------------------------------------------------

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.messages import closest, describe, json_path_key
-from planner.tp_styles import TP_STYLES  # the one table of tensor-parallel styles, re-exported
+from planner.tp_styles import TP_STYLES  # noqa: F401 - the one table of tensor-parallel styles, re-exported
 
 PLAN_VERSION = 1
 READABLE_VERSIONS = (PLAN_VERSION,)
@@ -152,13 +152,24 @@ class Predicted:
     step_time_s: float = 0.0
     """Predicted time of one optimizer step, seconds."""
     tflops_per_device: float = 0.0
-    """Model FLOPs per step / step time / devices, in TFLOP/s."""
+    """Model FLOPs per step / step time / devices, in TFLOP/s (recompute not counted)."""
+    hardware_tflops_per_device: float = 0.0
+    """FLOPs the devices execute per step (recomputed forwards included) / step time / devices, TFLOP/s."""
+    mfu: float = 0.0
+    """Model FLOPs utilization: ``tflops_per_device`` over the device's peak in the compute dtype."""
+    hfu: float = 0.0
+    """Hardware FLOPs utilization: ``hardware_tflops_per_device`` over the same peak."""
     memory_gib: list[float] = field(default_factory=list)
     """Peak memory per pipeline stage, GiB."""
     comm_gib_per_step: float = 0.0
     """Bytes sent per device per step over all collectives, GiB."""
     bubble: float = 0.0
     """Pipeline bubble as a fraction of step time."""
+    devices_used: int = 0
+    """Devices the mesh uses (fewer than the cluster's when that is faster; 0 = not recorded)."""
+    notes: list[str] = field(default_factory=list)
+    """What a reader of the prediction should know: the precision, idle devices and why, a
+    pipeline with fewer microbatches than stages and why."""
 
 
 @dataclass(kw_only=True)

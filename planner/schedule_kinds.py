@@ -10,6 +10,7 @@ Each kind is one class holding, in one place, what the rest of the planner asks 
 ``bubble``          idle fraction with balanced stages
 ``in_flight``       microbatches whose activations a rank holds at its peak
 ``offer``           the chunk counts the search tries for a (pp, microbatches, layers)
+``fallback_offer``  what it tries only when nothing else can be planned (fewer microbatches than stages)
 ``order``           preference among equally fast plans (lower first)
 ==================  ===========================================================================
 
@@ -108,6 +109,11 @@ class ScheduleKind:
         kind; ``chunks``: they fix virtual_stages."""
         return []
 
+    def fallback_offer(self, p: int, m: int) -> list[int]:
+        """Chunk counts the search tries only when no plan with at least as many microbatches as
+        pipeline ranks exists (a batch too small for the stages the model needs to fit)."""
+        return []
+
     def label(self, v: int) -> str:
         """How the search table names a configuration of this kind."""
         return self.name
@@ -127,9 +133,13 @@ class GPipe(ScheduleKind):
         return float(m)
 
     def offer(self, p: int, m: int, layers: int, *, asked: bool, chunks: int | None) -> list[int]:
-        # GPipe has 1F1B's step time and more activations in flight, so it runs only when asked for,
-        # or when there are fewer microbatches than stages (1F1B needs m >= pp; both then hold all m).
-        return [1] if asked or (p > 1 and m < p) else []
+        # GPipe has 1F1B's step time and more activations in flight, so it runs only when asked for
+        return [1] if asked else []
+
+    def fallback_offer(self, p: int, m: int) -> list[int]:
+        # fewer microbatches than stages: 1F1B cannot fill the pipeline, GPipe runs them through
+        # ((p-1)/(m+p-1) idle); the search says why it had to
+        return [1] if p > 1 and m < p else []
 
 
 class OneFOneB(ScheduleKind):
@@ -243,7 +253,7 @@ class VShape(ScheduleKind):
     def offer(self, p: int, m: int, layers: int, *, asked: bool, chunks: int | None) -> list[int]:
         if p == 1 or 2 * p > layers:
             return []
-        return [2] if asked or (p <= V_MAX_PP and m <= V_MICRO_PER_RANK * p) else []
+        return [2] if asked or (p <= V_MAX_PP and p <= m <= V_MICRO_PER_RANK * p) else []
 
 
 @lru_cache(maxsize=256)

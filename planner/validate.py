@@ -99,7 +99,8 @@ def device_count(cluster: Any) -> int | None:
             return len(value)
     nodes, per_node = get("nodes"), get("gpus_per_node") or get("devices_per_node")
     if isinstance(nodes, int) and isinstance(per_node, int):
-        return nodes * per_node
+        last = get("last_node_devices")  # a partial last node (planner.cluster.Cluster)
+        return (nodes - 1) * per_node + (last if isinstance(last, int) and last > 0 else per_node)
     return None
 
 
@@ -152,8 +153,12 @@ def _check_mesh(plan: Plan, n: int | None, where: str, problems: list[str]) -> N
                         "ep data-parallel ranks, so choose an ep that divides dp")
     if not ok or n is None or m.size == n:
         return
+    if m.size < n and where != "were given":
+        return  # a plan may leave some of a cluster's devices idle (the search says why); a launch may not
     hint = ""
-    if n % (m.pp * m.tp) == 0:
+    if m.size < n and plan.predicted.devices_used == m.size:
+        hint = f" (this plan leaves {n - m.size} of its cluster's devices idle: launch {m.size} ranks)"
+    elif n % (m.pp * m.tp) == 0:
         hint = f" (e.g. dp {n // (m.pp * m.tp)}: pp({m.pp}) × dp({n // (m.pp * m.tp)}) × tp({m.tp}) = {n})"
     problems.append(f"mesh: pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size}, but {n} devices {where}; "
                     f"choose degrees whose product is {n}{hint}")

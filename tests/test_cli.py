@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fairscale import cli
-from planner.plan import Plan
+from planner.plan import Mesh, Plan
 
 GPT = "cli_factories:gpt"
 
@@ -19,10 +19,8 @@ def _factories_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
-@pytest.fixture
-def no_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As before planner.search existed: plan must fall back, and say so."""
-    monkeypatch.setattr(cli, "_search_function", lambda: None)
+DDP_ONLY = '{"mesh": {"pp": 1, "tp": 1}, "schedule": {"microbatches": 1}, "data_parallel": {"kind": "ddp"}}'
+"""Constraints that pin the search to plain data parallelism (what the old unsearched fallback emitted)."""
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -31,35 +29,34 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_plan_without_search_emits_a_data_parallel_plan_and_says_so(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+def test_plan_searches_and_writes_the_plan_with_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
-    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))
+    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path),
+                         "--constraints", DDP_ONLY)
     assert (code, err) == (0, "")
-    assert ("planner search not available yet: emitted a pure data-parallel plan (mesh dp=4, ddp, one stage "
-            "holding every layer); it was not searched or costed, so it has no predictions") in out
-    assert f"wrote {path}" in out
+    assert "best:  pp=1 dp=4 tp=1 1f1b m=1 ddp" in out and f"wrote {path}" in out
     plan = Plan.load(path)
     assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (1, 4, 1)
-    assert plan.data_parallel.kind == "ddp" and len(plan.stages) == 1
+    assert plan.data_parallel.kind == "ddp" and plan.predicted.step_time_s > 0
     assert plan.model.class_ == "GPT" and plan.model.factory == GPT and plan.schedule.global_batch == 8
     assert plan.cluster["devices_per_node"] == 4 and plan.cluster["name"] == "cpu"
     # the report follows: repeated blocks fold into one row; the stage total is every parameter
     assert re.search(r"\n +layers\.\[0-1\] +2 × [0-9,]+\n", out)
     assert re.search(rf"\n +total +{plan.model.parameters:,}\n", out)
-    assert "predicted: none (this plan was not costed; planner.search fills these in)" in out
+    assert "precision: fp32 throughout" in out  # CPU ranks stay fp32
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 0 and "re-costed on 4 × cpu at global batch 8" in out
 
 
-def test_plan_to_stdout_is_pure_json(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+def test_plan_to_stdout_is_pure_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "plan", GPT, "--devices", "2")
     assert code == 0
     plan = Plan.from_json(out)  # nothing but the plan on stdout, so it can be piped
-    assert plan.mesh.dp == 2 and plan.schedule.global_batch == 2
-    assert "planner search not available yet" in err and "captured GPT from cli_factories:gpt" in err
+    assert plan.mesh.size == 2 and plan.schedule.global_batch == 2
+    assert "best:" in err and "captured GPT from cli_factories:gpt" in err
 
 
-def test_plan_never_overwrites_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             no_search: None) -> None:
+def test_plan_never_overwrites_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plan.json"
     path.write_text("my notes\n")
     code, out, err = run(capsys, "plan", GPT, "--devices", "2", "-o", str(path))
@@ -67,23 +64,27 @@ def test_plan_never_overwrites_without_force(tmp_path: Path, capsys: pytest.Capt
     assert err == f"fairscale plan: error: {path} exists; pass --force to replace it\n"
     assert path.read_text() == "my notes\n"
     code, out, err = run(capsys, "plan", GPT, "--devices", "2", "-o", str(path), "--force")
-    assert code == 0 and Plan.load(path).mesh.dp == 2
+    assert code == 0 and Plan.load(path).mesh.size == 2
 
 
-def test_plan_with_the_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    if cli._search_function() is None:
-        pytest.skip("planner.search is not installed in this checkout")
-    path = tmp_path / "plan.json"
-    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))
-    assert (code, err) == (0, ""), err
-    assert "planner search not available" not in out and "best:" in out
-    plan = Plan.load(path)
-    assert plan.mesh.size == 4 and plan.predicted.step_time_s > 0 and plan.model.factory == GPT
-    code, out, err = run(capsys, "validate", str(path))
-    assert code == 0 and "re-costed on 4 × cpu at global batch 8" in out
+def test_the_cli_and_the_api_return_the_same_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """One way in: the command and fairscale.plan() search with the same rules and settings."""
+    import fairscale
+    from cli_factories import gpt
+
+    for argv, kwargs in ((["--devices", "4", "--global-batch", "8"], dict(devices=4, global_batch=8)),
+                         (["--cluster", "a100-80gb", "--devices", "12", "--global-batch", "24"],
+                          dict(cluster="a100-80gb", devices=12, global_batch=24))):
+        code, out, err = run(capsys, "plan", GPT, *argv)
+        assert code == 0, err
+        from_cli = Plan.from_json(out)
+        case = gpt()
+        from_api = fairscale.plan(case.model, case.make_batch(0, cli.CAPTURE_BATCH), loss_fn=case.loss_fn, **kwargs)
+        from_cli.model.factory = ""
+        assert from_cli.to_json() == from_api.to_json()
 
 
-def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str]) -> None:
     for factory in ("cli_factories:mlp_with_loss_fn", "cli_factories:self_loss"):
         code, out, err = run(capsys, "plan", factory, "--devices", "2")
         assert code == 0, err
@@ -114,7 +115,7 @@ def test_bad_factories_are_usage_errors(capsys: pytest.CaptureFixture[str], fact
     assert (code, out, err) == (2, "", f"fairscale plan: error: {message}\n")
 
 
-def test_factory_from_a_file_path(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+def test_factory_from_a_file_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "mymodels.py"
     script.write_text("from fairscale.testing.models import build\n\n"
                       "def tiny():\n    return build('mlp')\n")
@@ -129,8 +130,8 @@ def test_factory_from_a_file_path(tmp_path: Path, capsys: pytest.CaptureFixture[
                                                        "--devices N)"),
     (["plan", GPT, "--devices", "0"], "--devices must be at least 1, got 0"),
     (["plan", GPT, "--cluster", "a100-80gb", "--nodes", "2", "--devices", "8"],
-     "--devices 8 disagrees with --cluster a100-80gb --nodes 2, which has 16 devices; give one of them, or make "
-     "them agree"),
+     "--cluster: 8 devices of a100-80gb (8 per node) take 1 node(s), not 2; give one of nodes= and devices=, or "
+     "make them agree"),
 ])
 def test_argument_mistakes_are_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[str],
                                             message: str) -> None:
@@ -138,13 +139,18 @@ def test_argument_mistakes_are_usage_errors(capsys: pytest.CaptureFixture[str], 
     assert (code, err) == (2, f"fairscale plan: error: {message}\n")
 
 
-def test_unknown_preset_and_uneven_batch(capsys: pytest.CaptureFixture[str], no_search: None) -> None:
+def test_unknown_preset_and_a_batch_that_leaves_devices_idle(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", GPT, "--cluster", "tpu-v9")
     assert code == 2 and err.startswith("fairscale plan: error: --cluster: unknown cluster preset 'tpu-v9'; known "
                                         "presets: ")
-    code, _, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "6")
-    assert (code, err) == (2, "fairscale plan: error: --global-batch 6 does not divide evenly over 4 data-parallel "
-                              "ranks (6 % 4 = 2); use a multiple of 4\n")
+    # 6 samples do not split over 4 data-parallel ranks: the plan uses fewer devices and says why
+    code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "6", "--constraints",
+                         '{"mesh": {"pp": 1, "tp": 1}}')
+    assert code == 0, err
+    plan = Plan.from_json(out)
+    assert plan.mesh.size == 3
+    assert any(n.startswith("using 3 of 4 devices; more would be slower: no plan on all 4 devices fits: a "
+                            "data-parallel degree must divide the global batch of 6") for n in plan.predicted.notes)
 
 
 def test_argparse_errors_and_help_return_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,9 +166,10 @@ def test_argparse_errors_and_help_return_codes(capsys: pytest.CaptureFixture[str
 
 
 @pytest.fixture
-def made(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_search: None) -> Path:
+def made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     path = tmp_path / "plan.json"
-    assert run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path))[0] == 0
+    assert run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "-o", str(path), "--constraints",
+               DDP_ONLY)[0] == 0
     return path
 
 
@@ -202,7 +209,7 @@ def test_validate_prints_every_problem_and_exits_1(made: Path, capsys: pytest.Ca
         'use 2 or more, or kind "gpipe"\n'
         "  - schedule.global_batch: 8 samples do not split into dp(3) × microbatches(1) = 3 equal microbatches "
         "(8 % 3 = 2)\n"
-        "  - stages: 1 stage given, but pp(2) × virtual_stages(1) = 2 are needed\n"
+        "  - stages: empty (one stage holding every layer), but pp(2) × virtual_stages(1) = 2 stages are needed\n"
         '  - data_parallel.units: "layers.*" is an FSDP option, but data_parallel.kind is "ddp", which would ignore '
         'it; remove it or set kind to "fsdp"\n')
 
@@ -235,7 +242,7 @@ def test_validate_a_file_that_is_not_json_or_missing(tmp_path: Path, capsys: pyt
 
 
 def test_validate_without_any_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = Plan(mesh=cli.Mesh(dp=2)).save(tmp_path / "plan.json")
+    path = Plan(mesh=Mesh(dp=2)).save(tmp_path / "plan.json")
     code, out, err = run(capsys, "validate", str(path), "--devices", "2")
     assert (code, err) == (0, "")
     assert out.splitlines()[:2] == [
@@ -252,10 +259,8 @@ def test_hand_edit_loop(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(made.read_text())
     data["mesh"] = {"pp": 2, "dp": 2, "tp": 1}
     data["schedule"]["microbatches"] = 2
-    layers = data["stages"][0]["layers"]
-    assert "layers.[0-1]" in layers
-    data["stages"] = [{"layers": layers.split("layers.[0-1]")[0] + "layers.0"},
-                      {"layers": "layers.1" + layers.split("layers.[0-1]")[1]}]
+    assert data["stages"] == []  # one stage holding every layer
+    data["stages"] = [{"layers": "wte, wpe, layers.0"}, {"layers": "layers.1, ln_f, lm_head"}]
     made.write_text(json.dumps(data, indent=2))
     code, out, err = run(capsys, "validate", str(made))
     assert (code, err) == (0, "")
@@ -281,13 +286,25 @@ def test_python_dash_m_runs_the_same_main(tmp_path: Path) -> None:
 
 
 def test_constraints_are_kept_by_the_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    if cli._search_function() is None:
-        pytest.skip("planner.search is not installed in this checkout")
     code, out, err = run(capsys, "plan", GPT, "--devices", "4", "--global-batch", "8", "--constraints",
                          '{"mesh": {"pp": 2}, "data_parallel": {"kind": "ddp"}}')
     assert code == 0, err
     plan = Plan.from_json(out)
     assert plan.mesh.pp == 2 and plan.data_parallel.kind == "ddp"
+
+
+def test_dtype_option(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", GPT, "--cluster", "h100", "--devices", "2")
+    assert code == 0, err
+    assert Plan.from_json(out).data_parallel.param_dtype == "bf16"  # mixed precision by default on GPUs
+    assert Plan.from_json(out).predicted.notes[0].startswith("precision: mixed, bf16 compute: bf16 parameters and "
+                                                             "activations, fp32 master weights and Adam states, "
+                                                             "gradients reduced in fp32")
+    code, out, err = run(capsys, "plan", GPT, "--cluster", "h100", "--devices", "2", "--dtype", "fp32")
+    assert code == 0 and Plan.from_json(out).data_parallel.param_dtype == "fp32"
+    assert Plan.from_json(out).predicted.notes[0].startswith("precision: fp32 throughout")
+    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--dtype", "fp64")
+    assert code == 2 and "argument --dtype: invalid choice: 'fp64'" in err
 
 
 def test_constraint_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,7 +314,5 @@ def test_constraint_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", str(tmp_path / "c.json"))
     assert (code, err) == (2, f"fairscale plan: error: --constraints {str(tmp_path / 'c.json')!r}: neither a JSON "
                               "object nor a file\n")
-    monkeypatch.setattr(cli, "_search_function", lambda: None)
-    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", '{"tp": 2}')
-    assert (code, err) == (2, "fairscale plan: error: --constraints needs the planner search (planner.search), "
-                              "which is not installed\n")
+    code, _, err = run(capsys, "plan", GPT, "--devices", "2", "--constraints", '{"mesh": {"tp": 3}}')
+    assert code == 1 and "mesh.tp: tp=3 is not possible here" in err

@@ -143,6 +143,10 @@ def _predictions(plan: Plan) -> list[str]:
         peak = f", peak memory {max(p.memory_gib):.3g} GiB/device" if p.memory_gib else ""
         lines.append(f"predicted: {p.step_time_s:.4g} s/step, {p.tflops_per_device:.3g} TFLOP/s per device{peak}, "
                      f"pipeline bubble {100 * p.bubble:.1f}%")
+        if p.mfu or p.hfu:
+            lines.append(f"utilization: MFU {100 * p.mfu:.1f}% (model FLOPs), HFU {100 * p.hfu:.1f}% (with recompute, "
+                         f"{p.hardware_tflops_per_device:.3g} TFLOP/s per device)")
+        lines.extend(p.notes)
         lines.append(f"collectives per step: {p.comm_gib_per_step:.3g} GiB sent per device")
     else:
         lines.append("predicted: none (this plan was not costed; planner.search fills these in)")

@@ -45,7 +45,7 @@ from torch import nn
 
 from passes.dp.graph import rebuild, resolve
 from passes.graph_utils import clone_graph_module
-from passes.layout import META_LAYOUT, ParamLayout, layout_of
+from passes.layout import ParamLayout, layout_of
 from passes.ops import bn_ops
 from planner.batch_stats import (BatchStatCall, BatchStatOp, batch_stat_call, find_batch_stat_ops,
                                  microbatch_problem, unsupported_problem)

@@ -10,7 +10,6 @@ op is an error instead, since gathering a weight every step would silently undo 
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch

@@ -39,18 +39,20 @@ from planner.search.core import fixed_cuts, fixed_recompute, fixed_selective, ma
 from planner.search.config import Breakdown, Config
 from planner.search.core import Compiles
 from planner.search.evaluate import evaluate
+from planner.search.notes import precision_note
 from planner.search.result import Candidate, NoCompilablePlan, NoFeasiblePlan, SearchResult
 from planner.search.tp import default_tp_rules
 from planner.validate import validate_plan
 
-__all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "NoCompilablePlan",
+__all__ = ["search", "cost_plan", "SearchResult", "Candidate", "Breakdown", "NoFeasiblePlan", "NoCompilablePlan", "Compiles",
            "default_tp_rules"]
 
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: dict[str, Any] | Plan | None = None,
            top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
            tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
-           options: CostOptions | None = None, compiles: Compiles | None = None) -> SearchResult:
+           options: CostOptions | None = None, dtype: str | None = None,
+           use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
     """Best plan for ``graph`` on ``cluster`` at ``global_batch`` samples per step, plus ``top_k``
     runners-up (one per mesh shape).
 
@@ -62,6 +64,11 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
             returning them (e.g. ``lambda tp: propose_tp_rules(graph.gm, tp=tp).rules``, which
             only keeps rules the TP pass accepts at that degree); default: :func:`default_tp_rules`.
         options: runtime overlap model and memory reserve.
+        dtype: compute dtype (``bf16``, ``fp16``, ``fp32`` or ``auto``); default: the constraints'
+            ``data_parallel.param_dtype``, else mixed precision on GPU clusters (bf16, or fp16 where
+            bf16 is unsupported) and fp32 on CPU ranks (``planner.cluster.default_compute_dtype``).
+        use_all_devices: every plan uses every device (what a launched world needs); otherwise a
+            plan may leave devices idle when the batch does not split over them, and says why.
         compiles: the compile check (module docstring); without it plans are costed, not compiled.
 
     Raises:
@@ -70,7 +77,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
         PlanError: the constraints are malformed or contradict each other.
     """
     return run_search(graph, cluster, global_batch=global_batch, constraints=constraints, top_k=top_k,
-                      progress=progress, tp_rules=tp_rules, options=options, compiles=compiles)
+                      progress=progress, tp_rules=tp_rules, options=options, dtype=dtype,
+                      use_all_devices=use_all_devices, compiles=compiles)
 
 
 def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,
@@ -88,7 +96,7 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
                              "global_batch= to cost it"], source="plan")
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=plan.tensor_parallel.rules, options=options)
     mesh, sched, dp = plan.mesh, plan.schedule, plan.data_parallel
-    if mesh.size != cluster.devices:
+    if mesh.size > cluster.devices:
         raise PlanError([f"mesh: pp({mesh.pp}) × dp({mesh.dp}) × tp({mesh.tp}) = {mesh.size}, but the cluster has "
                          f"{cluster.devices} devices"], source="plan")
     if dp.offload and dp.kind != "fsdp":
@@ -101,16 +109,17 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
                          f" = {stages} are needed"], source="plan")
     rec = fixed_recompute(ctx, plan.recompute) if plan.recompute else frozenset()
     sel = fixed_selective(ctx, plan.recompute) if plan.recompute else frozenset()
-    units = None
-    if dp.kind == "fsdp" and dp.units:
-        from planner.selectors import parse_selector
-
-        unit_sel = parse_selector(dp.units)
-        units = frozenset(i for i, f in enumerate(ctx.facts) if unit_sel.matches(f.name))
+    units = dp.units if dp.kind == "fsdp" and dp.units else None
+    if units is not None:
+        ctx.units(units)  # a selector that selects no module holding parameters is an error
     cfg = Config(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, microbatches=sched.microbatches, kind=sched.kind,
                  v=sched.virtual_stages, dp_kind=dp.kind, reshard=dp.reshard_after_forward, prefetch=dp.prefetch,
                  sp=plan.tensor_parallel.sequence_parallel, param_dtype=dp.param_dtype, reduce_dtype=dp.reduce_dtype,
                  bucket_mb=dp.bucket_mb, cuts=cuts, recompute=rec, selective=sel, units=units,
                  offload=dp.offload, ep=mesh.ep)
-    return evaluate(ctx, cfg)
+    b = evaluate(ctx, cfg)
+    b.notes.append(precision_note(cfg.param_dtype, cfg.reduce_dtype))
+    if mesh.size < cluster.devices:
+        b.notes.append(f"using {mesh.size} of {cluster.devices} devices (this plan's mesh)")
+    return b
 

@@ -1,9 +1,16 @@
 """The search space, enumerated: every configuration the constraints allow.
 
 Each candidate fixes the mesh (pp × dp × tp, and ep for MoE models), microbatches, schedule
-(with its chunks per rank), data-parallel kind and sequence parallelism; ``planner.search.core``
-then bounds, cuts and costs them. tp divides the node, the devices, the attention heads and every
-split weight dimension (``planner.search.tp.tp_allowed``).
+(with its chunks per rank), data-parallel kind, sequence parallelism and FSDP units;
+``planner.search.core`` then bounds, cuts and costs them. tp divides the node, the devices, the
+attention heads and every split weight dimension (``planner.search.tp.tp_allowed``).
+
+Meshes use every device, except where the global batch does not split over the data-parallel
+ranks that would take: with ``idle`` the mesh then takes the largest dp that divides the batch
+and leaves the rest idle (a 125M model, batch 512, on 3072 GPUs: dp 512 on 512 of them, rather
+than stretching over the rest with a pipeline of one microbatch). Pipelines get at least as many
+microbatches as stages; fewer (``ScheduleKind.fallback_offer``) only with ``short_pipelines``,
+which the search asks for when nothing else can be planned.
 """
 
 from __future__ import annotations
@@ -11,27 +18,32 @@ from __future__ import annotations
 from typing import Callable
 
 from planner.batch_stats import find_batch_stat_ops, microbatch_problem, min_rows
+from planner.cluster import default_compute_dtype
 from planner.graph import ModelGraph
 from planner.plan import PlanError
 from planner.schedule_kinds import KINDS
 from planner.search.config import Config, Context
 from planner.search.space import Fixed, divisors
 from planner.search.tp import tp_allowed, tp_refusal
-from planner.selectors import parse_selector
+from planner.search.units import sub_block_units
 
 __all__ = ["enumerate_configs", "units_of"]
 
-def units_of(ctx: Context, text: str | None) -> frozenset[int] | None:
-    """Indices of the layers an FSDP unit selector names (None: no selector, the block default)."""
+def units_of(ctx: Context, text: str | None) -> str | None:
+    """The FSDP unit selector to cost (None: no selector, the block default); raises PlanError
+    when it selects no module holding parameters."""
     if not text:
         return None
-    sel = parse_selector(text)
-    return frozenset(i for i, f in enumerate(ctx.facts) if sel.matches(f.name))
+    ctx.units(text)
+    return text
 
 
 def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Callable[[int], dict[str, str]],
-                      cuts: tuple[int, ...] | None) -> tuple[list[Config], list[str]]:
-    """Every configuration the constraints allow, and notes on what they ruled out."""
+                      cuts: tuple[int, ...] | None, *, idle: bool = False,
+                      short_pipelines: bool = False) -> tuple[list[Config], list[str]]:
+    """Every configuration the constraints allow, and notes on what they ruled out. ``idle``: a
+    mesh may leave devices idle when the batch does not split over all of them; ``short_pipelines``:
+    also pipelines with fewer microbatches than stages."""
     c = ctx.cluster
     N, L, B = c.devices, len(ctx.facts), ctx.global_batch
     notes: list[str] = []
@@ -41,8 +53,11 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
         why = tp_refusal(graph, rules(fixed.tp), fixed.tp, devices=N, per_node=c.devices_per_node)
         raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} ({why})"],
                         source="constraints")
-    dtype = fixed.param_dtype or "fp32"
+    dtype = fixed.param_dtype or default_compute_dtype(c)
     experts = [e.num_experts for e in graph.experts().values()]  # one walk of the graph
+    units: list[str | None] = [units_of(ctx, fixed.units)] if fixed.units else [None]
+    if fixed.units is None and (sub := sub_block_units(ctx.graph, graph.blocks)) is not None:
+        units.append(sub)  # smaller units, smaller unshard buffers: what very large FSDP models need
     stats = find_batch_stat_ops(graph.gm)
     # BatchNorm is exact over dp ranks (synchronized) but not across microbatches: one microbatch
     # unless the constraints opt in to per-microbatch statistics
@@ -53,11 +68,11 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
     out: list[Config] = []
     for tp in ([fixed.tp] if fixed.tp else allowed_tp):
         for pp in divisors(N // tp):
-            dp = N // (tp * pp)
-            if (fixed.pp and pp != fixed.pp) or (fixed.dp and dp != fixed.dp) or pp > L:
+            dp = _data_parallel(N // (tp * pp), B, fixed.dp, idle)
+            if (fixed.pp and pp != fixed.pp) or pp > L:
                 continue
-            if B % dp:
-                notes.append(f"dp={dp} does not divide the global batch {B}")
+            if dp is None:
+                notes.append(f"dp={fixed.dp or N // (tp * pp)} does not divide the global batch {B}")
                 continue
             per = B // dp
             ms = divisors(per) if fixed.microbatches is None else (
@@ -71,21 +86,35 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                              "the model's batch norm (one value per channel)")
             ms = [m for m in ms if per // m >= rows]
             for m in ms:
-                for kind, v in _schedules(pp, m, L, fixed, cuts):
+                for kind, v in _schedules(pp, m, L, fixed, cuts, short_pipelines):
                     for dp_kind, reshard in _dp_kinds(dp, fixed):
                         for sp in ([False, True] if tp > 1 else [False]):
                             if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
                                 continue
                             for ep in _expert_degrees(graph, experts, dp, fixed, rules(tp)):
-                                out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
-                                                  dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
-                                                  reduce_dtype=fixed.reduce_dtype or "fp32",
-                                                  prefetch=True if fixed.prefetch is None else fixed.prefetch,
-                                                  bucket_mb=fixed.bucket_mb or 25.0, units=units_of(ctx, fixed.units),
-                                                  offload=bool(fixed.offload), ep=ep))
+                                for unit in (units if dp_kind == "fsdp" else [None]):
+                                    out.append(Config(pp=pp, dp=dp, tp=tp, microbatches=m, kind=kind, v=v,
+                                                      dp_kind=dp_kind, reshard=reshard, sp=sp, param_dtype=dtype,
+                                                      reduce_dtype=fixed.reduce_dtype or "fp32",
+                                                      prefetch=True if fixed.prefetch is None else fixed.prefetch,
+                                                      bucket_mb=fixed.bucket_mb or 25.0, units=unit,
+                                                      offload=bool(fixed.offload), ep=ep))
     if fixed.pp and fixed.pp > L:
         notes.append(f"pp={fixed.pp} is more than the {L} layers")
     return out, notes
+
+
+def _data_parallel(most: int, batch: int, fixed: int | None, idle: bool) -> int | None:
+    """The dp of a mesh with room for ``most`` data-parallel ranks: all of them when they divide the
+    batch, else (``idle``) the largest divisor of the batch below it; the fixed dp if it fits."""
+    if fixed is not None:
+        ok = fixed <= most and batch % fixed == 0 and (fixed == most or idle)
+        return fixed if ok else None
+    if batch % most == 0:
+        return most
+    if not idle:
+        return None
+    return max(d for d in divisors(batch) if d <= most)
 
 
 def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed, rules: dict[str, str]) -> list[int]:
@@ -102,12 +131,17 @@ def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed,
     return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
 
 
-def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None) -> list[tuple[str, int]]:
-    """(kind, chunks per rank) pairs to try: what each kind offers (``ScheduleKind.offer``), kept to
-    the constraints' kind, chunk count and stage count."""
+def _schedules(pp: int, m: int, L: int, fixed: Fixed, cuts: tuple[int, ...] | None,
+               short_pipelines: bool = False) -> list[tuple[str, int]]:
+    """(kind, chunks per rank) pairs to try: what each kind offers (``ScheduleKind.offer``, and
+    ``fallback_offer`` with ``short_pipelines``), kept to the constraints' kind, chunk count and
+    stage count."""
     stages = len(cuts) - 1 if cuts else None
     opts = [(name, v) for name, kind in KINDS.items()
             for v in kind.offer(pp, m, L, asked=fixed.kind == name, chunks=fixed.virtual_stages)]
+    if short_pipelines:
+        opts += [(name, v) for name, kind in KINDS.items() for v in kind.fallback_offer(pp, m)
+                 if (name, v) not in opts]
     if fixed.kind is not None:
         opts = [o for o in opts if o[0] == fixed.kind]
     if fixed.virtual_stages is not None:

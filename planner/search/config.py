@@ -8,7 +8,9 @@ from typing import Callable
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions, LayerCost, LayerFacts, layer_costs
+from planner.graph import ModelGraph
 from planner.plan import Predicted
+from planner.search.units import UnitTable, unit_table
 
 __all__ = ["Config", "Breakdown", "Context"]
 
@@ -49,8 +51,8 @@ class Config:
     """Indices of fully recomputed layers."""
     selective: frozenset[int] = frozenset()
     """Indices of selectively recomputed layers (matmul/attention outputs kept; disjoint from ``recompute``)."""
-    units: frozenset[int] | None = None
-    """FSDP: indices of layers that are units of their own (None: every repeated-block layer)."""
+    units: str | None = None
+    """FSDP unit selector (``planner.search.units``; None: every repeated-block layer is a unit)."""
     offload: bool = False
     """FSDP: parameter shards, gradients and optimizer states live in host memory (CPU Adam)."""
     ep: int = 1
@@ -110,9 +112,16 @@ class Breakdown:
     comm_bytes: float
     """Bytes sent per device per step, all collectives (max over pipeline ranks)."""
     model_flops: float
-    """Forward + backward FLOPs of one step of the global batch (no recompute)."""
+    """Forward + backward FLOPs of one step of the global batch (no recompute): what MFU counts."""
+    hardware_flops: float = 0.0
+    """``model_flops`` plus the forwards that full recompute runs again: what HFU counts (and what
+    Megatron-LM's published TFLOP/s count, Narayanan et al. 2021 eq. 3)."""
     devices: int
     """Devices the configuration uses."""
+    cluster_devices: int = 0
+    """Devices of the cluster (more than ``devices`` when the plan leaves some idle)."""
+    peak_flops: float = 0.0
+    """Dense peak FLOP/s of one device in the compute dtype (the MFU / HFU denominator)."""
     config: Config | None = None
     """What was costed."""
     notes: list[str] = field(default_factory=list)
@@ -129,14 +138,33 @@ class Breakdown:
 
     @property
     def tflops_per_device(self) -> float:
+        """Model TFLOP/s per device (no recompute counted)."""
         return self.model_flops / self.step_time_s / self.devices / 1e12 if self.step_time_s > 0 else 0.0
+
+    @property
+    def hardware_tflops_per_device(self) -> float:
+        """TFLOP/s per device the hardware executes, recomputed forwards included."""
+        flops = self.hardware_flops or self.model_flops
+        return flops / self.step_time_s / self.devices / 1e12 if self.step_time_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: model TFLOP/s over the device's peak in the compute dtype."""
+        return self.tflops_per_device * 1e12 / self.peak_flops if self.peak_flops > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilization: executed TFLOP/s (recompute included) over the peak."""
+        return self.hardware_tflops_per_device * 1e12 / self.peak_flops if self.peak_flops > 0 else 0.0
 
     @property
     def predicted(self) -> Predicted:
         """The prediction a Plan stores."""
         return Predicted(step_time_s=self.step_time_s, tflops_per_device=self.tflops_per_device,
+                         hardware_tflops_per_device=self.hardware_tflops_per_device, mfu=self.mfu, hfu=self.hfu,
                          memory_gib=[m / 2**30 for m in self.memory_bytes], comm_gib_per_step=self.comm_bytes / 2**30,
-                         bubble=self.bubble)
+                         bubble=self.bubble, devices_used=self.devices,
+                         notes=list(self.notes))
 
 
 class Context:
@@ -144,8 +172,13 @@ class Context:
 
     def __init__(self, facts: list[LayerFacts], cluster: Cluster, *, global_batch: int,
                  options: CostOptions, captured_dtype: str,
-                 facts_for_tp: Callable[[int], list[LayerFacts]] | None = None) -> None:
+                 facts_for_tp: Callable[[int], list[LayerFacts]] | None = None,
+                 graph: ModelGraph | None = None) -> None:
         self.facts = facts
+        self.graph = graph
+        """The captured model (module paths and parameter shapes for FSDP units); None for bare facts."""
+        self._units: dict[str | None, UnitTable] = {}
+        self._ties: dict[int, list[tuple[int, int, float]]] = {}
         """Facts without tensor parallelism (names, FLOPs, bytes are the same under any tp)."""
         self._facts_for_tp = facts_for_tp
         self._by_tp: dict[int, list[LayerFacts]] = {1: facts}
@@ -158,6 +191,22 @@ class Context:
         self.model_flops = sum(f.flops_fwd + f.flops_bwd for f in facts) * global_batch
         self.blocks = frozenset(f.index for f in facts if f.block is not None)
         self._costs: dict[tuple[int, int, str, bool], list[LayerCost]] = {}
+
+    def ties(self, tp: int) -> list[tuple[int, int, float]]:
+        """(user layer, owner layer, elements on a rank) of every tied weight a layer uses but
+        another owns, at tensor-parallel degree ``tp`` (cached)."""
+        if tp not in self._ties:
+            self._ties[tp] = [(f.index, owner, count / (tp if f.tp.sharded and tp > 1 else 1))
+                              for f in self.facts_for(tp) for owner, count in f.tied]
+        return self._ties[tp]
+
+    def units(self, text: str | None) -> UnitTable:
+        """The FSDP unit table for selector ``text`` (None: the repeated blocks), cached."""
+        if text not in self._units:
+            f = self.facts
+            self._units[text] = unit_table(self.graph, [x.name for x in f], [x.block for x in f],
+                                           [x.params for x in f], text)
+        return self._units[text]
 
     def facts_for(self, tp: int) -> list[LayerFacts]:
         """Facts with the tensor-parallel rules used at degree ``tp``."""

@@ -15,34 +15,34 @@ Order of work (all deterministic):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Callable, Union
 
-from planner.cluster import Cluster
-from planner.cost import CostOptions, LayerCost, layer_facts
-from planner.cost_comm import all_gather_time, all_reduce_time
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes
-from planner.graph import ModelGraph
-from planner.plan import Plan, PlanError
-from planner.schedule_cost import in_flight, pipeline_time
-from planner.schedule_kinds import KINDS
-from planner.search.config import Breakdown, Config, Context
-from planner.search.evaluate import choose_recompute, evaluate, fsdp_buffer_terms, stage_cuts_even
-from planner.search.partition import SegmentModel, partition
-from planner.search.result import (Candidate, NoCompilablePlan, NoFeasiblePlan, SearchResult, build_plan,
-                                   infeasible_message, loss_reason)
-from planner.search.candidates import enumerate_configs
-from planner.search.space import Fixed, parse_constraints
-from planner.search.tp import default_tp_rules
-from planner.tp_styles import TPRules as DetectedRules
-from planner.selectors import parse_selector
+from dataclasses import dataclass, field
 
-__all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective"]
+from planner.cluster import Cluster, default_compute_dtype
+from planner.cost import CostOptions, layer_facts
+from planner.graph import ModelGraph
+from planner.plan import DTYPES, Plan, PlanError
+from planner.schedule_kinds import KINDS
+from planner.search.bounds import Totals, bounds, tied_elements
+from planner.search.candidates import enumerate_configs
+from planner.search.config import Breakdown, Config, Context
+from planner.search.infeasible import no_feasible_plan
+from planner.search.notes import plan_notes
+from planner.search.partition import cut_and_cost
+from planner.search.result import Candidate, NoCompilablePlan, SearchResult, build_plan, loss_reason
+from planner.search.space import parse_constraints
+from planner.search.tp import default_tp_rules
+from planner.selectors import parse_selector
+from planner.tp_styles import TPRules as DetectedRules
+
+__all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective", "compute_dtype"]
 
 Progress = Callable[[int, int, "float | None"], None]
 _DP_ORDER = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
 
@@ -91,7 +91,8 @@ def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rule
         cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
         options = CostOptions.for_runtime(cluster) if cpu else CostOptions()
     return Context(layer_facts(graph, {}), cluster, global_batch=global_batch, options=options,
-                   captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)))
+                   captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)),
+                   graph=graph)
 
 
 def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
@@ -137,179 +138,119 @@ def fixed_selective(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
     return fixed_recompute(ctx, recompute, "selective")
 
 
-class _Totals:
-    """Sums over one layer-cost list, for the lower bounds."""
-
-    def __init__(self, costs: list[LayerCost], rec: frozenset[int] | None,
-                 sel: frozenset[int] = frozenset()) -> None:
-        if rec is not None:  # a fixed recompute set: fold it in, nothing more to recompute
-            costs = _apply_recompute(costs, rec, sel)
-        self.time = sum(c.fwd + c.bwd for c in costs)
-        self.max_layer = max(c.fwd + c.bwd for c in costs)
-        self.params = sum(c.params for c in costs)
-        self.experts = sum(c.experts for c in costs)
-        self.act = sum(c.act for c in costs)
-        self.min_act = sum(min(c.act, c.act_recompute) for c in costs)
-        self.rec_time = sum(c.fwd for c in costs if c.act > c.act_recompute)
-        freed = self.act - self.min_act
-        self.rho = self.rec_time / freed if freed > 0 else 0.0
-        self._costs = costs
-        self._buffers: dict[tuple[str, bool, bool, int], tuple[float, float]] = {}
-
-    def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float]:
-        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp)
-        if key not in self._buffers:
-            self._buffers[key] = fsdp_buffer_terms(ctx, cfg, self._costs)
-        return self._buffers[key]
-
-
-def fluid_bottleneck(tot: _Totals, flights: list[float], per_param: float, cap: float) -> float:
-    """Lower estimate of the slowest rank's microbatch time when memory forces recompute.
-
-    Relaxation: rank r takes a fraction x_r of the model (fractions, not whole layers; the model
-    treated as uniform), so it holds ``x_r·(s·P + f_r·A)`` bytes (s = state bytes per parameter,
-    f_r microbatches in flight) and must free the excess by recomputing at ``rho`` seconds per
-    byte: ``t_r = x_r·T + rho·max(0, x_r·(s·P + f_r·A) - cap)/f_r``, at most everything. The
-    smallest t with Σ_r x_r(t) >= 1 bounds the bottleneck from below for uniform layers. Ranks are
-    grouped by in-flight count (rounded down to a power of two, which only loosens the bound).
-    Returns inf when even full recompute cannot fit the model."""
-    groups: dict[float, int] = {}
-    for f in flights:
-        key = float(2 ** int(math.log2(f))) if f >= 1 else f
-        groups[key] = groups.get(key, 0) + 1
-    T, P, A, A_min, rho = tot.time, tot.params, tot.act, tot.min_act, tot.rho
-    rows = []
-    for f, n in groups.items():
-        full = per_param * P + f * A_min
-        x_max = cap / full if full > 0 else math.inf
-        mem = per_param * P + f * A
-        x_free = cap / mem if mem > 0 else math.inf
-        rows.append((n, f, x_max, x_free, mem))
-    if sum(n * x_max for n, _, x_max, _, _ in rows) < 1.0:
-        return math.inf
-
-    def share(t: float) -> float:
-        total = 0.0
-        for n, f, x_max, x_free, mem in rows:
-            x = t / T if T > 0 else math.inf
-            if x > x_free:
-                x = (t + rho * cap / f) / (T + rho * mem / f)
-            total += n * min(x, x_max)
-        return total
-
-    lo, hi = T / len(flights), T + tot.rec_time
-    if share(hi) < 1.0:
-        return math.inf
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if share(mid) >= 1.0:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-4 * hi:
-            break
-    return lo
-
-
 def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
                top_k: int = 3, progress: Progress | None = None, tp_rules: TPRules | None = None,
-               options: CostOptions | None = None, compiles: Compiles | None = None) -> SearchResult:
+               options: CostOptions | None = None, dtype: str | None = None,
+               use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
     start = time.perf_counter()
     fixed = parse_constraints(constraints)  # type: ignore[arg-type]
     if fixed.global_batch is not None and fixed.global_batch != global_batch:
         raise PlanError([f"schedule.global_batch: the constraints were made for a global batch of "
                          f"{fixed.global_batch}, but the search is for {global_batch}; drop it or search for "
                          f"{fixed.global_batch}"], source="constraints")
+    fixed.param_dtype = compute_dtype(fixed.param_dtype, dtype, cluster)
     rules = rules_function(graph, fixed.tp_rules if fixed.tp_rules is not None else tp_rules)
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)
     cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
     rec = fixed_recompute(ctx, fixed.recompute) if fixed.recompute is not None else None
     sel = fixed_selective(ctx, fixed.recompute) if fixed.recompute is not None else frozenset()
-    cands, notes = enumerate_configs(graph, ctx, fixed, rules, cuts)
+    idle = not use_all_devices
+    cands, notes = enumerate_configs(graph, ctx, fixed, rules, cuts, idle=idle)
+    found = _explore(ctx, cands, cuts, rec, sel, top_k, progress)
+    if not found.best:  # nothing with m >= pp: pipelines shorter in microbatches than in stages
+        more, more_notes = enumerate_configs(graph, ctx, fixed, rules, cuts, idle=idle, short_pipelines=True)
+        known = set(cands)
+        extra = [c for c in more if c not in known]
+        if extra:
+            cands, notes = cands + extra, notes + more_notes
+            found = _explore(ctx, cands, cuts, rec, sel, top_k, progress)
     if not cands:
         raise PlanError(["no configuration satisfies the constraints: " + "; ".join(notes or ["(none enumerated)"])],
                         source="search")
-    totals: dict[tuple[int, int, str, bool], _Totals] = {}
-    bounded: list[tuple[float, tuple[object, ...], Config, float]] = []
-    mem_fail: list[tuple[float, Config]] = []
-    for cfg in cands:
-        key = (cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
-        if key not in totals:
-            totals[key] = _Totals(ctx.costs(*key), rec, sel)
-        lb, mem_lb = _bounds(ctx, cfg, totals[key])
-        if mem_lb > ctx.cap or math.isinf(lb):
-            mem_fail.append((mem_lb - ctx.cap, cfg))
-            continue
-        order: tuple[object, ...] = (KINDS[cfg.kind].order, _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.microbatches, cfg.v,
-                 cfg.pp, cfg.tp)
-        bounded.append((lb, order, cfg, mem_lb))
-    bounded.sort(key=lambda x: (x[0], x[1]))
-    found = _branch_and_bound(ctx, bounded, top_k + 1, cuts, rec, sel, progress=progress)
-    best, closest, evaluated = found.best, found.closest, found.evaluated
-    total = len(cands)
-    if not best:
-        closest = _closest(ctx, mem_fail, closest, cuts, rec, sel)
-        fixes = _fixed_notes(fixed)
-        offloaded = None
-        if not fixed.offload and fixed.dp_kind in (None, "fsdp") and isinstance(constraints, (dict, type(None))):
-            try:
-                with_offload = dict(constraints or {})
-                with_offload["data_parallel"] = {**with_offload.get("data_parallel", {}), "kind": "fsdp",
-                                                 "offload": True}
-                offloaded = run_search(graph, cluster, global_batch=global_batch, constraints=with_offload,
-                                       top_k=0, tp_rules=tp_rules, options=options).best
-            except PlanError:
-                offloaded = None
-        msg, short = infeasible_message(ctx, closest, total_params=graph.num_parameters,
-                                        param_dtype=fixed.param_dtype or "fp32", fixed_notes=fixes,
-                                        offloaded=offloaded)
-        raise NoFeasiblePlan(msg, shortfall_bytes=short)
+    if not found.best:
+        raise no_feasible_plan(ctx, graph, fixed, found.mem_fail, found.closest, cuts, rec, sel)
+    ranked = sorted(found.best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
+    win = ranked[0][2]
+    full = _best_on_all_devices(ctx, found, cuts, rec, sel) if win.devices < cluster.devices else None
+    if full is None and win.devices < cluster.devices:  # perhaps only pipelines shorter than their stages fill them
+        more, _ = enumerate_configs(graph, ctx, fixed, rules, cuts, short_pipelines=True)
+        n = cluster.devices
+        full = _best_on_all_devices(ctx, _explore(ctx, [c for c in more if c.pp * c.dp * c.tp == n], cuts, rec, sel,
+                                                  0, None), cuts, rec, sel)
 
     def plan_of(b: Breakdown) -> Plan:
         assert b.config is not None
-        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=fixed.units)
+        b.notes.extend(plan_notes(ctx, b, idle_reason=_idle_reason(ctx, b, full)))
+        plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=b.config.units or fixed.units)
         plan.batch_norm = fixed.batch_norm or plan.batch_norm
         return plan
 
     if compiles is None:
-        ranked = sorted(best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
-        win = ranked[0][2]
         out = [Candidate(plan=plan_of(b), breakdown=b, reason="" if b is win else loss_reason(b, win))
                for _, _, b in ranked]
-        return SearchResult(best=out[0], runners_up=out[1:], considered=total, evaluated=evaluated,
+        return SearchResult(best=out[0], runners_up=out[1:], considered=len(cands), evaluated=found.evaluated,
                             elapsed_s=time.perf_counter() - start)
-    accepted, refused, more = _check_compiles(ctx, bounded, best, top_k, cuts, rec, sel, plan_of, compiles)
-    evaluated += more
+    accepted, refused, extra_costed = _check_compiles(ctx, cands, found, top_k, cuts, rec, sel, plan_of, compiles)
     if not accepted:
         raise NoCompilablePlan(refused)
     win = accepted[0].breakdown
     for c in accepted[1:]:
         c.reason = loss_reason(c.breakdown, win)
-    return SearchResult(best=accepted[0], runners_up=accepted[1:], refused=refused, considered=total,
-                        evaluated=evaluated, elapsed_s=time.perf_counter() - start)
+    return SearchResult(best=accepted[0], runners_up=accepted[1:], refused=refused, considered=len(cands),
+                        evaluated=found.evaluated + extra_costed, elapsed_s=time.perf_counter() - start)
 
 
-@dataclasses.dataclass
+def compute_dtype(fixed: str | None, asked: str | None, cluster: Cluster) -> str:
+    """The compute dtype: the constraints' ``data_parallel.param_dtype`` or ``dtype=`` (which must
+    agree), else :func:`planner.cluster.default_compute_dtype` (mixed precision on GPUs)."""
+    if asked is not None and asked != "auto":
+        asked = DTYPE_NAMES.get(asked, asked)
+        if asked not in DTYPES:
+            raise PlanError([f"dtype: {asked!r} is not one of {', '.join(DTYPES)} (or auto)"], source="search")
+        if fixed is not None and fixed != asked:
+            raise PlanError([f'dtype: {asked!r}, but the constraints fix data_parallel.param_dtype "{fixed}"; '
+                             "give one of them, or make them agree"], source="constraints")
+        return asked
+    return fixed or default_compute_dtype(cluster)
+
+
+@dataclass
 class _Found:
-    """What one branch-and-bound pass over the bounded configurations kept."""
+    """What one pass of branch and bound found."""
 
-    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]]
-    """Best costed configuration per mesh (pp, dp, tp): (step time, tie-break order, breakdown)."""
-    closest: Breakdown | None
-    """The costed configuration that missed memory by the least (for the infeasible message)."""
-    evaluated: int
-
-
-def _branch_and_bound(ctx: Context, bounded: list[tuple[float, tuple[object, ...], Config, float]], keep: int,
-                      cuts: tuple[int, ...] | None, rec: frozenset[int] | None, sel: frozenset[int], *,
-                      progress: Progress | None = None,
-                      skip: frozenset[tuple[int, int, int]] = frozenset()) -> _Found:
-    """Cost configurations in bound order until no bound can beat the ``keep`` best meshes; meshes
-    in ``skip`` (refused by the compile check) are passed over."""
-    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = {}
+    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]] = field(default_factory=dict)
+    """Per mesh (pp, dp, tp): (step time, tie-break order, breakdown) of its best plan that fits."""
+    bounded: list[tuple[float, tuple[object, ...], Config, float]] = field(default_factory=list)
+    """(time bound, order, configuration, memory bound) of everything whose memory bound fits, best bound first."""
+    mem_fail: list[tuple[float, Config]] = field(default_factory=list)
+    """(bytes over, configuration) of those whose memory bound does not fit."""
     closest: Breakdown | None = None
-    evaluated = 0
-    for n, (lb, order, cfg, _) in enumerate(bounded):  # noqa: B007 - order is the tie-break key
+    """The costed configuration that missed the memory cap by the least."""
+    evaluated: int = 0
+
+
+def _explore(ctx: Context, cands: list[Config], cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+             sel: frozenset[int], top_k: int, progress: Progress | None,
+             skip: frozenset[tuple[int, int, int]] = frozenset()) -> _Found:
+    """Bound every candidate, then cost them best bound first until no bound can beat the
+    ``top_k + 1`` best meshes (module docstring, steps 2-4); meshes (pp, dp, tp) in ``skip``
+    (refused by the compile check) are passed over."""
+    found = _Found()
+    totals: dict[tuple[int, int, str, bool], Totals] = {}
+    for cfg in cands:
+        key = (cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+        if key not in totals:
+            totals[key] = Totals(ctx.costs(*key), rec, sel)
+            totals[key].tied = tied_elements(ctx, cfg.tp)
+        lb, mem_lb = bounds(ctx, cfg, totals[key])
+        if mem_lb > ctx.cap or math.isinf(lb):
+            found.mem_fail.append((mem_lb - ctx.cap, cfg))
+            continue
+        found.bounded.append((lb, _order(cfg), cfg, mem_lb))
+    found.bounded.sort(key=lambda x: (x[0], x[1]))
+    keep = top_k + 1
+    best = found.best
+    for n, (lb, order, cfg, _) in enumerate(found.bounded):
         times = sorted(v[0] for v in best.values())
         threshold = times[keep - 1] if len(times) >= keep else float("inf")
         if lb >= threshold:
@@ -318,26 +259,61 @@ def _branch_and_bound(ctx: Context, bounded: list[tuple[float, tuple[object, ...
         if mesh in skip or (mesh in best and lb >= best[mesh][0]):
             continue
         if progress is not None and n % 64 == 0:
-            progress(n, len(bounded), times[0] if times else None)
-        evaluated += 1
-        b = _cost(ctx, cfg, cuts, rec, sel)
+            progress(n, len(found.bounded), times[0] if times else None)
+        found.evaluated += 1
+        b = cut_and_cost(ctx, cfg, cuts, rec, sel)
         if b is None:
             continue
         if not b.fits:
-            if closest is None or b.shortfall < closest.shortfall:
-                closest = b
+            if found.closest is None or b.shortfall < found.closest.shortfall:
+                found.closest = b
             continue
         if mesh not in best or (b.step_time_s, order) < best[mesh][:2]:
             best[mesh] = (b.step_time_s, order, b)
     if progress is not None:
-        progress(len(bounded), len(bounded), min((v[0] for v in best.values()), default=None))
-    return _Found(best=best, closest=closest, evaluated=evaluated)
+        progress(len(found.bounded), len(found.bounded), min((v[0] for v in best.values()), default=None))
+    return found
 
 
-def _check_compiles(ctx: Context, bounded: list[tuple[float, tuple[object, ...], Config, float]],
-                    best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]], top_k: int, cuts: tuple[int, ...] | None, rec: frozenset[int] | None, sel: frozenset[int],
-                    plan_of: Callable[[Breakdown], Plan], compiles: Compiles,
-                    ) -> tuple[list[Candidate], list[Candidate], int]:
+def _order(cfg: Config) -> tuple[object, ...]:
+    """Tie-break among equally fast plans: the simpler schedule, the less sharded kind, fewer parts."""
+    return (KINDS[cfg.kind].order, _DP_ORDER[cfg.dp_kind], not cfg.reshard, cfg.sp, cfg.units is not None,
+            cfg.microbatches, cfg.v, cfg.pp, cfg.tp)
+
+
+def _best_on_all_devices(ctx: Context, found: _Found, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+                         sel: frozenset[int]) -> Breakdown | None:
+    """The fastest plan ``found`` has that uses every device (costed now if branch and bound skipped
+    it: the best bound that fits), or None."""
+    n = ctx.cluster.devices
+    full = [x for x in found.best.values() if x[2].devices == n]
+    if full:
+        return min(full, key=lambda x: (x[0], x[1]))[2]
+    for _, _, cfg, _ in found.bounded:  # best bound first
+        if cfg.pp * cfg.dp * cfg.tp == n:
+            b = cut_and_cost(ctx, cfg, cuts, rec, sel)
+            if b is not None and b.fits:
+                return b
+    return None
+
+
+def _idle_reason(ctx: Context, b: Breakdown, full: Breakdown | None) -> str:
+    """Why a plan that leaves devices idle does not use them all: the best plan on every device and
+    what makes it slower, or why there is none."""
+    n = ctx.cluster.devices
+    if b.devices >= n:
+        return ""
+    if full is None or full.config is None:
+        return (f"no plan on all {n} devices fits: a data-parallel degree must divide the global batch of "
+                f"{ctx.global_batch}, and the meshes that do fill {n} devices need more memory than there is")
+    c = full.config
+    return (f"the best plan on all {n} devices (pp={c.pp} dp={c.dp} tp={c.tp} {KINDS[c.kind].label(c.v)} "
+            f"m={c.microbatches}) is {loss_reason(full, b)}")
+
+
+def _check_compiles(ctx: Context, cands: list[Config], found: _Found, top_k: int, cuts: tuple[int, ...] | None,
+                    rec: frozenset[int] | None, sel: frozenset[int], plan_of: Callable[[Breakdown], Plan],
+                    compiles: Compiles) -> tuple[list[Candidate], list[Candidate], int]:
     """The winner and up to ``top_k`` runners-up that ``compiles`` accepts, best first, the
     candidates it refused (with its reason) in the order they were checked, and how many more
     configurations were costed to find them.
@@ -352,6 +328,7 @@ def _check_compiles(ctx: Context, bounded: list[tuple[float, tuple[object, ...],
     refused: list[Candidate] = []
     skip: set[tuple[int, int, int]] = set()
     evaluated = 0
+    best = found.best
     while True:
         for _, _, b in sorted(best.values(), key=lambda v: (v[0], v[1])):
             assert b.config is not None
@@ -369,122 +346,8 @@ def _check_compiles(ctx: Context, bounded: list[tuple[float, tuple[object, ...],
                     return accepted, refused, evaluated
         if accepted:
             return accepted, refused, evaluated
-        found = _branch_and_bound(ctx, bounded, top_k + 1, cuts, rec, sel, skip=frozenset(skip))
-        evaluated += found.evaluated
-        if not found.best:
+        again = _explore(ctx, cands, cuts, rec, sel, top_k, None, skip=frozenset(skip))
+        evaluated += again.evaluated
+        if not again.best:
             return accepted, refused, evaluated
-        best = found.best
-
-
-def _cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
-          sel: frozenset[int] = frozenset()) -> Breakdown | None:
-    """Cut, choose recompute, cost. None when no cut fits (the segment model says so)."""
-    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
-    if cuts is None:
-        model = SegmentModel(ctx, cfg, _apply_recompute(costs, rec, sel) if rec is not None else costs)
-        bottleneck, found = partition(model)
-        if not found:
-            return None
-        cuts = found
-    cfg = dataclasses.replace(cfg, cuts=cuts, selective=sel)
-    cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
-    return evaluate(ctx, cfg)
-
-
-
-
-
-def _apply_recompute(costs: list[LayerCost], rec: frozenset[int], sel: frozenset[int] = frozenset()) -> list[LayerCost]:
-    """Costs with a fixed recompute map (full ``rec``, selective ``sel``) folded in, and no further
-    recompute possible."""
-    out = []
-    for i, c in enumerate(costs):
-        if i in rec:
-            c = dataclasses.replace(c, bwd=c.bwd + c.fwd, act=c.act_recompute)
-        elif i in sel:
-            c = dataclasses.replace(c, bwd=c.bwd + c.rec_selective, act=c.act_selective)
-        out.append(dataclasses.replace(c, act_recompute=c.act))
-    return out
-
-
-def _closest(ctx: Context, mem_fail: list[tuple[float, Config]], closest: Breakdown | None,
-             cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
-             sel: frozenset[int] = frozenset()) -> Breakdown | None:
-    """Exact shortfall of the configurations whose memory bound failed by the least."""
-    L = len(ctx.facts)
-    for _, cfg in sorted(mem_fail, key=lambda x: x[0])[:8]:
-        stages = cfg.pp * cfg.v
-        if stages > L:
-            continue
-        c = dataclasses.replace(cfg, cuts=cuts or stage_cuts_even(L, stages))
-        costs = ctx.costs(c.tp, ctx.micro(c), c.param_dtype, c.sp)
-        all_rec = frozenset(i for i, x in enumerate(costs) if x.act > x.act_recompute)
-        b = evaluate(ctx, dataclasses.replace(c, recompute=rec if rec is not None else all_rec, selective=sel))
-        if closest is None or b.shortfall < closest.shortfall:
-            closest = b
-    return closest
-
-
-def _fixed_notes(fixed: Fixed) -> list[str]:
-    notes = []
-    if fixed.recompute is not None:
-        notes.append("let the planner recompute (the constraints fix the recompute map)")
-    if fixed.dp_kind is not None and fixed.dp_kind != "fsdp":
-        notes.append(f'shard states with data_parallel.kind "fsdp" (the constraints fix "{fixed.dp_kind}")')
-    if fixed.tp is not None or fixed.pp is not None:
-        notes.append("let the planner choose mesh.tp / mesh.pp (the constraints fix them)")
-    return notes
-
-
-def _bounds(ctx: Context, cfg: Config, tot: _Totals) -> tuple[float, float]:
-    """(lower bound on step time, lower bound on the fullest rank's memory)."""
-    pp, m, v = cfg.pp, cfg.microbatches, cfg.v
-    per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                  optimizer=ctx.options.optimizer)
-    params = tot.params / pp
-    if cfg.ep > 1 and tot.experts:  # split over ep, kept whole on dp: an average state cost per element
-        whole = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                  optimizer=ctx.options.optimizer)
-        share = tot.experts / tot.params
-        per_param = (1 - share) * per_param + share * whole
-    state_per_param = per_param
-    if cfg.offload:  # states on the host: the device holds none, the host must hold a rank's share
-        per_param = 0.0
-        if state_per_param * params > ctx.host_cap:
-            return math.inf, ctx.cap * 1.0000001
-    dp_params = params - (tot.experts / pp if cfg.ep > 1 else 0.0)  # what the dp axis gathers and reduces
-    extra, fixed_bytes = tot.buffers(ctx, cfg)
-    mem_lb = (per_param + extra) * params + tot.min_act / pp + fixed_bytes
-    flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
-    t = max(tot.max_layer, fluid_bottleneck(tot, flights, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
-    c = ctx.cluster
-    if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):  # per-microbatch traffic of the rank's share
-        bw, lat = c.link(cfg.tp * cfg.dp)
-        bw *= c.efficiency.network
-        gathers = 2 if cfg.reshard else 1
-        comm = (gathers * all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
-                + all_gather_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat))
-        if cfg.offload:
-            comm += (gathers * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * dp_params / cfg.dp / c.host_bandwidth
-        t = max(t, comm) if ctx.options.overlap_fsdp and cfg.prefetch else t + comm
-    if math.isinf(t):
-        return t, max(mem_lb, ctx.cap * 1.0000001)
-    pipe = pipeline_time(cfg.kind, [t] * pp, m, v=v)
-    share = c.core_share
-    if share > 1.0:  # ranks time-sharing cores: see evaluate.shared_core_pipeline_time
-        pipe = max(pipe / share, m * tot.time / pp)
-    opt_bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
-    tail = 2 * state_per_param * params / (opt_bw * c.efficiency.memory)
-    bw, lat = c.link(cfg.tp * cfg.dp)
-    bw *= c.efficiency.network
-    if cfg.dp > 1 and not ctx.options.overlap_dp:
-        if cfg.dp_kind == "ddp":
-            tail += all_reduce_time(dp_params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=bw, latency=lat)
-    if cfg.dp > 1 and cfg.dp_kind in ("zero1", "zero2"):
-        tail += all_gather_time(dp_params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=bw, latency=lat)
-    return pipe + tail, mem_lb
-
-
-# The fluid bound ignores the discreteness of layers; give it 2% more memory than the cap so that
-# a heterogeneous mix (embedding, head) cannot make it overshoot the true optimum.
-_FLUID_SLACK = 1.02
+        best = again.best

@@ -22,19 +22,23 @@ evenly by its ``v`` chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 from planner.cost import LayerCost
-from planner.cost_comm import all_gather_time, p2p_time, reduce_scatter_time
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.cost_memory import model_state_bytes
 from planner.schedule_cost import in_flight, stage_placement
-from planner.search.config import Config, Context
-from planner.search.evaluate import fsdp_buffer_terms
-from planner.search.expert_cost import expert_comm
+from planner.search.bounds import apply_recompute
+from planner.search.config import Breakdown, Config, Context
+from planner.search.dp_cost import dp_bound_affine
+from planner.search.expert_cost import expert_comm, expert_matmul_extra
+from planner.search.evaluate import evaluate
+from planner.search.memory import choose_recompute, fsdp_buffer_terms
+from planner.search.ranks import stage_send
 
-__all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition"]
+__all__ = ["SegmentModel", "partition_dp", "partition_fast", "partition", "cut_and_cost"]
 
 INF = math.inf
 _BIG = 1e300  # any finite segment time
@@ -71,7 +75,8 @@ class SegmentModel:
                                            optimizer=ctx.options.optimizer)
         # expert parallelism: a layer's experts are E/ep of them kept whole on dp, so their states
         # cost ddp/ep per element instead of the kind's; count them as that many plain elements
-        a2a = [expert_comm(ctx, cfg, costs, [i])[0] for i in range(len(costs))]
+        a2a = [expert_comm(ctx, cfg, costs, [i])[0] + expert_matmul_extra(ctx, cfg, costs, [i])
+               for i in range(len(costs))]
         ratio = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=ctx.options.optimizer) / self.per_param if cfg.ep > 1 else 1.0
         eq = [c.params - c.experts + c.experts * ratio if cfg.ep > 1 else c.params for c in costs]
@@ -89,32 +94,37 @@ class SegmentModel:
         self.host_per_param = 0.0
         if cfg.offload:  # states live on the host; the device keeps only unshard buffers
             self.host_per_param, self.per_param = self.per_param, 0.0
-        extra, self.buffers = fsdp_buffer_terms(ctx, cfg, costs)
+        extra, self.buffers, _ = fsdp_buffer_terms(ctx, cfg, costs)
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
-        c = ctx.cluster
-        bw, lat = c.link(cfg.tp * cfg.dp * cfg.pp)
-        self.pp_bw, self.pp_lat = bw * c.efficiency.network, lat
-        dbw, dlat = c.link(cfg.tp * cfg.dp)
-        self.dp_bw, self.dp_lat = dbw * c.efficiency.network, dlat
+        self.sends = [0.0 if ctx.options.overlap_p2p else stage_send(ctx, cfg, c.output)[0] for c in costs]
+        self.comm0, self.comm1, self.overlapped = dp_bound_affine(ctx, cfg)
+
+        # per stage: microbatches in flight, and whether it sends to / receives from another rank
+        self.stage_flight = [self.flight[self.placement[k]] for k in range(self.S)]
+        self.sends_out = [k + 1 < self.S and self.placement[k + 1] != self.placement[k] for k in range(self.S)]
+        self.sends_in = [k > 0 and self.placement[k - 1] != self.placement[k] for k in range(self.S)]
+        self.fixed = self.buffers / cfg.v
+        self.host_cap = ctx.host_cap
 
     def params(self, s: int, e: int) -> float:
         total = self.p.params[e] - self.p.params[s]
-        seen: set[int] = set()
-        for i, owner, n in self.tied:
-            if s <= i < e and owner < s and owner not in seen:
-                seen.add(owner)
-                total += n
+        if self.tied:
+            seen: set[int] = set()
+            for i, owner, n in self.tied:
+                if s <= i < e and owner < s and owner not in seen:
+                    seen.add(owner)
+                    total += n
         return total
 
     def time(self, s: int, e: int, k: int) -> float:
         """Seconds of segment [s, e) as stage k for one microbatch, or inf if it cannot fit."""
-        cfg, p = self.cfg, self.p
-        flight = self.flight[self.placement[k]]
+        p = self.p
+        flight = self.stage_flight[k]
         params = self.params(s, e)
-        if self.host_per_param * params > self.ctx.host_cap:
+        if self.host_per_param and self.host_per_param * params > self.host_cap:
             return INF
-        mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.buffers / cfg.v
+        mem = self.per_param * params + flight * (p.act[e] - p.act[s]) + self.fixed
         t = p.t[e] - p.t[s]
         if mem > self.cap:
             n = p.n[e] - p.n[s]
@@ -126,22 +136,13 @@ class SegmentModel:
             if count > n:
                 return INF
             t += count * (p.f[e] - p.f[s]) / n
-        if not self.ctx.options.overlap_p2p:
-            if k + 1 < self.S and self.placement[k + 1] != self.placement[k]:
-                t += p2p_time(self.costs[e - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-            if k > 0 and self.placement[k - 1] != self.placement[k]:
-                t += p2p_time(self.costs[s - 1].output, bandwidth=self.pp_bw, latency=self.pp_lat)
-        if cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload):
-            ag = all_gather_time(params * DTYPE_BYTES[cfg.param_dtype], cfg.dp, bandwidth=self.dp_bw,
-                                 latency=self.dp_lat)
-            rs = reduce_scatter_time(params * DTYPE_BYTES[cfg.reduce_dtype], cfg.dp, bandwidth=self.dp_bw,
-                                     latency=self.dp_lat)
-            units = (self.p.n[e] - self.p.n[s]) + 1  # ~ one unit per block layer, plus the root
-            comm = (2 if cfg.reshard else 1) * ag + rs + 3 * (units - 1) * (cfg.dp - 1) * self.dp_lat
-            if cfg.offload:
-                comm += ((2 if cfg.reshard else 1) * 4 + DTYPE_BYTES[cfg.reduce_dtype]) * params / cfg.dp \
-                    / self.ctx.cluster.host_bandwidth
-            t = max(t, comm) if self.ctx.options.overlap_fsdp and cfg.prefetch else t + comm
+        if self.sends_out[k]:
+            t += self.sends[e - 1]
+        if self.sends_in[k]:
+            t += self.sends[s - 1]
+        if self.comm1 and params > 0:  # FSDP gathers / ZeRO-2 reduce-scatters of the segment, one collective each
+            comm = self.comm0 + self.comm1 * params
+            t = max(t, comm) if self.overlapped else t + comm
         return t
 
 
@@ -213,12 +214,104 @@ def partition_fast(seg: SegFn, n_layers: int, stages: int, *, lower: float = 0.0
     return hi, cuts
 
 
+def _last_fit(seg: SegFn, s: int, lo: int, hi: int, k: int, limit: float) -> int:
+    """Largest e in [lo, hi] with seg(s, e, k) <= limit (lo - 1 if none)."""
+    if lo > hi or not seg(s, lo, k) <= limit:
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seg(s, mid, k) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _first_start(seg: SegFn, e: int, lo: int, k: int, limit: float) -> int:
+    """Smallest s in [lo, e-1] with seg(s, e, k) <= limit (e if none)."""
+    hi = e - 1
+    if hi < lo or not seg(hi, e, k) <= limit:
+        return e
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seg(mid, e, k) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def balanced_cuts(seg: SegFn, prefix: list[float], n_layers: int, stages: int, limit: float) -> tuple[int, ...] | None:
+    """Among the cuts whose every stage takes at most ``limit`` (the optimal bottleneck), the one
+    whose stage ends stay closest to the even split of the total time (``prefix``: cumulative
+    layer times). Min-max alone leaves every stage but the slowest free, and a greedy fill then
+    packs the first stages to the limit and leaves the last layers (a final norm, the head) alone on
+    stages of their own; this keeps them with their neighbours. O(S·log L) segment evaluations:
+    a backward greedy gives, per stage, the earliest end from which the rest still fits."""
+    L, S = n_layers, stages
+    limit = min(limit * (1 + 1e-9), _BIG)
+    earliest = [L] * (S + 1)  # earliest[k]: the smallest start from which stages k..S-1 can cover the rest
+    for k in range(S - 1, -1, -1):
+        start = _first_start(seg, earliest[k + 1], k, k, limit)
+        if start >= earliest[k + 1]:
+            return None
+        earliest[k] = start
+    if earliest[0] != 0:
+        return None
+    cuts, s, total = [0], 0, prefix[L]
+    for k in range(S - 1):
+        lo = max(s + 1, earliest[k + 1])
+        hi = _last_fit(seg, s, lo, L - (S - k - 1), k, limit)
+        if hi < lo:
+            return None
+        target = total * (k + 1) / S
+        e = min(range(lo, hi + 1), key=lambda x: (abs(prefix[x] - target), x)) if hi - lo < 64 else \
+            _closest_index(prefix, target, lo, hi)
+        cuts.append(e)
+        s = e
+    cuts.append(L)
+    return tuple(cuts)
+
+
+def _closest_index(prefix: list[float], target: float, lo: int, hi: int) -> int:
+    """Index in [lo, hi] whose prefix value is closest to ``target`` (prefix is non-decreasing)."""
+    a, b = lo, hi
+    while a < b:
+        mid = (a + b) // 2
+        if prefix[mid] < target:
+            a = mid + 1
+        else:
+            b = mid
+    return min((x for x in (a - 1, a) if lo <= x <= hi), key=lambda x: (abs(prefix[x] - target), x))
+
+
 def partition(model: SegmentModel, *, exact_limit: int = 20_000) -> tuple[float, tuple[int, ...]]:
-    """Best cuts for ``model``: exact DP when S·L² <= exact_limit, else bisection."""
+    """Best cuts for ``model``: the optimal bottleneck (exact DP when S·L² <= exact_limit, else
+    bisection), then the most even cuts that keep it (:func:`balanced_cuts`)."""
     L, S = model.L, model.S
     if S == 1:
         t = model.time(0, L, 0)
         return t, ((0, L) if t < INF else ())
     if S * L * L <= exact_limit:
-        return partition_dp(model.time, L, S)
-    return partition_fast(model.time, L, S, lower=model.p.t[L] / S)
+        best, cuts = partition_dp(model.time, L, S)
+    else:
+        best, cuts = partition_fast(model.time, L, S, lower=model.p.t[L] / S)
+    if not cuts:
+        return best, cuts
+    even = balanced_cuts(model.time, model.p.t, L, S, best)
+    return best, even or cuts
+
+
+def cut_and_cost(ctx: Context, cfg: Config, cuts: tuple[int, ...] | None, rec: frozenset[int] | None,
+                 sel: frozenset[int] = frozenset()) -> Breakdown | None:
+    """Cut (unless ``cuts`` are fixed), choose the recompute set (unless ``rec`` is fixed), cost.
+    None when no cut fits (the segment model says so)."""
+    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+    if cuts is None:
+        _, found = partition(SegmentModel(ctx, cfg, apply_recompute(costs, rec, sel) if rec is not None else costs))
+        if not found:
+            return None
+        cuts = found
+    cfg = dataclasses.replace(cfg, cuts=cuts, selective=sel)
+    cfg = dataclasses.replace(cfg, recompute=rec if rec is not None else choose_recompute(ctx, cfg))
+    return evaluate(ctx, cfg)

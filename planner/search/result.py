@@ -40,8 +40,11 @@ class Candidate:
         rec = f"recompute {len(c.recompute)}" if c.recompute else "no recompute"
         rec += f", selective {len(c.selective)}" if c.selective else ""
         mesh = f"pp={c.pp} dp={c.dp} tp={c.tp}" + (f" ep={c.ep}" if c.ep > 1 else "") + (" sp" if c.sp else "")
-        return (f"{mesh} {sched} m={c.microbatches} {dp} {rec}: "
-                f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device, "
+        units = f" units {c.units}" if c.units else ""
+        idle = f" on {b.devices} of {b.cluster_devices} devices" if b.cluster_devices > b.devices else ""
+        return (f"{mesh} {sched} m={c.microbatches} {dp}{units} {c.param_dtype} {rec}{idle}: "
+                f"{b.step_time_s:.4g} s/step, {b.tflops_per_device:.3g} TFLOP/s/device "
+                f"(MFU {100 * b.mfu:.0f}%, HFU {100 * b.hfu:.0f}%), "
                 f"{max(b.memory_bytes) / GiB:.3g} GiB peak, {b.comm_bytes / GiB:.3g} GiB sent/device")
 
 

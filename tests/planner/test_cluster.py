@@ -1,5 +1,6 @@
 """Cluster presets, serialization, CPU fallback."""
 
+import dataclasses
 import json
 import os
 
@@ -73,3 +74,22 @@ def test_invalid_cluster_says_what_is_wrong():
                 peak_flops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, hbm_bandwidth=1.0, intra_bandwidth=1.0,
                 intra_latency=0.0, inter_bandwidth=1.0, inter_latency=0.0)
     assert Efficiency().to_dict()["matmul"] > 0
+
+
+@pytest.mark.parametrize("devices, nodes, last", [(6, 1, 6), (7, 1, 7), (12, 2, 4), (16, 2, 0), (1, 1, 1)])
+def test_a_preset_with_any_device_count_has_a_partial_last_node(devices, nodes, last):
+    c = Cluster.preset("a100-80gb", devices=devices)
+    assert (c.devices, c.nodes, c.last_node_devices) == (devices, nodes, last % 8)
+    assert Cluster.from_dict(c.to_dict()) == c
+    assert Cluster.from_dict({"preset": "a100-80gb", "devices": devices}) == c
+    from planner.validate import device_count
+
+    assert device_count(c.to_dict()) == devices  # what validate reads from a plan's cluster record
+
+
+def test_nodes_and_devices_must_agree():
+    assert Cluster.preset("h100", nodes=2, devices=12).devices == 12
+    with pytest.raises(ValueError, match=r"12 devices of h100-sxm-80gb \(8 per node\) take 2 node\(s\), not 3"):
+        Cluster.preset("h100", nodes=3, devices=12)
+    with pytest.raises(ValueError, match="last_node_devices must be in 0..7"):
+        dataclasses.replace(Cluster.preset("h100"), last_node_devices=8)

@@ -181,8 +181,8 @@ def test_ddp_gradient_all_reduce_after_the_flush():
     # overlapped with the backward (4 s) only the last bucket stays exposed: one bucket = everything
     over = _toy_context(params=10**8, options=CostOptions())
     b2 = evaluate(over, Config(pp=1, dp=2, tp=1, microbatches=1, cuts=(0, 2), bucket_mb=100.0))
-    # 8 buckets of 100 MiB; the last one's all-reduce: 2·1/2·104857600/1e9 s
-    assert b2.step_time_s == pytest.approx(6.0 + 104857600 / 1e9)
+    # 8e8 bytes in buckets of at most 100 MiB: 8 equal buckets of 1e8; the last one's all-reduce: 2·1/2·1e8/1e9 s
+    assert b2.step_time_s == pytest.approx(6.0 + 1e8 / 1e9)
 
 
 def test_pipeline_sends_cost_latency_plus_bytes_over_bandwidth():
@@ -211,3 +211,60 @@ def test_tp_collectives_per_layer_follow_the_rules():
     assert not facts["ln_f"].sharded
     experts = {f.name: f.tp for f in layer_facts(g, {"layers.*.mlp.up_proj": "expert"})}
     assert (experts["layers.1"].allreduce_fwd, experts["layers.1"].allreduce_bwd) == (1, 1)
+
+
+def test_hierarchical_collectives_cross_nodes_once_per_node():
+    from planner.cost_comm import (comm_group, group_all_gather_time, group_all_reduce_time,
+                                   group_all_reduce_volume, group_all_to_all_time)
+
+    c = Cluster.preset("a100-80gb", nodes=2)  # intra 300 GB/s, inter 25 GB/s per GPU; network efficiency 0.8
+    g = comm_group(c, 16)
+    assert (g.per_node, g.nodes) == (8, 2)
+    intra, inter = 300e9 * 0.8, 25e9 * 0.8
+    # reduce-scatter + all-gather inside the node, all-reduce of 1/8 of the bytes between the 2 nodes
+    want = (2 * 7 * 5e-6 + 2 * 7 / 8 * 1e9 / intra) + (2 * 1 * 10e-6 + 2 * 1 / 2 * (1e9 / 8) / inter)
+    assert group_all_reduce_time(g, 1e9) == pytest.approx(want)
+    flat = all_reduce_time(1e9, 16, bandwidth=inter, latency=10e-6)
+    assert group_all_reduce_time(g, 1e9) < flat / 5  # 15 inter-node hops of the whole buffer in a flat ring
+    assert group_all_reduce_volume(g, 1e9) == pytest.approx(2 * 7 / 8 * 1e9 + 2 * 1 / 2 * 1e9 / 8)
+    # a dp group across tp=8: one rank per node, every hop between nodes: the flat ring
+    across = comm_group(c, 2, stride=8)
+    assert (across.per_node, across.nodes) == (1, 2)
+    assert group_all_reduce_time(across, 1e9) == pytest.approx(all_reduce_time(1e9, 2, bandwidth=inter,
+                                                                               latency=10e-6))
+    # stride 2: four members per node
+    assert comm_group(c, 8, stride=2).per_node == 4
+    inside = comm_group(c, 8)
+    assert group_all_gather_time(inside, 1e9) == pytest.approx(all_gather_time(1e9, 8, bandwidth=intra,
+                                                                              latency=5e-6))
+    # all-to-all over 16: 7 shares over NVLink, 8 over the NIC
+    assert group_all_to_all_time(g, 16e6) == pytest.approx(7 * (5e-6 + 1e6 / intra) + 8 * (10e-6 + 1e6 / inter))
+
+
+def test_a_head_split_on_the_vocabulary_is_costed_with_its_loss_or_its_gather():
+    from planner.cost import layer_facts
+
+    s, h, v = 256, 512, 32000
+    g = gpt_graph(layers=2, hidden=h, heads=8, seq=s, vocab=v)
+    c = Cluster.preset("a100-80gb")
+    block = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise"}
+
+    def head(style):
+        facts = layer_facts(g, {**block, "lm_head": style} if style else block)
+        f = facts[-1]
+        return f, layer_costs(facts, c, tp=8, micro=1, compute_dtype="bf16")[-1]
+    rep_f, rep = head(None)
+    loss_f, loss = head("vocab_loss")
+    gath_f, gath = head("colwise_gather")
+    assert loss_f.tp.loss_tokens == s and loss_f.tp.gather_bytes == 0
+    assert gath_f.tp.gather_bytes == s * v * 4 and gath_f.tp.loss_tokens == 0  # fp32 logits per sample
+    # the fused loss: three all-reduces of one fp32 per token forward, and the input gradient's backward
+    intra = (300e9 * 0.8, 5e-6)
+    want = 3 * all_reduce_time(s * 4, 8, bandwidth=intra[0], latency=intra[1])
+    assert loss.tp_bytes == pytest.approx(3 * all_reduce_volume(s * 4, 8) + all_reduce_volume(s * h * 2, 8))
+    assert loss.tp_s - gath.tp_s == pytest.approx(want - all_gather_time(s * v * 2, 8, bandwidth=intra[0],
+                                                                         latency=intra[1]))
+    # splitting the head divides its compute by 8 (what is left besides the collectives)
+    assert loss.fwd - want < rep.fwd / 4
+    assert gath.fwd - loss.fwd == pytest.approx(all_gather_time(s * v * 2, 8, bandwidth=intra[0], latency=intra[1])
+                                                - want, rel=1e-6)

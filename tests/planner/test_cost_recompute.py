@@ -91,12 +91,14 @@ def test_memory_parts_sum_to_memory_and_stage_times_rebuild_rank_times(dp_kind, 
         assert sum(parts.values()) == pytest.approx(b.memory_bytes[r])
     assert (b.memory_parts[0]["buffers"] > 0) == (dp_kind == "fsdp")
     assert len(b.stage_f_s) == len(b.stage_b_s) == 2 * v
-    if dp_kind != "fsdp":  # rank time = its chunks' forward + backward + its pipeline sends
-        for r in range(2):
-            chunks = range(r, 2 * v, 2)
-            compute = sum(b.stage_f_s[k] + b.stage_b_s[k] for k in chunks)
-            assert b.rank_times_s[r] >= compute
+    for r in range(2):
+        chunks = range(r, 2 * v, 2)
+        compute = sum(b.stage_f_s[k] + b.stage_b_s[k] for k in chunks)
+        assert b.rank_times_s[r] >= compute
+        if dp_kind == "ddp":  # rank time = its chunks' forward + backward + its pipeline sends
             assert b.rank_times_s[r] - compute <= 2 * v * b.stage_comm_s * (1 + 1e-9)
+        elif dp_kind == "zero2":  # ... + each microbatch's gradient reduce-scatter beyond its backward
+            assert b.rank_times_s[r] - compute > 2 * v * b.stage_comm_s
     timeline = simulate(build_schedule(kind, pp=2, microbatches=4, virtual_stages=v), f_cost=b.stage_f_s,
                         b_cost=b.stage_b_s, comm_cost=b.stage_comm_s)
     assert timeline.makespan > 0
@@ -184,7 +186,7 @@ def test_fsdp_accumulating_unsharded_gradients_holds_them_and_reduces_once():
     c = Cluster.preset("a100-80gb")
     plan = _plan({}, pp=1, dp_kind="fsdp")  # dp 8, 4 microbatches
     plain = cost_plan(plan, g, c, validate=False, options=CostOptions(), global_batch=64)
-    acc = cost_plan(plan, g, c, validate=False, options=CostOptions(fsdp_accumulate_unsharded=True), global_batch=64)
+    acc = cost_plan(plan, g, c, validate=False, options=CostOptions(accumulate_unsharded=True), global_batch=64)
     params = plain.memory_parts[0]["parameters"] * 8 / 4  # fp32: 4 bytes per element, sharded over 8
     assert acc.memory_parts[0]["buffers"] - plain.memory_parts[0]["buffers"] == pytest.approx(params * 4)
     # one reduce-scatter of the fp32 gradients instead of four: 3 × 7/8 × 4·params bytes fewer

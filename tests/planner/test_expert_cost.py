@@ -45,8 +45,9 @@ def test_expert_parallel_memory_and_bytes(graph) -> None:
     saved = model_state_bytes(experts * 3 / 4, dp_kind="ddp", dp=4)
     assert base.memory_bytes[0] - split.memory_bytes[0] == pytest.approx(saved)
     # bytes: the experts leave the dp all-reduce (ep_rep has 1 rank), and per MoE layer the
-    # dispatch + combine rows cross the ep group forward and backward
-    rows = 2 * (BATCH // 4) * 16 * 2 * 64 * 4  # one rank's rows in and out, per layer
+    # dispatch + combine rows cross the ep group forward and backward; the busiest rank gets
+    # moe_imbalance (1.2) times the mean
+    rows = 2 * (BATCH // 4) * 16 * 2 * 64 * 4 * 1.2  # the busiest rank's rows in and out, per layer
     a2a = LAYERS * 2 * rows * 3 / 4
     allreduce = 2 * 3 / 4 * experts * 4
     assert base.comm_bytes - split.comm_bytes == pytest.approx(allreduce - a2a)
@@ -74,3 +75,36 @@ def test_report_names_the_expert_axis() -> None:
     four = render_report(Plan(mesh=Mesh(dp=4, ep=4)), None)
     assert "each rank holds its own experts, so their gradients need no all-reduce" in four
     assert "ep(" not in render_report(Plan(mesh=Mesh(dp=4)), None)
+
+
+def test_expert_matmuls_read_their_weights_and_wait_for_the_busiest_rank(graph) -> None:
+    """Few tokens per expert: the expert matmuls are bound by reading the experts' weights (once
+    forward, twice backward), which expert parallelism divides by ep; under ep the busiest rank's
+    matmuls take moe_imbalance times the mean."""
+    import dataclasses
+
+    from planner.cost import CostOptions
+    from planner.search.core import make_context
+    from planner.search.config import Config
+    from planner.search.expert_cost import expert_matmul_extra
+
+    slow_hbm = dataclasses.replace(CLUSTER, hbm_bandwidth=1e9)  # weight reads dominate
+    ctx = make_context(graph, slow_hbm, global_batch=BATCH, rules={}, options=CostOptions(moe_imbalance=1.5))
+    costs = ctx.costs(1, 2, "fp32", False)
+    moe = [i for i, c in enumerate(costs) if c.experts]
+    assert len(moe) == LAYERS and all(costs[i].expert_fwd_s > 0 and costs[i].expert_bwd_s > 0 for i in moe)
+    read = costs[moe[0]].experts * 4 / (1e9 * 0.7)  # fp32 weights at the memory efficiency
+    one = expert_matmul_extra(ctx, Config(pp=1, dp=4, tp=1, microbatches=1), costs, moe)
+    assert one == pytest.approx(LAYERS * (3 * read - costs[moe[0]].expert_fwd_s - costs[moe[0]].expert_bwd_s))
+    four = expert_matmul_extra(ctx, Config(pp=1, dp=4, tp=1, microbatches=1, ep=4), costs, moe)
+    assert four == pytest.approx(LAYERS * (3 * read / 4 - costs[moe[0]].expert_fwd_s - costs[moe[0]].expert_bwd_s))
+    # with fast memory only the imbalance is left, and only under expert parallelism
+    fast = make_context(graph, dataclasses.replace(CLUSTER, hbm_bandwidth=1e15), global_batch=BATCH, rules={},
+                        options=CostOptions(moe_imbalance=1.5))
+    fc = fast.costs(1, 2, "fp32", False)
+    assert expert_matmul_extra(fast, Config(pp=1, dp=4, tp=1, microbatches=1), fc, moe) == 0.0
+    assert expert_matmul_extra(fast, Config(pp=1, dp=4, tp=1, microbatches=1, ep=4), fc, moe) == pytest.approx(
+        0.5 * sum(fc[i].expert_fwd_s + fc[i].expert_bwd_s for i in moe))
+    # so where reading the weights dominates and the all-to-alls are cheap, the search splits the experts
+    best = search(graph, slow_hbm, global_batch=BATCH, constraints={"mesh": {"dp": 4}}).best.plan
+    assert best.mesh.ep > 1

@@ -30,7 +30,8 @@ def full_plan() -> Plan:
         recompute={"layers.[0-7]": "full", "layers.[8-15]": "selective"},
         batch_norm="local",
         predicted=Predicted(step_time_s=0.1234567890123, tflops_per_device=312.0000001, memory_gib=[71.5, 1 / 3],
-                            comm_gib_per_step=2.0 ** -20, bubble=0.1),
+                            comm_gib_per_step=2.0 ** -20, bubble=0.1, hardware_tflops_per_device=400.5, mfu=0.41,
+                            hfu=0.53, devices_used=7, notes=["bf16 compute, fp32 master weights"]),
     )
 
 

@@ -179,40 +179,50 @@ def test_tp_rules_given_as_data_replace_the_default(small):
     assert default_tp_rules(small)["wte"] == "vocab_embedding"
 
 
-def test_megatron_expert_configs_are_within_15_percent():
-    """The calibration the benchmark reports, kept honest: Table 1 rows 1, 5 and 10."""
-    from planner.cost_gpt import megatron_flops
-    from planner.search.evaluate import evaluate
+def test_megatron_runs_with_their_own_settings_are_predicted_within_10_percent():
+    """What benchmarks/planner/megatron_quality.py reports, kept honest: every Table 1 run, costed
+    with the plan it ran, against the step time its published TFLOP/s imply; 1T is the known miss
+    (+10.6%: the one matmul efficiency is low for its 25600-wide GEMMs). The search beats the run's
+    own plan under the same cost model (rows 1 and 5: one of each runtime)."""
+    from planner.api import plan_for
+    from planner.cost_gpt import TABLE1, megatron_plan
 
-    for l, h, a, tp, pp, n, B, published in [(24, 2304, 24, 1, 1, 32, 512, 137), (48, 8192, 64, 8, 2, 512, 1536, 138),
-                                             (128, 25600, 160, 8, 64, 3072, 3072, 163)]:
-        g = gpt_graph(layers=l, hidden=h, heads=a, seq=2048, vocab=51200)
-        ctx = make_context(g, Cluster.preset("a100-80gb", nodes=n // 8), global_batch=B, rules=default_tp_rules(g),
-                           options=CostOptions.megatron2021())
-        dp, per = n // (tp * pp), l // pp
-        cuts = (0, *[2 + per * k for k in range(1, pp)], l + 4)
-        rec = frozenset(i for i, f in enumerate(ctx.facts) if f.block)
-        b = evaluate(ctx, Config(pp=pp, dp=dp, tp=tp, microbatches=B // dp, param_dtype="bf16", reduce_dtype="bf16",
-                                 bucket_mb=2.0**20, cuts=cuts, recompute=rec))
-        tflops = megatron_flops(batch=B, seq=2048, layers=l, hidden=h, vocab=51200) / b.step_time_s / n / 1e12
-        assert abs(tflops / published - 1) < 0.15, (l, tflops)
+    errors = []
+    for i, run in enumerate(TABLE1):
+        g = run.graph()
+        cluster = Cluster.preset("a100-80gb", devices=run.gpus)
+        opts = CostOptions.megatron2021(torch_ddp=run.torch_ddp)
+        b = cost_plan(megatron_plan(run, g, default_tp_rules(g)), g, cluster, options=opts)
+        errors.append(b.step_time_s / run.published_step_s() - 1)
+        if i in (0, 4):
+            dtypes = {"param_dtype": "fp16", "reduce_dtype": "fp16", "bucket_mb": 25.0 if run.torch_ddp else 2.0**20}
+            ours = plan_for(g, cluster, global_batch=run.global_batch, tp_rules=default_tp_rules(g), options=opts,
+                            constraints={"data_parallel": dtypes})
+            assert ours.best.breakdown.step_time_s <= b.step_time_s
+    assert all(abs(e) <= 0.10 for e in errors[:9]), errors
+    assert abs(errors[9]) <= 0.11, errors
 
 
-def test_plan_model_entry_point_and_progress_printer(small):
+def test_plan_for_entry_point_and_progress_printer(small):
     import io
 
-    from planner.api import plan_model, progress_printer, resolve_cluster
+    from planner.api import plan_for, progress_printer, resolve_cluster
 
     assert resolve_cluster("a100-80gb:4").devices == 32
     assert resolve_cluster(2).name == "cpu" and resolve_cluster(2).devices == 2
     assert resolve_cluster({"preset": "h200"}).name == "h200"
+    assert resolve_cluster("a100-80gb", devices=6).devices == 6  # a partial node
+    assert resolve_cluster(Cluster.preset("h100", nodes=2), devices=12).last_node_devices == 4
+    assert resolve_cluster(None, devices=3) == Cluster.cpu(3)  # no GPU here: CPU ranks
+    with pytest.raises(ValueError, match=r"devices=24, but the cluster has 16 \(2 node\(s\) of 8\)"):
+        resolve_cluster(Cluster.preset("h100", nodes=2), devices=24)
     with pytest.raises(TypeError, match="cluster must be a Cluster"):
         resolve_cluster(2.5)
     out = io.StringIO()
-    r = plan_model(small, cluster=Cluster.cpu(2, memory_bytes=GiB), global_batch=4, progress=progress_printer(out))
+    r = plan_for(small, Cluster.cpu(2, memory_bytes=GiB), global_batch=4, progress=progress_printer(out))
     assert r.plan.mesh.size == 2 and r.plan.schedule.global_batch == 4
     assert "planning:" in out.getvalue() and "configurations, best" in out.getvalue()
-    assert plan_model(small, cluster=Cluster.cpu(1, memory_bytes=GiB)).plan.schedule.global_batch == small.batch_size
+    assert plan_for(small, Cluster.cpu(1, memory_bytes=GiB)).plan.schedule.global_batch == small.batch_size
 
 
 def test_tp_rules_may_depend_on_the_degree(small):
@@ -238,8 +248,8 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(monkeypatch):
     g = gpt_graph(layers=8, hidden=256, heads=8, seq=2048, vocab=1000)
     c = Cluster.from_dict({**Cluster.preset("a100-40gb").to_dict(), "memory_bytes": 512 * 2**20})
     pruned = search(g, c, global_batch=16)
-    real = core._bounds
-    monkeypatch.setattr(core, "_bounds", lambda ctx, cfg, tot: (
+    real = core.bounds
+    monkeypatch.setattr(core, "bounds", lambda ctx, cfg, tot: (
         lambda lb, mem: (lb if math.isinf(lb) else 0.0, mem))(*real(ctx, cfg, tot)))
     full = search(g, c, global_batch=16)
     assert full.evaluated > pruned.evaluated
@@ -272,3 +282,33 @@ def test_offload_is_proposed_when_nothing_else_fits_and_costed_when_asked_for():
     no_host = Cluster.from_dict({**c.to_dict(), "host_memory_bytes": 2**20})
     with pytest.raises(NoFeasiblePlan, match="with these constraints it does not fit either"):
         search(g, no_host, global_batch=4)
+
+
+def test_stage_cuts_keep_light_layers_with_their_neighbours():
+    """Six blocks, a final norm and a light head on 4 stages: the bottleneck is two blocks however
+    the rest falls; a greedy fill packs three stages with two blocks and leaves the norm and the
+    head alone on the last one. The balanced cut keeps the bottleneck and the head with a block."""
+    from planner.search.partition import balanced_cuts
+
+    t = [1.0] * 6 + [0.01, 0.5]
+    prefix = [sum(t[:i]) for i in range(len(t) + 1)]
+
+    def seg(s, e, k):
+        return sum(t[s:e])
+    best, greedy = partition_fast(seg, 8, 4, rel_tol=1e-12)
+    assert best == pytest.approx(2.0) and greedy[-2] == 6  # norm and head alone
+    cuts = balanced_cuts(seg, prefix, 8, 4, best)
+    assert max(seg(a, b, k) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))) <= best + 1e-12
+    assert cuts[-2] <= 5  # the last stage holds a block besides the norm and the head
+    for seed in range(30):  # and on random monotone costs it never loses the optimal bottleneck
+        rng = random.Random(seed)
+        L, S = rng.randint(3, 9), rng.randint(2, 4)
+        S = min(S, L)
+        seg_r = random_seg(rng, L, S)
+        want, _ = partition_dp(seg_r, L, S)
+        if want == float("inf"):
+            continue
+        pre = [seg_r(0, i, 0) if i else 0.0 for i in range(L + 1)]
+        got = balanced_cuts(seg_r, [p if p < float("inf") else 1e300 for p in pre], L, S, want)
+        assert got is not None
+        assert max(seg_r(a, b, k) for k, (a, b) in enumerate(zip(got, got[1:]))) <= want * (1 + 1e-9)

@@ -1,0 +1,121 @@
+"""Memory per pipeline rank, and the recompute choice that makes a rank fit.
+
+Parts (bytes): model states after data-parallel sharding (``planner.cost_memory``), activations
+saved by the microbatches in flight (``planner.schedule_cost.in_flight``) plus the one layer a
+recompute rebuilds, and buffers: FSDP's gathered units (``planner.search.units``) and full-size
+gradient accumulators of runtimes that accumulate unsharded (``CostOptions.accumulate_unsharded``).
+"""
+
+from __future__ import annotations
+
+from planner.cost import LayerCost
+from planner.cost_memory import DTYPE_BYTES, model_state_parts, unshard_buffer_bytes
+from planner.schedule_cost import in_flight
+from planner.search.config import Config, Context
+from planner.search.expert_cost import expert_params
+from planner.search.ranks import kept_act, rank_layers, rank_params, replicated_params
+from planner.search.units import rank_units
+
+__all__ = ["rank_memory", "rank_memory_parts", "units_on", "fsdp_buffer_terms", "choose_recompute"]
+
+
+def rank_memory(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
+                layers: list[int] | None = None, selective: frozenset[int] | None = None) -> float:
+    """Peak bytes of one pipeline rank: model states + activations in flight + recompute transient
+    + buffers (the sum of :func:`rank_memory_parts`)."""
+    return sum(rank_memory_parts(ctx, cfg, costs, rank, recompute, layers, selective).values())
+
+
+def units_on(ctx: Context, cfg: Config, costs: list[LayerCost], layers: list[int]) -> list[float]:
+    """FSDP unit sizes (elements, tp split) on a rank holding ``layers``; root last."""
+    return rank_units(ctx.units(cfg.units), [f.params for f in ctx.facts], costs, layers)
+
+
+def _fsdp(cfg: Config) -> bool:
+    return cfg.dp_kind == "fsdp" and (cfg.dp > 1 or cfg.offload)
+
+
+def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
+                      layers: list[int] | None = None,
+                      selective: frozenset[int] | None = None) -> dict[str, float]:
+    """Peak bytes of one pipeline rank by part: parameters, gradients, optimizer, activations, buffers."""
+    layers = rank_layers(cfg, rank) if layers is None else layers
+    selective = cfg.selective if selective is None else selective
+    o = ctx.options
+    params = rank_params(ctx, costs, layers, cfg.tp)
+    whole = replicated_params(ctx, cfg, costs, layers)
+    experts = expert_params(cfg, costs, layers)
+    params -= experts * (1 - 1 / cfg.ep)  # the rank holds E/ep of them
+    own = experts / cfg.ep
+    sharded = params - whole - own
+    parts = model_state_parts(sharded, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
+                              optimizer=o.optimizer)
+    if whole or own:  # kept whole on the dp axis and all-reduced: tied copies, this rank's experts
+        rep = model_state_parts(whole + own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
+                                optimizer=o.optimizer)
+        parts = {k: parts[k] + rep[k] for k in parts}
+    if cfg.offload:
+        parts = {k: 0.0 for k in parts}
+    elif o.zero_shard_copy and cfg.dp_kind in ("zero1", "zero2") and DTYPE_BYTES[cfg.param_dtype] == 4:
+        parts["parameters"] += sharded * 4 / cfg.dp
+    flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
+    kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
+    # the backward of a recomputed layer rebuilds its full activations for one microbatch
+    transient = max((costs[i].act for i in layers if i in recompute or i in selective), default=0.0)
+    buffers = 0.0
+    if _fsdp(cfg):
+        buffers = unshard_buffer_bytes(units_on(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
+                                       reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch,
+                                       grad_dtype=cfg.reduce_dtype)
+    if o.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
+        buffers += sharded * DTYPE_BYTES[cfg.reduce_dtype]  # the full gradient accumulator between microbatches
+    return {**parts, "activations": flight * kept + transient, "buffers": buffers}
+
+
+def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float]:
+    """Buffers for the search's fast paths as (bytes per parameter element the rank holds, fixed
+    bytes of a rank holding every unit, elements of the largest unit): FSDP without reshard
+    keeps every gathered parameter (per element), with it the two largest units (fixed), plus one
+    unit of full gradients either way; a runtime that accumulates unsharded gradients holds a full
+    gradient per element. The rank holding the largest unit ``U`` needs at least ``U·(p + g)``
+    bytes of buffers (resharded) or ``U·g`` beyond its per-element ``p`` (kept)."""
+    per = 0.0
+    if ctx.options.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 \
+            and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
+        per += DTYPE_BYTES[cfg.reduce_dtype]
+    if not _fsdp(cfg):
+        return per, 0.0, 0.0
+    b, g = DTYPE_BYTES[cfg.param_dtype], DTYPE_BYTES[cfg.reduce_dtype]
+    units = sorted(units_on(ctx, cfg, costs, list(range(len(costs)))), reverse=True) \
+        or [max(c.params for c in costs)]
+    if not cfg.reshard:
+        return per + b, units[0] * g, units[0]
+    second = units[1] if cfg.prefetch and len(units) > 1 else 0.0
+    return per, (units[0] + second) * b + units[0] * g, units[0]
+
+
+def choose_recompute(ctx: Context, cfg: Config) -> frozenset[int]:
+    """Per rank, the cheapest layers to recompute fully so the rank fits (greedy knapsack by
+    recompute seconds per byte freed, ties to the earlier layer). Ranks that fit recompute nothing;
+    ranks that cannot fit recompute everything that helps (evaluate then reports the shortfall)."""
+    costs = ctx.costs(cfg.tp, ctx.micro(cfg), cfg.param_dtype, cfg.sp)
+    chosen: set[int] = set()
+    for rank in range(cfg.pp):
+        layers = rank_layers(cfg, rank)
+        mem = rank_memory(ctx, cfg, costs, rank, frozenset(), layers)
+        if mem <= ctx.cap:
+            continue
+        flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
+        order = sorted((i for i in layers if costs[i].act > costs[i].act_recompute),
+                       key=lambda i: (costs[i].fwd / (costs[i].act - costs[i].act_recompute), i))
+        transient = 0.0
+        for i in order:
+            # freeing this layer's activations in flight; its full activations come back once, transiently
+            mem -= flight * (costs[i].act - costs[i].act_recompute)
+            if costs[i].act > transient:
+                mem += costs[i].act - transient
+                transient = costs[i].act
+            chosen.add(i)
+            if mem <= ctx.cap:
+                break
+    return frozenset(chosen)
