@@ -33,7 +33,7 @@ __all__ = ["validate_plan", "device_count"]
 
 
 def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, devices: int | None = None,
-                  source: str = "plan", schema_problems: Sequence[str] = ()) -> None:
+                  source: str = "plan", schema_problems: Sequence[str] = (), runnable: bool = True) -> None:
     """Raise :class:`PlanError` listing every problem of ``plan`` for ``graph`` on the devices.
 
     The device count is ``devices`` if given, else the count of ``cluster`` (an int, a dict or an
@@ -45,6 +45,10 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     ``schema_problems`` are what reading the file found (``Plan.read``): they head the list, and
     the meaning of a section that had one is not judged again (its unreadable fields took their
     defaults, which would only produce follow-on errors).
+
+    ``runnable=False`` judges the plan as something to cost, not to run: what only the runtime
+    cannot do yet (fp16 without loss scaling) is not a problem then (``cost_plan``, what-if costing
+    of published fp16 runs, the plan the search writes for a cluster it does not run on).
     """
     problems: list[str] = []
     if plan.version not in READABLE_VERSIONS:
@@ -58,7 +62,7 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     _check_stages(plan, graph, problems)
     check_tensor_parallel(plan, graph, problems)
     check_experts(plan, graph, problems)
-    _check_data_parallel(plan, graph, problems)
+    _check_data_parallel(plan, graph, problems, runnable=runnable)
     _check_recompute(plan, graph, problems)
     _check_batch_norm(plan, graph, problems)
     broken = {_section(p) for p in schema_problems}
@@ -260,12 +264,12 @@ _FSDP_ONLY = ("units", "reshard_after_forward", "prefetch")
 
 
 
-def _check_data_parallel(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
+def _check_data_parallel(plan: Plan, graph: ModelGraph | None, problems: list[str], *, runnable: bool) -> None:
     dp = plan.data_parallel
     known = check_choice("data_parallel.kind", dp.kind, DP_KINDS, "data-parallel kind", problems)
     check_choice("data_parallel.param_dtype", dp.param_dtype, DTYPES, "dtype", problems)
     check_choice("data_parallel.reduce_dtype", dp.reduce_dtype, DTYPES, "dtype", problems)
-    for name in ("param_dtype", "reduce_dtype"):
+    for name in ("param_dtype", "reduce_dtype") if runnable else ():
         problem = fp16_problem(f"data_parallel.{name}", getattr(dp, name))
         if problem:
             problems.append(problem)

@@ -9,7 +9,9 @@ from torch import nn
 
 
 class _SkipBlock(nn.Module):
-    """A residual written in place, ResNet style: ``r += h``."""
+    """A residual written in place, ResNet style, on a view: ``r += h`` where ``r`` is a reshape
+    of the skip branch (a mutation of a view cannot be rewritten out of place: the TP pass refuses
+    it when ``r`` and ``h`` are laid out differently)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -19,7 +21,7 @@ class _SkipBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        r = self.skip(x)
+        r = self.skip(x).view(x.shape)
         r += h
         return self.down(torch.relu(r))
 

@@ -57,10 +57,10 @@ def _transposed_param(node: Any) -> Node | None:
     v = w.meta.get("val")
     if not isinstance(v, torch.Tensor) or v.dim() != 2:
         return None
-    dims: Any = node.args[1:3] if node.target == torch.ops.aten.transpose.int else node.args[1]
-    if node.target == torch.ops.aten.transpose.int and sorted(int(d) % 2 for d in dims) != [0, 1]:
+    args: Any = node.args  # (w, dim0, dim1) for transpose, (w, dims) for permute, (w,) otherwise
+    if node.target == torch.ops.aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]:
         return None
-    if node.target == torch.ops.aten.permute.default and [int(d) % 2 for d in dims] != [1, 0]:
+    if node.target == torch.ops.aten.permute.default and [d % 2 for d in args[1]] != [1, 0]:
         return None
     return w
 

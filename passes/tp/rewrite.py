@@ -53,9 +53,23 @@ def args_of(node: Node) -> Any:
 
 
 def fmt(node: Node | None) -> str:
+    """``view_1 = aten.view.default(linear, [2, 16, 2, 16])``: the op and its operands, for messages."""
     if node is None:
         return "<no node>"
-    return node.format_node() or node.name
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if isinstance(node.target, torch._ops.OpOverload):
+        target = str(node.target)  # aten.view.default
+    operands = ", ".join(_operand(a) for a in node.args)
+    return f"{node.name} = {target}({operands})"
+
+
+def _operand(a: Any) -> str:
+    if isinstance(a, Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_operand(x) for x in a)
+        return f"[{inner}]"
+    return repr(a)
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

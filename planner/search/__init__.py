@@ -88,7 +88,7 @@ def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: 
     ``breakdown.fits`` says whether it fits in memory. ``global_batch`` defaults to the one the
     plan records (``schedule.global_batch``)."""
     if validate:
-        validate_plan(plan, graph, cluster)
+        validate_plan(plan, graph, cluster, runnable=False)
     if global_batch is None:
         global_batch = plan.schedule.global_batch
         if not global_batch:
