@@ -28,12 +28,13 @@ plans are compiled for (dp 0, tp 0) only, which halves the cost where it is larg
 Cost. The passes run under ``FakeTensorMode``: parameters are read for their shapes only and no
 shard, bucket or slice is allocated, so a plan for a model of any size compiles in host memory
 of the graph alone (a pass that needs real values would raise a fake-tensor exception; the
-compile is then retried on real tensors, never for parameters on ``meta``). A model on ``meta``
-is captured with ``torch.export`` as the real model would be at run time (the passes rewrite
-export's aten graphs). Captures are cached per microbatch shape and verdicts per plan, in this
-process and in ranks forked from it. Measured (``benchmarks/planner/compile_check.py``, its
-README has the table): a tiny GPT's 8-stage plan compiles in 0.5 s after a 0.26 s capture; a 1T
-GPT's 128-stage plan in 7-12 s after a 10.6 s export capture, in 0.52 GiB.
+compile is then retried on real tensors, never for parameters on ``meta``). The whole-graph passes
+run once; then one stage of each class of stages the per-stage passes treat alike is compiled
+(``passes.stage_classes``: a GPT's middle stages are one class). A model on ``meta`` (planned,
+not run) is traced with ``torch.fx`` and brought to ATen op by op (``passes.tp.normalize``); a
+real model is captured with ``torch.export``, as its ranks will capture it. Captures are cached
+per microbatch shape and verdicts per plan, in this process and in ranks forked from it.
+Measured: ``benchmarks/planner/compile_check.py`` (its README has the table).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ import torch.fx
 from torch import nn
 
 from fairscale.runtime.engine import microbatch_example
-from passes import compile_rank
+from passes import compile_rank, split_program
+from passes.split_stages import StagedProgram
+from passes.stage_classes import stage_classes
+from passes.tp.normalize import to_aten
 from planner.capture import CaptureError, capture
 from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
@@ -126,14 +130,19 @@ except ImportError:  # pragma: no cover - torch moved them; compile on real tens
 
 
 def graph_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
-    """Compile ``plan`` on ``graph`` (captured at the microbatch shape) for every stage and each
-    of :func:`rank_index_sets`; the first failure, or None."""
-    stages = range(plan.mesh.pp * plan.schedule.virtual_stages)
+    """Compile ``plan`` on ``graph`` (captured at the microbatch shape) for every class of
+    equivalent stages (``passes.stage_classes``: one stage stands for the stages the passes treat
+    alike) and each of :func:`rank_index_sets`; the first failure, or None."""
     on_meta = any(p.is_meta for p in graph.gm.parameters())
+    try:
+        program = split_program(graph, plan)
+    except Exception as exc:  # noqa: BLE001 - every failure of the passes is a refusal
+        return _refusal(exc, plan, "every rank")
+    stages = [members[0] for members in stage_classes(program, plan)]
     for dp_index, tp_index in rank_index_sets(plan, on_meta=on_meta):
         where = f"dp rank {dp_index} of {plan.mesh.dp}, tp rank {tp_index} of {plan.mesh.tp}"
         try:
-            _compile(graph, plan, stages, dp_index, tp_index, fake=FakeTensorMode is not None)
+            _compile(graph, plan, stages, dp_index, tp_index, fake=FakeTensorMode is not None, program=program)
         except _FAKE_LIMITS as exc:
             if on_meta:  # no values to retry with: the check cannot vouch for the plan, so refuse it
                 found = _refusal(exc, plan, where)
@@ -142,7 +151,7 @@ def graph_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
                                            hint="check the plan with the real model (parallelize or "
                                                 "`fairscale validate` with a factory that builds it on CPU)")
             try:
-                _compile(graph, plan, stages, dp_index, tp_index, fake=False)
+                _compile(graph, plan, stages, dp_index, tp_index, fake=False, program=program)
             except Exception as exc:  # noqa: BLE001 - every failure of the passes is a refusal
                 return _refusal(exc, plan, where)
         except Exception as exc:  # noqa: BLE001 - every failure of the passes is a refusal
@@ -150,12 +159,13 @@ def graph_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
     return None
 
 
-def _compile(graph: ModelGraph, plan: Plan, stages: range, dp_index: int, tp_index: int, *, fake: bool) -> None:
+def _compile(graph: ModelGraph, plan: Plan, stages: Sequence[int], dp_index: int, tp_index: int, *, fake: bool,
+             program: StagedProgram) -> None:
     if fake:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index)
+            compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index, program=program)
     else:
-        compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index)
+        compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index, program=program)
 
 
 class CompileChecker:
@@ -214,18 +224,22 @@ class CompileChecker:
         return self._graphs[key]
 
     def _capture(self, example: tuple[Any, ...]) -> ModelGraph | Refusal:
-        # the passes rewrite aten graphs, as torch.export gives them for the real model at run
-        # time; a model on meta would otherwise be traced with torch.fx
+        # The passes rewrite ATen graphs. A real model is captured as its ranks will capture it
+        # (torch.export). A model on meta is planned, not run: it is traced with torch.fx, as the
+        # search traced it, and brought to ATen op by op (passes.tp.normalize, the graph the TP
+        # detector checked its rules on), 5x faster than exporting 128 blocks; its ranks export
+        # the real model and compile it again before building (parallelize checks every plan).
         on_meta = any(p.is_meta for p in self.model.parameters())
         try:
-            return capture(self.model, example, loss_fn=self.loss_fn, annotate=False,
-                           tracer="export" if on_meta else "auto")
+            if not on_meta:
+                return capture(self.model, example, loss_fn=self.loss_fn, annotate=False)
+            try:
+                graph = capture(self.model, example, loss_fn=self.loss_fn, tracer="fx")
+            except CaptureError:  # what torch.fx cannot trace, torch.export may
+                return capture(self.model, example, loss_fn=self.loss_fn, annotate=False, tracer="export")
+            graph.gm = to_aten(graph.gm)
+            return graph
         except CaptureError as exc:
-            if on_meta:
-                try:
-                    return capture(self.model, example, loss_fn=self.loss_fn, annotate=False)
-                except CaptureError:
-                    pass
             return Refusal(reason=f"the model cannot be captured at the microbatch shape "
                                   f"{[tuple(t.shape) for t in example if isinstance(t, torch.Tensor)]}: {exc}",
                            pass_name="capture", hint="see the capture error; a plan with other microbatch sizes "

@@ -38,19 +38,20 @@ from passes.verify import verify_pass
 from planner.graph import ModelGraph
 from planner.plan import Plan
 
-__all__ = ["compile_rank", "batch_norm_pass", "split_stages_pass", "shard_tensor_parallel_pass",
+__all__ = ["compile_rank", "split_program", "batch_norm_pass", "split_stages_pass", "shard_tensor_parallel_pass",
            "insert_recompute_pass", "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
 
 
 def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_index: int, tp_index: int,
-                 device: torch.device | str | None = None) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
+                 device: torch.device | str | None = None,
+                 program: StagedProgram | None = None) -> tuple[StagedProgram, dict[int, torch.fx.GraphModule]]:
     """The rewritten graphs of one rank: for each stage in ``stages``, its tensor-parallel slice
     ``tp_index``, its experts (``dp_index % mesh.ep``), recompute regions, and data-parallel shard
     ``dp_index``, placed on ``device`` (default: where the capture's parameters are) by the
-    data-parallel pass, the last one. ``graph`` is left intact."""
-    gm = batch_norm_pass(graph.gm, plan)
-    verify_pass(gm, where="after capture")
-    program = split_stages_pass(gm, plan, graph=graph)
+    data-parallel pass, the last one. ``graph`` is left intact. ``program``: the split of ``graph``
+    for ``plan`` when the caller already has it (:func:`split_program`)."""
+    if program is None:
+        program = split_program(graph, plan)
     modules: dict[int, torch.fx.GraphModule] = {}
     for s in stages:
         gm = program.stages[s].gm
@@ -63,6 +64,13 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
                                       replicate=program.shared_keys(s), ep_size=plan.mesh.ep, device=device)
         modules[s] = verify_pass(gm, where=f"for stage {s}")
     return program, modules
+
+
+def split_program(graph: ModelGraph, plan: Plan) -> StagedProgram:
+    """The whole-graph passes: batch norm, the verifier, and the cut into stages."""
+    gm = batch_norm_pass(graph.gm, plan)
+    verify_pass(gm, where="after capture")
+    return split_stages_pass(gm, plan, graph=graph)
 
 
 def _has_experts(gm: torch.fx.GraphModule) -> bool:

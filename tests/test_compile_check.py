@@ -87,11 +87,11 @@ def test_a_pass_needing_real_values_is_retried_on_real_tensors(monkeypatch: pyte
     calls: list[bool] = []
     real = cc._compile
 
-    def compile_(graph, plan, stages, dp_index, tp_index, *, fake):  # type: ignore[no-untyped-def]
+    def compile_(graph, plan, stages, dp_index, tp_index, *, fake, program):  # type: ignore[no-untyped-def]
         calls.append(fake)
         if fake:
             raise DataDependentOutputException(torch.ops.aten.nonzero.default)
-        return real(graph, plan, stages, dp_index, tp_index, fake=False)
+        return real(graph, plan, stages, dp_index, tp_index, fake=False, program=program)
 
     monkeypatch.setattr(cc, "_compile", compile_)
     assert fresh().refusal(plan(tensor_parallel=TensorParallel(rules={}))) is None
