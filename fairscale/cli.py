@@ -4,6 +4,8 @@
     fairscale validate plan.json                 # the factory is recorded in the plan
     fairscale report plan.json mypkg.models:build_gpt
     fairscale check mypkg.models:build_gpt --devices 8 [--plan plan.json]   # one step vs one process
+    fairscale diff a.json b.json                 # why one plan is faster, per term and per stage
+    fairscale what-if plan.json --cluster h100-sxm-80gb --nodes 64   # the plan on other hardware
     python -m fairscale ...                      # the same
 
 A FACTORY is ``pkg.module:function`` (or ``path/to/file.py:function``) naming a function that takes
@@ -46,6 +48,7 @@ from planner.validate import device_count, validate_plan
 __all__ = ["main", "render_report", "load_factory", "UsageError"]
 
 from fairscale.api import search_graph  # noqa: E402 - the face's one search, shared with fairscale.plan
+from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
 
@@ -377,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="See `python -m fairscale demo --help`.")
     p.add_argument("demo_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_cmd_demo)
+    add_whatif_commands(sub, graph_of=lambda spec: _capture_loaded(spec, print)[1], cluster_of=_cluster,
+                        devices=devices, factory_help=factory_help, usage_error=UsageError)
     return parser
 
 
