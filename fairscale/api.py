@@ -34,6 +34,7 @@ from torch import nn
 from fairscale.arguments import check_all
 from fairscale.compile_check import checker_for
 from fairscale.report.text import render_report
+from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from passes.tp.patterns import propose_tp_rules
@@ -73,7 +74,7 @@ def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = 
     if devices is None and dist.is_initialized():
         devices = dist.get_world_size()
     if cluster is None and ((device is not None and device.type == "cpu") or torch.cuda.device_count() == 0):
-        return _resolve_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")), devices=devices)
+        return cpu_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")))  # measured once, cached
     return _resolve_cluster(cluster, devices=devices)
 
 
@@ -191,7 +192,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         raise ValueError(f"devices={devices}, but {dist.get_world_size()} ranks were launched")
     rank_device = resolve_device(device)
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
-    cl = resolve_cluster(devices, cluster, device=rank_device)
+    cl = _same_on_every_rank(resolve_cluster(devices, cluster, device=rank_device))
     if plan is None:  # every launched rank takes part: no plan that leaves devices idle
         chosen = search_graph(captured(model, example_inputs, loss_fn=loss_fn), cl, global_batch=global_batch,
                               constraints=constraints, dtype=dtype, use_all_devices=True,
@@ -231,6 +232,16 @@ def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], pla
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise PlanCompileError(verdict[0], source=source)
+
+
+def _same_on_every_rank(cluster: Cluster) -> Cluster:
+    """Global rank 0's cluster on every rank: a calibration cached while the ranks started must not
+    give them different figures, and so different plans."""
+    if dist.get_world_size() == 1:
+        return cluster
+    box = [cluster.to_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Cluster.from_dict(box[0])
 
 
 def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,

@@ -4,6 +4,7 @@
     fairscale validate plan.json                 # the factory is recorded in the plan
     fairscale report plan.json mypkg.models:build_gpt
     fairscale check mypkg.models:build_gpt --devices 8 [--plan plan.json]   # one step vs one process
+    fairscale calibrate --devices 8              # measure this machine's CPU ranks (cached; first plan does it)
     fairscale diff a.json b.json                 # why one plan is faster, per term and per stage
     fairscale what-if plan.json --cluster h100-sxm-80gb --nodes 64   # the plan on other hardware
     python -m fairscale ...                      # the same
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from planner.api import resolve_cluster
@@ -50,6 +52,7 @@ __all__ = ["main", "render_report", "load_factory", "UsageError"]
 from fairscale.api import search_graph  # noqa: E402 - the face's one search, shared with fairscale.plan
 from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
+from fairscale.runtime.calibration_cache import calibrate_and_cache, cpu_cluster  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
 
 CAPTURE_BATCH = 2
@@ -159,6 +162,8 @@ def _cluster(args: argparse.Namespace, *, devices_mean_cpu: bool = True) -> Clus
         raise UsageError(f"--devices must be at least 1, got {args.devices}")
     if args.cluster is None and (args.devices is None or not devices_mean_cpu):
         return None
+    if args.cluster is None and torch.cuda.device_count() == 0:  # CPU ranks: this machine, measured once
+        return cpu_cluster(args.devices)
     spec = args.cluster if args.nodes is None else f"{args.cluster}:{args.nodes}"
     try:
         return resolve_cluster(spec, devices=args.devices)
@@ -242,6 +247,13 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
         except (ValueError, TypeError, KeyError):
             cluster = None  # device_count still reads a partial record; validate says if none is known
     return plan, graph, cluster, loaded
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.devices < 2:
+        raise UsageError(f"--devices must be at least 2 (collectives need two ranks), got {args.devices}")
+    calibrate_and_cache(args.devices, out=sys.stdout)
+    return 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -367,6 +379,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="samples in the checked step (default: the plan's, else N)")
     p.add_argument("--constraints", metavar="JSON", help="a partial plan the search must keep (without --plan)")
     p.set_defaults(run=_cmd_check)
+
+    p = sub.add_parser("calibrate", help="measure this machine's CPU ranks for the cost model (cached)",
+                       description="Measure matmul, memory, per-op overhead and gloo collectives with N ranks "
+                                   "(about 10 s) and replace the cached calibration CPU plans use.")
+    p.add_argument("--devices", type=int, metavar="N", required=True, help="number of CPU ranks (at least 2)")
+    p.set_defaults(run=_cmd_calibrate)
 
     p = sub.add_parser("run", help="run a script on N CPU ranks, as torchrun would", description=(
         "Run SCRIPT on N forked ranks with torch.distributed initialized (gloo on CPU) and RANK, WORLD_SIZE, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -25,10 +26,10 @@ import torch
 
 from fairscale.api import captured, parallelize, search
 from fairscale.report.build import html_report, text_report
+from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.launch import launch
 from fairscale.testing.models import GPT, GPTConfig, lm_loss
 from fairscale.testing.reference import train_reference, Case
-from planner.cluster import Cluster
 
 __all__ = ["main"]
 
@@ -61,16 +62,18 @@ def _progress(step: int, total: int, loss: float, started: float) -> None:
         sys.stdout.write("\n")
 
 
-def _train(rank: int, world: int, case: Case, plan, steps: int, batch: int) -> list[float]:
+def _train(rank: int, world: int, case: Case, plan, steps: int, batch: int) -> tuple[list[float], list[float]]:
     # ``case`` is the parent's, inherited through fork: its capture is cached, so ranks skip it
     pm = parallelize(case.model, example_inputs=case.make_batch(0, batch), loss_fn=case.loss_fn, plan=plan,
                      optimizer=functools.partial(torch.optim.Adam, lr=LR))
-    losses, started = [], time.perf_counter()
+    losses, times, started = [], [], time.perf_counter()
     for step in range(steps):
-        losses.append(pm.train_step(case.make_batch(step, batch)))
+        t0 = time.perf_counter()
+        losses.append(pm.train_step(case.make_batch(step, batch)))  # returns after the step's collectives
+        times.append(time.perf_counter() - t0)
         if rank == 0:
             _progress(step + 1, steps, losses[-1], started)
-    return losses
+    return losses, times
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     # CPU ranks on any machine (a GPU box too): the plan, the report and the launch all say so
-    cpu = Cluster.cpu(args.devices)
+    cpu = cpu_cluster(args.devices)  # this machine's measured rates (measured on first use, then cached)
     free = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn, cluster=cpu)
     print(f"planner: searched in {time.perf_counter() - t0:.2f} s (capture included). Its ranking:")
     print(_indent(free.table()))
@@ -115,10 +118,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"training on {args.devices} gloo ranks:")
     t0 = time.perf_counter()
-    losses = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), backend="gloo",
-                    timeout_s=600)[0]
+    losses, times = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), backend="gloo",
+                           timeout_s=600)[0]
     parallel_s = time.perf_counter() - t0
-    print(f"  {args.steps} steps in {parallel_s:.1f} s (process start and compile included)\n")
+    print(f"  {args.steps} steps in {parallel_s:.1f} s (process start and compile included)")
+    measured = statistics.median(times[1:] or times)  # the first step pays one-time allocations
+    predicted = plan.predicted.step_time_s
+    error = (predicted - measured) / measured
+    print(f"  step time: predicted {predicted * 1e3:.1f} ms ({cpu.name}), measured {measured * 1e3:.1f} ms "
+          f"(median after the first step): {error:+.0%} ({'within' if abs(error) <= 0.25 else 'OUTSIDE'} "
+          "the ±25% goal)\n")
 
     print("the same model and batches in one process:")
     t0 = time.perf_counter()

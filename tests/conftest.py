@@ -5,3 +5,8 @@ import torch
 # One intra-op thread: tests fork ranks, and 2 cores are shared by every rank.
 torch.set_num_threads(1)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# CPU clusters are planned with Cluster.cpu's fixed figures, not this machine's measured ones (a
+# calibration would make plans depend on the machine and its load); tests of the calibration
+# cache turn it back on in a temporary directory.
+os.environ["FAIRSCALE_NO_CALIBRATE"] = "1"
+os.environ["FAIRSCALE_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fairscale-test-cache-{os.getpid()}")

@@ -136,6 +136,20 @@ def _block_of(name: str) -> str | None:
     return head if last.isdigit() else None
 
 
+def _costed_for(plan: Plan) -> list[str]:
+    """Which hardware figures the predictions rest on: a preset's datasheet, the detected GPUs, or
+    this machine's CPU ranks measured (``fairscale calibrate``) or not."""
+    c = plan.cluster
+    if not c:
+        return []
+    name, device = c.get("name", "?"), c.get("device", "?")
+    if name == "cpu-calibrated":
+        return [f"costed for {device}: rates measured on this machine (fairscale calibrate re-measures)"]
+    if name == "cpu":
+        return ["costed for CPU ranks with default rates, not measured here (run `fairscale calibrate`)"]
+    return [f"costed for {name}: {device}"]
+
+
 def _predictions(plan: Plan) -> list[str]:
     p, m, s = plan.predicted, plan.mesh, plan.schedule
     lines = []
@@ -147,6 +161,7 @@ def _predictions(plan: Plan) -> list[str]:
             lines.append(f"utilization: MFU {100 * p.mfu:.1f}% (model FLOPs), HFU {100 * p.hfu:.1f}% (with recompute, "
                          f"{p.hardware_tflops_per_device:.3g} TFLOP/s per device)")
         lines.extend(p.notes)
+        lines.extend(_costed_for(plan))
         lines.append(f"collectives per step: {p.comm_gib_per_step:.3g} GiB sent per device")
     else:
         lines.append("predicted: none (this plan was not costed; planner.search fills these in)")

@@ -1,0 +1,93 @@
+"""The machine's calibration, measured once and cached: what CPU clusters are planned with.
+
+The first time a machine plans for N CPU ranks (``fairscale.plan`` / ``search``, ``fairscale
+plan``), :func:`cpu_cluster` measures it with ``fairscale.runtime.calibrate.calibrate_cpu`` (N
+forked gloo ranks, about 8 s on a 2-core machine) and caches the result under the user's cache
+directory, keyed by a fingerprint of the machine (CPU model, cores, memory, OS, torch version) and
+the rank count. Later plans read the cache; ``fairscale calibrate`` re-measures.
+
+    FAIRSCALE_NO_CALIBRATE=1    never measure: plan with the cache if there is one, else the
+                                datasheet-style defaults of ``planner.cluster.Cluster.cpu``
+    FAIRSCALE_CACHE_DIR=path    where calibrations live (default ``$XDG_CACHE_HOME/fairscale``,
+                                else ``~/.cache/fairscale``)
+
+Inside launched ranks (``parallelize``) nothing is measured: the cache is only read, since the
+ranks must agree on one plan and a measurement needs a world of its own. The cluster's ``name``
+says which figures a plan used: ``cpu-calibrated`` (and the report shows its measured rates) or
+``cpu`` (the defaults).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fairscale.runtime.calibrate import Calibration, calibrate_cpu, machine_description, save_calibration
+from planner.cluster import Cluster
+
+__all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "machine_fingerprint", "REPEAT"]
+
+REPEAT = 2
+"""Timed repetitions per measurement: 2 keeps the first-use calibration under ~10 s on 2 cores."""
+
+
+def machine_fingerprint() -> str:
+    """A short hash of what the measured rates depend on (not the load or the time of day)."""
+    m = machine_description()
+    key = json.dumps({k: m[k] for k in ("cpu", "cores", "memory_bytes", "os", "torch")}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cache_path(ranks: int) -> Path:
+    root = os.environ.get("FAIRSCALE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fairscale")
+    return Path(root) / "calibration" / f"cpu-{machine_fingerprint()}-{ranks}ranks.json"
+
+
+def _read(path: Path) -> Cluster | None:
+    try:
+        data = json.loads(path.read_text())
+        return Calibration.from_dict(data).cluster
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, or written by another version: measure again
+
+
+def calibrate_and_cache(ranks: int, *, out: object = None) -> Cluster:
+    """Measure ``ranks`` CPU ranks now and replace the cached calibration; returns its Cluster."""
+    stream = out if out is not None else sys.stderr
+    path = cache_path(ranks)
+    print(f"calibrating this machine for {ranks} CPU ranks (about 10 s; cached in {path}) ...",
+          file=stream, flush=True)  # type: ignore[arg-type]
+    start = time.perf_counter()
+    cal = calibrate_cpu(ranks, repeat=REPEAT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_calibration(cal, tmp)
+    tmp.replace(path)  # a reader never sees half a file
+    flops = cal.cluster.peak_flops["fp32"]
+    print(f"calibrated in {time.perf_counter() - start:.1f} s: {flops / 1e9:.1f} GFLOP/s per rank, "
+          f"{cal.memory_bandwidth / 1e9:.1f} GB/s memory, all-reduce alpha "
+          f"{cal.cluster.intra_latency * 1e6:.0f} us, {cal.cluster.intra_bandwidth / 1e9:.2f} GB/s",
+          file=stream, flush=True)  # type: ignore[arg-type]
+    return cal.cluster
+
+
+def cpu_cluster(ranks: int, *, memory_bytes: int | None = None) -> Cluster:
+    """The Cluster to plan ``ranks`` CPU ranks of this machine with: the cached calibration, else a
+    new one (first use, outside launched ranks, unless ``FAIRSCALE_NO_CALIBRATE``), else
+    ``Cluster.cpu``. One rank has no collectives to measure: ``Cluster.cpu``."""
+    if ranks >= 2:
+        found = _read(cache_path(ranks))
+        if found is None and not os.environ.get("FAIRSCALE_NO_CALIBRATE") and not dist.is_initialized():
+            found = calibrate_and_cache(ranks)
+        if found is not None:
+            if memory_bytes is not None:
+                found = Cluster.from_dict({**found.to_dict(), "memory_bytes": memory_bytes})
+            return found
+    return Cluster.cpu(ranks, memory_bytes=memory_bytes)
