@@ -12,7 +12,7 @@ from fairscale.demo import main
 
 def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     html = tmp_path / "plan.html"
-    assert main(["--devices", "4", "--steps", "10", "--batch", "8", "--mesh", "2,2,1", "--html", str(html)]) == 0
+    assert main(["--devices", "4", "--steps", "20", "--batch", "16", "--mesh", "2,2,1", "--html", str(html)]) == 0
     out = capsys.readouterr().out
     assert "matches within 1e-5" in out and html.is_file()
     assert "step time: predicted " in out and "(cpu)" in out  # the tests plan with the default CPU figures
