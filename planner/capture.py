@@ -81,6 +81,31 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
+def _check_scalar_loss(gm: torch.fx.GraphModule, model: nn.Module, loss_fn: Callable[..., Any] | None) -> None:
+    """Refuse a loss that is not one number: a per-sample or per-token loss would have to be
+    reduced, and the reduction (a sum over what each rank sees, a mean over what) would change
+    with the plan, so the gradients would too. Read from the traced output's recorded value (export
+    records it; fx only after annotation)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]
+    val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.numel() == 1:
+        return
+    shape = tuple(val.shape)
+    if loss_fn is not None:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise CaptureError(
+            f"loss_fn ({name}) returned a tensor of shape {shape}, not a scalar loss. Reduce it in loss_fn "
+            "(reduction='mean', or .mean() over samples and tokens): fairscale does not reduce it for you, "
+            "since a sum over what each rank or microbatch sees would change the loss and the gradients with "
+            "the plan")
+    raise CaptureError(
+        f"{type(model).__name__} returned a tensor of shape {shape}, not a scalar loss (logits?). Pass "
+        "loss_fn= (the loss is loss_fn(model(batch[0]), *batch[1:]), e.g. loss_fn=lambda logits, labels: "
+        "F.cross_entropy(logits.flatten(0, 1), labels.flatten())), or make the model return its loss")
+
+
 _PREFIX = "model."
 
 
@@ -162,6 +187,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
             except AnnotateError as again:
                 raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {again}") from again
     annotated = time.perf_counter()
+    _check_scalar_loss(gm, model, loss_fn)
     config = model_config(model)
     for layer in layers:
         layer.attention = attention_facts(model, layer.name, config=config)
