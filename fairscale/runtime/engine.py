@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.runtime.batch_check import check_same_batch
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, resolve_device, to_device, use_device
 from fairscale.runtime.init import check_replicas
@@ -117,6 +118,7 @@ class ParallelModule:
         self.optimizer = _StageOptimizers(self._optimizers)
         self._render_report = render_report
         self._grad_norm: torch.Tensor | None = None
+        self._batch_checked = False
         self.check_report: Any = None
         """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
@@ -145,7 +147,11 @@ class ParallelModule:
         return loss
 
     def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
-        """This rank's dp slice of the global ``batch``, on its device (copied without blocking)."""
+        """This rank's dp slice of the global ``batch``, on its device (copied without blocking).
+        The first batch is checked to be the same on every rank (``runtime.batch_check``)."""
+        if not self._batch_checked:
+            check_same_batch(batch, device=self.device)
+            self._batch_checked = True
         return to_device(local_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
 
     @torch.no_grad()
