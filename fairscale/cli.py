@@ -390,6 +390,8 @@ def _parser() -> argparse.ArgumentParser:
         "Run SCRIPT on N forked ranks with torch.distributed initialized (gloo on CPU) and RANK, WORLD_SIZE, "
         "LOCAL_RANK set. Arguments after the script are passed to it."))
     p.add_argument("--devices", type=int, required=True, metavar="N", help="number of ranks")
+    p.add_argument("--timeout", type=float, metavar="S", help="wall-clock limit in seconds (default: none; Ctrl-C "
+                   "or SIGTERM stop every rank)")
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
     p.set_defaults(run=_cmd_run)
@@ -440,7 +442,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fairscale.runtime.run_cli import run_script
 
-    return run_script(args.script, args.devices, args.script_args)
+    return run_script(args.script, args.devices, args.script_args, timeout_s=args.timeout)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -114,7 +114,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
 
 
 def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-           backend: str | None = None, timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
+           backend: str | None = None, timeout_s: float | None = None, collective_timeout_s: float = 120.0,
            grace_s: float = 5.0, threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``devices`` ranks and return their results.
 
@@ -123,10 +123,15 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         devices: number of ranks to fork (ignored under torchrun, which fixes the world).
         args, kwargs: extra arguments; with fork they are inherited, not pickled.
         backend: ``gloo`` or ``nccl``; default NCCL when CUDA is available, else gloo.
-        timeout_s: wall-clock limit for the whole run.
+        timeout_s: wall-clock limit for the whole run; default none (training runs as long as it
+            needs; a stuck collective still fails after ``collective_timeout_s``).
         collective_timeout_s: a collective that waits longer than this fails on its rank.
         grace_s: after the first failure, how long the others get to report before being killed.
         threads_per_rank: intra-op threads per rank.
+
+    Interrupts: SIGINT (Ctrl-C) or SIGTERM to the launching process stops every rank (SIGTERM,
+    then SIGKILL after 1 s) before ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(143)`` (SIGTERM)
+    leaves ``launch``; a launcher killed outright takes its ranks with it (parent-death signal).
     """
     kwargs = dict(kwargs or {})
     if under_torchrun():
@@ -157,14 +162,49 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
-    return _collect(procs, conns, timeout_s=timeout_s, grace_s=grace_s)
+    previous = _on_sigterm()
+    try:
+        return _collect(procs, conns, timeout_s=timeout_s, grace_s=grace_s)
+    finally:  # an interrupt, or any error of the launcher itself: no rank outlives the launch
+        _stop(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
-def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float, grace_s: float) -> list[Any]:
+def _on_sigterm() -> Any:
+    """Make SIGTERM raise ``SystemExit(143)`` (the shell's 128 + 15) in the launcher while ranks
+    run, so the ``finally`` that stops them runs; returns the handler to restore (None when not on
+    the main thread, where Python cannot install one)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
+def _stop(procs: list[Any], *, wait_s: float = 1.0) -> None:
+    """SIGTERM every live rank, then SIGKILL what is left after ``wait_s``."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    end = time.monotonic() + wait_s
+    for p in alive:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float | None, grace_s: float) -> list[Any]:
     n = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}  # insertion order = order of arrival: the root cause comes first
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     first_failure: float | None = None
     while len(results) + len(failures) < n:
         now = time.monotonic()

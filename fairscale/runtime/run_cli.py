@@ -34,9 +34,11 @@ def _run_rank(rank: int, world: int, script: str, argv: list[str]) -> None:
     return None
 
 
-def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s: float = 24 * 3600.0,
+def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s: float | None = None,
                stderr: TextIO | None = None) -> int:
-    """Run ``script`` on ``devices`` forked ranks; return the process exit status (0 = every rank succeeded)."""
+    """Run ``script`` on ``devices`` forked ranks; return the process exit status (0 = every rank
+    succeeded, 1 = a rank failed, 130 = interrupted with Ctrl-C; SIGTERM exits 143). No wall-clock
+    limit unless ``timeout_s``; every rank is stopped on any way out."""
     err = stderr or sys.stderr
     if not Path(script).is_file():
         print(f"fairscale run: no such script: {script}", file=err)
@@ -49,4 +51,7 @@ def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s
     except RankFailedError as exc:
         print(f"fairscale run: {exc}", file=err)
         return 1
+    except KeyboardInterrupt:
+        print(f"fairscale run: interrupted; all {devices} ranks were stopped", file=err)
+        return 130
     return 0
