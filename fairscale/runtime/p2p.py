@@ -3,6 +3,7 @@ compact encoding of boundary specs exchanged in the first-step shape handshake."
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Sequence
 
 import torch
@@ -44,10 +45,38 @@ def recv(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
     return work
 
 
-def wait_all(pending: list[tuple[Any, torch.Tensor]]) -> list[torch.Tensor]:
+_TIMEOUT: datetime.timedelta | None = None
+
+
+def set_timeout(timeout: datetime.timedelta | None) -> None:
+    """How long a pipeline wait may block (``fairscale.runtime.mesh.build_mesh`` sets the world's)."""
+    global _TIMEOUT
+    _TIMEOUT = timeout
+
+
+class P2PTimeout(RuntimeError):
+    """A pipeline send or receive did not complete within the collective timeout."""
+
+
+def wait_all(pending: list[tuple[Any, torch.Tensor]], *, what: str = "", peer: int | None = None) -> list[torch.Tensor]:
+    """Wait for posted sends or receives, at most the collective timeout each; a timeout names
+    ``what`` was awaited and from which ``peer`` (pp-group rank)."""
     for work, _ in pending:
-        work.wait()
+        try:
+            ok = work.wait(_TIMEOUT) if _TIMEOUT is not None else work.wait()
+        except RuntimeError as exc:
+            raise P2PTimeout(_stuck(what, peer, exc)) from exc
+        if ok is False:
+            raise P2PTimeout(_stuck(what, peer, None))
     return [buf for _, buf in pending]
+
+
+def _stuck(what: str, peer: int | None, exc: BaseException | None) -> str:
+    limit = f"{_TIMEOUT.total_seconds():.0f} s" if _TIMEOUT is not None else "the timeout"
+    who = f"pipeline rank {peer}" if peer is not None else "the peer"
+    cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})" if exc is not None else ""
+    return (f"waited {limit} (the collective timeout) for {what or 'a pipeline message'} from {who}, which is "
+            f"stuck or dead{cause}; the launcher reports the rank that failed first")
 
 
 def encode_specs(specs: Sequence[ValueSpec]) -> list[int]:

@@ -214,8 +214,7 @@ class PipelineExecutor:
             if a.kind == "SF":  # nothing comes back in evaluation: drop the sent activations
                 st.outputs.pop((a.mb, a.stage))
                 st.inputs.pop((a.mb, a.stage), None)
-        for work, _ in st.sends:
-            work.wait()
+        p2p.wait_all(st.sends, what="the delivery of this step's pipeline sends")
         return self._report_loss(st.losses)
 
     def step(self, batch: Sequence[Any]) -> float:
@@ -234,8 +233,7 @@ class PipelineExecutor:
                 getattr(self, "_do_" + r.kind)(r, micro, st)
             if a.kind not in ("RF", "RB"):  # receives were posted by the prefetch above
                 getattr(self, "_do_" + a.kind)(a, micro, st)
-        for work, _ in st.sends:
-            work.wait()
+        p2p.wait_all(st.sends, what="the delivery of this step's pipeline sends")
         self._tied.sum_grads()
         out = self._report_loss(st.losses)
         self.trace.end = time.perf_counter()
@@ -261,7 +259,8 @@ class PipelineExecutor:
         elif self.schedule.stage_rank(a.stage - 1) == self.rank:
             received = [t.detach() for t in st.outputs[(a.mb, a.stage - 1)]]
         else:
-            received = p2p.wait_all(st.recvs.pop(("F", a.mb, a.stage)))
+            received = p2p.wait_all(st.recvs.pop(("F", a.mb, a.stage)), peer=self.schedule.stage_rank(a.stage - 1),
+                                    what=f"the activations of microbatch {a.mb} into stage {a.stage}")
         for t, spec in zip(received, stage.inputs):
             if spec.grad:
                 t.requires_grad_(True)
@@ -288,7 +287,8 @@ class PipelineExecutor:
             if self.schedule.stage_rank(a.stage + 1) == self.rank:
                 got = st.local_grads.pop((a.mb, a.stage + 1))
             else:
-                got = p2p.wait_all(st.recvs.pop(("B", a.mb, a.stage)))
+                got = p2p.wait_all(st.recvs.pop(("B", a.mb, a.stage)), peer=self.schedule.stage_rank(a.stage + 1),
+                                   what=f"the gradients of microbatch {a.mb} out of stage {a.stage}")
             tensors, grads = [], []
             pairs = [(o, s) for o, s in zip(out, stage.outputs) if s.grad]
             for (o, _), g in zip(pairs, got):
