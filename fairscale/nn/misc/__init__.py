@@ -4,5 +4,6 @@ path of :func:`fairscale.nn.checkpoint.checkpoint_wrapper`)."""
 
 from fairscale.nn.checkpoint.checkpoint_activations import checkpoint_wrapper
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
+from fairscale.nn.misc.param_bucket import GradBucket, ParamBucket
 
-__all__ = ["FlattenParamsWrapper", "checkpoint_wrapper"]
+__all__ = ["FlattenParamsWrapper", "GradBucket", "ParamBucket", "checkpoint_wrapper"]
