@@ -29,8 +29,6 @@ FACE = ("fairscale.api", "fairscale.cli", "fairscale.report", "fairscale.demo", 
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"passes.dp.fsdp", "passes.dp.shard_data_parallel"}),
     frozenset({"fairscale.runtime.engine", "fairscale.runtime.engine_checkpoint"}),
-    frozenset({"fairscale.nn.data_parallel.fsdp_state", "fairscale.nn.data_parallel.fsdp_state_dict",
-               "fairscale.nn.data_parallel.fully_sharded_data_parallel"}),
 }
 
 

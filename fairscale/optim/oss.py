@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from fairscale.nn.misc.param_bucket import ParamBucket
 from passes.ops import comm  # (its import binds torch.distributed.nn defaults early: see there)
 
-__all__ = ["OSS", "axis_for_group", "broadcast_object"]
+__all__ = ["OSS", "axis_for_group", "broadcast_object", "collective_device"]
 
 _HYPER_SKIP = ("params",)
 
@@ -43,25 +44,35 @@ def axis_for_group(group: Any, prefix: str = "zero") -> str:
     return name
 
 
+def collective_device(axis: str) -> torch.device:
+    """Where tensors for ``axis``'s collectives must live: this rank's GPU under NCCL, else the CPU."""
+    group = comm.get_group(axis)
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def broadcast_object(obj: Any, axis: str, *, src_rank: int) -> Any:
-    """Broadcast a picklable object from axis-local ``src_rank`` through the counted collectives."""
+    """Broadcast a picklable object from axis-local ``src_rank`` through the counted collectives
+    (as bytes on the group's device; tensors inside come back where they were saved)."""
     if comm.group_size(axis) == 1:
         return obj
+    device = collective_device(axis)
     mine = comm.group_rank(axis) == src_rank
     if mine:
         buf = io.BytesIO()
         torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.long)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=device)
     else:
-        size = torch.zeros(1, dtype=torch.long)
+        size = torch.zeros(1, dtype=torch.long, device=device)
     comm.broadcast_(size, axis, src_rank=src_rank)
     if not mine:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     comm.broadcast_(data, axis, src_rank=src_rank)
     if mine:
         return obj
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
 
 
 def _broadcast_async(t: torch.Tensor, axis: str, src_rank: int) -> Any:
@@ -83,22 +94,27 @@ class OSS(torch.optim.Optimizer):
         optim: the optimizer class each rank builds over its own shard (default SGD).
         group: the process group to shard over (default: the world).
         broadcast_buffer_size: bytes per broadcast bucket; small parameters owned by the same
-            rank travel together in one flat buffer up to this size.
+            rank travel together in one flat buffer up to this size (FairScale 0.4.13 deprecated
+            the argument; its default -1 means 2**24 bytes here).
         broadcast_fp16: broadcast updated parameters as fp16 (halves the traffic, rounds the
             copies that non-owners receive; the owner keeps its exact values).
+        force_broadcast_object: FairScale sent consolidated state as pickled objects only when
+            asked (else as tensors under NCCL); here it always does, so the flag changes nothing.
+            It is not passed to ``optim``.
         optim_kwargs: passed to ``optim`` (``lr``, ``momentum``, ...).
 
-    Partitioning is FairScale's greedy rule: inside each group, parameters in decreasing size go to
-    the rank with the fewest elements so far (sizes carry over between groups).
+    Partitioning is FairScale 0.4.13's greedy rule: inside each group, in the group's order, each
+    parameter goes to the rank with the fewest elements so far (a frozen parameter counts as one
+    element; sizes carry over between groups).
     """
 
     def __init__(self, params: Iterable[Any], optim: type[torch.optim.Optimizer] = torch.optim.SGD,
-                 group: Any = None, broadcast_buffer_size: int = 2**24, broadcast_fp16: bool = False,
-                 **optim_kwargs: Any) -> None:
+                 group: Any = None, broadcast_buffer_size: int = -1, broadcast_fp16: bool = False,
+                 force_broadcast_object: bool = False, **optim_kwargs: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("OSS needs torch.distributed initialized (use fairscale.launch or torchrun)")
         if broadcast_buffer_size < 0:
-            raise ValueError(f"broadcast_buffer_size must be >= 0 bytes, got {broadcast_buffer_size}")
+            broadcast_buffer_size = 2**24
         super().__init__(params, dict(optim_kwargs))
         self.group = dist.group.WORLD if group is None else group
         self.axis = axis_for_group(self.group)
@@ -107,6 +123,7 @@ class OSS(torch.optim.Optimizer):
         self.global_rank = dist.get_rank()
         self.broadcast_buffer_size = int(broadcast_buffer_size)
         self.broadcast_fp16 = bool(broadcast_fp16)
+        self.force_broadcast_object = bool(force_broadcast_object)
         self._optim_cls = optim
         self._optim_kwargs = dict(optim_kwargs)
         self._partition: list[list[dict[str, Any]]] | None = None
@@ -121,14 +138,14 @@ class OSS(torch.optim.Optimizer):
 
     def _assign(self, group: dict[str, Any]) -> list[list[torch.Tensor]]:
         owned: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            r = min(range(self.world_size), key=lambda i: self._sizes[i])
-            self._sizes[r] += p.numel()
+        for p in group["params"]:
+            r = self._sizes.index(min(self._sizes))
+            # the optimizer state is what is sharded: trainable parameters count by size, frozen
+            # ones are spread one by one
+            self._sizes[r] += p.numel() if p.requires_grad else 1
             self._param_to_rank[p] = r
             owned[r].append(p)
-        # keep the user's order inside each shard so state_dict indices read naturally
-        order = {id(p): i for i, p in enumerate(group["params"])}
-        return [sorted(ps, key=lambda t: order[id(t)]) for ps in owned]
+        return owned
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Per rank, the list of its param groups (same hyper-parameters, only the owned params)."""
@@ -222,12 +239,10 @@ class OSS(torch.optim.Optimizer):
             flat = None
             fp16 = self.broadcast_fp16 and params[0].dtype == torch.float32
             if len(params) > 1 and not fp16:
-                with torch.no_grad():
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                    offset = 0
-                    for p in params:
-                        p.data = flat[offset:offset + p.numel()].view_as(p)
-                        offset += p.numel()
+                bucket = ParamBucket(sum(p.numel() for p in params), params[0].dtype, params[0].device)
+                for p in params:
+                    bucket.add_param(p)
+                flat = bucket.buffer
             buckets.append((r, params, flat))
         return buckets
 
@@ -292,14 +307,16 @@ class OSS(torch.optim.Optimizer):
         if filter_params_fn is not None:
             local = filter_params_fn(local)
         grads = [p.grad.detach().float() for p in local if p.grad is not None]
+        device = collective_device(self.axis)  # the all-reduce's device (the GPU under NCCL)
         if norm_type == float("inf"):
-            part = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            part = torch.stack([g.abs().max().to(device) for g in grads]).max() if grads else \
+                torch.zeros((), device=device)
             total = part.reshape(1).clone()
             comm.all_reduce_(total, self.axis, op=dist.ReduceOp.MAX)
             total_norm = total[0]
         else:
-            part = sum((g.norm(norm_type) ** norm_type for g in grads), torch.zeros(()))
-            total = torch.as_tensor(part, dtype=torch.float32).reshape(1).clone()
+            part = sum((g.norm(norm_type).to(device) ** norm_type for g in grads), torch.zeros((), device=device))
+            total = torch.as_tensor(part, dtype=torch.float32, device=device).reshape(1).clone()
             comm.all_reduce_(total, self.axis)
             total_norm = total[0] ** (1.0 / norm_type)
         clip_coef = max_norm / (total_norm + 1e-6)
@@ -307,7 +324,7 @@ class OSS(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        p.grad.detach().mul_(clip_coef.to(p.grad.dtype))
+                        p.grad.detach().mul_(clip_coef.to(device=p.grad.device, dtype=p.grad.dtype))
         return total_norm
 
     # -------------------------------------------------------------------------------- state dicts

@@ -60,6 +60,43 @@ def test_no_grad_runs_once():
     assert m.calls == 1
 
 
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3),
+                         nn.BatchNorm2d(2, momentum=None))  # momentum None: cumulative average
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_batch_norm_statistics_update_once_per_step(offload):
+    """FairScale 0.4.13 keeps batch-norm statistics as if there were no checkpointing: the backward
+    recomputation must not update running_mean/var or num_batches_tracked a second time."""
+    plain, wrapped = _bn_net(), checkpoint_wrapper(_bn_net(), offload_to_cpu=offload)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_w = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((plain, opt_p), (wrapped, opt_w)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert int(wrapped[1].num_batches_tracked) == 3 and int(wrapped[4].num_batches_tracked) == 3
+    for (k, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
+    # with disable_checkpointing() the module runs plainly: no recomputation at all
+    from fairscale.nn.checkpoint import disable_checkpointing
+
+    counted = checkpoint_wrapper(Counted())
+    with disable_checkpointing():
+        counted(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert counted.calls == 1 and counted.flags == [(False, False)]
+
+
+def test_misc_alias():
+    from fairscale.nn.misc import checkpoint_wrapper as misc_checkpoint_wrapper
+
+    assert misc_checkpoint_wrapper is checkpoint_wrapper
+
+
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match="expects an nn.Module"):
         checkpoint_wrapper(lambda x: x)

@@ -97,8 +97,9 @@ def test_top2gating_by_hand() -> None:
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [1.0, 1.5]])
     l_aux, combine, dispatch = top2gating(logits, second_expert_noise=False)
     gates = logits.softmax(-1)
-    # first choices: experts 0, 1, 0, 1 -> ce = [.5, .5]; me = mean gates; l_aux = E·Σ me·ce
-    assert l_aux.item() == pytest.approx(2 * (gates.mean(0) * torch.tensor([0.5, 0.5])).sum().item())
+    # first choices: experts 0, 1, 0, 1 -> ce = [.5, .5]; me = mean gates; FairScale 0.4.13's
+    # l_aux = mean_e(me·ce) = Σ_e me·ce / E (GShard's E·Σ me·ce is E² times larger)
+    assert l_aux.item() == pytest.approx((gates.mean(0) * torch.tensor([0.5, 0.5])).sum().item() / 2)
     assert combine.shape == (4, 2, 4)
     torch.testing.assert_close(combine.sum(dim=(1, 2)), torch.ones(4))  # g1 + g2 = 1 per token
     # token 0 goes first to expert 0 slot 0; token 2 to expert 0 slot 1; seconds queue after firsts
@@ -119,3 +120,33 @@ def test_gate_size_mismatch_is_explained() -> None:
     layer = MOELayer(Top2Gate(M, 3), nn.ModuleList([nn.Linear(M, M)]))
     with pytest.raises(ValueError, match=r"routes to 3 experts, but world_size\(1\) × local experts\(1\) = 1"):
         layer(torch.randn(4, M))
+
+
+def test_aux_loss_and_noisy_second_choice_follow_fairscale() -> None:
+    """FairScale 0.4.13's Top2Gate, computed independently: l_aux = mean_e(me·ce) (1/E² when routing
+    is uniform), and the second expert is argmax of the logits plus Gumbel(0, 1) noise drawn from
+    torch.distributions, in training and in eval mode alike (so one seed routes the same)."""
+    experts = 6
+    logits = torch.eye(experts).repeat(2, 1) * 4.0  # 12 tokens, each expert first for 2 of them
+    l_aux, _, _ = top2gating(logits, second_expert_noise=False)
+    gates = logits.softmax(-1)
+    assert l_aux.item() == pytest.approx((gates.mean(0) * (1 / experts)).mean().item())
+    assert l_aux.item() == pytest.approx(1 / experts**2, rel=1e-6)  # uniform: me = ce = 1/E
+
+    torch.manual_seed(3)
+    gate = Top2Gate(4, experts)
+    x = torch.randn(12, 4)
+    for mode in (gate.train, gate.eval):
+        mode()
+        torch.manual_seed(7)
+        _, combine, _ = gate(x)
+        torch.manual_seed(7)
+        logits = gate.wg(x)
+        noise = torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits.shape)
+        first = logits.argmax(1)
+        second = (logits + noise).scatter(1, first[:, None], float("-inf")).argmax(1)
+        routed = combine.sum(2) > 0  # (tokens, experts): where each token went
+        for t in range(12):
+            kept = set(routed[t].nonzero().flatten().tolist())
+            assert kept <= {first[t].item(), second[t].item()}
+            assert first[t].item() in kept  # capacity 4 per expert: firsts are never dropped here

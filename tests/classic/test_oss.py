@@ -152,6 +152,18 @@ def _run(rank: int, world: int) -> dict:
                 comm.all_reduce_(p.grad, "zero")
         opt4.step()
     results["refreeze"] = {k: v.clone() for k, v in case4.model.state_dict().items()}
+
+    # FairScale 0.4.13's own arguments: force_broadcast_object is OSS's, not the inner optimizer's;
+    # broadcast_buffer_size=-1 (its default) is accepted; partition in the group's order onto the
+    # least-loaded rank, a frozen parameter counting as one element
+    sizes = [(7,), (3,), (5,), (2,), (6,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in sizes]
+    params[3].requires_grad_(False)
+    opt5 = OSS(params, optim=torch.optim.SGD, lr=0.1, momentum=0.9, force_broadcast_object=True,
+               broadcast_buffer_size=-1)
+    results["inner_defaults"] = sorted(opt5.optim.defaults)
+    results["force_broadcast_object"] = opt5.force_broadcast_object
+    results["partition"] = [opt5.param_to_rank[p] for p in params]
     return _pack(results)
 
 
@@ -177,6 +189,20 @@ def test_oss_partitions_every_parameter_once(runs) -> None:
     n = len(list(build("mlp").model.parameters()))
     assert sum(results[0]["owned"]) == n
     assert results[0]["owners"] == list(range(world))  # every rank owns something (8 params)
+
+
+def test_oss_arguments_and_partition_rule_follow_0413(runs) -> None:
+    world, results = runs
+    r = results[0]
+    assert "force_broadcast_object" not in r["inner_defaults"] and r["force_broadcast_object"] is True
+    # sizes 7, 3, 5, 2 (frozen: counts 1), 6 in order, each to the least-loaded rank (lowest on ties)
+    loads, want = [0] * world, []
+    for numel, trainable in ((7, True), (3, True), (5, True), (2, False), (6, True)):
+        rank = loads.index(min(loads))
+        loads[rank] += numel if trainable else 1
+        want.append(rank)
+    assert r["partition"] == want
+    assert want == ([0, 1, 1, 0, 0] if world == 2 else [0, 1, 2, 3, 3])
 
 
 def test_clip_grad_norm_over_all_shards(runs) -> None:

@@ -95,6 +95,11 @@ def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int 
             warnings.simplefilter("always")
             model(batch[0][:1])  # a forward outside the loss: the trainable set is checked here
         warned.extend(str(w.message) for w in caught)
+        # this rank's own gradient of its slice, from an untouched copy of the model
+        local = build("mlp")
+        local.model.load_state_dict(case.model.state_dict())
+        LossModule(local.model, case.loss_fn)(*batch).backward()
+        local_grads = {n: q.grad for n, q in local.model.named_parameters()}
         if accumulate:  # two half micro-batches, the first without communication
             half = len(batch[0]) // 2
             with model.no_sync():
@@ -108,8 +113,15 @@ def _train(rank: int, world: int, *, set_to_none: bool, reduce_buffer_size: int 
             loss.backward()
         grads.append({n: p.grad.clone() for n, p in case.model.named_parameters()
                       if id(p) in owned and p.grad is not None})
-        # non-owners drop gradients (set_to_none) or hold none at all
-        none_ok &= all(p.grad is None for p in case.model.parameters() if id(p) not in owned and set_to_none)
+        # FairScale 0.4.13's non-owner gradients: none where reduced in place, else this rank's
+        # contribution to the average (its local gradient / world size)
+        for n, p in case.model.named_parameters():
+            if id(p) in owned or (p.grad is None and not p.requires_grad):
+                continue
+            if model._bucket_of[p].direct:
+                none_ok &= p.grad is None
+            else:
+                none_ok &= p.grad is not None and torch.allclose(p.grad, local_grads[n] / world, atol=1e-6)
         for opt in opts:
             opt.step()
         g = loss.detach().clone()
@@ -168,7 +180,8 @@ def _traffic(rank: int, world: int, *, reduce_fp16: bool) -> dict:
     batch = _local(case.make_batch(0, BATCH), rank, world)
     comm.COUNTER.reset()
     LossModule(model, case.loss_fn)(*batch).backward()
-    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    owned = {id(p) for p in opt.per_device_params[rank]}  # the reduced gradients
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if id(p) in owned}
     opt.step()
     snap = comm.COUNTER.snapshot()
     return {"snap": snap, "grads": grads}
@@ -312,3 +325,29 @@ def test_reduce_fp16_rounds_gradients_only_slightly(runs, reference) -> None:
             torch.testing.assert_close(g, full[name], rtol=1e-2, atol=1e-4)
             exact = r["traffic"]["grads"][name]
             assert g.dtype == exact.dtype == torch.float32
+
+
+def _grad_of_grad(rank: int, world: int) -> dict:
+    case = build("mlp")
+    model = ShardedDataParallel(case.model, OSS(case.model.parameters(), optim=torch.optim.SGD, lr=0.1))
+    out = {"multi_device": model.is_multi_device_module, "device_type": model.device_type}
+    batch = _local(case.make_batch(0, BATCH), rank, world)
+    try:  # a gradient graph (double backward) cannot be sharded: refused, not silently detached
+        LossModule(model, case.loss_fn)(*batch).backward(create_graph=True)
+    except RuntimeError as e:
+        out["backward"] = str(e)
+    model.zero_grad(set_to_none=True)
+    first = next(case.model.parameters())
+    first.grad = torch.zeros_like(first, requires_grad=True)
+    try:
+        model(batch[0])
+    except RuntimeError as e:
+        out["forward"] = str(e)
+    return out
+
+
+def test_grad_of_grad_is_refused_and_ddp_attributes() -> None:
+    for r in fairscale.launch(_grad_of_grad, devices=2):
+        assert r["multi_device"] is False and r["device_type"] == "cpu"
+        assert "only works with gradients that don't require grad" in r["backward"]
+        assert "only works with gradients that don't require grad" in r["forward"]

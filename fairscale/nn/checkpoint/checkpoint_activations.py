@@ -8,40 +8,110 @@ As in FairScale, the module is returned itself with its instance ``forward`` rep
 names and state_dict keys do not change and it composes with FSDP either way round
 (``FSDP(checkpoint_wrapper(m))`` or ``checkpoint_wrapper(FSDP(m))``).
 
-Mechanism: PyTorch's non-reentrant ``torch.utils.checkpoint`` (supports keyword arguments,
-non-tensor outputs and inputs that do not require grad). Only the module's inputs are kept; every
-tensor the forward would have saved for backward is dropped and recomputed. With
-``offload_to_cpu=True`` the kept inputs are stored on the CPU and copied back to their device for
-the recomputation; on a CPU-only machine that copy is the identity.
+Mechanism: PyTorch's non-reentrant ``torch.utils.checkpoint`` (keyword arguments, non-tensor
+outputs, inputs that do not require grad; the RNG state is restored, so dropout recomputes the same
+mask). Only the module's inputs are kept; every tensor the forward would have saved for backward is
+dropped and recomputed, and only if a gradient flows through the output (a module whose
+parameters and inputs need no gradient runs once). With ``offload_to_cpu=True`` the kept inputs
+are stored on the CPU and copied back to their device for the recomputation.
 
-Checkpointing applies only when autograd records the forward (``torch.is_grad_enabled()``); under
-``torch.no_grad()`` the module runs plainly.
+Batch norm: the recomputation does not update running statistics again, so ``running_mean``,
+``running_var`` and ``num_batches_tracked`` advance once per forward, as without checkpointing
+(FairScale 0.4.13 patches batch-norm layers for the same reason; a layer with a
+``disable_patch_batchnorm`` attribute is left alone and updates on both passes, as there).
+
+``torch.no_grad()`` or the :func:`disable_checkpointing` context run the module plainly.
+:func:`is_checkpointing` / :func:`is_recomputing` tell a layer which of the two passes it is in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["checkpoint_wrapper", "is_checkpointing", "is_recomputing"]
+__all__ = ["checkpoint_wrapper", "disable_checkpointing", "enable_checkpointing", "enable_recomputing",
+           "is_checkpointing", "is_recomputing", "is_checkpointing_disabled"]
 
-_STATE = threading.local()
+
+class _State(threading.local):
+    checkpointing = False
+    recomputing = False
+    disabled = False
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def _flag(name: str) -> Iterator[None]:
+    old = getattr(_STATE, name)
+    setattr(_STATE, name, True)
+    try:
+        yield
+    finally:
+        setattr(_STATE, name, old)
+
+
+def disable_checkpointing() -> contextlib.AbstractContextManager[None]:
+    """Inside this context, checkpointed modules run plainly (keep their activations)."""
+    return _flag("disabled")
+
+
+def enable_checkpointing() -> contextlib.AbstractContextManager[None]:
+    """Marks a checkpointed module's first forward (:func:`is_checkpointing` is True inside)."""
+    return _flag("checkpointing")
+
+
+def enable_recomputing() -> contextlib.AbstractContextManager[None]:
+    """Marks a checkpointed module's recomputation in backward (:func:`is_recomputing` is True inside)."""
+    return _flag("recomputing")
 
 
 def is_checkpointing() -> bool:
     """True while a checkpointed forward runs for the first time."""
-    return getattr(_STATE, "depth", 0) > 0 and not is_recomputing()
+    return _STATE.checkpointing
 
 
 def is_recomputing() -> bool:
-    """True while a checkpointed forward is being recomputed during backward."""
-    return torch._C._current_graph_task_id() != -1
+    """True while a checkpointed forward is being recomputed during backward: use it to skip side
+    effects that must happen once (counters, running statistics)."""
+    return _STATE.recomputing
+
+
+def is_checkpointing_disabled() -> bool:
+    """True inside :func:`disable_checkpointing`."""
+    return _STATE.disabled
+
+
+@contextlib.contextmanager
+def _frozen_running_stats(module: nn.Module) -> Iterator[None]:
+    """Batch-norm layers of ``module`` in training mode update scratch copies of their running
+    statistics, thrown away afterwards (the recomputation would otherwise update them twice). The
+    kernel still receives running buffers, so it saves the same tensors for backward as the first
+    pass did, which the non-reentrant checkpoint checks."""
+    frozen = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+              and not hasattr(m, "disable_patch_batchnorm")]
+    kept = []
+    for m in frozen:
+        count = m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None
+        kept.append((m.running_mean, m.running_var, count))
+        m.running_mean = m.running_mean.clone() if m.running_mean is not None else None
+        m.running_var = m.running_var.clone() if m.running_var is not None else None
+    try:
+        yield
+    finally:
+        for m, (mean, var, count) in zip(frozen, kept):
+            m.running_mean, m.running_var = mean, var
+            if count is not None:
+                m.num_batches_tracked.copy_(count)
 
 
 def _to_cpu(x: Any) -> Any:
@@ -53,21 +123,23 @@ def _checkpointed_forward(original: Callable[..., Any], module_ref: Any, offload
     module = module_ref()
     if module is None:
         raise RuntimeError("checkpoint_wrapper: the wrapped module was garbage-collected")
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or _STATE.disabled:
         return original(module, *args, **kwargs)
     devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
+    passes = [0]
 
     def run(*inputs: Any) -> Any:
+        passes[0] += 1
         if offload_to_cpu:  # back to where the caller had them, differentiably
             inputs = tuple(x.to(d) if d is not None else x for x, d in zip(inputs, devices))
-        return original(module, *inputs, **kwargs)
+        if passes[0] == 1:
+            with enable_checkpointing():
+                return original(module, *inputs, **kwargs)
+        with enable_recomputing(), _frozen_running_stats(module):
+            return original(module, *inputs, **kwargs)
 
     kept = tuple(_to_cpu(a) for a in args) if offload_to_cpu else args
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        return torch.utils.checkpoint.checkpoint(run, *kept, use_reentrant=False)
-    finally:
-        _STATE.depth -= 1
+    return torch.utils.checkpoint.checkpoint(run, *kept, use_reentrant=False)
 
 
 def _unbound_forward(module: nn.Module) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
-"""``fairscale.nn.data_parallel``: FullyShardedDataParallel (ZeRO-3) and ShardedDataParallel (ZeRO-2).
+"""``fairscale.nn.data_parallel``: FullyShardedDataParallel (ZeRO-3) and ShardedDataParallel (ZeRO-2),
+with ``auto_wrap_bn`` and ``get_fsdp_instances``.
 
-Both names resolve lazily, so each component imports only when used.
+Names resolve lazily, so each component imports only when used.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ _EXPORTS: dict[str, str] = {
     "FullyShardedDataParallel": "fairscale.nn.data_parallel.fully_sharded_data_parallel",
     "TrainingState": "fairscale.nn.data_parallel.fully_sharded_data_parallel",
     "ShardedDataParallel": "fairscale.nn.data_parallel.sharded_ddp",
+    "auto_wrap_bn": "fairscale.nn.data_parallel.fsdp_helpers",
+    "get_fsdp_instances": "fairscale.nn.data_parallel.fsdp_helpers",
 }
 
-__all__ = ["FullyShardedDataParallel", "ShardedDataParallel", "TrainingState"]
+__all__ = ["FullyShardedDataParallel", "ShardedDataParallel", "TrainingState", "auto_wrap_bn", "get_fsdp_instances"]
 
 
 def __getattr__(name: str) -> Any:

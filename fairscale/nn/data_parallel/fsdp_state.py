@@ -2,8 +2,9 @@
 optimizer-state gathering/sharding.
 
 Naming: a *clean* key is the unwrapped module's state_dict key (FSDP/FPW wrapper levels removed);
-a *local* key is the key in ``local_state_dict()`` (wrapper levels kept, e.g.
-``layers.0._fsdp_wrapped_module.flat_param_0``).
+a *raw local* key is the module tree's own key of a shard (wrapper levels kept, e.g.
+``layers.0._fsdp_wrapped_module.flat_param_0``); ``local_state_dict()`` shows it cleaned
+(``layers.0.flat_param_0``), as FairScale 0.4.13 did.
 
 The full optimizer state dict has the layout of a plain ``torch.optim.Optimizer.state_dict()`` on
 the unwrapped model: parameters numbered in its ``parameters()`` order, sharded state tensors
@@ -12,7 +13,7 @@ the unwrapped model: parameters numbered in its ``parameters()`` order, sharded 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -23,10 +24,56 @@ from fairscale.nn.misc.flatten_params_wrapper import clean_key
 from passes.ops import comm
 from passes.layout import FlatShard
 
-if TYPE_CHECKING:
-    from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel
+# the wrapper class is not imported here (it imports this module); ``root`` below is an instance of
+# fairscale.nn.data_parallel.FullyShardedDataParallel
+FullyShardedDataParallel = Any
 
 _DTYPES_ATTR = "_fsdp_buffer_dtypes"
+
+
+# ------------------------------------------------------------------------------------------------
+# process groups
+
+
+def resolve_group(process_group: Any) -> tuple[Any, int, int]:
+    """``(group, world_size, rank)`` for FSDP's ``process_group`` argument.
+
+    ``None`` is the world (a single process without torch.distributed). A test double with only
+    ``rank()`` and ``size()`` (``fair_dev.testing.DummyProcessGroup``) stands for a group of one:
+    nothing is communicated; as a larger group it is refused (it cannot communicate).
+    """
+    if process_group is None:
+        if dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        else:
+            return None, 1, 0
+    if isinstance(process_group, dist.ProcessGroup):
+        return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+    if callable(getattr(process_group, "size", None)) and callable(getattr(process_group, "rank", None)):
+        if process_group.size() != 1:
+            raise TypeError(f"process_group={type(process_group).__name__} of size {process_group.size()} is not a "
+                            "torch.distributed ProcessGroup: a stand-in group can only have size 1; pass a real group")
+        return process_group, 1, 0
+    raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}")
+
+
+def check_reduce_scatter_group(process_group_reduce_scatter: Any, group: Any, world_size: int) -> None:
+    """FSDP's ``process_group_reduce_scatter``: FairScale ran reduce-scatters on a second group over
+    the same ranks so they could overlap the all-gathers; here they run on ``process_group`` itself.
+    Any group over the same ranks (or a ``ProcessGroupName``) gives the same numbers, so it is
+    accepted; a group over other ranks would reduce gradients over the wrong ranks and is refused."""
+    if process_group_reduce_scatter is None or isinstance(process_group_reduce_scatter, str):
+        return  # ProcessGroupName.default / .reduce_scatter (a str Enum)
+    if not isinstance(process_group_reduce_scatter, dist.ProcessGroup) or not isinstance(group, dist.ProcessGroup):
+        if world_size == 1 and getattr(process_group_reduce_scatter, "size", lambda: 1)() == 1:
+            return
+        raise TypeError(f"process_group_reduce_scatter must be a ProcessGroup over the ranks of process_group or a "
+                        f"ProcessGroupName, got {type(process_group_reduce_scatter).__name__}")
+    mine, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(process_group_reduce_scatter)
+    if mine != theirs:
+        raise ValueError(f"process_group_reduce_scatter covers ranks {theirs} but process_group covers {mine}: "
+                         "gradients must be reduce-scattered over the ranks that share the parameters; pass a group "
+                         "over the same ranks (or leave it at its default)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,68 +184,101 @@ def _units_by_flat(root: FullyShardedDataParallel) -> dict[int, tuple[Any, Any, 
 # local state dicts: metadata and consolidation
 
 
+def _padding(layout: FlatShard) -> int:
+    """Zeros at the end of this rank's shard (the flat parameter is padded to a multiple of n)."""
+    s = layout.shard_numel
+    lo, hi = layout.index * s, (layout.index + 1) * s
+    return max(0, hi - max(layout.numel, lo))
+
+
 def metadata(root: FullyShardedDataParallel) -> dict[str, Any]:
-    names: dict[int, str] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    units = []
-    for inst, u, base in _units_by_flat(root).values():
-        units.append({
-            "local_key": names[id(u.flat)],
-            "members": [(base + k, tuple(s)) for k, s in u.layout.members],
-            "aliases": {base + a: base + k for a, k in u.group.aliases.items()},
-            "numel": u.layout.numel, "padded": u.layout.padded,
-            "index": u.layout.index, "count": u.layout.count,
-        })
-    buffers = {}
+    """FairScale 0.4.13's ``local_metadata_dict()`` layout, so shards saved here consolidate with
+    its ``consolidate_shard_weights`` and the other way round::
+
+        {"param_metadata": [            # one entry per FSDP instance
+            {"fsdp_path": "layers.0",   # clean path of the instance ("" for the root)
+             "params": {"flat_param_0": {"names": [...], "shapes": [...], "numels": [...],
+                                         "padding": zeros at the end of this rank's shard}},
+             "no_broadcast_optim_state": False,
+             "shared_param_info": [(source key, tied duplicate key), ...]}],
+         "buffer_names": [...],         # clean keys of the (persistent) buffers
+         "buffer_dtypes": {key: dtype}, # ours: the dtypes to restore (buffers may be cast)
+         "world_size": n}               # ours: to check that every rank's shard was passed
+
+    Backing parameters are named as in :meth:`local_state_dict` (``fsdp_path.flat_param_0``;
+    with ``flatten_parameters=False`` each parameter under its own name). Tied-parameter keys are
+    full clean keys (0.4.13 recorded them relative to the instance, which only the root reads right).
+    """
+    param_metadata = []
+    for path, m in root._instances():
+        fsdp_path = clean_key(path + ".")[:-1] if path else ""
+        base = fsdp_path + "." if fsdp_path else ""
+        params = {}
+        for u in m._units:
+            backing = u.flat_name if u.flat_name is not None else u.layout.members[0][0]
+            params[backing] = {"names": [k for k, _ in u.layout.members],
+                               "shapes": [torch.Size(sh) for _, sh in u.layout.members],
+                               "numels": [torch.Size(sh).numel() for _, sh in u.layout.members],
+                               "padding": _padding(u.layout)}
+        shared = [(base + src, base + dst) for u in m._units for dst, src in u.group.aliases.items()]
+        param_metadata.append({"fsdp_path": fsdp_path, "params": params,
+                               "no_broadcast_optim_state": m.no_broadcast_optim_state, "shared_param_info": shared})
     dtypes = buffer_dtypes(root)
     persistent = set(root.local_state_dict())  # non-persistent buffers are in no state dict
-    for name, _ in root.named_buffers():
-        if name in persistent:
-            key = clean_key(name)
-            buffers[name] = (key, dtypes.get(key))
-    return {"version": 1, "world_size": root.world_size, "rank": root.rank, "units": units, "buffers": buffers}
+    names = [clean_key(n) for n, _ in root.named_buffers()]
+    buffer_names = [n for n in dict.fromkeys(names) if n in persistent]
+    return {"param_metadata": param_metadata, "buffer_names": buffer_names,
+            "buffer_dtypes": {n: dtypes[n] for n in buffer_names if n in dtypes}, "world_size": root.world_size}
 
 
 def consolidate(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: list[dict[str, Any]], *,
                 with_module_buffers: bool, strict: bool) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's local state dict and metadata (0.4.13's format, see
+    :func:`metadata`): each backing parameter's shards, padding dropped, concatenated in rank order
+    and split into the named parameters; an instance with ``no_broadcast_optim_state`` (rank-local,
+    e.g. MoE experts) is taken from the first shard only. Buffers come from the first shard.
+    ``strict=False`` skips backing parameters and buffers missing from the first shard."""
     if not shard_weights or len(shard_weights) != len(shard_metadata):
         raise ValueError(f"consolidate_shard_weights needs one state dict and one metadata dict per rank, got "
                          f"{len(shard_weights)} and {len(shard_metadata)}")
-    n = len(shard_weights)
+    saved_world = shard_metadata[0].get("world_size")
+    if saved_world is not None and saved_world != len(shard_weights):
+        raise ValueError(f"the shards were saved by {saved_world} ranks but {len(shard_weights)} were given; pass "
+                         "every rank's local_state_dict() and local_metadata_dict(), in rank order")
     out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for j, unit in enumerate(shard_metadata[0]["units"]):
-        if unit["count"] != n:
-            raise ValueError(f"{unit['local_key']}: sharded over {unit['count']} ranks but {n} shards were given; "
-                             "pass every rank's local_state_dict() and local_metadata_dict(), in rank order")
-        by_index = sorted(range(n), key=lambda r: shard_metadata[r]["units"][j]["index"])
-        key = unit["local_key"]
-        missing = [r for r in by_index if key not in shard_weights[r]]
-        if missing:
-            raise KeyError(f"consolidate_shard_weights: {key!r} missing from the state dicts of ranks {missing}")
-        full = torch.cat([shard_weights[r][key].reshape(-1) for r in by_index])[:unit["numel"]]
-        layout = FlatShard(members=[(k, tuple(s)) for k, s in unit["members"]], numel=unit["numel"],
-                           padded=unit["padded"], index=0, count=n)
-        for k, t in layout.split(full).items():
-            out[k] = t.clone()
-        for alias, src in unit["aliases"].items():
-            out[alias] = out[src]
-        used.add(key)
-    buffer_keys = set(shard_metadata[0]["buffers"])
-    if with_module_buffers:
-        for local, (key, dtype) in shard_metadata[0]["buffers"].items():
-            if local not in shard_weights[0]:
+    for i, inst in enumerate(shard_metadata[0]["param_metadata"]):
+        base = inst["fsdp_path"] + "." if inst["fsdp_path"] else ""
+        for backing, info in inst["params"].items():
+            key = base + backing
+            if key not in shard_weights[0]:
                 if strict:
-                    raise KeyError(f"consolidate_shard_weights: buffer {local!r} missing from rank 0's state dict")
+                    raise KeyError(f"consolidate_shard_weights: {key!r} missing from the first state dict "
+                                   "(pass strict=False to skip it)")
                 continue
-            value = shard_weights[0][local]
-            out[key] = value.to(dtype) if dtype is not None else value
-    if strict:
-        extra = sorted(set(shard_weights[0]) - used - buffer_keys)
-        if extra:
-            raise KeyError(f"consolidate_shard_weights: keys not described by the metadata: {extra[:5]} "
-                           "(pass strict=False to drop them)")
+            ranks = range(1) if inst["no_broadcast_optim_state"] else range(len(shard_weights))
+            pieces = []
+            for r in ranks:
+                pad = shard_metadata[r]["param_metadata"][i]["params"][backing]["padding"]
+                shard = shard_weights[r][key].reshape(-1)
+                pieces.append(shard[:shard.numel() - pad] if pad else shard)
+            full = torch.cat(pieces)
+            if full.numel() != sum(info["numels"]):
+                raise ValueError(f"consolidate_shard_weights: {key!r} has {full.numel()} elements without padding "
+                                 f"but its metadata lists {sum(info['numels'])}")
+            for name, piece, shape in zip(info["names"], full.split(list(info["numels"])), info["shapes"]):
+                out[base + name] = piece.view(shape)
+        for src, dst in inst["shared_param_info"]:
+            if src in out:
+                out[dst] = out[src]
+    if with_module_buffers:
+        dtypes = shard_metadata[0].get("buffer_dtypes", {})
+        for name in shard_metadata[0]["buffer_names"]:
+            if name not in shard_weights[0]:
+                if strict:
+                    raise KeyError(f"consolidate_shard_weights: buffer {name!r} missing from the first state dict")
+                continue
+            value = shard_weights[0][name]
+            out[name] = value.to(dtypes[name]) if name in dtypes else value
     return out
 
 

@@ -8,8 +8,8 @@ state-dict API:
 - ``state_dict()`` / ``load_state_dict()`` use the unwrapped model's keys and gather or scatter
   the full tensors through ``summon_full_params`` (collective: every rank must call them). A plain
   parent module loading a full state dict loads each FSDP child's part with the child's own keys.
-- ``local_state_dict()`` / ``load_local_state_dict()`` hold this rank's shards under the wrapper
-  keys (no communication); ``consolidate_shard_weights`` turns every rank's local state dict and
+- ``local_state_dict()`` / ``load_local_state_dict()`` hold this rank's shards, keyed by clean
+  paths as in FairScale 0.4.13 (``layers.0.flat_param_0``; no communication); ``consolidate_shard_weights`` turns every rank's local state dict and
   ``local_metadata_dict()`` back into a full state dict offline.
 - ``gather_full_optim_state_dict`` / ``get_shard_from_optim_state_dict`` convert the optimizer's
   state between the shards and the layout of a plain optimizer on the unwrapped model.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping, cast
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -30,8 +30,8 @@ from torch import nn
 from fairscale.nn.data_parallel import fsdp_state
 from fairscale.nn.misc.flatten_params_wrapper import clean_key
 
-if TYPE_CHECKING:
-    from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel
+# the class that mixes this in (it imports this module, so it is not imported back)
+FullyShardedDataParallel = Any
 
 __all__ = ["StateDictMixin"]
 
@@ -94,7 +94,7 @@ class StateDictMixin(nn.Module):
         result = self.load_state_dict({k[len(prefix):]: state_dict.pop(k) for k in ours}, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
-        state_dict.update({prefix + k: v for k, v in self.local_state_dict(keep_vars=True).items()})
+        state_dict.update({prefix + k: v for k, v in self._raw_local_state_dict(keep_vars=True).items()})
 
     @contextlib.contextmanager
     def _local_state(self) -> Iterator[None]:
@@ -107,19 +107,36 @@ class StateDictMixin(nn.Module):
             for m in instances:
                 m._local_mode = False
 
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's shards and the buffers, under wrapper keys (no communication)."""
+    def _raw_local_state_dict(self, **kwargs: Any) -> Any:
+        """This rank's shards and the buffers under the module tree's own keys (wrapper levels kept)."""
         with self._local_state():
-            return self.state_dict(*args, **kwargs)
+            return nn.Module.state_dict(self, **kwargs)  # not self.state_dict: a subclass may route it here
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's shards and the buffers (no communication), keyed as FairScale 0.4.13 keys them:
+        wrapper levels removed, e.g. ``layers.0.flat_param_0`` and ``layers.0.norm.running_mean``."""
+        if args:  # torch's deprecated positional (destination, prefix, keep_vars)
+            kwargs.update(zip(("destination", "prefix", "keep_vars"), args))
+        destination, prefix = kwargs.pop("destination", None), kwargs.pop("prefix", "")
+        raw = self._raw_local_state_dict(**kwargs)
+        out = OrderedDict() if destination is None else destination
+        for key, value in raw.items():
+            out[prefix + clean_key(key)] = value
+        return out
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load what :meth:`local_state_dict` returned on this rank."""
+        """Load what :meth:`local_state_dict` returned on this rank (clean keys, or wrapper keys)."""
+        actual = {clean_key(k): k for k in self._raw_local_state_dict(keep_vars=True)}
+        mapped = {actual.get(k, k): v for k, v in state_dict.items()}
         with self._local_state():
-            return self.load_state_dict(state_dict, strict=strict)
+            result = nn.Module.load_state_dict(self, mapped, strict=strict)
+        result.missing_keys[:] = [clean_key(k) for k in result.missing_keys]
+        result.unexpected_keys[:] = [clean_key(k) for k in result.unexpected_keys]
+        return result
 
     def local_metadata_dict(self) -> dict[str, Any]:
         """What :meth:`consolidate_shard_weights` needs to rebuild full tensors from local state dicts."""
-        return fsdp_state.metadata(cast("FullyShardedDataParallel", self))
+        return fsdp_state.metadata(self)
 
     @staticmethod
     def consolidate_shard_weights(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: list[dict[str, Any]],
@@ -135,9 +152,9 @@ class StateDictMixin(nn.Module):
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> dict[str, Any] | None:
         """The optimizer's state as a plain ``Optimizer.state_dict()`` of the unwrapped model
         (parameters numbered in its ``parameters()`` order). Collective; returned on rank 0, None elsewhere."""
-        full = fsdp_state.gather_optim(cast("FullyShardedDataParallel", self), optim)
+        full = fsdp_state.gather_optim(self, optim)
         return full if self.rank == 0 else None
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a full optimizer state dict, for an optimizer over ``self.parameters()``."""
-        return fsdp_state.shard_optim(cast("FullyShardedDataParallel", self), full_optim_state_dict)
+        return fsdp_state.shard_optim(self, full_optim_state_dict)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fairscale.internal.parallel import ProcessGroupName
 from fairscale.nn.data_parallel import fsdp_state
 from fairscale.nn.data_parallel.fsdp_state_dict import StateDictMixin
 from fairscale.nn.data_parallel.fsdp_units import gather_full, make_units, pre_backward, scale_grads
@@ -93,7 +94,9 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
     Args:
         module: the module to wrap; nested instances inside it keep their own parameters.
         process_group: the group to shard over (default: the world; a single process when
-            torch.distributed is not initialized).
+            torch.distributed is not initialized; a size-1 stand-in with ``rank()``/``size()`` works).
+        process_group_reduce_scatter: FairScale's second group for overlapped reduce-scatters; any
+            group over the same ranks is accepted and the reduce-scatters run on ``process_group``.
         reshard_after_forward: free the gathered parameters after forward and gather them again in
             backward (less memory, one more all-gather).
         disable_reshard_on_root: the root instance keeps its parameters between forward and backward.
@@ -128,7 +131,8 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         allow_reset_parameters: allow ``reset_parameters()`` inside ``summon_full_params()``.
     """
 
-    def __init__(self, module: nn.Module, process_group: Any = None, reshard_after_forward: bool = True,
+    def __init__(self, module: nn.Module, process_group: Any = None,
+                 process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter, reshard_after_forward: bool = True,
                  disable_reshard_on_root: bool = True, mixed_precision: bool = False,
                  fp32_reduce_scatter: bool = False, flatten_parameters: bool = True,
                  move_params_to_cpu: bool = False, compute_dtype: torch.dtype | None = None,
@@ -139,16 +143,11 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
                  state_dict_on_rank_0_only: bool = False, gradient_predivide_factor: float | None = None,
                  allow_reset_parameters: bool = False) -> None:
         super().__init__()
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
-                            f"{type(process_group).__name__}")
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
-        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.process_group, self.world_size, self.rank = fsdp_state.resolve_group(process_group)
+        fsdp_state.check_reduce_scatter_group(process_group_reduce_scatter, self.process_group, self.world_size)
+        self.process_group_reduce_scatter = self.process_group  # see check_reduce_scatter_group
         self._axis = f"fsdp{next(_AXES)}"
-        comm.set_group(self._axis, process_group if self.world_size > 1 else None)
+        comm.set_group(self._axis, self.process_group if self.world_size > 1 else None)
 
         self.reshard_after_forward = bool(reshard_after_forward)
         self.disable_reshard_on_root = bool(disable_reshard_on_root)

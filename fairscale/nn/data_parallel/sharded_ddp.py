@@ -15,15 +15,19 @@ ranks drop it. Rajbhandari et al. 2020, "ZeRO", section 5.2 (P_os+g)::
 
 How the reduction works (and why ``zero_grad(set_to_none=True)`` is safe here): a hook on each
 parameter's gradient accumulator marks it ready. A gradient of at least ``reduce_buffer_size / 4``
-bytes is reduced on its own, *in place* in ``param.grad``: no copy in or out (on CPU the copies
+elements is reduced on its own, *in place* in ``param.grad``: no copy in or out (on CPU the copies
 of a bucket cost a fifth of a step's compute thread). Smaller gradients are grouped into buckets
-per owner rank (at most ``reduce_buffer_size`` bytes each) and *copied* into a fresh flat buffer.
+per owner rank (at most ``reduce_buffer_size`` elements each) and *copied* into a fresh flat buffer.
 Buckets are launched asynchronously in one fixed order, that of their last gradient in a
 reverse-registration-order backward, as soon as they and every earlier one are ready: every rank
 issues the same collectives in the same order, and a bucket of small gradients spread over the
 model does not hold back the large ones behind it. At the end of backward, remaining buckets
 (parameters that got no gradient on this rank) are launched in the same order with zeros. The
-owner then holds the averaged result in ``param.grad``; other ranks set ``param.grad = None``.
+owner then holds the averaged result in ``param.grad``. On the other ranks, as in FairScale 0.4.13:
+a gradient reduced on its own is dropped (``param.grad = None``: the reduction used its memory), a
+bucketed one keeps this rank's contribution to the average (its local gradient / world size; 0.4.13
+left the bucket's partially reduced values there). Only the owner's gradient is the step's gradient:
+clip with ``OSS.clip_grad_norm``, which reads owned gradients only.
 A "had a gradient" flag per parameter (inside its bucket; for in-place gradients, in one small
 all-reduce at the end of backward) keeps ``grad = None`` for a parameter that no rank used (as in
 single-process training). No gradient ever aliases a long-lived buffer, so replacing
@@ -43,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale.optim.oss import OSS
+from fairscale.optim.oss import OSS, collective_device
 from passes.ops import comm
 
 __all__ = ["ShardedDataParallel"]
@@ -94,8 +98,8 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before
             every forward in training mode.
         sync_models_at_startup: broadcast parameters and buffers from rank 0 at construction.
-        reduce_buffer_size: bytes per gradient bucket; a gradient of at least a quarter of it is
-            reduced on its own, in place; 0 reduces each gradient on its own.
+        reduce_buffer_size: elements per gradient bucket (as in FairScale 0.4.13); a gradient of at
+            least a quarter of it is reduced on its own, in place; 0 reduces each gradient on its own.
         auto_refresh_trainable: when parameters change ``requires_grad``, rebuild the hooks and
             buckets at the next forward (otherwise warn once and keep the old set).
         reduce_fp16: reduce fp32 gradients as fp16 (halves traffic, rounds the gradients).
@@ -119,6 +123,13 @@ class ShardedDataParallel(nn.Module):
                 raise ValueError("ShardedDataParallel's process_group must be the group its OSS optimizers "
                                  "shard over; pass the same group to both")
         self.axis = self.sharded_optimizers[0].axis
+        devices = {p.device for p in module.parameters()}
+        self.is_multi_device_module = len(devices) > 1
+        types = {d.type for d in devices}
+        if len(types) > 1:
+            raise ValueError(f"ShardedDataParallel needs the module's parameters on one type of device, found "
+                             f"{sorted(types)}; move the module first")
+        self.device_type = types.pop() if types else "cpu"
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         if reduce_buffer_size < 0:
@@ -185,19 +196,19 @@ class ShardedDataParallel(nn.Module):
         backward_order = list(reversed(self._trainable))
         for p in backward_order:
             owner = self._owner[p]
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= self.reduce_buffer_size // 4 and not self._casts(p):
+            numel = p.numel()
+            if numel >= self.reduce_buffer_size // 4 and not self._casts(p):
                 buckets.append(_Bucket(owner, [p], direct=True))
                 continue
             key = (owner, p.dtype, p.device)
             cur = open_by_owner.get(key)
-            if cur is not None and cur[1] + nbytes <= self.reduce_buffer_size:
+            if cur is not None and cur[1] + numel <= self.reduce_buffer_size:
                 cur[0].params.append(p)
-                open_by_owner[key] = (cur[0], cur[1] + nbytes)
+                open_by_owner[key] = (cur[0], cur[1] + numel)
                 continue
             b = _Bucket(owner, [p])
             buckets.append(b)
-            open_by_owner[key] = (b, nbytes)
+            open_by_owner[key] = (b, numel)
         position = {p: i for i, p in enumerate(backward_order)}
         buckets.sort(key=lambda b: position[b.params[-1]])  # stable: ties keep creation order
         return buckets
@@ -220,6 +231,10 @@ class ShardedDataParallel(nn.Module):
     # -------------------------------------------------------------------------------- forward
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.training and any(p.grad is not None and p.grad.requires_grad for p in self._trainable):
+            raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad: a "
+                               "parameter's .grad is part of an autograd graph (left by backward(create_graph=True)?); "
+                               "zero_grad(set_to_none=True) or detach it first")
         if [id(p) for p in self._current_trainable()] != [id(p) for p in self._trainable]:
             if self.auto_refresh_trainable:
                 self.refresh_trainable()
@@ -252,6 +267,9 @@ class ShardedDataParallel(nn.Module):
     # -------------------------------------------------------------------------------- reduction
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.requires_grad:
+            raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad "
+                               "(backward(create_graph=True) / grad-of-grad is not supported)")
         if self.should_accumulate_grads or self.world_size == 1:
             return
         b = self._bucket_of.get(p)
@@ -294,7 +312,7 @@ class ShardedDataParallel(nn.Module):
         direct = [b for b in self._buckets if b.direct]
         flags, flags_work = None, None
         if direct:  # did any rank have each in-place gradient; queued behind the reductions
-            flags = torch.tensor([float(b.had_grad) for b in direct])
+            flags = torch.tensor([float(b.had_grad) for b in direct], device=collective_device(self.axis))
             flags_work = comm.all_reduce_(flags, self.axis, async_op=True)
         with torch.no_grad():
             for b in self._buckets:
@@ -306,7 +324,10 @@ class ShardedDataParallel(nn.Module):
             for b in self._buckets:
                 if b.owner != self.rank:
                     for p in b.params:
-                        p.grad = None
+                        if b.direct or p.grad is None:
+                            p.grad = None  # its memory held the (in-place) reduction
+                        else:
+                            p.grad.div_(self.world_size)  # this rank's contribution to the average
                 elif b.direct:
                     self._finish_direct(b, used[id(b)])
                 else:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
+import torch
+from torch._C._distributed_c10d import ProcessGroup
 
 from passes.ops import comm
 
@@ -44,6 +45,7 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
         model_parallel_backend, pipeline_backend, ddp_backend: torch.distributed backend of each kind
             of group (default: the world's backend).
     """
+    dist = torch.distributed  # looked up per call, as FairScale did (tests substitute a stand-in module)
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialized "
                            "(use fairscale.launch or torchrun)")
@@ -79,9 +81,9 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             g = dist.new_group(ranks, backend=ddp_backend)
             if rank in ranks:
                 _STATE["data"] = (g, ranks)
-    comm.set_group(MODEL_AXIS, _STATE["model"][0] if mp > 1 else None)
-    comm.set_group(PIPELINE_AXIS, _STATE["pipeline"][0] if pp > 1 else None)
-    comm.set_group(DATA_AXIS, _STATE["data"][0] if dp > 1 else None)
+    for axis, kind, size in ((MODEL_AXIS, "model", mp), (PIPELINE_AXIS, "pipeline", pp), (DATA_AXIS, "data", dp)):
+        group = _STATE[kind][0]
+        comm.set_group(axis, group if size > 1 and isinstance(group, ProcessGroup) else None)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -104,7 +106,7 @@ def get_model_parallel_world_size() -> int:
 
 
 def get_model_parallel_rank() -> int:
-    return _get("model")[1].index(dist.get_rank())
+    return _get("model")[1].index(torch.distributed.get_rank())
 
 
 def get_model_parallel_src_rank() -> int:
@@ -121,7 +123,7 @@ def get_data_parallel_world_size() -> int:
 
 
 def get_data_parallel_rank() -> int:
-    return _get("data")[1].index(dist.get_rank())
+    return _get("data")[1].index(torch.distributed.get_rank())
 
 
 def get_pipeline_parallel_group() -> Any:

@@ -2,8 +2,10 @@
 
 Shoeybi et al. 2019, "Megatron-LM", section 3. Each rank of the model-parallel group holds a
 slice of the weight. Parameters start from the *dense* initialization: every rank builds the
-full master weight with ``init_method`` (so seed all ranks alike, e.g. ``torch.manual_seed(0)``),
-then keeps its slice, so a model-parallel layer starts exactly where the dense layer would::
+full master weight with ``init_method`` on the CPU, with the CPU generator (so seed all ranks
+alike, e.g. ``torch.manual_seed(0)``; the model-parallel CUDA seeds differ per rank on purpose),
+then keeps its slice on the default device, so a model-parallel layer starts exactly where the
+dense layer would::
 
     initialize_model_parallel(2)
     torch.manual_seed(0)
@@ -26,7 +28,7 @@ from fairscale.nn.model_parallel.initialize import (MODEL_AXIS, get_model_parall
 from passes.ops import comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding",
-           "divide", "vocab_range"]
+           "divide", "vocab_range", "_initialize_affine_weight"]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,6 +56,32 @@ def _slice_master(master: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
     return torch.cat(blocks[rank::world], dim=dim).contiguous()
 
 
+def _master(rows: int, cols: int, init_method: InitMethod, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense weight, initialized on the host (identical on every rank seeded alike)."""
+    master = torch.empty(rows, cols, dtype=dtype, device="cpu")
+    init_method(master)
+    return master
+
+
+def _initialize_affine_weight(weight: torch.Tensor, out_features: int, in_features: int, per_partition_size: int,
+                              partition_dim: int, init_method: InitMethod, stride: int = 1,
+                              return_master_weight: bool = False) -> torch.Tensor | None:
+    """Fill ``weight`` with this rank's slice (along ``partition_dim``) of a dense
+    ``(out_features, in_features)`` weight initialized by ``init_method`` (FairScale's helper,
+    which its layers and tests use). With one model-parallel rank, ``weight`` is initialized directly."""
+    if get_model_parallel_world_size() == 1:
+        init_method(weight)
+        return weight if return_master_weight else None
+    master = _master(out_features, in_features, init_method, weight.dtype)
+    mine = _slice_master(master, partition_dim, stride)
+    if mine.shape[partition_dim] != per_partition_size:
+        raise ValueError(f"per_partition_size={per_partition_size} but this rank's slice has "
+                         f"{mine.shape[partition_dim]} along dim {partition_dim}")
+    with torch.no_grad():
+        weight.copy_(mine)
+    return master if return_master_weight else None
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = XAᵀ + b`` with ``A`` split by output features (rows of ``weight``).
 
@@ -75,10 +103,10 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.output_size_per_partition = divide(out_features, world)
-        master = torch.empty(out_features, in_features)
-        init_method(master)
-        self.weight = nn.Parameter(_slice_master(master, 0, stride))
-        self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition)) if bias else None
+        master = _master(out_features, in_features, init_method)
+        device = torch.get_default_device()
+        self.weight = nn.Parameter(_slice_master(master, 0, stride).to(device))
+        self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, device=device)) if bias else None
         if bias:
             self.bias.model_parallel = True  # type: ignore[union-attr]
         self.weight.model_parallel = True  # type: ignore[attr-defined]
@@ -113,11 +141,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = divide(in_features, world)
-        master = torch.empty(out_features, in_features)
-        init_method(master)
-        self.weight = nn.Parameter(_slice_master(master, 1, stride))
+        master = _master(out_features, in_features, init_method)
+        device = torch.get_default_device()
+        self.weight = nn.Parameter(_slice_master(master, 1, stride).to(device))
         self.weight.model_parallel = True  # type: ignore[attr-defined]
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.master_weight = master if keep_master_weight_for_test else None
 
     def get_master_weight(self) -> torch.Tensor:
@@ -147,9 +175,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, rank, world)
-        master = torch.empty(num_embeddings, embedding_dim)
-        init_method(master)
-        self.weight = nn.Parameter(master[self.vocab_start_index:self.vocab_end_index].clone())
+        master = _master(num_embeddings, embedding_dim, init_method)
+        self.weight = nn.Parameter(master[self.vocab_start_index:self.vocab_end_index].to(torch.get_default_device(),
+                                                                                           copy=True))
         self.weight.model_parallel = True  # type: ignore[attr-defined]
         self._local_padding = (padding_idx - self.vocab_start_index
                                if padding_idx is not None and self.vocab_start_index <= padding_idx < self.vocab_end_index
@@ -174,9 +202,8 @@ class ParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.embedding_dim_per_partition = divide(embedding_dim, world)
-        master = torch.empty(num_embeddings, embedding_dim)
-        init_method(master)
-        self.weight = nn.Parameter(_slice_master(master, 1, 1))
+        master = _master(num_embeddings, embedding_dim, init_method)
+        self.weight = nn.Parameter(_slice_master(master, 1, 1).to(torch.get_default_device()))
         self.weight.model_parallel = True  # type: ignore[attr-defined]
         self.master_weight = master if keep_master_weight_for_test else None
 

@@ -85,8 +85,9 @@ class MOELayer(nn.Module):
         dispatched = _AllToAll.apply(dispatched, self.axis)
         # (n·local, C, M) from every rank -> per local expert, the slots sent by all n ranks
         chunks = dispatched.reshape(self.world_size, self.num_local_experts, capacity, model_dim)
-        outs = [expert(chunks[:, i].reshape(-1, model_dim)) for i, expert in enumerate(self.experts)]
-        expert_out = torch.stack([o.reshape(self.world_size, capacity, model_dim) for o in outs], dim=1)
+        # each expert sees (ranks, 1, C, M), the shape FairScale hands it
+        outs = [expert(chunks[:, i:i + 1]) for i, expert in enumerate(self.experts)]
+        expert_out = torch.cat([o.reshape(self.world_size, 1, capacity, model_dim) for o in outs], dim=1)
         expert_out = _AllToAll.apply(expert_out.reshape(experts, capacity, model_dim), self.axis)
         combined = torch.einsum("sec,ecm->sm", combine.to(tokens.dtype), expert_out)
         return combined.reshape(x.shape)

@@ -1,13 +1,15 @@
-"""FairScale 0.4.13's ``fairscale.nn.pipe``: single-process GPipe, balance helpers, skip connections,
-and :class:`MultiProcessPipe` (one rank per stage, on the compiler's pipeline runtime).
+"""FairScale 0.4.13's ``fairscale.nn.pipe``: single-process GPipe (:class:`Pipe`), balance helpers,
+skip connections, and pipelines across processes.
 
 ``is_checkpointing()`` / ``is_recomputing()`` tell a layer whether it runs inside a checkpointed
-cell's first forward or its backward-time recomputation (e.g. to skip side effects once).
+micro-batch's first forward or its backward-time recomputation (e.g. to skip side effects once).
+:class:`MultiProcessPipe` (ours, not in 0.4.13) runs a Sequential across ranks on the compiler's
+pipeline runtime with GPipe/1F1B/interleaved schedules.
 """
 
 from typing import Any
 
-from fairscale.nn.pipe.batchnorm import is_checkpointing, is_recomputing
+from fairscale.nn.pipe.checkpoint import is_checkpointing, is_recomputing
 from fairscale.nn.pipe.pipe import BalanceError, Pipe
 
 __all__ = ["Pipe", "MultiProcessPipe", "BalanceError", "is_checkpointing", "is_recomputing"]

@@ -9,47 +9,13 @@ them. Recomputation under activation checkpointing does not count twice.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferredBatchNorm", "recomputing", "checkpointing", "is_recomputing", "is_checkpointing"]
+from fairscale.nn.pipe.checkpoint import is_checkpointing, is_recomputing
 
-_local = threading.local()
-
-
-class recomputing:  # noqa: N801 - a context manager used like a function
-    """Marks a checkpointed partition's backward-time recomputation."""
-
-    def __enter__(self) -> None:
-        self._old = getattr(_local, "recomputing", False)
-        _local.recomputing = True
-
-    def __exit__(self, *exc: object) -> None:
-        _local.recomputing = self._old
-
-
-def is_recomputing() -> bool:
-    """True while a checkpointed Pipe cell re-runs its forward during backward."""
-    return getattr(_local, "recomputing", False)
-
-
-class checkpointing:  # noqa: N801
-    """Marks the first (activation-discarding) forward of a checkpointed Pipe cell."""
-
-    def __enter__(self) -> None:
-        self._old = getattr(_local, "checkpointing", False)
-        _local.checkpointing = True
-
-    def __exit__(self, *exc: object) -> None:
-        _local.checkpointing = self._old
-
-
-def is_checkpointing() -> bool:
-    """True while a checkpointed Pipe cell runs its first forward (its activations are discarded)."""
-    return getattr(_local, "checkpointing", False)
+__all__ = ["DeferredBatchNorm", "is_recomputing", "is_checkpointing"]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -102,17 +68,19 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
         """Replace every BatchNorm in ``module`` by a DeferredBatchNorm (same parameters and stats)."""
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats \
-                and not isinstance(module, DeferredBatchNorm):
+        if isinstance(module, DeferredBatchNorm) and module.chunks == chunks:
+            return module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            # a new module sharing the parameters and statistics (also to change a DeferredBatchNorm's chunks)
             new = cls(module.num_features, module.eps, module.momentum, module.affine, chunks)
             if module.affine:
                 new.register_parameter("weight", module.weight)
                 new.register_parameter("bias", module.bias)
-            new.running_mean.copy_(module.running_mean)
-            new.running_var.copy_(module.running_var)
-            new.num_batches_tracked.copy_(module.num_batches_tracked)
+            new.register_buffer("running_mean", module.running_mean)
+            new.register_buffer("running_var", module.running_var)
+            new.register_buffer("num_batches_tracked", module.num_batches_tracked)
             new.train(module.training)
-            return new
+            module = new
         for name, child in module.named_children():
             module.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
         return module

@@ -38,12 +38,20 @@ def default_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params:
             which have no forward).
         skip_params_check_for_root: wrap the root regardless of its size.
     """
-    force_leaf = tuple(force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention})
-    exclude = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict})
+    force_leaf = tuple(force_leaf_modules if force_leaf_modules is not None else _FORCE_LEAF_MODULES)
+    exclude = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else _EXCLUDE_WRAP_MODULES)
     is_large = unwrapped_params >= min_num_params
     if recurse:
         return is_large and not isinstance(module, force_leaf)
     return (is_large or (module_is_root and skip_params_check_for_root)) and not isinstance(module, exclude)
+
+
+# the defaults, readable as FairScale exposes them, to extend: e.g.
+# force_leaf_modules=default_auto_wrap_policy.FORCE_LEAF_MODULES.union({nn.Linear})
+_FORCE_LEAF_MODULES = frozenset({nn.MultiheadAttention})
+_EXCLUDE_WRAP_MODULES = frozenset({nn.ModuleList, nn.ModuleDict})
+default_auto_wrap_policy.FORCE_LEAF_MODULES = _FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = _EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
 
 
 def config_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:

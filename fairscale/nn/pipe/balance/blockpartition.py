@@ -12,8 +12,9 @@ from typing import Sequence
 __all__ = ["solve", "balance_cost"]
 
 
-def solve(costs: Sequence[float], partitions: int) -> list[list[int]]:
-    """Layer indices of each of ``partitions`` contiguous, non-empty blocks."""
+def solve(costs: Sequence[float], partitions: int) -> list[list[float]]:
+    """``costs`` cut into ``partitions`` contiguous, non-empty blocks (the values, as FairScale's
+    ``blockpartition.solve``): ``solve([1, 2, 3, 4, 5, 6], 2) == [[1, 2, 3, 4], [5, 6]]``."""
     n = len(costs)
     if partitions < 1:
         raise ValueError(f"partitions must be a positive integer, got {partitions}")
@@ -35,7 +36,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[list[int]]:
     blocks, i = [], n
     for k in range(partitions, 0, -1):
         j = cut[k][i]
-        blocks.append(list(range(j, i)))
+        blocks.append(list(costs[j:i]))
         i = j
     return blocks[::-1]
 

@@ -1,60 +1,76 @@
-"""Per-layer costs for automatic balancing: wall time, or memory (parameters + saved activations)."""
+"""Per-layer costs for automatic balancing: wall time, or memory (parameters + saved activations).
+
+Layers are profiled in a sandbox: a copy of each layer, on the profiling device, in training
+mode. The model itself is left as it was (its BatchNorm statistics, mode, device, and gradients).
+Layers receive what ``nn.Sequential`` would give them: the previous layer's output, a tuple as
+one argument.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["profile_times", "profile_sizes"]
+from fairscale.nn.pipe.microbatch import Batch
+
+__all__ = ["layerwise_sandbox", "profile_times", "profile_sizes"]
 
 
-def _as_tuple(x: Any) -> tuple[torch.Tensor, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def _detach(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
-
-
-def _layers(module: nn.Sequential) -> list[nn.Module]:
+def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+    """A copy of each layer of ``module``, on ``device`` and in training mode."""
     if not isinstance(module, nn.Sequential):
         raise TypeError("balance helpers need an nn.Sequential (the module you will give to Pipe)")
-    return list(module)
+    for layer in module:
+        sandboxed = copy.deepcopy(layer).to(device)
+        sandboxed.train()
+        yield sandboxed
+
+
+def _detach(batch: Batch) -> None:
+    """Cut the graph between layers: each layer's backward is profiled on its own."""
+    batch[:] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in batch)
+
+
+def _check_no_grad(module: nn.Module) -> None:
+    if any(p.grad is not None for p in module.parameters()):
+        raise ValueError("some parameter already has gradient; call model.zero_grad(set_to_none=True) before "
+                         "balancing (profiling runs backward passes on copies of the layers)")
+
+
+def _to(sample: Any, device: torch.device) -> Batch:
+    return Batch(sample.to(device) if torch.is_tensor(sample) else tuple(x.to(device) for x in sample))
 
 
 def profile_times(module: nn.Sequential, sample: Any, *, timeout: float, device: torch.device) -> list[float]:
     """Seconds each layer spends in forward + backward on ``sample``, summed over repeated passes
     until ``timeout`` seconds have elapsed (at least one pass)."""
-    layers = _layers(module)
+    _check_no_grad(module)
+    layers = list(layerwise_sandbox(module, device))
     times = [0.0] * len(layers)
-    was_training = module.training
-    module.train()
     begun = time.perf_counter()
-    try:
-        while True:
-            x = _detach(tuple(t.to(device) for t in _as_tuple(sample)))
-            for i, layer in enumerate(layers):
-                start = time.perf_counter()
-                out = _as_tuple(layer(*x))
-                floats = [o for o in out if o.is_floating_point() and o.requires_grad]
-                if floats:
-                    torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[i] += time.perf_counter() - start
-                x = _detach(out)
-            if time.perf_counter() - begun >= timeout:
-                break
-    finally:
-        module.train(was_training)
-        module.zero_grad(set_to_none=True)
-    return times
+    while True:
+        batch = _to(sample, device)
+        for i, layer in enumerate(layers):
+            _detach(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            batch = batch.call(layer)
+            needs_grad = [y for y in batch if y.requires_grad]
+            if needs_grad:
+                torch.autograd.backward(needs_grad, [torch.ones_like(y) for y in needs_grad])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[i] += time.perf_counter() - start
+        if time.perf_counter() - begun >= timeout:
+            return times
 
 
-def profile_sizes(module: nn.Sequential, input: Any, *, chunks: int, param_scale: float,
+def profile_sizes(module: nn.Sequential, input: Any, *, chunks: int, param_scale: float,  # noqa: A002
                   device: torch.device) -> list[float]:
     """Bytes each layer holds while training: activations it saves for backward (for one of
     ``chunks`` micro-batches) plus its parameters × ``param_scale`` (e.g. 2 for weight + grad,
@@ -62,11 +78,12 @@ def profile_sizes(module: nn.Sequential, input: Any, *, chunks: int, param_scale
     the same thing on CPU and GPU (shared storages counted once)."""
     if chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks}")
-    layers = _layers(module)
+    _check_no_grad(module)
+    batch = _to(input, device)
+    batch[:] = tuple(x.chunk(chunks)[0] for x in batch)
     sizes: list[float] = []
-    x = _detach(tuple(t.to(device) for t in _as_tuple(input)))
-    x = tuple(t.chunk(chunks)[0] for t in x)
-    for layer in layers:
+    for layer in layerwise_sandbox(module, device):
+        _detach(batch)
         seen: set[tuple[int, int]] = set()
         saved = 0
 
@@ -79,8 +96,7 @@ def profile_sizes(module: nn.Sequential, input: Any, *, chunks: int, param_scale
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _as_tuple(layer(*x))
+            batch = batch.call(layer)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         sizes.append(saved + params * param_scale)
-        x = _detach(out)
     return sizes

@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator, Iterable
 import torch
 from torch import nn
 
+from fairscale.nn.pipe.microbatch import Batch
 from fairscale.nn.pipe.skip.tracker import current_skip_tracker
 
 __all__ = ["skippable", "stash", "pop", "Namespace", "verify_skippables", "Skippable"]
@@ -101,40 +102,55 @@ class Skippable(nn.Module):
             self.namespaces[name] = ns
         return self
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+        """Run the wrapped forward; pops are loaded before it runs and stashes saved after it
+        returns, so that inside a Pipe their phonies attach to this layer's input and output."""
         tracker = current_skip_tracker()
-        result = self.module(*args, **kwargs)
-        if not isinstance(result, Generator):
-            return result
-        stashed: set[str] = set()
-        popped: set[str] = set()
+        batch = Batch(input)
+        poppable: dict[str, Any] = {}
+        for ns, name in self.poppable():
+            try:
+                poppable[name] = tracker.load(batch, ns, name)
+            except KeyError:
+                raise RuntimeError(f"'{name}' has not been stashed") from None
+        result = self.module(batch.tensor_or_tensors, *args, **kwargs)
+        stashed: dict[str, Any] = {}
+        if isinstance(result, Generator):
+            result = self._dispatch(result, stashed, poppable)
+        if poppable:
+            raise RuntimeError(f"{_names(poppable)} must be popped but have not been")
+        missing = [name for _, name in self.stashable() if name not in stashed]
+        if missing:
+            raise RuntimeError(f"{_names(missing)} must be stashed but have not been")
+        batch = Batch(result)
+        for ns, name in self.stashable():
+            tracker.save(batch, ns, name, stashed[name])
+        return batch.tensor_or_tensors
+
+    def _dispatch(self, gen: Generator, stashed: dict[str, Any], poppable: dict[str, Any]) -> Any:
         send: Any = None
         while True:
             try:
-                op = result.send(send)
+                op = gen.send(send)
             except StopIteration as done:
-                out = done.value
-                break
+                return done.value
             send = None
             if isinstance(op, stash):
                 if op.name not in self.stashable_names:
-                    raise RuntimeError(f"'{op.name}' has not been declared as stashable in {type(self).__name__}; "
-                                       f"declare it: @skippable(stash=['{op.name}'])")
-                tracker.save(*self.namespaced(op.name), op.tensor)
-                stashed.add(op.name)
+                    raise RuntimeError(f"'{op.name}' has not been declared as stashable; declare it: "
+                                       f"@skippable(stash=['{op.name}'])")
+                stashed[op.name] = op.tensor
             elif isinstance(op, pop):
                 if op.name not in self.poppable_names:
-                    raise RuntimeError(f"'{op.name}' has not been declared as poppable in {type(self).__name__}; "
-                                       f"declare it: @skippable(pop=['{op.name}'])")
-                send = tracker.load(*self.namespaced(op.name))
-                popped.add(op.name)
+                    raise RuntimeError(f"'{op.name}' has not been declared as poppable; declare it: "
+                                       f"@skippable(pop=['{op.name}'])")
+                send = poppable.pop(op.name)
             else:
                 raise TypeError(f"a skippable forward may only yield stash(...) or pop(...), got {op!r}")
-        missing = (self.stashable_names - stashed) | (self.poppable_names - popped)
-        if missing:
-            raise RuntimeError(f"{type(self).__name__} declared skips it did not use in this call: {sorted(missing)}; "
-                               "every declared stash and pop must happen on every forward")
-        return out
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names)
 
 
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[type[nn.Module]], type[Skippable]]:
@@ -150,26 +166,36 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
 
 
 def verify_skippables(module: nn.Sequential) -> None:
-    """Raise ``TypeError`` listing every stash without a later pop, pop without an earlier stash,
-    and name stashed or popped twice (in the same namespace)."""
+    """Raise ``TypeError`` listing every unmatched stash/pop pair among ``module``'s children (by
+    child name): a name declared both stashable and poppable by one layer, stashed or popped again
+    without a namespace, popped but never stashed before, or stashed but never popped. The same
+    name can be reused by isolating the layers in different :class:`Namespace` s."""
     stashed: set[tuple[Any, str]] = set()
     popped: set[tuple[Any, str]] = set()
     problems: list[str] = []
-    for layer in module.children():
+    for layer_name, layer in module.named_children():
         if not isinstance(layer, Skippable):
             continue
+        for name in sorted(layer.stashable_names & layer.poppable_names):
+            problems.append(f"'{layer_name}' declared '{name}' both as stashable and as poppable")
         for key in layer.stashable():
+            if key[1] in layer.poppable_names:
+                continue
             if key in stashed:
-                problems.append(f"'{key[1]}' is redeclared as stashable but not isolated by namespace")
+                problems.append(f"'{layer_name}' redeclared '{key[1]}' as stashable but not isolated by namespace")
+                continue
             stashed.add(key)
         for key in layer.poppable():
+            if key[1] in layer.stashable_names:
+                continue
             if key in popped:
-                problems.append(f"'{key[1]}' is redeclared as poppable but not isolated by namespace")
-            elif key not in stashed:
-                problems.append(f"'{key[1]}' is popped before it is stashed (or never stashed)")
+                problems.append(f"'{layer_name}' redeclared '{key[1]}' as poppable but not isolated by namespace")
+                continue
+            if key not in stashed:
+                problems.append(f"'{layer_name}' declared '{key[1]}' as poppable but it was not stashed")
+                continue
             popped.add(key)
-    for key in sorted(stashed - popped, key=lambda k: k[1]):
-        problems.append(f"'{key[1]}' is stashed but not popped")
+    for _, name in sorted(stashed - popped, key=lambda k: k[1]):
+        problems.append(f"no module declared '{name}' as poppable but stashed")
     if problems:
-        raise TypeError("one or more pairs of stash and pop do not match:\n\n"
-                        + "\n".join(f"* {p}" for p in problems))
+        raise TypeError("one or more pairs of stash and pop do not match:\n\n" + "\n".join(f"* {p}" for p in problems))
