@@ -23,6 +23,7 @@ the last stage). Losses returned are means over the global batch, identical on e
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.runtime.batch_check import check_same_batch
+from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, resolve_device, to_device, use_device
 from fairscale.runtime.init import check_replicas
@@ -119,6 +121,7 @@ class ParallelModule:
         self._render_report = render_report
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
+        self._user_model = weakref.ref(model)  # for its state-dict hooks; the user holds the model
         self.check_report: Any = None
         """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
@@ -205,8 +208,12 @@ class ParallelModule:
 
         Gathered one tensor (or ZeRO bucket, or FSDP unit) at a time: each stage's first rank
         (dp 0, tp 0) sends its stage's tensors to rank 0 one by one, so no device ever holds more
-        than its own shards plus one gathered unit, and only rank 0's host holds the whole model."""
-        return self._on_rank0(self._full_tensors())
+        than its own shards plus one gathered unit, and only rank 0's host holds the whole model.
+        The model's own state-dict hooks run on the result (``fairscale.runtime.state_hooks``), so
+        a model that saves a fused weight as parts gets the parts, as ``model.state_dict()`` would."""
+        out = self._on_rank0(self._full_tensors())
+        model = self._user_model()
+        return apply_state_dict_hooks(model, out) if out and model is not None else out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The full gradients of the last backward (after ``train_step``, or ``loss.backward()``
