@@ -46,6 +46,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from passes.tp.functionalize import is_inplace
 from passes.layout import META_LAYOUT, ParamLayout
 from planner.graph import META_LAYER, META_PARAM, ModelGraph
 from planner.plan import Plan, PlanError
@@ -393,6 +394,11 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
         new = graph.placeholder(v.name)
         new.meta = copy.copy(v.meta)
         env[v] = new
+    for v in recv:  # a received activation is a leaf here: autograd refuses in-place ops on it
+        if any(u in keep and is_inplace(u.target) and u.args and u.args[0] is v for u in v.users):
+            copied = graph.call_function(torch.ops.aten.clone.default, (env[v],))
+            copied.meta = copy.copy(v.meta)
+            env[v] = copied
     root = nn.Module()
     buffers = {name for name, _ in gm.named_buffers()}
     layout = ParamLayout()

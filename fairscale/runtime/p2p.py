@@ -55,7 +55,7 @@ def set_timeout(timeout: datetime.timedelta | None) -> None:
 
 
 class P2PTimeout(RuntimeError):
-    """A pipeline send or receive did not complete within the collective timeout."""
+    """A pipeline send or receive did not complete: the collective timeout passed, or the peer failed."""
 
 
 def wait_all(pending: list[tuple[Any, torch.Tensor]], *, what: str = "", peer: int | None = None) -> list[torch.Tensor]:
@@ -72,11 +72,14 @@ def wait_all(pending: list[tuple[Any, torch.Tensor]], *, what: str = "", peer: i
 
 
 def _stuck(what: str, peer: int | None, exc: BaseException | None) -> str:
-    limit = f"{_TIMEOUT.total_seconds():.0f} s" if _TIMEOUT is not None else "the timeout"
     who = f"pipeline rank {peer}" if peer is not None else "the peer"
-    cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})" if exc is not None else ""
-    return (f"waited {limit} (the collective timeout) for {what or 'a pipeline message'} from {who}, which is "
-            f"stuck or dead{cause}; the launcher reports the rank that failed first")
+    awaited = what or "a pipeline message"
+    if exc is not None and "time" not in str(exc).lower():  # the peer closed the connection: it failed
+        first = str(exc).splitlines()[0][:300]
+        return f"{awaited} from {who} never came: the connection failed ({type(exc).__name__}: {first})"
+    limit = f"{_TIMEOUT.total_seconds():.0f} s" if _TIMEOUT is not None else "the timeout"
+    return (f"waited {limit} (the collective timeout) for {awaited} from {who}, which is stuck or dead; "
+            "the launcher reports the rank that failed first")
 
 
 def encode_specs(specs: Sequence[ValueSpec]) -> list[int]:
