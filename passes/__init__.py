@@ -33,7 +33,8 @@ from passes.ep.shard_experts import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
 from passes.dp.shard_data_parallel import shard_data_parallel_pass
 from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
-from passes.split_stages import StagedProgram, split_stages_pass
+from passes.program import StagedProgram
+from passes.split_stages import split_stages_pass
 from passes.verify import verify_pass
 from planner.graph import ModelGraph
 from planner.plan import Plan

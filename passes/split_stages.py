@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +47,9 @@ import torch.fx
 from torch import nn
 
 from passes.layout import META_LAYOUT, ParamLayout
+from passes.program import StagedProgram, StageGraph, ValueSpec
 from planner.graph import META_LAYER, META_PARAM, ModelGraph
+from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector
 
@@ -70,23 +72,6 @@ class SplitError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ValueSpec:
-    """A tensor crossing a stage boundary (or a batch input), as captured."""
-
-    name: str
-    """Node name in the captured graph."""
-    shape: tuple[int, ...]
-    """Shape for the captured microbatch."""
-    dtype: torch.dtype
-    """Its dtype."""
-    grad: bool
-    """Whether a gradient flows back for it (floating point and computed from parameters)."""
-
-    def describe(self) -> str:
-        return f"{self.name}{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
-
-
-@dataclass(frozen=True, kw_only=True)
 class StageIO:
     """What a stage graph's placeholders and outputs are (``gm.meta["fs_stage_io"]``)."""
 
@@ -95,75 +80,6 @@ class StageIO:
     batch inputs, which every pipeline rank loads whole)."""
     sends: bool
     """Whether the outputs are sent to the next stage (False on the last stage: it returns the loss)."""
-
-
-@dataclass(kw_only=True)
-class StageGraph:
-    """One (virtual) stage: its GraphModule and what flows in and out of it."""
-
-    index: int
-    """Stage index (stage s runs on pipeline rank s % pp)."""
-    gm: torch.fx.GraphModule
-    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``)."""
-    layers: list[str]
-    """Layer names the stage holds, in execution order."""
-    batch_inputs: list[int]
-    """Indices into the flat batch of the batch inputs the stage reads, in placeholder order."""
-    batch_specs: list[ValueSpec]
-    """Their captured shapes (a microbatch must match them)."""
-    inputs: list[ValueSpec]
-    """Values received from the previous stage, in placeholder order."""
-    outputs: list[ValueSpec]
-    """Values sent to the next stage, in output order (last stage: the loss)."""
-
-    def param_keys(self) -> dict[str, str]:
-        """attr -> user state_dict key of the stage's parameters and buffers."""
-        return dict(self.gm.meta[META_LAYOUT].keys)
-
-
-@dataclass(kw_only=True)
-class StagedProgram:
-    """What :func:`split_stages_pass` returns: the stages in order plus cross-stage facts."""
-
-    stages: list[StageGraph]
-    """All stages in order."""
-    shared: dict[str, list[int]] = field(default_factory=dict)
-    """Canonical user key -> stages holding a copy, for parameters held by more than one stage
-    (tied weights; the canonical key is the first name of the tied group)."""
-    aliases: dict[str, list[str]] = field(default_factory=dict)
-    """User key -> every state_dict name of that tensor (tied groups), for rebuilding a full state_dict."""
-    microbatch: int = 1
-    """Batch size (dim 0) the graph was captured for."""
-
-    def canonical(self, key: str) -> str:
-        """The first name of ``key``'s tied group (``key`` itself when untied)."""
-        return self.aliases.get(key, [key])[0]
-
-    def shared_keys(self, stage: int) -> list[str]:
-        """User keys (as this stage names them) of its parameters that other stages also hold: what
-        ``shard_data_parallel_pass(..., replicate=)`` must keep whole for the tied-gradient sum."""
-        keys = self.stages[stage].param_keys().values()
-        return sorted({k for k in keys if self.canonical(k) in self.shared})
-
-    def boundary_specs(self) -> tuple[dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
-                                      dict[int, list[tuple[tuple[int, ...], torch.dtype]]]]:
-        """(send_specs, recv_specs) per stage for ``planner.schedule.simulate``'s shape check."""
-        send = {st.index: [(v.shape, v.dtype) for v in st.outputs] for st in self.stages[:-1]}
-        recv = {st.index: [(v.shape, v.dtype) for v in st.inputs] for st in self.stages[1:]}
-        return send, recv
-
-    def summary(self) -> str:
-        """One line per stage: layers, inputs received, outputs sent."""
-        from planner.selectors import format_layers
-
-        rows = []
-        for st in self.stages:
-            ins = ", ".join(v.describe() for v in st.inputs) or "-"
-            outs = ", ".join(v.describe() for v in st.outputs)
-            rows.append(f"stage {st.index}: {format_layers(st.layers)} | recv {ins} | send {outs}")
-        for key, holders in sorted(self.shared.items()):
-            rows.append(f"shared {key}: stages {holders}")
-        return "\n".join(rows)
 
 
 def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
@@ -316,7 +232,7 @@ def _pure_nodes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[to
         if node.op == "placeholder":
             pure[node] = True
         elif node.op == "get_attr":
-            pure[node] = id(_fetch(gm, str(node.target))) not in params
+            pure[node] = id(fetch_attr(gm, str(node.target))) not in params
         elif node.op == "call_function":
             name = str(node.target).lower()
             pure[node] = (not any(r in name for r in _RANDOM)
@@ -349,31 +265,14 @@ def _spec(node: torch.fx.Node, pure: dict[torch.fx.Node, bool]) -> ValueSpec:
                      grad=bool(val.dtype.is_floating_point and not pure.get(node, False)))
 
 
-def _fetch(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _install(root: nn.Module, target: str, value: Any, *, buffer: bool) -> None:
-    *path, leaf = target.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
+def _stage_value(value: Any) -> Any:
+    """What a stage graph holds for one of the capture's attributes: a copy, so a stage graph
+    trained as it is never writes into the user's model."""
     if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad))
-    elif isinstance(value, torch.Tensor):
-        if buffer:
-            mod.register_buffer(leaf, value.detach().clone())
-        else:
-            setattr(mod, leaf, value.detach().clone())
-    elif isinstance(value, nn.Module):
-        mod.add_module(leaf, copy.deepcopy(value))
-    else:
-        setattr(mod, leaf, copy.deepcopy(value))
+        return nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)
 
 
 def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
@@ -398,11 +297,11 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     layout = ParamLayout()
     by_tensor: dict[int, torch.fx.Node] = {}
     for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
-        value = _fetch(gm, str(node.target))
+        value = fetch_attr(gm, str(node.target))
         if isinstance(value, torch.Tensor) and id(value) in by_tensor:
             env[node] = by_tensor[id(value)]  # two attribute names, one tensor: keep one copy
             continue
-        _install(root, str(node.target), value, buffer=str(node.target) in buffers)
+        install_attr(root, str(node.target), _stage_value(value), buffer=str(node.target) in buffers)
         env[node] = graph.node_copy(node, lambda x: env[x])
         if isinstance(value, torch.Tensor):
             by_tensor[id(value)] = env[node]
@@ -419,8 +318,9 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     layout.keys = {t: k for t, k in layout.keys.items() if t in used}
     stage_gm.meta[META_LAYOUT] = layout
     stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in recv), sends=sends)
-    return StageGraph(index=s, gm=stage_gm, layers=[], batch_inputs=batch_inputs, batch_specs=batch_specs,
-                      inputs=[_spec(v, pure) for v in recv], outputs=[_spec(v, pure) for v in send])
+    return StageGraph(index=s, gm=stage_gm, keys=dict(layout.keys), layers=[], batch_inputs=batch_inputs,
+                      batch_specs=batch_specs, inputs=[_spec(v, pure) for v in recv],
+                      outputs=[_spec(v, pure) for v in send])
 
 
 def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],

@@ -24,7 +24,7 @@ from fairscale.runtime import p2p
 from fairscale.runtime.pipeline_io import PipelineError
 from passes.ops import comm
 from passes.layout import META_LAYOUT, ParamLayout
-from passes.split_stages import StagedProgram
+from passes.program import StagedProgram
 from planner.schedule import PipelineSchedule
 
 __all__ = ["TiedParams", "stage_layout", "fetch_attr"]

@@ -34,9 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from passes.ops import comm
-from passes.dp.graph import resolve
+from planner.modpath import fetch_attr as resolve  # the one dotted-path reader
 from passes.layout import INSIDE_DP, META_LAYOUT, ParamLayout
-from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
+from passes.dp.info import META_DP, DataParallelInfo
 
 __all__ = ["full_state_dict", "full_grads", "local_grads", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
            "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",

@@ -25,8 +25,8 @@ import torch
 import torch.fx
 
 from fairscale.runtime.state import _gather_flat, _optim_targets, gather_tensor_shard, param_layout, tied_aliases
-from passes.dp.graph import resolve
-from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
+from planner.modpath import fetch_attr as resolve  # the one dotted-path reader
+from passes.dp.info import META_DP, DataParallelInfo
 
 __all__ = ["iter_full_state", "iter_optimizer_state"]
 

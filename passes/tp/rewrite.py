@@ -28,6 +28,7 @@ from torch.fx import Node
 from passes.ops import comm
 from passes.graph_utils import local_fake
 from passes.tp.placement import Placement, R, S, local_shape
+from planner.modpath import fetch_attr
 
 __all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt", "source_of"]
 
@@ -146,7 +147,7 @@ class Rewriter:
     def compute_grad(self, node: Node) -> bool:
         """Whether ``node``'s value can carry a gradient (decides where copy_to_group is needed)."""
         if node.op == "get_attr":
-            attr = _fetch(self.gm, str(node.target))
+            attr = fetch_attr(self.gm, str(node.target))
             return isinstance(attr, torch.Tensor) and attr.requires_grad
         if node.op == "placeholder":
             v = self.val(node)  # stage inputs may be activations: any float input may carry a gradient
@@ -344,10 +345,3 @@ def _any_not_r(place: Any) -> bool:
     if isinstance(place, (list, tuple)):
         return any(_any_not_r(p) for p in place)
     return False
-
-
-def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

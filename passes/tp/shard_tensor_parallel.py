@@ -62,8 +62,8 @@ node.meta keys written (on the returned graph): ``fs_tp`` (placement of every va
 ``S(d)``, ``P``), ``fs_tp_comm`` (on inserted collectives: why), ``fs_tp_style`` (the style that
 applied to a node), ``fs_tp_fallback`` (ops run replicated for lack of a rule), ``val`` (rank-local
 fake tensor) and ``fs_tp_global_shape``. gm.meta read: ``fs_stage_io``. gm.meta written: ``fs_layout`` (a
-:class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp``
-(a summary: sizes, sharded keys, inserted collectives by kind, and ``received`` / ``sent``: the
+:class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp_summary``
+(:mod:`passes.tp.summary`: sizes, sharded keys, inserted collectives by kind, and ``received`` / ``sent``: the
 placement and rank-local shape of each received placeholder and each sent output, which the
 pipeline runtime uses for its p2p buffers).
 """
@@ -79,13 +79,14 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes.ops import comm
+from passes.ops.calls import calls_of
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp.functionalize import functionalize_inplace
 from passes.tp.normalize import to_aten
 from passes.tp.fuse import fuse_gather_copy, hoist_copy_over_scatter
 from passes.split_stages import META_IO, StageIO
 from passes.tp.placement import Placement, R, S, local_shape
+from passes.tp.summary import META_TP_SUMMARY
 from passes.tp.rewrite import META_TP, Rewriter, TPShardError, args_of, fmt, source_of
 from passes.tp.model_rules import rule_for
 from passes.tp.rules import NOT_OUTPUT, VIEWS
@@ -98,13 +99,8 @@ __all__ = ["shard_tensor_parallel_pass", "check_tensor_parallel", "TPShardError"
 
 aten = torch.ops.aten
 META_STYLE = "fs_tp_style"
-META_SUMMARY = "fs_tp"
 
-COLLECTIVES = {
-    comm.copy_to_group: "copy_to_group", comm.reduce_from_group: "reduce_from_group",
-    comm.gather_from_group: "gather_from_group", comm.scatter_to_group: "scatter_to_group",
-    comm.gather_seq: "gather_seq", comm.reduce_scatter_seq: "reduce_scatter_seq",
-}
+COLLECTIVES = calls_of("tp", collective=True)
 """Autograd-paired collective functions the pass inserts, by name."""
 
 _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten._to_copy.default}
@@ -112,11 +108,7 @@ _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
 
 def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many of each tp collective (and vocab-parallel loss) a rank graph calls."""
-    from passes.ops import tp_ops
-
-    named: dict[Any, str] = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
-             tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",
-             tp_ops.expert_grouped_mm: "expert_grouped_mm", tp_ops.local_chunk: "local_chunk"}
+    named = calls_of("tp")
     counts: Counter[str] = Counter()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in named:
@@ -132,7 +124,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
     hoist_copy_over_scatter(rw.graph, gm)
     rw.graph.lint()
     out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
-    out.meta[META_SUMMARY].update(boundary)
+    out.meta[META_TP_SUMMARY].update(boundary)
     return out
 
 
@@ -412,6 +404,6 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
     out = torch.fx.GraphModule(root, rw.graph, class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     out.meta[META_LAYOUT] = layout
-    out.meta[META_SUMMARY] = {"tp_size": tp_size, "tp_index": tp_index, "axis": axis, "sequence_parallel": sp,
+    out.meta[META_TP_SUMMARY] = {"tp_size": tp_size, "tp_index": tp_index, "axis": axis, "sequence_parallel": sp,
                               "sharded": sharded, "collectives": collective_counts(out)}
     return out
