@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.arguments import check_all
+from fairscale.build import build_module
 from fairscale.compile_check import checker_for
-from fairscale.report.text import render_report
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
@@ -213,8 +213,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         from fairscale.check_step import check_on_ranks
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
-    pm = ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        render_report=render_report, device=rank_device, tf32=tf32)
+    pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                      device=rank_device, tf32=tf32)
     pm.check_report = report
     return pm
 

@@ -355,11 +355,11 @@ def test_float32_llama() -> None:
 def _engine_rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, Any]]:
     import functools
 
-    from fairscale.runtime.engine import ParallelModule
+    from fairscale.build import build_module
 
     case = make_case("gpt2", 2)
-    pm = ParallelModule(case.model, plan, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                        optimizer=functools.partial(torch.optim.Adam, lr=1e-2))
+    pm = build_module(case.model, plan, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                      optimizer=functools.partial(torch.optim.Adam, lr=1e-2))
     losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(STEPS)]
     return losses, {k: v.detach().numpy() for k, v in pm.state_dict().items()}
 

@@ -1,0 +1,89 @@
+"""The face's compile step: capture → ``passes.compile_rank`` → a :class:`RankProgram` for the runtime.
+
+``fairscale.parallelize`` plans (or checks a given plan) and then calls :func:`compile_program`,
+which on this rank
+
+1. chooses the device (``fairscale.runtime.device``: ``cuda:LOCAL_RANK`` under NCCL, else CPU) and
+   makes it current before anything touches CUDA;
+2. captures the model at the shape one microbatch has on one rank (global batch / (dp ×
+   microbatches)), because exported graphs are shape-specialized;
+3. checks that every rank holds the same initial weights (one checksum all-reduce);
+4. runs the pass pipeline for this rank's stages (``passes.compile_rank``), which builds the rank's
+   slices and shards directly on the device, one parameter at a time;
+5. renders the plan's report into the program.
+
+:func:`build_module` wraps the result in a :class:`fairscale.runtime.engine.ParallelModule`: what
+``parallelize`` returns, without searching, validating or checking the plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.report.text import render_report
+from fairscale.runtime.device import resolve_device, use_device
+from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
+from fairscale.runtime.init import check_replicas
+from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.program import RankProgram
+from passes import compile_rank
+from planner.capture import capture
+from planner.plan import Plan
+from planner.schedule import build_schedule
+
+__all__ = ["compile_program", "build_module"]
+
+
+def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
+                    loss_fn: Callable[..., torch.Tensor] | None = None,
+                    device: str | torch.device | None = None) -> RankProgram:
+    """This rank's compiled part of ``plan`` (see the module docstring). Collective (the replica check)."""
+    if not dist.is_initialized():
+        raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
+                           "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
+    rank_device = resolve_device(device)
+    use_device(rank_device)
+    m = plan.mesh
+    world = dist.get_world_size()
+    if m.size != world:
+        raise ValueError(f"mesh pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size}, but the world has {world} ranks")
+    gb = plan.schedule.global_batch or batch_rows(example_inputs)
+    micro = plan.schedule.microbatches
+    if gb % (m.dp * micro):
+        raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
+                         f"= {m.dp * micro} equal microbatches")
+    rows = gb // (m.dp * micro)
+    graph = capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, annotate=False)
+    if not any(p.is_meta for p in graph.gm.parameters()):
+        check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model
+    schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
+                              virtual_stages=plan.schedule.virtual_stages)
+    coords = RankMesh(m.pp, m.dp, m.tp, dist.get_rank()).coords()
+    stages, modules = compile_rank(graph, plan, stages=schedule.rank_stages(coords[0]), dp_index=coords[1],
+                                   tp_index=coords[2], device=rank_device)
+    return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
+                       device=rank_device, global_batch=gb, microbatch_rows=rows,
+                       tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
+                       model=weakref.ref(model))
+
+
+def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
+                 device: str | torch.device | None = None, tf32: bool = True) -> ParallelModule:
+    """:func:`compile_program` run by a :class:`ParallelModule`: ``plan`` as given, no search,
+    validation or compile check (``fairscale.parallelize`` does those first)."""
+    program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device)
+    return ParallelModule(program, optimizer=optimizer, tf32=tf32)
+
+
+def batch_rows(batch: Sequence[Any]) -> int:
+    """Rows (dim 0) of the batch's first tensor with a batch dimension."""
+    for t in batch:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError("the example batch has no tensor with a batch dimension")
