@@ -9,8 +9,10 @@ which on this rank
    microbatches)), because exported graphs are shape-specialized;
 3. checks that every rank holds the same initial weights (one checksum all-reduce);
 4. runs the pass pipeline for this rank's stages (``passes.compile_rank``), which builds the rank's
-   slices and shards directly on the device, one parameter at a time;
-5. renders the plan's report into the program.
+   slices and shards directly on the device, one parameter at a time, and keeps no reference to
+   the capture: once this function returns, the capture is garbage and the rank holds one copy of
+   its share of the weights (the user's model is the user's);
+5. renders the plan's report and the planner's memory prediction for this rank into the program.
 
 :func:`build_module` wraps the result in a :class:`fairscale.runtime.engine.ParallelModule`: what
 ``parallelize`` returns, without searching, validating or checking the plan.
@@ -18,6 +20,8 @@ which on this rank
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -30,19 +34,24 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
-from fairscale.runtime.program import RankProgram
+from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from passes import compile_rank
 from planner.capture import capture
+from planner.cluster import Cluster
+from planner.cost import CostOptions
+from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.schedule import build_schedule
+from planner.search import cost_plan
 
-__all__ = ["compile_program", "build_module"]
+__all__ = ["compile_program", "build_module", "predicted_memory"]
 
 
 def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
-                    loss_fn: Callable[..., torch.Tensor] | None = None,
-                    device: str | torch.device | None = None) -> RankProgram:
-    """This rank's compiled part of ``plan`` (see the module docstring). Collective (the replica check)."""
+                    loss_fn: Callable[..., torch.Tensor] | None = None, device: str | torch.device | None = None,
+                    predicted: dict[str, float] | None = None) -> RankProgram:
+    """This rank's compiled part of ``plan`` (see the module docstring). Collective (the replica
+    check). ``predicted``: the planner's memory per category for this rank, to carry along."""
     if not dist.is_initialized():
         raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                            "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
@@ -69,16 +78,49 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
     return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
-                       model=weakref.ref(model))
+                       model=weakref.ref(model), predicted_memory=dict(predicted or {}))
 
 
 def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
-                 device: str | torch.device | None = None, tf32: bool = True) -> ParallelModule:
+                 device: str | torch.device | None = None, tf32: bool = True,
+                 predicted: dict[str, float] | None = None) -> ParallelModule:
     """:func:`compile_program` run by a :class:`ParallelModule`: ``plan`` as given, no search,
     validation or compile check (``fairscale.parallelize`` does those first)."""
-    program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device)
+    program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device,
+                              predicted=predicted)
     return ParallelModule(program, optimizer=optimizer, tf32=tf32)
+
+
+def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,
+                     ) -> dict[str, float]:
+    """Bytes the cost model predicts this rank holds at its peak, per category (``MEMORY_PARTS``),
+    for the runtime fairscale runs (``CostOptions.for_runtime``) and the optimizer given (Adam's two
+    states, SGD's momentum; an optimizer the model does not know leaves ``optimizer`` out).
+    ``graph`` is the annotated capture the plan was costed on. Empty when ranks are not launched."""
+    if not dist.is_initialized():
+        return {}
+    kind, states = _optimizer_kind(optimizer)
+    options = dataclasses.replace(CostOptions.for_runtime(cluster), optimizer=kind)
+    cost = cost_plan(plan, graph, cluster, global_batch=plan.schedule.global_batch or graph.batch_size,
+                     options=options, validate=False)
+    pp_index = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, dist.get_rank()).coords()[0]
+    parts = {k: float(cost.memory_parts[pp_index][k]) for k in MEMORY_PARTS}
+    if states is None:
+        del parts["optimizer"]
+    elif states == 0:
+        parts["optimizer"] = 0.0
+    return parts
+
+
+def _optimizer_kind(spec: OptimizerSpec | None) -> tuple[str, int | None]:
+    """(cost-model optimizer, per-element state tensors: None when the cost model does not know it)."""
+    cls, kwargs = (spec.func, spec.keywords) if isinstance(spec, functools.partial) else (spec, {})
+    if cls is None or (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+        return "adam", 2
+    if isinstance(cls, type) and issubclass(cls, torch.optim.SGD):
+        return "sgd", 1 if kwargs.get("momentum", 0) else 0
+    return "adam", None
 
 
 def batch_rows(batch: Sequence[Any]) -> int:

@@ -54,7 +54,7 @@ from torch import nn
 
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_program
-from passes.split_stages import StagedProgram
+from passes.program import StagedProgram
 from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
 from planner.capture import CaptureError, capture

@@ -8,6 +8,8 @@ groups. A leaf: the runtime imports it, never the pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
+
 import torch
 import torch.fx
 
@@ -37,8 +39,9 @@ class StageGraph:
 
     index: int
     """Stage index (stage s runs on pipeline rank s % pp)."""
-    gm: torch.fx.GraphModule
-    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``)."""
+    gm: torch.fx.GraphModule | None
+    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``); None once
+    released (:meth:`StagedProgram.release`: a compiled rank keeps only its own stages' rank graphs)."""
     layers: list[str]
     """Layer names the stage holds, in execution order."""
     batch_inputs: list[int]
@@ -51,7 +54,7 @@ class StageGraph:
     """Values sent to the next stage, in output order (last stage: the loss)."""
 
     keys: dict[str, str] = field(default_factory=dict)
-    """attr -> user state_dict key of the stage's parameters and buffers."""
+    """attr -> user state_dict key of the stage's parameters and buffers (kept when ``gm`` is released)."""
 
     def param_keys(self) -> dict[str, str]:
         """attr -> user state_dict key of the stage's parameters and buffers."""
@@ -88,6 +91,13 @@ class StagedProgram:
         send = {st.index: [(v.shape, v.dtype) for v in st.outputs] for st in self.stages[:-1]}
         recv = {st.index: [(v.shape, v.dtype) for v in st.inputs] for st in self.stages[1:]}
         return send, recv
+
+    def release(self, modules: Mapping[int, torch.fx.GraphModule]) -> None:
+        """Drop the split stage graphs (and with them any reference to the capture's tensors):
+        stage ``s`` keeps ``modules[s]``, the graph compiled from it, and the other stages keep
+        only their boundary specs and parameter keys."""
+        for st in self.stages:
+            st.gm = modules.get(st.index)
 
     def summary(self) -> str:
         """One line per stage: layers, inputs received, outputs sent."""

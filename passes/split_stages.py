@@ -124,7 +124,8 @@ def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
     return chosen
 
 
-def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph) -> StagedProgram:
+def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph,
+                      share_weights: bool = False) -> StagedProgram:
     """Cut ``gm`` (the captured loss graph) into ``pp × virtual_stages`` stage GraphModules.
 
     Usage::
@@ -136,6 +137,9 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         gm: the captured graph (``graph.gm`` or a clone), taking the flat batch, returning the loss.
         plan: its ``stages`` (selectors), ``mesh.pp`` and ``schedule.virtual_stages`` are read.
         graph: the :class:`ModelGraph` ``gm`` came from (layers, tied parameters).
+        share_weights: the stage graphs hold ``gm``'s own parameter and buffer tensors instead of
+            copies: no memory, for a caller whose later passes copy what the rank keeps
+            (``passes.compile_rank``). Trained as they are, such stages would write into ``gm``.
     """
     layer_stage = {name: i for i, names in enumerate(resolve_stages(plan, graph)) for name in names}
     n = max(layer_stage.values(), default=0) + 1
@@ -192,8 +196,10 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
     for s in range(n):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
-        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1)
+        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1,
+                          share=share_weights)
         st.layers = [name for name, i in layer_stage.items() if i == s]
+        assert st.gm is not None
         trainable = {a for a, p in st.gm.named_parameters() if p.requires_grad}
         for key in {aliases.get(k, [k])[0] for a, k in st.param_keys().items() if a in trainable}:
             holders.setdefault(key, []).append(s)
@@ -265,19 +271,21 @@ def _spec(node: torch.fx.Node, pure: dict[torch.fx.Node, bool]) -> ValueSpec:
                      grad=bool(val.dtype.is_floating_point and not pure.get(node, False)))
 
 
-def _stage_value(value: Any) -> Any:
-    """What a stage graph holds for one of the capture's attributes: a copy, so a stage graph
-    trained as it is never writes into the user's model."""
+def _stage_value(value: Any, *, share: bool) -> Any:
+    """What a stage graph holds for one of the capture's attributes: the tensor itself when ``share``
+    (``passes.compile_rank``, whose data-parallel pass copies every tensor the rank keeps), else a
+    copy, so a stage graph trained as it is never writes into the user's model. Modules and other
+    objects are always copied."""
     if isinstance(value, nn.Parameter):
-        return nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+        return value if share else nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value if share else value.detach().clone()
     return copy.deepcopy(value)
 
 
 def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
                  send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-                 pure: dict[torch.fx.Node, bool], *, sends: bool) -> StageGraph:
+                 pure: dict[torch.fx.Node, bool], *, sends: bool, share: bool) -> StageGraph:
     body = sorted(keep, key=position.__getitem__)
     reads = {i for node in body for i in node.all_input_nodes}
     graph = torch.fx.Graph()
@@ -301,7 +309,7 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
         if isinstance(value, torch.Tensor) and id(value) in by_tensor:
             env[node] = by_tensor[id(value)]  # two attribute names, one tensor: keep one copy
             continue
-        install_attr(root, str(node.target), _stage_value(value), buffer=str(node.target) in buffers)
+        install_attr(root, str(node.target), _stage_value(value, share=share), buffer=str(node.target) in buffers)
         env[node] = graph.node_copy(node, lambda x: env[x])
         if isinstance(value, torch.Tensor):
             by_tensor[id(value)] = env[node]
@@ -325,7 +333,7 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
 
 def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],
               local: list[set[torch.fx.Node]]) -> None:
-    names = [{n.name for n in st.gm.graph.nodes} for st in stages]
+    names = [{n.name for n in st.gm.graph.nodes} if st.gm is not None else set() for st in stages]
     for node in nodes:
         if node in owner:
             node.meta[META_STAGE] = owner[node]

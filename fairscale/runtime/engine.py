@@ -27,6 +27,7 @@ from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
+from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
@@ -35,6 +36,7 @@ from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.ops import comm
+from passes.ops.gauge import UNSHARD as _UNSHARD
 
 __all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
 
@@ -106,6 +108,7 @@ class ParallelModule:
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
+        self._peaks: dict[str, float | None] = {}
         self.check_report: Any = None
         """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
@@ -117,20 +120,33 @@ class ParallelModule:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None) -> float:
+    def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None,
+                   measure_memory: bool = False) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank).
 
         ``clip_norm``: before the step, scale the gradients so the global 2-norm over the whole
         model is at most ``clip_norm`` (see :meth:`clip_grad_norm_`); the norm before clipping is
         kept in ``pm.last_grad_norm``.
+        ``measure_memory``: also record the step's peak of saved activations (a hook on every
+        tensor autograd saves: slower) for :meth:`memory_report`.
         """
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.step(self._local(batch))  # mean over pp and dp
+        base = step_peaks(self.device)
+        if measure_memory:
+            with ActivationMeter(self._stage_states()) as meter:
+                loss = self.executor.step(self._local(batch))  # mean over pp and dp
+            self._peaks = {"activations": float(meter.peak)}
+        else:
+            loss = self.executor.step(self._local(batch))
+            self._peaks = {}
+        self._peaks["buffers"] = float(_UNSHARD.peak - base)
         if clip_norm is not None:
             self._grad_norm = self.clip_grad_norm_(clip_norm)
         self.optimizer.step()
+        if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
+            self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
 
     def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
@@ -264,6 +280,16 @@ class ParallelModule:
         """The plan's text report (stages, memory, predicted time, collectives), as the face that
         compiled this rank rendered it (``fairscale.report.text.render_report``)."""
         return self.rank_program.report
+
+    def memory_report(self) -> MemoryReport:
+        """This rank's memory by category (parameters, gradients, optimizer, activations, buffers),
+        measured against the planner's prediction. On CPU from the runtime's own accounting of the
+        tensors it holds (call it after a step: gradients and optimizer state exist from the first
+        one; activations are measured in a step run with ``measure_memory=True``); on CUDA also the
+        allocator's peak of that step (``torch.cuda.max_memory_allocated``) against the predicted
+        total. See :mod:`fairscale.runtime.memory_report`."""
+        return measure_memory(self._stage_states(), predicted=self.rank_program.predicted_memory,
+                              device=self.device, peaks=self._peaks)
 
     def comm_summary(self) -> str:
         """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""

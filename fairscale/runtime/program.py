@@ -19,7 +19,11 @@ from passes.program import StagedProgram
 from planner.plan import Plan
 from planner.schedule_ir import PipelineSchedule
 
-__all__ = ["RankProgram"]
+__all__ = ["RankProgram", "MEMORY_PARTS"]
+
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+"""The categories the planner predicts a rank's memory in (``Breakdown.memory_parts``) and the
+runtime measures (``ParallelModule.memory_report``)."""
 
 
 @dataclass(kw_only=True)
@@ -29,7 +33,8 @@ class RankProgram:
     plan: Plan
     """The plan every rank compiled (validated, with ``schedule.global_batch`` set)."""
     stages: StagedProgram
-    """Every pipeline stage's boundary specs, batch inputs and tied-weight groups."""
+    """Every pipeline stage's boundary specs, batch inputs and tied-weight groups; the stage graphs
+    themselves are released (``stages.stages[s].gm`` is this rank's module for its own stages)."""
     schedule: PipelineSchedule
     """The pipeline schedule (one stage and no point-to-point when pp = 1)."""
     modules: dict[int, torch.fx.GraphModule]
@@ -49,6 +54,9 @@ class RankProgram:
     model: Callable[[], nn.Module | None] = lambda: None
     """The user's model, weakly (``weakref.ref``): ``pm.state_dict()`` runs its state-dict hooks
     (``fairscale.runtime.state_hooks``); the rank keeps no reference that would hold it alive."""
+    predicted_memory: dict[str, float] = field(default_factory=dict)
+    """Bytes this rank is predicted to hold at its peak, per :data:`MEMORY_PARTS` category (the
+    planner's cost model for this rank's pipeline position); empty when not costed."""
 
     @property
     def local_stages(self) -> list[int]:
