@@ -54,7 +54,7 @@ from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector
 
 __all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "StageIO", "ValueSpec", "resolve_stages",
-           "META_STAGE", "META_STAGES", "META_IO", "SplitError"]
+           "META_STAGE", "META_STAGES", "META_IO", "SplitError", "stage_io"]
 
 META_STAGE = "fs_stage"
 """int: the stage that owns (computes) the node."""
@@ -80,6 +80,13 @@ class StageIO:
     batch inputs, which every pipeline rank loads whole)."""
     sends: bool
     """Whether the outputs are sent to the next stage (False on the last stage: it returns the loss)."""
+
+
+def stage_io(gm: torch.nn.Module) -> StageIO | None:
+    """The :class:`StageIO` of a stage graph :func:`split_stages_pass` built; None for any other graph."""
+    meta = getattr(gm, "meta", None)
+    io = meta.get(META_IO) if isinstance(meta, dict) else None
+    return io if isinstance(io, StageIO) else None
 
 
 def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:

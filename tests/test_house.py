@@ -1,5 +1,7 @@
-"""The house rules, checked: module line budget, one-way layering, no import circles, and a clean type
-check of ``planner/`` and ``passes/``. Each failure names the file and line to look at.
+"""The house rules, checked: module line budget, one-way layering, no import circles, a clean type
+check of ``planner/`` and ``passes/``, each meta key defined once (beside the pass that writes it,
+used through its constant) and listed in ARCHITECTURE.md, whose named files exist. Each failure
+names the file and line to look at.
 
 Layering (see ARCHITECTURE.md)::
 
@@ -15,6 +17,7 @@ Layering (see ARCHITECTURE.md)::
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +32,7 @@ FACE = ("fairscale.api", "fairscale.build", "fairscale.cli", "fairscale.report",
         "fairscale.data_parallel")
 RECORDS = ("passes.layout", "passes.program", "passes.dp.info", "passes.tp.summary")
 """The records passes leave on rank graphs that the runtime reads: leaves, importing no pass."""
-PLANNER_LEAVES = ("planner.collectives",)
+PLANNER_LEAVES = ("planner.collectives", "planner.modpath")
 """Planner tables with no import of this repo, which passes/ops/ may read (one home for a fact
 both the cost model and the run-time counters use)."""
 
@@ -183,3 +186,48 @@ def test_planner_and_passes_type_check():
     proc = subprocess.run([sys.executable, "-m", "mypy", "planner", "passes"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, "mypy (file:line: error):\n" + proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+
+
+def _meta_keys() -> dict[str, list[tuple[str, str, int]]]:
+    """Meta key value -> [(constant, module, line)] for every module-level ``META_* = "fs_..."``."""
+    out: dict[str, list[tuple[str, str, int]]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and node.targets[0].id.startswith("META_") and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str) and node.value.value.startswith("fs_"):
+                out.setdefault(node.value.value, []).append((node.targets[0].id, name, node.lineno))
+    return out
+
+
+def test_each_meta_key_has_one_home_named_in_architecture():
+    keys = _meta_keys()
+    twice = [f"{k}: " + ", ".join(f"{_where(m, line)} ({c})" for c, m, line in homes)
+             for k, homes in keys.items() if len(homes) > 1]
+    assert not twice, "meta keys defined more than once; keep one and import it:\n" + "\n".join(twice)
+    rows = ARCHITECTURE.read_text().splitlines()
+    missing = [f"{_where(m, line)}: {c} = {k!r}" for k, [(c, m, line)] in keys.items()
+               if not any(f"`{c}`" in row and f"`{MODULES[m].relative_to(ROOT)}`" in row for row in rows)]
+    assert not missing, "meta keys missing from ARCHITECTURE.md's table (key, constant, module):\n" + "\n".join(missing)
+
+
+def test_meta_keys_are_not_spelled_out():
+    """Code reads and writes meta keys through their constants (or accessors), never as bare strings."""
+    values = set(_meta_keys())
+    bad = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        defining = {id(n.value) for n in tree.body if isinstance(n, ast.Assign)}
+        bad += [f"{_where(name, n.lineno)}: {n.value!r}" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and n.value in values and id(n) not in defining]
+    assert not bad, "bare meta keys; use the META_* constant defined beside the pass that writes it:\n" + \
+        "\n".join(bad)
+
+
+def test_architecture_names_real_files():
+    named = sorted(set(re.findall(r"[\w/]+\.(?:py|md)\b", ARCHITECTURE.read_text())))
+    gone = [p for p in named if "/" in p and not (ROOT / p).exists()]
+    assert not gone, f"ARCHITECTURE.md names files that do not exist: {gone}"

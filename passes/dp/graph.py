@@ -15,6 +15,7 @@ from torch import nn
 from passes.ops import dp_ops
 from passes.dp.info import Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
+from planner.graph import META_PARAM
 from planner.modpath import fetch_attr, install_attr
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +69,7 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
         if not isinstance(obj, nn.Parameter):
             continue
         use = by_id.get(id(obj))
-        key = layout.keys.get(str(node.target), node.meta.get("fs_param", str(node.target)))
+        key = layout.keys.get(str(node.target), node.meta.get(META_PARAM, str(node.target)))
         if use is None:
             use = by_id[id(obj)] = ParamUse(attr=str(node.target), key=key, tensor=obj)
         elif str(node.target) != use.attr:
