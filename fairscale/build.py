@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -40,7 +41,7 @@ from planner.capture import capture
 from planner.cluster import Cluster
 from planner.cost import CostOptions
 from planner.graph import ModelGraph
-from planner.plan import Plan
+from planner.plan import Plan, PlanError
 from planner.schedule import build_schedule
 from planner.search import cost_plan
 
@@ -102,8 +103,13 @@ def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimiz
         return {}
     kind, states = _optimizer_kind(optimizer)
     options = dataclasses.replace(CostOptions.for_runtime(cluster), optimizer=kind)
-    cost = cost_plan(plan, graph, cluster, global_batch=plan.schedule.global_batch or graph.batch_size,
-                     options=options, validate=False)
+    try:
+        cost = cost_plan(plan, graph, cluster, global_batch=plan.schedule.global_batch or graph.batch_size,
+                         options=options, validate=False)
+    except (PlanError, ValueError) as exc:  # the plan was validated already: a prediction must not stop a run
+        warnings.warn(f"pm.memory_report() will have no prediction: the cost model cannot cost this plan ({exc})",
+                      stacklevel=3)
+        return {}
     pp_index = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, dist.get_rank()).coords()[0]
     parts = {k: float(cost.memory_parts[pp_index][k]) for k in MEMORY_PARTS}
     if states is None:
