@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -32,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.arguments import check_all
+from fairscale.build import build_module, predicted_memory
 from fairscale.compile_check import checker_for
-from fairscale.report.text import render_report
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
@@ -57,11 +58,14 @@ _SEARCHES: dict[tuple[Any, ...], SearchResult] = {}
 def captured(model: nn.Module, example_inputs: Sequence[Any], *,
              loss_fn: Callable[..., torch.Tensor] | None = None) -> ModelGraph:
     """``planner.capture.capture`` with an in-process cache keyed by the model, shapes and loss.
-    The captured graph shares the model's parameters, so a cached capture never holds stale weights."""
+    The captured graph shares the model's parameters (no copy, and never stale weights); an entry
+    lives as long as its model, so the cache neither keeps a dropped model's weights alive nor
+    gives a new model at a freed one's address the old capture."""
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
     key = (id(model), shapes, id(loss_fn))
     if key not in _CAPTURES:
         _CAPTURES[key] = capture(model, tuple(example_inputs), loss_fn=loss_fn)
+        weakref.finalize(model, _CAPTURES.pop, key, None)
     return _CAPTURES[key]
 
 
@@ -180,7 +184,9 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
 
     Returns:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
-        for pp = 1, ``pm.plan``, ``pm.report()``, ``pm.state_dict()``.
+        for pp = 1, ``pm.plan``, ``pm.report()``, ``pm.memory_report()``, ``pm.state_dict()``.
+        The rank holds its own share of the weights once (``fairscale.build``): neither the module
+        nor this process's caches keep a reference to the capture or the user's model.
     """
     example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
     if not dist.is_initialized():
@@ -213,8 +219,9 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         from fairscale.check_step import check_on_ranks
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
-    pm = ParallelModule(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        render_report=render_report, device=rank_device, tf32=tf32)
+    predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn), cl, optimizer=optimizer)
+    pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                      device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
     return pm
 

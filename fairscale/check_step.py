@@ -19,9 +19,10 @@ import torch.fx
 from torch import nn
 
 from fairscale import numerics
-from fairscale.runtime.engine import ParallelModule, microbatch_example
+from fairscale.build import build_module
+from fairscale.runtime.engine import microbatch_example
 from planner.capture import LossModule
-from planner.graph import META_PARAM, ModelGraph
+from planner.graph import META_MODULE, META_PARAM, ModelGraph
 from planner.plan import Plan
 
 __all__ = ["check_on_ranks", "CheckReport", "CheckFailed", "RandomOpsError", "quiet_copy", "random_ops",
@@ -110,7 +111,7 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
             detail = ""
         else:
             continue
-        found.append(f"{node.meta.get('fs_module') or '<model top level>'} ({name}{detail})")
+        found.append(f"{node.meta.get(META_MODULE) or '<model top level>'} ({name}{detail})")
     return found
 
 
@@ -164,8 +165,8 @@ def _refuse_random(graph: ModelGraph) -> None:
 
 def _rank_step(rank: int, world: int, quiet: nn.Module, batch: tuple[Any, ...], plan: Plan,
                loss_fn: Callable[..., torch.Tensor] | None) -> tuple[float, dict[str, np.ndarray]] | None:
-    pm = ParallelModule(quiet, plan, example_inputs=batch, loss_fn=loss_fn,
-                        optimizer=functools.partial(torch.optim.SGD, lr=0.0))
+    pm = build_module(quiet, plan, example_inputs=batch, loss_fn=loss_fn,
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.0))
     loss = pm.train_step(batch)
     grads = pm.full_grads()  # collective; rank 0 gets them
     return (loss, {k: v.numpy() for k, v in grads.items()}) if rank == 0 else None
@@ -179,15 +180,20 @@ def check_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, 
     report. Collective. Raises :class:`CheckFailed` on every rank if the runs differ."""
     batch = _check_batch(example_inputs, plan)
     quiet, dropout_off = quiet_copy(model)
-    pm = ParallelModule(quiet, plan, example_inputs=batch, loss_fn=loss_fn,
-                        optimizer=functools.partial(torch.optim.SGD, lr=0.0))
-    _refuse_random(pm.graph)
+    from fairscale.compile_check import checker_for
+
+    graph = checker_for(quiet, batch, loss_fn=loss_fn).graph_for(plan)  # the capture a rank compiles
+    if not isinstance(graph, ModelGraph):
+        raise RuntimeError(graph.message())
+    _refuse_random(graph)
+    pm = build_module(quiet, plan, example_inputs=batch, loss_fn=loss_fn,
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.0))
     loss = pm.train_step(batch)
     grads = pm.full_grads()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         ref = reference_step(copy.deepcopy(quiet), batch, loss_fn)
-        box[0] = _compare(plan, pm.graph, ref, loss, grads, devices=dist.get_world_size(), rows=_rows(batch),
+        box[0] = _compare(plan, graph, ref, loss, grads, devices=dist.get_world_size(), rows=_rows(batch),
                           dropout_off=dropout_off)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)

@@ -54,11 +54,11 @@ from torch import nn
 
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_program
-from passes.split_stages import StagedProgram
+from passes.program import StagedProgram
 from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
 from planner.capture import CaptureError, capture
-from planner.graph import ModelGraph
+from planner.graph import META_MODULE, ModelGraph
 from planner.plan import Plan, PlanError
 
 __all__ = ["Refusal", "PlanCompileError", "CompileChecker", "checker_for", "rank_index_sets", "graph_refusal",
@@ -387,7 +387,7 @@ def _stage_of(exc: BaseException) -> int | None:
 
 
 def _module_of(node: torch.fx.Node) -> str:
-    path = node.meta.get("fs_module")
+    path = node.meta.get(META_MODULE)
     if isinstance(path, str) and path:
         return path
     stack = node.meta.get("nn_module_stack") or {}

@@ -33,7 +33,8 @@ from passes.ep.shard_experts import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
 from passes.dp.shard_data_parallel import shard_data_parallel_pass
 from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
-from passes.split_stages import StagedProgram, split_stages_pass
+from passes.program import StagedProgram
+from passes.split_stages import split_stages_pass
 from passes.verify import verify_pass
 from planner.graph import ModelGraph
 from planner.plan import Plan
@@ -49,12 +50,23 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
     ``tp_index``, its experts (``dp_index % mesh.ep``), recompute regions, and data-parallel shard
     ``dp_index``, placed on ``device`` (default: where the capture's parameters are) by the
     data-parallel pass, the last one. ``graph`` is left intact. ``program``: the split of ``graph``
-    for ``plan`` when the caller already has it (:func:`split_program`)."""
+    for ``plan`` when the caller already has it (:func:`split_program`), left as it is.
+
+    Without ``program``, nothing returned refers to ``graph``'s tensors: the stage graphs of the
+    split hold the capture's own tensors (no copy; the data-parallel pass, last, copies what the
+    rank keeps, one parameter at a time onto the device) and are released afterwards
+    (``program.stages[s].gm`` is this rank's compiled module for its stages, None for the others),
+    so the rank holds one copy of its share of the weights and the capture can be freed."""
+    owned = program is None
     if program is None:
-        program = split_program(graph, plan)
+        program = split_program(graph, plan, share_weights=True)
     modules: dict[int, torch.fx.GraphModule] = {}
     for s in stages:
-        gm = program.stages[s].gm
+        stage_gm = program.stages[s].gm
+        if stage_gm is None:
+            raise ValueError(f"stage {s} of this program was released by the compile_rank that split it; "
+                             "split again (split_program) to compile it once more")
+        gm = stage_gm
         gm = shard_tensor_parallel_pass(gm, plan, tp_index=tp_index, tp_size=plan.mesh.tp)
         if plan.mesh.ep > 1 and _has_experts(gm):  # a pipeline stage may hold no MoE layer
             gm = shard_experts_pass(gm, plan, ep_index=dp_index % plan.mesh.ep, ep_size=plan.mesh.ep)
@@ -63,14 +75,17 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
         gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp,
                                       replicate=program.shared_keys(s), ep_size=plan.mesh.ep, device=device)
         modules[s] = verify_pass(gm, where=f"for stage {s}")
+    if owned:
+        program.release(modules)  # the rank keeps its compiled stages; no reference to the capture's tensors
     return program, modules
 
 
-def split_program(graph: ModelGraph, plan: Plan) -> StagedProgram:
-    """The whole-graph passes: batch norm, the verifier, and the cut into stages."""
+def split_program(graph: ModelGraph, plan: Plan, *, share_weights: bool = False) -> StagedProgram:
+    """The whole-graph passes: batch norm, the verifier, and the cut into stages
+    (``share_weights``: see ``split_stages_pass``)."""
     gm = batch_norm_pass(graph.gm, plan)
     verify_pass(gm, where="after capture")
-    return split_stages_pass(gm, plan, graph=graph)
+    return split_stages_pass(gm, plan, graph=graph, share_weights=share_weights)
 
 
 def _has_experts(gm: torch.fx.GraphModule) -> bool:

@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx
+
+from planner.graph import META_PARAM
 
 META_LAYOUT = "fs_layout"
 """gm.meta key holding the rank's :class:`ParamLayout`."""
@@ -106,13 +109,19 @@ class ParamLayout:
     """attr of a flat FSDP shard -> what it holds."""
 
 
+def find_layout(gm: torch.nn.Module) -> ParamLayout | None:
+    """The layout a pass recorded on ``gm``, or None (an uncompiled module)."""
+    meta = getattr(gm, "meta", None)
+    return meta.get(META_LAYOUT) if isinstance(meta, dict) else None
+
+
 def layout_of(gm: torch.fx.GraphModule) -> ParamLayout:
     """The layout recorded on ``gm``, creating an identity layout from capture's ``fs_param`` meta."""
     layout = gm.meta.get(META_LAYOUT)
     if layout is None:
         layout = ParamLayout()
         for node in gm.graph.nodes:
-            if node.op == "get_attr" and "fs_param" in node.meta:
-                layout.keys[str(node.target)] = node.meta["fs_param"]
+            if node.op == "get_attr" and META_PARAM in node.meta:
+                layout.keys[str(node.target)] = node.meta[META_PARAM]
         gm.meta[META_LAYOUT] = layout
     return layout

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,12 +48,14 @@ from torch import nn
 
 from passes.tp.functionalize import is_inplace
 from passes.layout import META_LAYOUT, ParamLayout
+from passes.program import StagedProgram, StageGraph, ValueSpec
 from planner.graph import META_LAYER, META_PARAM, ModelGraph
+from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector
 
 __all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "StageIO", "ValueSpec", "resolve_stages",
-           "META_STAGE", "META_STAGES", "META_IO", "SplitError"]
+           "META_STAGE", "META_STAGES", "META_IO", "SplitError", "stage_io"]
 
 META_STAGE = "fs_stage"
 """int: the stage that owns (computes) the node."""
@@ -71,23 +73,6 @@ class SplitError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ValueSpec:
-    """A tensor crossing a stage boundary (or a batch input), as captured."""
-
-    name: str
-    """Node name in the captured graph."""
-    shape: tuple[int, ...]
-    """Shape for the captured microbatch."""
-    dtype: torch.dtype
-    """Its dtype."""
-    grad: bool
-    """Whether a gradient flows back for it (floating point and computed from parameters)."""
-
-    def describe(self) -> str:
-        return f"{self.name}{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
-
-
-@dataclass(frozen=True, kw_only=True)
 class StageIO:
     """What a stage graph's placeholders and outputs are (``gm.meta["fs_stage_io"]``)."""
 
@@ -98,73 +83,11 @@ class StageIO:
     """Whether the outputs are sent to the next stage (False on the last stage: it returns the loss)."""
 
 
-@dataclass(kw_only=True)
-class StageGraph:
-    """One (virtual) stage: its GraphModule and what flows in and out of it."""
-
-    index: int
-    """Stage index (stage s runs on pipeline rank s % pp)."""
-    gm: torch.fx.GraphModule
-    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``)."""
-    layers: list[str]
-    """Layer names the stage holds, in execution order."""
-    batch_inputs: list[int]
-    """Indices into the flat batch of the batch inputs the stage reads, in placeholder order."""
-    batch_specs: list[ValueSpec]
-    """Their captured shapes (a microbatch must match them)."""
-    inputs: list[ValueSpec]
-    """Values received from the previous stage, in placeholder order."""
-    outputs: list[ValueSpec]
-    """Values sent to the next stage, in output order (last stage: the loss)."""
-
-    def param_keys(self) -> dict[str, str]:
-        """attr -> user state_dict key of the stage's parameters and buffers."""
-        return dict(self.gm.meta[META_LAYOUT].keys)
-
-
-@dataclass(kw_only=True)
-class StagedProgram:
-    """What :func:`split_stages_pass` returns: the stages in order plus cross-stage facts."""
-
-    stages: list[StageGraph]
-    """All stages in order."""
-    shared: dict[str, list[int]] = field(default_factory=dict)
-    """Canonical user key -> stages holding a copy, for parameters held by more than one stage
-    (tied weights; the canonical key is the first name of the tied group)."""
-    aliases: dict[str, list[str]] = field(default_factory=dict)
-    """User key -> every state_dict name of that tensor (tied groups), for rebuilding a full state_dict."""
-    microbatch: int = 1
-    """Batch size (dim 0) the graph was captured for."""
-
-    def canonical(self, key: str) -> str:
-        """The first name of ``key``'s tied group (``key`` itself when untied)."""
-        return self.aliases.get(key, [key])[0]
-
-    def shared_keys(self, stage: int) -> list[str]:
-        """User keys (as this stage names them) of its parameters that other stages also hold: what
-        ``shard_data_parallel_pass(..., replicate=)`` must keep whole for the tied-gradient sum."""
-        keys = self.stages[stage].param_keys().values()
-        return sorted({k for k in keys if self.canonical(k) in self.shared})
-
-    def boundary_specs(self) -> tuple[dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
-                                      dict[int, list[tuple[tuple[int, ...], torch.dtype]]]]:
-        """(send_specs, recv_specs) per stage for ``planner.schedule.simulate``'s shape check."""
-        send = {st.index: [(v.shape, v.dtype) for v in st.outputs] for st in self.stages[:-1]}
-        recv = {st.index: [(v.shape, v.dtype) for v in st.inputs] for st in self.stages[1:]}
-        return send, recv
-
-    def summary(self) -> str:
-        """One line per stage: layers, inputs received, outputs sent."""
-        from planner.selectors import format_layers
-
-        rows = []
-        for st in self.stages:
-            ins = ", ".join(v.describe() for v in st.inputs) or "-"
-            outs = ", ".join(v.describe() for v in st.outputs)
-            rows.append(f"stage {st.index}: {format_layers(st.layers)} | recv {ins} | send {outs}")
-        for key, holders in sorted(self.shared.items()):
-            rows.append(f"shared {key}: stages {holders}")
-        return "\n".join(rows)
+def stage_io(gm: torch.nn.Module) -> StageIO | None:
+    """The :class:`StageIO` of a stage graph :func:`split_stages_pass` built; None for any other graph."""
+    meta = getattr(gm, "meta", None)
+    io = meta.get(META_IO) if isinstance(meta, dict) else None
+    return io if isinstance(io, StageIO) else None
 
 
 def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
@@ -209,7 +132,8 @@ def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
     return chosen
 
 
-def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph) -> StagedProgram:
+def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph,
+                      share_weights: bool = False) -> StagedProgram:
     """Cut ``gm`` (the captured loss graph) into ``pp × virtual_stages`` stage GraphModules.
 
     Usage::
@@ -221,6 +145,9 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         gm: the captured graph (``graph.gm`` or a clone), taking the flat batch, returning the loss.
         plan: its ``stages`` (selectors), ``mesh.pp`` and ``schedule.virtual_stages`` are read.
         graph: the :class:`ModelGraph` ``gm`` came from (layers, tied parameters).
+        share_weights: the stage graphs hold ``gm``'s own parameter and buffer tensors instead of
+            copies: no memory, for a caller whose later passes copy what the rank keeps
+            (``passes.compile_rank``). Trained as they are, such stages would write into ``gm``.
     """
     layer_stage = {name: i for i, names in enumerate(resolve_stages(plan, graph)) for name in names}
     n = max(layer_stage.values(), default=0) + 1
@@ -277,8 +204,10 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
     for s in range(n):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
-        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1)
+        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1,
+                          share=share_weights)
         st.layers = [name for name, i in layer_stage.items() if i == s]
+        assert st.gm is not None
         trainable = {a for a, p in st.gm.named_parameters() if p.requires_grad}
         for key in {aliases.get(k, [k])[0] for a, k in st.param_keys().items() if a in trainable}:
             holders.setdefault(key, []).append(s)
@@ -317,7 +246,7 @@ def _pure_nodes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[to
         if node.op == "placeholder":
             pure[node] = True
         elif node.op == "get_attr":
-            pure[node] = id(_fetch(gm, str(node.target))) not in params
+            pure[node] = id(fetch_attr(gm, str(node.target))) not in params
         elif node.op == "call_function":
             name = str(node.target).lower()
             pure[node] = (not any(r in name for r in _RANDOM)
@@ -350,36 +279,21 @@ def _spec(node: torch.fx.Node, pure: dict[torch.fx.Node, bool]) -> ValueSpec:
                      grad=bool(val.dtype.is_floating_point and not pure.get(node, False)))
 
 
-def _fetch(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _install(root: nn.Module, target: str, value: Any, *, buffer: bool) -> None:
-    *path, leaf = target.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
+def _stage_value(value: Any, *, share: bool) -> Any:
+    """What a stage graph holds for one of the capture's attributes: the tensor itself when ``share``
+    (``passes.compile_rank``, whose data-parallel pass copies every tensor the rank keeps), else a
+    copy, so a stage graph trained as it is never writes into the user's model. Modules and other
+    objects are always copied."""
     if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad))
-    elif isinstance(value, torch.Tensor):
-        if buffer:
-            mod.register_buffer(leaf, value.detach().clone())
-        else:
-            setattr(mod, leaf, value.detach().clone())
-    elif isinstance(value, nn.Module):
-        mod.add_module(leaf, copy.deepcopy(value))
-    else:
-        setattr(mod, leaf, copy.deepcopy(value))
+        return value if share else nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return value if share else value.detach().clone()
+    return copy.deepcopy(value)
 
 
 def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
                  send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-                 pure: dict[torch.fx.Node, bool], *, sends: bool) -> StageGraph:
+                 pure: dict[torch.fx.Node, bool], *, sends: bool, share: bool) -> StageGraph:
     body = sorted(keep, key=position.__getitem__)
     reads = {i for node in body for i in node.all_input_nodes}
     graph = torch.fx.Graph()
@@ -404,11 +318,11 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     layout = ParamLayout()
     by_tensor: dict[int, torch.fx.Node] = {}
     for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
-        value = _fetch(gm, str(node.target))
+        value = fetch_attr(gm, str(node.target))
         if isinstance(value, torch.Tensor) and id(value) in by_tensor:
             env[node] = by_tensor[id(value)]  # two attribute names, one tensor: keep one copy
             continue
-        _install(root, str(node.target), value, buffer=str(node.target) in buffers)
+        install_attr(root, str(node.target), _stage_value(value, share=share), buffer=str(node.target) in buffers)
         env[node] = graph.node_copy(node, lambda x: env[x])
         if isinstance(value, torch.Tensor):
             by_tensor[id(value)] = env[node]
@@ -425,13 +339,14 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     layout.keys = {t: k for t, k in layout.keys.items() if t in used}
     stage_gm.meta[META_LAYOUT] = layout
     stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in recv), sends=sends)
-    return StageGraph(index=s, gm=stage_gm, layers=[], batch_inputs=batch_inputs, batch_specs=batch_specs,
-                      inputs=[_spec(v, pure) for v in recv], outputs=[_spec(v, pure) for v in send])
+    return StageGraph(index=s, gm=stage_gm, keys=dict(layout.keys), layers=[], batch_inputs=batch_inputs,
+                      batch_specs=batch_specs, inputs=[_spec(v, pure) for v in recv],
+                      outputs=[_spec(v, pure) for v in send])
 
 
 def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],
               local: list[set[torch.fx.Node]]) -> None:
-    names = [{n.name for n in st.gm.graph.nodes} for st in stages]
+    names = [{n.name for n in st.gm.graph.nodes} if st.gm is not None else set() for st in stages]
     for node in nodes:
         if node in owner:
             node.meta[META_STAGE] = owner[node]

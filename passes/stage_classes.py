@@ -34,7 +34,7 @@ import torch.fx
 from torch.fx import Node
 
 from passes.insert_recompute import layers_to_recompute
-from passes.split_stages import StagedProgram
+from passes.program import StagedProgram
 from planner.graph import META_LAYER, META_MODULE, META_PARAM
 from planner.plan import Plan
 from planner.selectors import Selector, parse_selector
@@ -51,6 +51,8 @@ def stage_classes(program: StagedProgram, plan: Plan) -> list[list[int]]:
     recompute = layers_to_recompute(plan, layers)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for st in program.stages:
+        if st.gm is None:
+            raise ValueError(f"stage {st.index} of this program was released; classify a fresh split (split_program)")
         key = stage_key(st.gm, rules=rules, recompute=recompute, units=units,
                         shared=set(program.shared_keys(st.index)))
         groups.setdefault(key, []).append(st.index)

@@ -15,16 +15,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from passes.ops import bn_ops, comm, ep_ops
+from passes.ops.calls import CALLS
 from passes.layout import layout_of
-from passes.dp.shard_data_parallel import META_DP
+from passes.dp.info import find_dp_info
+from planner.modpath import fetch_attr
 
 __all__ = ["verify_pass", "VerifyError", "COLLECTIVES"]
 
-COLLECTIVES = {comm.copy_to_group: 1, comm.reduce_from_group: 1, comm.gather_from_group: 1,
-               comm.scatter_to_group: 1, comm.gather_seq: 1, comm.reduce_scatter_seq: 1,
-               ep_ops.moe_dispatch: 2, ep_ops.moe_combine: 2, bn_ops.batch_norm_sync: 8,
-               bn_ops.instance_norm_sync: 7}
+COLLECTIVES = {f: c.axis_arg for f, c in CALLS.items() if c.axis_arg is not None}
 """Collective calls the passes insert -> the position of their axis-name argument."""
 
 
@@ -42,7 +40,7 @@ def verify_pass(gm: torch.fx.GraphModule, *, where: str = "") -> torch.fx.GraphM
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             try:
-                _resolve(gm, str(node.target))
+                fetch_attr(gm, str(node.target))
             except AttributeError:
                 problems.append(f"{node.format_node()}: get_attr target {node.target!r} does not exist")
         elif node.op == "call_function" and node.target in COLLECTIVES:
@@ -67,17 +65,10 @@ def _recorded_tensors(gm: torch.fx.GraphModule) -> set[int]:
     out: set[int] = set()
     for attr in [*layout.keys, *layout.flat]:
         try:
-            out.add(id(_resolve(gm, attr)))
+            out.add(id(fetch_attr(gm, attr)))
         except AttributeError:
             pass  # reported through the get_attr check when the graph uses it
-    info = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     if info is not None:
         out.update(id(p) for p in info.sharded_params())
     return out
-
-
-def _resolve(gm: torch.nn.Module, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

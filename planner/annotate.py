@@ -39,6 +39,7 @@ from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.fx_capture import failure_site
 from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
+from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
 
@@ -419,7 +420,7 @@ class _Annotator:
                     self.s.env[node.name] = value
                     node.meta.update({META_VAL: value, META_FLOPS_FWD: 0, META_FLOPS_BWD: 0, META_SAVED_BYTES: 0})
                 elif node.op == "get_attr":
-                    attr = _resolve(self.gm, str(node.target))
+                    attr = fetch_attr(self.gm, str(node.target))
                     if isinstance(attr, torch.Tensor):
                         value = self._fake(attr, isinstance(attr, torch.nn.Parameter) and attr.requires_grad,
                                            share=True)
@@ -460,13 +461,6 @@ def _explain(node: torch.fx.Node, exc: BaseException) -> str:
     return (f"cannot compute facts for {node.format_node()} on fake tensors{where}\n"
             f"    {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}\n"
             f"{why} with annotate=False: the graph still runs, only FLOPs and bytes are missing.")
-
-
-def _resolve(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,

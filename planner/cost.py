@@ -10,6 +10,7 @@ Units: seconds, bytes, FLOPs, FLOP/s, parameter elements.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 from planner.cluster import Cluster
@@ -253,13 +254,14 @@ class _GraphTables:
     """Layer name -> (expert parameter elements, rows bytes, forward FLOPs, backward FLOPs)."""
 
 
-_TABLES: dict[int, tuple[ModelGraph, _GraphTables]] = {}
+_TABLES: dict[int, tuple[weakref.ref[ModelGraph], _GraphTables]] = {}
+"""id(graph) -> (the graph, weakly: a cache must not keep a capture and the weights it shares alive)."""
 
 
 def _tables(graph: ModelGraph) -> _GraphTables:
     """The tp-independent tables of ``graph``, built once per graph (a search asks for several tp)."""
     hit = _TABLES.get(id(graph))
-    if hit is not None and hit[0] is graph:
+    if hit is not None and hit[0]() is graph:
         return hit[1]
     # a tied weight may be listed under each alias (``lm_head.weight`` for GPT's ``wte.weight``):
     # count it under the one key param_shapes holds
@@ -312,7 +314,8 @@ def _tables(graph: ModelGraph) -> _GraphTables:
                           selective=selective_output_bytes(graph), ops=ops, experts=experts)
     if len(_TABLES) > 8:
         _TABLES.clear()
-    _TABLES[id(graph)] = (graph, tables)
+    _TABLES[id(graph)] = (weakref.ref(graph), tables)
+    weakref.finalize(graph, _TABLES.pop, id(graph), None)
     return tables
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.collectives import wire_bytes
+
 if TYPE_CHECKING:
     from planner.cluster import Cluster
 
@@ -30,25 +32,29 @@ def all_reduce_time(nbytes: float, n: int, *, bandwidth: float, latency: float) 
     """Ring all-reduce: ``2(n-1)·α + 2(n-1)/n · nbytes/β`` seconds (reduce-scatter then all-gather)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    return 2 * (n - 1) * latency + wire_bytes("all_reduce", nbytes, n) / bandwidth
 
 
 def all_gather_time(nbytes: float, n: int, *, bandwidth: float, latency: float) -> float:
     """Ring all-gather of a result of ``nbytes``: ``(n-1)·α + (n-1)/n · nbytes/β`` seconds."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+    return (n - 1) * latency + wire_bytes("all_gather", nbytes, n) / bandwidth
 
 
 def reduce_scatter_time(nbytes: float, n: int, *, bandwidth: float, latency: float) -> float:
     """Ring reduce-scatter of an input of ``nbytes``: ``(n-1)·α + (n-1)/n · nbytes/β`` seconds."""
-    return all_gather_time(nbytes, n, bandwidth=bandwidth, latency=latency)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * latency + wire_bytes("reduce_scatter", nbytes, n) / bandwidth
 
 
 def all_to_all_time(nbytes: float, n: int, *, bandwidth: float, latency: float) -> float:
     """Pairwise all-to-all of a send buffer of ``nbytes`` per rank: ``(n-1)·α + (n-1)/n · nbytes/β``
     seconds (each rank keeps 1/n and sends the other (n-1)/n, one peer per round)."""
-    return all_gather_time(nbytes, n, bandwidth=bandwidth, latency=latency)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * latency + wire_bytes("all_to_all", nbytes, n) / bandwidth
 
 
 def p2p_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
@@ -59,13 +65,13 @@ def p2p_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
 
 
 def all_reduce_volume(nbytes: float, n: int) -> float:
-    """Bytes one rank sends in a ring all-reduce: ``2(n-1)/n · nbytes``."""
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+    """Bytes one rank sends in a ring all-reduce: ``2(n-1)/n · nbytes`` (``planner.collectives``)."""
+    return wire_bytes("all_reduce", nbytes, n)
 
 
 def all_gather_volume(nbytes: float, n: int) -> float:
     """Bytes one rank sends in a ring all-gather (or reduce-scatter) of ``nbytes``: ``(n-1)/n · nbytes``."""
-    return (n - 1) / n * nbytes if n > 1 else 0.0
+    return wire_bytes("all_gather", nbytes, n)
 
 
 reduce_scatter_volume = all_gather_volume

@@ -25,7 +25,10 @@ import torch.fx
 from torch.fx.proxy import ParameterProxy
 from torch import nn
 
-__all__ = ["export_trace", "fx_trace", "failure_site", "fx_supports", "Failure"]
+__all__ = ["export_trace", "fx_trace", "failure_site", "fx_supports", "Failure", "META_FX_LEAVES"]
+
+META_FX_LEAVES = "fs_fx_leaves"
+"""gm.meta key of an fx trace: qualified names of the torch.nn module classes kept whole (leaves)."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,7 +113,7 @@ def fx_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_in
                 continue
             raise
         gm = torch.fx.GraphModule(tracer.root, graph, root.__class__.__name__)
-        gm.meta["fs_fx_leaves"] = [t.__qualname__ for t in leaves]
+        gm.meta[META_FX_LEAVES] = [t.__qualname__ for t in leaves]
         return gm
     raise RuntimeError(f"torch.fx kept failing inside torch.nn modules; leaves tried: {leaves}")
 

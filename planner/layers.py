@@ -24,6 +24,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from planner.modpath import fetch_attr, install_attr
 from planner.graph import (META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_MODULE, META_PARAM,
                            META_SAVED_BYTES, META_VAL, Layer)
 
@@ -160,7 +161,7 @@ def split_tied_uses(gm: torch.fx.GraphModule, tied: list[list[str]], prefix: str
         key = node.meta.get(META_PARAM) if node.op == "get_attr" else None
         if key not in group_of:
             continue
-        tensor = _resolve(gm, str(node.target))
+        tensor = fetch_attr(gm, str(node.target))
         made: dict[str, torch.fx.Node] = {key: node}
         for user in list(node.users):
             want = _preferred(group_of[key], user.meta.get(META_MODULE, ""), key)
@@ -199,22 +200,13 @@ def _preferred(group: list[str], module: str, default: str) -> str:
     return best
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _ensure_attr(gm: torch.fx.GraphModule, target: str, tensor: Any) -> None:
-    *path, leaf = target.split(".")
-    mod: nn.Module = gm
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if getattr(mod, leaf, None) is not tensor:
-        setattr(mod, leaf, tensor)
+    try:
+        if fetch_attr(gm, target) is tensor:
+            return
+    except AttributeError:
+        pass
+    install_attr(gm, target, tensor, buffer=False)
 
 
 def _nbytes(value: Any) -> int:

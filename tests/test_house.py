@@ -1,17 +1,23 @@
-"""The house rules, checked: module line budget, one-way layering, no import circles, and a clean type
-check of ``planner/`` and ``passes/``. Each failure names the file and line to look at.
+"""The house rules, checked: module line budget, one-way layering, no import circles, a clean type
+check of ``planner/`` and ``passes/``, each meta key defined once (beside the pass that writes it,
+used through its constant) and listed in ARCHITECTURE.md, whose named files exist. Each failure
+names the file and line to look at.
 
 Layering (see ARCHITECTURE.md)::
 
     planner/      pure: imports nothing of passes/ or fairscale/
     passes/       rewrites graphs: imports planner/, never fairscale/
-    passes/ops/   run-time collectives: imports neither planner/ nor the rewriting passes
-    fairscale/runtime/   runs compiled programs: never imports the face (fairscale.api, cli, report, demo)
+    passes/ops/   run-time collectives: imports neither planner/ nor the rewriting passes (only the
+                  dependency-free planner tables in PLANNER_LEAVES)
+    fairscale/runtime/   runs compiled programs: never imports the face (fairscale.api, build, cli,
+                  report, demo, check, data_parallel), and from passes/ only the run-time ops and the
+                  records passes leave for it (RECORDS), never a pass or the pipeline
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -22,14 +28,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "passes", "fairscale")
 LINE_BUDGET = 500
-FACE = ("fairscale.api", "fairscale.cli", "fairscale.report", "fairscale.demo", "fairscale.check")
+FACE = ("fairscale.api", "fairscale.build", "fairscale.cli", "fairscale.report", "fairscale.demo", "fairscale.check",
+        "fairscale.data_parallel")
+RECORDS = ("passes.layout", "passes.program", "passes.dp.info", "passes.tp.summary")
+"""The records passes leave on rank graphs that the runtime reads: leaves, importing no pass."""
+PLANNER_LEAVES = ("planner.collectives", "planner.modpath")
+"""Planner tables with no import of this repo, which passes/ops/ may read (one home for a fact
+both the cost model and the run-time counters use)."""
 
-# Import circles that are known and being removed (issue "The house"). The test fails when a new
-# circle appears AND when one of these disappears, so the list stays true until it is empty.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"passes.dp.fsdp", "passes.dp.shard_data_parallel"}),
-    frozenset({"fairscale.runtime.engine", "fairscale.runtime.engine_checkpoint"}),
-}
+# Import circles known and being removed (issue "The house"): none left. The test fails when a new
+# circle appears AND when a listed one disappears; keep the set empty (move shared types into a leaf).
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -93,13 +102,25 @@ def _violations() -> list[str]:
                 continue
             if name.startswith("planner") and not dep.startswith("planner"):
                 bad.append(f"{_where(name, line)}: planner/ is pure but imports {dep}")
-            elif name.startswith("passes.ops") and not dep.startswith("passes.ops"):
+            elif name.startswith("passes.ops") and not dep.startswith("passes.ops") and dep not in PLANNER_LEAVES:
                 bad.append(f"{_where(name, line)}: passes/ops/ is the run-time leaf but imports {dep}")
+            elif name in RECORDS and dep.startswith("passes") and not dep.startswith(("passes.ops", *RECORDS)):
+                bad.append(f"{_where(name, line)}: {name} is a record the runtime reads but imports the pass {dep}")
             elif name.startswith("passes") and dep.startswith("fairscale"):
                 bad.append(f"{_where(name, line)}: passes/ must not import fairscale ({dep})")
             elif name.startswith("fairscale.runtime") and dep.startswith(FACE):
                 bad.append(f"{_where(name, line)}: the runtime imports the face ({dep}); hand it what it needs")
+            elif name.startswith("fairscale.runtime") and dep.startswith("passes") and dep != "passes" \
+                    and not dep.startswith(("passes.ops", *RECORDS)):
+                bad.append(f"{_where(name, line)}: the runtime imports the pass {dep}; the face compiles "
+                           f"(fairscale.build), the runtime reads only passes.ops and the records {RECORDS}")
     return bad
+
+
+def test_planner_leaves_import_nothing_of_this_repo():
+    bad = [f"{_where(leaf, line)}: {leaf} must stay dependency-free but imports {dep}"
+           for leaf in PLANNER_LEAVES for target, line in IMPORTS[leaf] if (dep := _ours(target)) and dep != leaf]
+    assert not bad, "\n".join(bad)
 
 
 def test_layers_point_one_way():
@@ -165,3 +186,48 @@ def test_planner_and_passes_type_check():
     proc = subprocess.run([sys.executable, "-m", "mypy", "planner", "passes"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, "mypy (file:line: error):\n" + proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+
+
+def _meta_keys() -> dict[str, list[tuple[str, str, int]]]:
+    """Meta key value -> [(constant, module, line)] for every module-level ``META_* = "fs_..."``."""
+    out: dict[str, list[tuple[str, str, int]]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and node.targets[0].id.startswith("META_") and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str) and node.value.value.startswith("fs_"):
+                out.setdefault(node.value.value, []).append((node.targets[0].id, name, node.lineno))
+    return out
+
+
+def test_each_meta_key_has_one_home_named_in_architecture():
+    keys = _meta_keys()
+    twice = [f"{k}: " + ", ".join(f"{_where(m, line)} ({c})" for c, m, line in homes)
+             for k, homes in keys.items() if len(homes) > 1]
+    assert not twice, "meta keys defined more than once; keep one and import it:\n" + "\n".join(twice)
+    rows = ARCHITECTURE.read_text().splitlines()
+    missing = [f"{_where(m, line)}: {c} = {k!r}" for k, [(c, m, line)] in keys.items()
+               if not any(f"`{c}`" in row and f"`{MODULES[m].relative_to(ROOT)}`" in row for row in rows)]
+    assert not missing, "meta keys missing from ARCHITECTURE.md's table (key, constant, module):\n" + "\n".join(missing)
+
+
+def test_meta_keys_are_not_spelled_out():
+    """Code reads and writes meta keys through their constants (or accessors), never as bare strings."""
+    values = set(_meta_keys())
+    bad = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        defining = {id(n.value) for n in tree.body if isinstance(n, ast.Assign)}
+        bad += [f"{_where(name, n.lineno)}: {n.value!r}" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and n.value in values and id(n) not in defining]
+    assert not bad, "bare meta keys; use the META_* constant defined beside the pass that writes it:\n" + \
+        "\n".join(bad)
+
+
+def test_architecture_names_real_files():
+    named = sorted(set(re.findall(r"[\w/]+\.(?:py|md)\b", ARCHITECTURE.read_text())))
+    gone = [p for p in named if "/" in p and not (ROOT / p).exists()]
+    assert not gone, f"ARCHITECTURE.md names files that do not exist: {gone}"

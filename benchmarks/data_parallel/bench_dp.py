@@ -43,7 +43,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fairscale  # noqa: E402
-from fairscale.runtime.data_parallel import DataParallelRunner, local_slice  # noqa: E402
+from fairscale.data_parallel import DataParallelRunner  # noqa: E402
+from fairscale.runtime.data_parallel import local_slice  # noqa: E402
 from gpt_model import batches, build  # noqa: E402
 from passes.ops import comm  # noqa: E402
 from planner.capture import LossModule, capture  # noqa: E402

@@ -1,19 +1,13 @@
 """One rank of a parallelized model: its compiled stage graphs, pipeline executor and optimizer.
 
-:class:`ParallelModule` is what ``fairscale.parallelize`` returns on every rank. It is built from
-the user's model, a plan and an example batch:
+:class:`ParallelModule` is what ``fairscale.parallelize`` returns on every rank. It runs a
+:class:`fairscale.runtime.program.RankProgram` that the face compiled (``fairscale.build``:
+capture at the microbatch shape → ``passes.compile_rank``); the runtime never captures, compiles
+or renders. Building one:
 
-1. choose this rank's device (``fairscale.runtime.device``: ``cuda:LOCAL_RANK`` under NCCL, else
-   CPU) and make it current before anything touches CUDA;
-2. bind the pp × dp × tp mesh (``fairscale.runtime.mesh``);
-3. capture the model at the shape one microbatch has on one rank
-   (global batch / (dp × microbatches)), because exported graphs are shape-specialized;
-4. check that every rank holds the same initial weights (one checksum all-reduce);
-5. run the pass pipeline for this rank's stages (``passes.compile_rank``), which builds this rank's
-   slices and shards directly on the device, one parameter at a time (the user's model stays
-   where it is: the whole model never lands on one GPU);
-6. wrap each stage graph's local tensors in a data-parallel-aware optimizer;
-7. run steps through the pipeline executor (one stage and no P2P when pp = 1).
+1. make the program's device current and bind the pp × dp × tp mesh (``fairscale.runtime.mesh``);
+2. wrap each stage graph's local tensors in a data-parallel-aware optimizer;
+3. run steps through the pipeline executor (one stage and no P2P when pp = 1).
 
 Every rank passes the same **global** batch; each takes its dp slice along dim 0 and copies it to
 its device without blocking, and each pipeline stage reads the batch inputs it needs (labels on
@@ -23,29 +17,26 @@ the last stage). Losses returned are means over the global batch, identical on e
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
-from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.data_parallel import local_slice
-from fairscale.runtime.device import enable_tf32, resolve_device, to_device, use_device
-from fairscale.runtime.init import check_replicas
+from fairscale.runtime.device import enable_tf32, to_device, use_device
+from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
+from fairscale.runtime.program import RankProgram
 from fairscale.runtime.state import full_grads as _full_grads
+from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
-from passes import compile_rank
 from passes.ops import comm
-from planner.capture import capture
-from planner.graph import ModelGraph
-from planner.plan import Plan
-from planner.schedule import build_schedule
+from passes.ops.gauge import UNSHARD as _UNSHARD
 
 __all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
 
@@ -82,46 +73,42 @@ class ParallelModule:
       ``pm.clip_grad_norm_(max_norm)`` before the step to clip.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
-                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
-                 render_report: Callable[[Plan, ModelGraph], str] | None = None,
-                 device: str | torch.device | None = None, tf32: bool = True) -> None:
+    def __init__(self, program: RankProgram, *, optimizer: OptimizerSpec | None = None, tf32: bool = True) -> None:
+        if not isinstance(program, RankProgram):
+            raise TypeError("ParallelModule runs a compiled RankProgram; build one with "
+                            "fairscale.parallelize(model, example_inputs=batch, plan=plan) (or, without "
+                            "validating the plan, fairscale.build.build_module(model, plan, example_inputs=batch))")
         if not dist.is_initialized():
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
-        self.device: torch.device = resolve_device(device)
+        self.rank_program = program
+        """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
+        self.device: torch.device = program.device
         """Where this rank computes: its shards, activations and collectives (see ``fairscale.runtime.device``)."""
         use_device(self.device)
         self.tf32 = enable_tf32(self.device) if tf32 else False
-        m = plan.mesh
-        self.plan = plan
+        self.plan = program.plan
+        m = self.plan.mesh
         self.mesh: RankMesh
         self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp, ep=m.ep, device_type=self.device.type)
-        gb = plan.schedule.global_batch or _batch_rows(example_inputs)
-        micro = plan.schedule.microbatches
-        if gb % (m.dp * micro):
-            raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
-                             f"= {m.dp * micro} equal microbatches")
-        self.global_batch = gb
-        self.microbatch_rows = gb // (m.dp * micro)
-        example = microbatch_example(example_inputs, self.microbatch_rows)
-        self.graph: ModelGraph = capture(model, example, loss_fn=loss_fn, annotate=False)
-        if not any(p.is_meta for p in self.graph.gm.parameters()):
-            check_replicas(self.graph.gm, device=self.device)  # under torchrun each rank built its own model
-        self.schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
-                                       virtual_stages=plan.schedule.virtual_stages)
-        self.local_stages = self.schedule.rank_stages(self.mesh.pp_index)
-        self.program, self.modules = compile_rank(self.graph, plan, stages=self.local_stages,
-                                                  dp_index=self.mesh.dp_index, tp_index=self.mesh.tp_index,
-                                                  device=self.device)
+        if self.mesh.coords() != program.coords:
+            raise ValueError(f"this rank is at (pp, dp, tp) = {self.mesh.coords()} of the mesh, but its program was "
+                             f"compiled for {program.coords}: compile the program on the rank that runs it")
+        self.global_batch = program.global_batch
+        self.microbatch_rows = program.microbatch_rows
+        self.schedule = program.schedule
+        self.local_stages = program.local_stages
+        self.program = program.stages
+        """Every stage's boundary specs and tied-weight groups (``passes.program.StagedProgram``)."""
+        self.modules = program.modules
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
         self.optimizer = _StageOptimizers(self._optimizers)
-        self._render_report = render_report
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
-        self._user_model = weakref.ref(model)  # for its state-dict hooks; the user holds the model
+        self._user_model = program.model  # for its state-dict hooks; the user holds the model
+        self._peaks: dict[str, float | None] = {}
         self.check_report: Any = None
         """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
 
@@ -133,20 +120,33 @@ class ParallelModule:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None) -> float:
+    def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None,
+                   measure_memory: bool = False) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank).
 
         ``clip_norm``: before the step, scale the gradients so the global 2-norm over the whole
         model is at most ``clip_norm`` (see :meth:`clip_grad_norm_`); the norm before clipping is
         kept in ``pm.last_grad_norm``.
+        ``measure_memory``: also record the step's peak of saved activations (a hook on every
+        tensor autograd saves: slower) for :meth:`memory_report`.
         """
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.executor.step(self._local(batch))  # mean over pp and dp
+        base = step_peaks(self.device)
+        if measure_memory:
+            with ActivationMeter(self._stage_states()) as meter:
+                loss = self.executor.step(self._local(batch))  # mean over pp and dp
+            self._peaks = {"activations": float(meter.peak)}
+        else:
+            loss = self.executor.step(self._local(batch))
+            self._peaks = {}
+        self._peaks["buffers"] = float(_UNSHARD.peak - base)
         if clip_norm is not None:
             self._grad_norm = self.clip_grad_norm_(clip_norm)
         self.optimizer.step()
+        if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
+            self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
 
     def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
@@ -221,7 +221,7 @@ class ParallelModule:
         of a tied weight), on global rank 0 only; other ranks get ``{}``. Tensors without a
         gradient are absent. Collective. ``fairscale.check`` compares them with one process."""
         grads = ((k, g) for s in self.local_stages
-                 for k, g in _full_grads(self.modules[s], aliases=self.graph.tied, rank0_only=False,
+                 for k, g in _full_grads(self.modules[s], aliases=self.rank_program.tied, rank0_only=False,
                                                cpu=False).items())
         return self._on_rank0(([k], g) for k, g in grads)
 
@@ -263,27 +263,33 @@ class ParallelModule:
         """(user names, full tensor on this rank's device) for every tensor of this rank's stages, one
         at a time (``fairscale.runtime.state_stream``). Collective over each stage's dp and tp groups."""
         for s in self.local_stages:
-            yield from iter_full_state(self.modules[s], aliases=self.graph.tied)
+            yield from iter_full_state(self.modules[s], aliases=self.rank_program.tied)
 
     def save_checkpoint(self, path: str) -> None:
         """Save model and optimizer state so any plan can resume it (``fairscale.runtime.engine_checkpoint``)."""
-        from fairscale.runtime import engine_checkpoint
-
-        engine_checkpoint.save(self, path)
+        engine_checkpoint.save(path, self._stage_states(), mesh=self.mesh, tied=self.rank_program.tied)
 
     def load_checkpoint(self, path: str) -> None:
         """Resume from a checkpoint saved under this or any other plan of the same model."""
-        from fairscale.runtime import engine_checkpoint
+        engine_checkpoint.load(path, self._stage_states())
 
-        engine_checkpoint.load(self, path)
+    def _stage_states(self) -> list[tuple[torch.fx.GraphModule, DataParallelOptimizer]]:
+        return [(self.modules[s], opt) for s, opt in zip(self.local_stages, self._optimizers)]
 
     def report(self) -> str:
-        """The plan's text report (stages, memory, predicted time, collectives), as rendered by the
-        face that built this module (``fairscale.parallelize`` hands in ``fairscale.report``'s)."""
-        if self._render_report is None:
-            raise RuntimeError("this ParallelModule was built without a report renderer; build it with "
-                               "fairscale.parallelize, or call fairscale.report.text.render_report(pm.plan, pm.graph)")
-        return self._render_report(self.plan, self.graph)
+        """The plan's text report (stages, memory, predicted time, collectives), as the face that
+        compiled this rank rendered it (``fairscale.report.text.render_report``)."""
+        return self.rank_program.report
+
+    def memory_report(self) -> MemoryReport:
+        """This rank's memory by category (parameters, gradients, optimizer, activations, buffers),
+        measured against the planner's prediction. On CPU from the runtime's own accounting of the
+        tensors it holds (call it after a step: gradients and optimizer state exist from the first
+        one; activations are measured in a step run with ``measure_memory=True``); on CUDA also the
+        allocator's peak of that step (``torch.cuda.max_memory_allocated``) against the predicted
+        total. See :mod:`fairscale.runtime.memory_report`."""
+        return measure_memory(self._stage_states(), predicted=self.rank_program.predicted_memory,
+                              device=self.device, peaks=self._peaks)
 
     def comm_summary(self) -> str:
         """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""
@@ -317,10 +323,3 @@ def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.op
             raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")
         return spec.func, dict(spec.keywords)
     return spec, {}
-
-
-def _batch_rows(batch: Sequence[Any]) -> int:
-    for t in batch:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    raise ValueError("the example batch has no tensor with a batch dimension")

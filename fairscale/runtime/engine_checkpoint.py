@@ -25,45 +25,49 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import torch
+import torch.fx
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from fairscale.runtime.checkpoint import checkpoint_path, commit_checkpoint
+from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.optim import DataParallelOptimizer
 from fairscale.runtime.state import (held_keys, load_full_state_dict, load_optimizer_state_dict, param_layout,
                                      tied_aliases)
 from fairscale.runtime.state_stream import iter_full_state, iter_optimizer_state
 
-if TYPE_CHECKING:
-    from fairscale.runtime.engine import ParallelModule
+__all__ = ["save", "load", "StageState"]
 
-__all__ = ["save", "load"]
+StageState = tuple[torch.fx.GraphModule, DataParallelOptimizer]
+"""One of a rank's stages: its compiled graph and the optimizer over its local tensors."""
 
 
-def _my_share(pm: ParallelModule) -> dict[str, Any]:
+def _my_share(stages: Sequence[StageState], mesh: RankMesh, tied: list[list[str]]) -> dict[str, Any]:
     """The tensors this rank writes: every (dp × tp)-th one of its stages' gathered tensors, on the host."""
     share: dict[str, Any] = {}
-    writers = pm.mesh.dp * pm.mesh.tp
-    me = pm.mesh.dp_index * pm.mesh.tp + pm.mesh.tp_index
-    for s, opt in zip(pm.local_stages, pm._optimizers):
-        gm = pm.modules[s]
+    writers = mesh.dp * mesh.tp
+    me = mesh.dp_index * mesh.tp + mesh.tp_index
+    for gm, opt in stages:
         # every name of a tied tensor is written (another plan may hold it under any of them)
-        params = ((n, t) for names, t in iter_full_state(gm, aliases=pm.graph.tied) for n in names)
+        params = ((n, t) for names, t in iter_full_state(gm, aliases=tied) for n in names)
         for i, (name, value) in enumerate(itertools.chain(params, iter_optimizer_state(gm, opt))):
             if i % writers == me:
                 share[name] = value.to("cpu", copy=True) if isinstance(value, torch.Tensor) else \
                     torch.tensor(value, device="cpu")  # lint: cpu -- a Python scalar state, saved as a tensor
     # identical on every rank (one optimizer spec): DCP writes it once
     share["optim.param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}
-                                              for g in pm._optimizers[-1].param_groups], default=str)
+                                              for g in stages[-1][1].param_groups], default=str)
     return share
 
 
-def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
-    """Save model and optimizer state in the user's keys to the directory ``path``. Collective."""
+def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: RankMesh,
+         tied: list[list[str]]) -> Path:
+    """Save model and optimizer state of a rank's ``stages`` in the user's keys to the directory
+    ``path`` (``tied``: groups of keys naming one tensor). Collective."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
@@ -71,7 +75,7 @@ def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
             shutil.rmtree(tmp)  # debris of an interrupted save, never a complete checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_my_share(pm), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    dcp.save(_my_share(stages, mesh, tied), storage_writer=dcp.FileSystemWriter(str(tmp)))
     dist.barrier()
     if dist.get_rank() == 0:
         commit_checkpoint(tmp, path)
@@ -79,13 +83,12 @@ def save(pm: ParallelModule, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
-    """Load a checkpoint written by :func:`save` under any plan into this rank's stages. Collective."""
+def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:
+    """Load a checkpoint written by :func:`save` under any plan into a rank's ``stages``. Collective."""
     reader = dcp.FileSystemReader(str(checkpoint_path(path)))
     meta = reader.read_metadata().state_dict_metadata
     wanted: set[str] = {"optim.param_groups"}
-    for s in pm.local_stages:
-        gm = pm.modules[s]
+    for gm, _ in stages:
         for key in held_keys(gm):
             names = [key, *tied_aliases(gm).get(key, [])]
             wanted.update(names)
@@ -99,8 +102,7 @@ def load(pm: ParallelModule, path: str | os.PathLike[str]) -> None:
             # lint: cpu -- read into host memory; load_full_state_dict copies each rank's part to its device
             template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
     dcp.load(template, storage_reader=reader)
-    for s, opt in zip(pm.local_stages, pm._optimizers):
-        gm = pm.modules[s]
+    for gm, opt in stages:
         layout = param_layout(gm)
         load_full_state_dict(gm, {k: v for k, v in template.items() if not k.startswith("optim.")})
         optim: dict[str, Any] = {}

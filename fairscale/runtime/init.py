@@ -152,11 +152,11 @@ def check_replicas(module: nn.Module, *, group: object = None, device: torch.dev
 
 def _locations(gm: torch.fx.GraphModule) -> dict[str, list[Callable[[torch.Tensor], None]]]:
     """user key -> writers that copy a full tensor into this rank's storage for that key."""
-    from passes.dp.graph import resolve
-    from passes.layout import META_LAYOUT
-    from passes.dp.shard_data_parallel import META_DP
+    from passes.dp.info import dp_info
+    from passes.layout import layout_of
+    from planner.modpath import fetch_attr
 
-    layout, info = gm.meta[META_LAYOUT], gm.meta[META_DP]
+    layout, info = layout_of(gm), dp_info(gm)
     out: dict[str, list[Callable[[torch.Tensor], None]]] = {}
 
     def add(key: str, fn: Callable[[torch.Tensor], None]) -> None:
@@ -174,7 +174,7 @@ def _locations(gm: torch.fx.GraphModule) -> dict[str, list[Callable[[torch.Tenso
 
     for attr, key in layout.keys.items():
         try:
-            t = resolve(gm, attr)
+            t = fetch_attr(gm, attr)
         except AttributeError:
             continue
         if isinstance(t, torch.Tensor):
@@ -221,9 +221,9 @@ def materialize_sharded(gm: torch.fx.GraphModule, meta_model: nn.Module, *, seed
             if param_init(key, full):
                 for write in where.get(key, []):
                     write(full)
-    from passes.dp.shard_data_parallel import META_DP
+    from passes.dp.info import dp_info
 
-    info = gm.meta[META_DP]
+    info = dp_info(gm)
     for b in info.buckets:  # zero kinds: replicas from the filled master shards
         if b.shard is not None:
             b.gather_params()

@@ -10,7 +10,7 @@ Three kinds of tensors are held for backward, and the meter sees all of them:
 
 * tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``);
 * the inputs recompute regions keep alive (non-reentrant checkpointing holds them by reference,
-  so the hooks never see them; ``passes.insert_recompute`` tells the meter);
+  so the hooks never see them; ``passes.ops.recompute_ops`` tells the meter);
 * storages created during the forward that are still alive after it, such as the matmul outputs
   selective recompute caches outside the hooks (tracked with a dispatch mode and weak references).
 
@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from passes import insert_recompute
+from passes.ops import recompute_ops
 
 __all__ = ["SavedActivationMeter"]
 
@@ -70,10 +70,10 @@ class SavedActivationMeter(TorchDispatchMode):
     def __enter__(self) -> SavedActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._keep, lambda t: t)
         self._hooks.__enter__()
-        insert_recompute.RETAIN_LISTENERS.append(self._retained)
+        recompute_ops.RETAIN_LISTENERS.append(self._retained)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        insert_recompute.RETAIN_LISTENERS.remove(self._retained)
+        recompute_ops.RETAIN_LISTENERS.remove(self._retained)
         self._hooks.__exit__(*exc)

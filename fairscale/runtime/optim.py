@@ -36,23 +36,15 @@ import torch.distributed as dist
 import torch.fx
 
 from passes.ops import comm
-from passes.dp.graph import resolve
-from passes.layout import META_LAYOUT
-from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
+from planner.modpath import fetch_attr
+from passes.dp.info import DataParallelInfo, dp_info
+from passes.layout import find_layout
 
 __all__ = ["DataParallelOptimizer", "ELEMENTWISE", "GradPiece", "merge_grad_norm_parts", "reduce_grad_norm",
            "clip_coefficient"]
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
 """torch.optim classes whose update of an element depends only on that element's history."""
-
-
-def dp_info(gm: torch.fx.GraphModule) -> DataParallelInfo:
-    info = gm.meta.get(META_DP)
-    if info is None:
-        raise ValueError("this GraphModule has no data-parallel record (gm.meta['fs_dp']); run "
-                         "passes.dp.shard_data_parallel.shard_data_parallel_pass on it first")
-    return info
 
 
 class DataParallelOptimizer:
@@ -136,7 +128,7 @@ class DataParallelOptimizer:
         names (``"ep"``). Values are float64 scalars. Pieces of ``skip_keys`` (user keys) are left
         out, e.g. the second copy of a weight tied across pipeline stages.
         """
-        layout = self.gm.meta.get(META_LAYOUT)
+        layout = find_layout(self.gm)
         tp = layout.tp if layout is not None else {}
         inf = math.isinf(norm_type)
         device = _device()  # the parts meet in collectives; gradients may live elsewhere (offload)
@@ -226,11 +218,11 @@ def _grad_pieces(gm: torch.fx.GraphModule, info: DataParallelInfo, params: list[
     for u in info.units:
         flat(u.flat, u.keys, u.shapes, u.rank * u.flat.numel(), u.axis)
     covered = {id(piece.param) for piece in pieces}
-    layout = gm.meta.get(META_LAYOUT)
+    layout = find_layout(gm)
     by_id = {}
     for attr, key in (layout.keys.items() if layout is not None else []):
         try:
-            by_id[id(resolve(gm, attr))] = key
+            by_id[id(fetch_attr(gm, attr))] = key
         except AttributeError:
             continue
     for p in params:

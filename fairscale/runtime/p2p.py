@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from passes.split_stages import ValueSpec
+from passes.program import ValueSpec
 from planner.schedule import ScheduleError
 
 KIND_CODE = {"F": 0, "B": 1, "SHAKE": 2, "TIED": 3}

@@ -32,7 +32,7 @@ and each stage's outputs against the boundary before sending, so a wrong batch i
 every rank, never a hang.
 
 Tensor parallel: a stage graph rewritten with sequence parallelism sends and receives its
-activations as sequence shards; their rank-local shapes (``gm.meta["fs_tp"]``) size the p2p
+activations as sequence shards; their rank-local shapes (``passes.tp.summary``) size the p2p
 buffers, the checks and the handshake.
 
 Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass`` (after this
@@ -62,7 +62,7 @@ from fairscale.runtime.pipeline_io import (PipelineError, StageLinks, StepState,
                                            split_microbatches)
 from fairscale.runtime.pipeline_tied import TiedParams, fetch_attr, stage_layout
 from passes.ops import comm
-from passes.split_stages import StagedProgram
+from passes.program import StagedProgram
 from planner.schedule import Action, PipelineSchedule, simulate
 
 __all__ = ["PipelineExecutor", "PipelineError", "StepTrace"]

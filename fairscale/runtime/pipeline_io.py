@@ -10,7 +10,7 @@ pieces it uses at the edges of each stage:
   expect, so ranks that split different captures fail with the same error instead of hanging;
 - :func:`split_microbatches`: cuts a batch along dim 0 and checks the pieces against the capture;
 - :func:`local_specs` and :func:`check_values`: a stage's boundary at its rank-local shapes
-  (sequence-parallel stages send shards, ``gm.meta["fs_tp"]``) and the check of a stage's outputs
+  (sequence-parallel stages send shards, ``passes.tp.summary``) and the check of a stage's outputs
   against it before anything is sent;
 - :class:`StepState`: one step's activations, gradients and pending messages, by microbatch and stage.
 """
@@ -27,8 +27,8 @@ from torch import nn
 
 from fairscale.runtime import p2p
 from passes.ops import comm
-from passes.tp.shard_tensor_parallel import META_SUMMARY as META_TP_SUMMARY
-from passes.split_stages import StagedProgram, ValueSpec
+from passes.tp.summary import tp_summary
+from passes.program import StagedProgram, ValueSpec
 from planner.schedule import PipelineSchedule
 
 __all__ = ["PipelineError", "StageLinks", "StepState", "split_microbatches", "local_specs", "check_values"]
@@ -190,8 +190,8 @@ def check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -
 
 def local_specs(module: nn.Module, specs: Sequence[ValueSpec], key: str) -> list[ValueSpec]:
     """``specs`` with the rank-local shapes a tensor-parallel stage records in
-    ``gm.meta["fs_tp"][key]`` (``passes.tp.shard_tensor_parallel``); unchanged without one."""
-    records = (getattr(module, "meta", {}).get(META_TP_SUMMARY) or {}).get(key)
+    (``passes.tp.summary``); unchanged without one."""
+    records = (tp_summary(module) or {}).get(key)
     if not records:
         return list(specs)
     if len(records) != len(specs):

@@ -23,8 +23,9 @@ from torch import nn
 from fairscale.runtime import p2p
 from fairscale.runtime.pipeline_io import PipelineError
 from passes.ops import comm
-from passes.layout import META_LAYOUT, ParamLayout
-from passes.split_stages import StagedProgram
+from passes.dp.info import find_dp_info
+from passes.layout import ParamLayout, find_layout
+from passes.program import StagedProgram
 from planner.schedule import PipelineSchedule
 
 __all__ = ["TiedParams", "stage_layout", "fetch_attr"]
@@ -85,7 +86,7 @@ class TiedParams:
             for s in holders:
                 if s not in self.local_stages:
                     continue
-                info = getattr(self.modules[s], "meta", {}).get("fs_dp")
+                info = find_dp_info(self.modules[s])
                 if info is None:
                     self._param_of(s, key)
                     continue
@@ -113,9 +114,8 @@ class TiedParams:
 
 
 def stage_layout(program: StagedProgram, modules: Mapping[int, nn.Module], stage: int) -> ParamLayout:
-    """Where ``stage``'s parameters live: the layout of the module run, else of the split stage graph."""
-    meta = getattr(modules[stage], "meta", {})
-    return meta.get(META_LAYOUT) or program.stages[stage].gm.meta[META_LAYOUT]
+    """Where ``stage``'s parameters live: the layout of the module run, else the split's parameter keys."""
+    return find_layout(modules[stage]) or ParamLayout(keys=program.stages[stage].param_keys())
 
 
 def fetch_attr(mod: nn.Module, attr: str) -> Any:

@@ -34,9 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from passes.ops import comm
-from passes.dp.graph import resolve
-from passes.layout import INSIDE_DP, META_LAYOUT, ParamLayout
-from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
+from planner.modpath import fetch_attr as resolve  # the one dotted-path reader
+from passes.layout import INSIDE_DP, ParamLayout, find_layout
+from passes.dp.info import DataParallelInfo, find_dp_info
 
 __all__ = ["full_state_dict", "full_grads", "local_grads", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
            "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",
@@ -45,7 +45,7 @@ __all__ = ["full_state_dict", "full_grads", "local_grads", "load_full_state_dict
 
 def param_layout(gm: torch.fx.GraphModule) -> ParamLayout:
     """The :class:`~passes.layout.ParamLayout` the passes recorded on ``gm`` (raises if there is none)."""
-    layout = gm.meta.get(META_LAYOUT)
+    layout = find_layout(gm)
     if layout is None:
         raise ValueError("the GraphModule has no parameter layout (gm.meta['fs_layout']); build it with "
                          "planner.capture and the passes")
@@ -81,7 +81,7 @@ def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Every user key this rank can produce, as full (dp-unsharded) tensors; collective (call on
     every rank of the dp axis). Tensor-parallel slices stay local here."""
     layout = param_layout(gm)
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     out: dict[str, torch.Tensor] = {}
     for attr, key in layout.keys.items():
         try:
@@ -104,7 +104,7 @@ def local_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
 
 def tied_aliases(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
     """Tied tensors of ``gm``: the user key it holds -> the user's other keys for the same tensor."""
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     return info.aliases if info is not None else {}
 
 
@@ -145,7 +145,7 @@ def full_state_dict(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]
 def load_full_state_dict(gm: torch.fx.GraphModule, state: dict[str, torch.Tensor]) -> None:
     """Copy a full state_dict (user keys; every rank passes it) into this rank's tensors."""
     layout = param_layout(gm)
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
 
     aliases = tied_aliases(gm)
     state = dict(state)
@@ -240,7 +240,7 @@ def load_sharded_state_dict(gm: torch.fx.GraphModule, state: dict[str, Any], *, 
 def _optim_targets(gm: torch.fx.GraphModule, optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[str, torch.Size]], int, int]]:
     """(optimizer param, [(key, shape)], padded, shard offset) for each tensor the optimizer steps."""
     layout = param_layout(gm)
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     out = []
     if info is not None and info.kind in ("zero1", "zero2", "fsdp"):
         for b in info.buckets:
@@ -272,7 +272,7 @@ def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceM
     rank's plain tensors: they differ between dp ranks."""
     out: dict[str, Any] = {}
     layout = param_layout(gm)
-    axis = gm.meta[META_DP].axis if META_DP in gm.meta else "dp"
+    axis = info.axis if (info := find_dp_info(gm)) is not None else "dp"
     for p, members, padded, _ in _optim_targets(gm, optimizer):
         st = optimizer.state.get(p, {})
         for name, value in st.items():
@@ -300,7 +300,7 @@ def optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, mesh: DeviceM
 def load_optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, full: dict[str, Any]) -> None:
     """Inverse of :func:`optimizer_state_dict`: ``full`` maps ``optim.<key>.<name>`` to full
     (dp-unsharded, this rank's tensor-parallel slice) tensors; this rank takes its shards. Local."""
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     n, i = (info.dp_size, info.dp_index) if info is not None else (1, 0)
     full = dict(full)
     for key, others in tied_aliases(gm).items():  # saved under another name of a tied tensor
@@ -377,7 +377,7 @@ def local_grads(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     Read it after backward: ddp/zero1 replicas and kept-whole tensors hold the averaged gradient
     in ``.grad``; zero buckets hold it in their fp32 master shard, FSDP units in their flat shard."""
     layout = param_layout(gm)
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     out: dict[str, torch.Tensor] = {}
     for attr, key in layout.keys.items():
         try:

@@ -25,8 +25,8 @@ import torch
 import torch.fx
 
 from fairscale.runtime.state import _gather_flat, _optim_targets, gather_tensor_shard, param_layout, tied_aliases
-from passes.dp.graph import resolve
-from passes.dp.shard_data_parallel import META_DP, DataParallelInfo
+from planner.modpath import fetch_attr as resolve  # the one dotted-path reader
+from passes.dp.info import find_dp_info
 
 __all__ = ["iter_full_state", "iter_optimizer_state"]
 
@@ -45,7 +45,7 @@ def iter_full_state(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]
     """(user names, full tensor) for every tensor ``gm`` holds, gathered one at a time. Collective
     over the graph's dp and tp groups: every rank of them must run it to the end."""
     layout = param_layout(gm)
-    info: DataParallelInfo | None = gm.meta.get(META_DP)
+    info = find_dp_info(gm)
     groups = [list(g) for g in aliases]
     zero = [b for b in (info.buckets if info is not None and info.kind in ("zero1", "zero2") else [])
             if b.shard is not None]
@@ -86,7 +86,7 @@ def iter_optimizer_state(gm: torch.fx.GraphModule, optimizer: Any) -> Iterator[t
                 for key, _ in members:
                     yield f"optim.{key}.{name}", value
                 continue
-            axis = gm.meta[META_DP].axis if META_DP in gm.meta else "dp"
+            axis = info.axis if (info := find_dp_info(gm)) is not None else "dp"
             full = _gather_flat(value, padded, axis) if padded > 0 else value.reshape(-1)
             start = 0
             for key, shape in members:

@@ -43,16 +43,17 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes.dp.graph import rebuild, resolve
+from passes.dp.graph import rebuild
 from passes.graph_utils import clone_graph_module
 from passes.layout import ParamLayout, layout_of
 from passes.ops import bn_ops
 from planner.batch_stats import (BatchStatCall, BatchStatOp, batch_stat_call, find_batch_stat_ops,
                                  microbatch_problem, unsupported_problem)
 from planner.graph import META_MODULE, META_PARAM
+from planner.modpath import fetch_attr
 from planner.plan import BATCH_NORM_MODES, Plan, PlanError
 
-__all__ = ["batch_norm_pass", "BatchNormInfo", "META_BATCH_NORM"]
+__all__ = ["batch_norm_pass", "BatchNormInfo", "META_BATCH_NORM", "batch_norm_info"]
 
 META_BATCH_NORM = "fs_batch_norm"
 """gm.meta key holding :class:`BatchNormInfo`."""
@@ -114,8 +115,14 @@ def batch_norm_pass(gm: torch.fx.GraphModule, plan: Plan, *, axis: str = "dp") -
     return result
 
 
+def batch_norm_info(gm: torch.nn.Module) -> BatchNormInfo | None:
+    """The :class:`BatchNormInfo` :func:`batch_norm_pass` left on ``gm``; None when it did not run."""
+    meta = getattr(gm, "meta", None)
+    return meta.get(META_BATCH_NORM) if isinstance(meta, dict) else None
+
+
 def _tensor(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
-    value = resolve(gm, target)
+    value = fetch_attr(gm, target)
     assert isinstance(value, torch.Tensor), f"{target} is not a tensor"
     return value
 
@@ -138,8 +145,8 @@ def _updated_buffers(gm: torch.fx.GraphModule) -> set[str]:
         else:
             continue
         out.update(str(a.target) for a in written if isinstance(a, torch.fx.Node) and a.op == "get_attr"
-                   and isinstance(resolve(gm, str(a.target)), torch.Tensor)
-                   and not isinstance(resolve(gm, str(a.target)), nn.Parameter))
+                   and isinstance(fetch_attr(gm, str(a.target)), torch.Tensor)
+                   and not isinstance(fetch_attr(gm, str(a.target)), nn.Parameter))
     return out
 
 

@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import TYPE_CHECKING, Collection
+from typing import Collection
 
 import torch
 import torch.fx
 from torch import nn
 
-from passes.ops import dp_ops
-from passes.dp.graph import (ParamUse, Placement, cast_io, common_dtype, drop_aliases, find_params, fresh_layout,
-                             fill_shard, is_alias_op, positions, real_copy, rebuild, replace_param_uses)
-from passes.ops.dp_ops import FSDPUnit
+from passes.dp.buckets import insert_buckets, split_experts, split_replicated
+from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, fill_shard,
+                             is_alias_op, positions, real_copy, rebuild, replace_param_uses)
+from passes.dp.info import META_DP, DataParallelInfo, ExpertGroup, Placement
 from passes.layout import FlatShard
+from passes.ops import dp_ops
+from passes.ops.dp_ops import FSDPUnit
 from planner.plan import DataParallel
-
-if TYPE_CHECKING:
-    from passes.dp.shard_data_parallel import ExpertGroup
 
 __all__ = ["rewrite_fsdp", "assign_units"]
 
@@ -73,8 +72,6 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  place: Placement, replicate: Collection[str] = (),
                  experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
-    from passes.dp.shard_data_parallel import META_DP, DataParallelInfo, insert_buckets, split_experts, split_replicated
-
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
     params = find_params(gm, graph, layout)

@@ -13,7 +13,10 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
+from passes.dp.info import Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
+from planner.graph import META_PARAM
+from planner.modpath import fetch_attr, install_attr
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,13 +53,6 @@ def common_dtype(tensors: list[torch.Tensor], what: str) -> torch.dtype:
     return tensors[0].dtype
 
 
-def resolve(gm: torch.nn.Module, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
@@ -69,11 +65,11 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
     for node in graph.nodes:
         if node.op != "get_attr":
             continue
-        obj = resolve(gm, str(node.target))
+        obj = fetch_attr(gm, str(node.target))
         if not isinstance(obj, nn.Parameter):
             continue
         use = by_id.get(id(obj))
-        key = layout.keys.get(str(node.target), node.meta.get("fs_param", str(node.target)))
+        key = layout.keys.get(str(node.target), node.meta.get(META_PARAM, str(node.target)))
         if use is None:
             use = by_id[id(obj)] = ParamUse(attr=str(node.target), key=key, tensor=obj)
         elif str(node.target) != use.attr:
@@ -88,26 +84,6 @@ def find_params(gm: torch.fx.GraphModule, graph: torch.fx.Graph, layout: ParamLa
         out.append(use)
     out.sort(key=lambda u: u.first_use)
     return out
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a data-parallel rank graph's tensors live.
-
-    ``compute``: parameters as the graph reads them, gathered FSDP buffers, gradients in flight,
-    buffers and the tensors graph nodes create. ``store``: the tensors the optimizer steps (master
-    shards) and so its state; the host when ``data_parallel.offload`` is set, else ``compute``.
-    ``pin``: the store is page-locked host memory, so copies to and from a CUDA ``compute`` run
-    asynchronously (only meaningful, and only possible, with a CUDA device).
-    """
-
-    compute: torch.device
-    store: torch.device
-    pin: bool = False
-
-    def store_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D tensor on the store (pinned when the store is pinned)."""
-        return torch.zeros(numel, dtype=dtype, device=self.store, pin_memory=self.pin)
 
 
 def placement(device: torch.device | str | None, *, offload: bool, tensors: list[torch.Tensor]) -> Placement:
@@ -151,7 +127,7 @@ def place_graph(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for name, buf in list(gm.named_buffers()):
         if buf.device != device and not buf.is_meta:
             *prefix, attr = name.split(".")
-            owner = resolve(gm, ".".join(prefix)) if prefix else gm
+            owner = fetch_attr(gm, ".".join(prefix)) if prefix else gm
             assert isinstance(owner, nn.Module)
             owner.register_buffer(attr, buf.to(device), persistent=attr not in owner._non_persistent_buffers_set)
 
@@ -194,23 +170,6 @@ def replace_param_uses(graph: torch.fx.Graph, use: ParamUse, value: torch.fx.Nod
         node.replace_all_uses_with(value, delete_user_cb=lambda u: u not in keep)
 
 
-def set_attr(root: nn.Module, target: str, value: object) -> None:
-    *prefix, name = target.split(".")
-    mod = root
-    for part in prefix:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if isinstance(value, nn.Module):
-        mod.add_module(name, value)
-    elif isinstance(value, nn.Parameter):
-        mod.register_parameter(name, value)
-    elif isinstance(value, torch.Tensor):
-        mod.register_buffer(name, value)
-    else:
-        setattr(mod, name, value)
-
-
 def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str, object],
             layout: ParamLayout) -> torch.fx.GraphModule:
     """A new GraphModule running ``graph`` whose get_attr targets come from ``objects`` first and
@@ -224,9 +183,9 @@ def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str,
             target = str(node.target)
             owned = any(target.startswith(k + ".") for k in objects if isinstance(objects[k], nn.Module))
             if target not in objects and not owned:
-                objects[target] = resolve(src, target)
+                objects[target] = fetch_attr(src, target)
     for target, obj in objects.items():
-        set_attr(root, target, obj)
+        install_attr(root, target, obj)
     out = torch.fx.GraphModule(root, graph, class_name=type(src).__name__)
     out.graph.lint()
     out.meta = copy.copy(src.meta)

@@ -33,7 +33,7 @@ ranks) and scales it by 1/ep, which together give the dp mean every other weight
 node.meta read: ``fs_module``, ``fs_param``, ``val``. Written on the returned graph: ``val`` of the
 sliced weights (local shapes) and of the dispatch outputs (the rows keep the local row count: after
 dispatch it is data-dependent, and equal to it when routing is balanced), ``fs_ep`` on the inserted
-calls (the layer's module path), with ``fs_module``/``fs_layer`` of the experts they serve. gm.meta: ``fs_layout`` (expert shards), ``fs_ep`` (a summary).
+calls (the layer's module path), with ``fs_module``/``fs_layer`` of the experts they serve. gm.meta: ``fs_layout`` (expert shards), ``fs_ep_summary`` (a summary).
 """
 
 from __future__ import annotations
@@ -48,13 +48,16 @@ from torch.fx import Node
 from passes.ops import ep_ops
 from passes.graph_utils import clone_graph_module, local_fake
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard, layout_of
-from planner.graph import GROUPED_MM, META_LAYER, META_MODULE
+from planner.graph import GROUPED_MM, META_LAYER, META_MODULE, META_PARAM
 from planner.plan import Plan
 
 __all__ = ["shard_experts_pass", "find_expert_layers", "ExpertLayer", "ExpertParallelError", "GROUPED_MM",
-           "META_EP"]
+           "META_EP", "META_EP_SUMMARY"]
 
 META_EP = "fs_ep"
+"""str on the inserted dispatch and combine calls: the module path of the expert layer they serve."""
+META_EP_SUMMARY = "fs_ep_summary"
+"""gm.meta key: ``{"ep_size", "ep_index", "axis", "layers", "sliced"}`` of the rewritten graph."""
 
 aten = torch.ops.aten
 # ops allowed in an expert body: each output row is a function of the same rows of its inputs
@@ -130,7 +133,7 @@ def find_expert_layers(gm: torch.fx.GraphModule) -> list[ExpertLayer]:
 
 
 def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict[Node, int]) -> ExpertLayer:
-    module = str(mms[0].meta.get("fs_module", ""))
+    module = str(mms[0].meta.get(META_MODULE, ""))
     val = offsets.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 1:
         raise ExpertParallelError(f"{_fmt(offsets)}: grouped-matmul offsets need a 1-D 'val' (run planner.capture)")
@@ -261,7 +264,7 @@ def shard_experts_pass(gm: torch.fx.GraphModule, plan: Plan | None = None, *, ep
     graph.lint()
     out.recompile()
     out.meta[META_LAYOUT] = layout
-    out.meta[META_EP] = {"ep_size": ep_size, "ep_index": ep_index, "axis": axis,
+    out.meta[META_EP_SUMMARY] = {"ep_size": ep_size, "ep_index": ep_index, "axis": axis,
                          "layers": [layer.module for layer in layers], "sliced": sliced}
     return out
 
@@ -271,7 +274,7 @@ def _slice_weights(gm: torch.fx.GraphModule, layer: ExpertLayer, layout: ParamLa
     for w in layer.weights:
         target = str(w.target)
         full = gm.get_parameter(target)
-        key = layout.keys.get(target) or w.meta.get("fs_param") or target
+        key = layout.keys.get(target) or w.meta.get(META_PARAM) or target
         if key in layout.tp:
             raise ExpertParallelError(f"expert weight {key} is already split by tensor parallelism "
                                       f"({layout.tp[key]}); use the 'replicate' style for experts when mesh.ep > 1")

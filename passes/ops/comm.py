@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from planner.collectives import wire_bytes
+
 # torch.distributed.nn.functional evaluates ``group=group.WORLD`` as default arguments when it is
 # first imported, and torch imports it lazily (the first torch optimizer imports torch._dynamo,
 # which imports torch.distributed.fsdp -> _shard -> nn.functional), usually after
@@ -134,20 +136,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def ring_bytes(kind: str, nbytes: int, n: int) -> float:
-    """Per-rank wire bytes of one collective on ``n`` ranks over a tensor of ``nbytes``.
-
-    ``nbytes`` is the full (unsharded) tensor for all-gather and reduce-scatter. Source: the ring
-    algorithms in Thakur et al. 2005, "Optimization of Collective Communication Operations in MPICH".
-    """
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * nbytes
-    if kind in ("send", "recv", "broadcast"):
-        return float(nbytes)
-    raise ValueError(f"unknown collective kind {kind!r}")
+    """Per-rank wire bytes of one collective on ``n`` ranks over a tensor of ``nbytes``
+    (``nbytes`` is the full, unsharded tensor for all-gather and reduce-scatter): the ring
+    algorithms' volume, from the table the cost model reads too (``planner.collectives``)."""
+    return wire_bytes(kind, nbytes, n)
 
 
 # ------------------------------------------------------------------------------------------------

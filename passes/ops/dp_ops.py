@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from passes.ops import comm
+from passes.ops.gauge import UNSHARD, nbytes
 from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, enqueue, finish_where, flat_grads,
                                   no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
 
@@ -150,10 +151,14 @@ class _Bucket(torch.autograd.Function):
         flat = flat_grads(grads, b.shapes, b.padded, b.reduce_dtype, ctx.device)
         nones = (None,) * len(grads)
         if not sync_enabled():
+            if b.acc is None and b.kind == "zero2":  # a full gradient a sharded kind would not hold
+                UNSHARD.add(nbytes(flat))
             b.acc = flat if b.acc is None else b.acc.add_(flat)
             return (None, None) + nones
         if b.acc is not None:
             flat.add_(b.acc)
+            if b.kind == "zero2":
+                UNSHARD.sub(nbytes(b.acc))
             b.acc = None
         red = _Reduction(b, flat, ctx.dtypes)
         targets = async_targets(ctx) if comm.group_size(b.axis) > 1 else None
@@ -226,11 +231,13 @@ class FSDPUnit(nn.Module):
     def _alloc(self) -> None:
         if not self.is_gathered:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            UNSHARD.add(self.padded * self.full.element_size())
 
     def free(self) -> None:
         if self.pending is not None:
             self.pending[0].wait()
             self.pending = None
+        UNSHARD.sub(self.full.untyped_storage().nbytes())
         self.full.untyped_storage().resize_(0)
         self.gathered_version = None
 
@@ -271,6 +278,7 @@ class _UnitReduction:
     def __init__(self, unit: FSDPUnit, flat: torch.Tensor) -> None:
         self.unit = unit
         self.flat: torch.Tensor | None = flat
+        UNSHARD.add(nbytes(flat))
         self.out = torch.empty(unit.padded // unit.n, dtype=unit.reduce_dtype, device=unit.compute_device)
         self.work: Any = None
         self.targets: tuple[torch.Tensor | None, ...] = ()
@@ -284,6 +292,7 @@ class _UnitReduction:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        UNSHARD.sub(nbytes(self.flat))
         self.flat = None  # the full-size gradient is free once the collective has read it
         u = self.unit
         return (to_store(self.out.div_(u.n), u.flat),)
@@ -316,10 +325,13 @@ class _Unshard(torch.autograd.Function):
         flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
         u.free()  # every backward op that read the gathered parameters has run
         if not sync_enabled():
+            if u.acc is None:
+                UNSHARD.add(nbytes(flat))
             u.acc = flat if u.acc is None else u.acc.add_(flat)
             return None, None
         if u.acc is not None:
             flat.add_(u.acc)
+            UNSHARD.sub(nbytes(u.acc))
             u.acc = None
         red = _UnitReduction(u, flat)
         targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None

@@ -22,6 +22,7 @@ from torch.fx import Node
 
 from passes.ops import comm, tp_ops
 from passes.tp.rewrite import META_TP, META_TP_COMM, args_of
+from planner.graph import META_LAYER, META_MODULE
 from passes.tp.rules import VIEWS
 
 __all__ = ["fuse_gather_copy", "hoist_copy_over_scatter"]
@@ -152,7 +153,7 @@ def _rewrite(graph: torch.fx.Graph, v: Node, scatters: list[Node], region: list[
              params: list[Node]) -> None:
     with graph.inserting_after(v):
         c = graph.call_function(comm.copy_to_group, (v, scatters[0].args[1]))
-    c.meta.update({k: v.meta[k] for k in ("val", "fs_module", "fs_layer") if k in v.meta})
+    c.meta.update({k: v.meta[k] for k in ("val", META_MODULE, META_LAYER) if k in v.meta})
     c.meta[META_TP] = "R"
     c.meta[META_TP_COMM] = "replicated input of a replicated region and of a sequence shard (hoisted copy)"
     inside = set(region) | set(copies) | set(scatters)
@@ -168,7 +169,7 @@ def _rewrite(graph: torch.fx.Graph, v: Node, scatters: list[Node], region: list[
         users = sorted((u for u in w.users if u in inside), key=order.__getitem__)
         with graph.inserting_before(users[0]):
             cw = graph.call_function(comm.copy_to_group, (w, scatters[0].args[1]))
-        cw.meta.update({k: users[0].meta[k] for k in ("fs_module", "fs_layer") if k in users[0].meta})
+        cw.meta.update({k: users[0].meta[k] for k in (META_MODULE, META_LAYER) if k in users[0].meta})
         if "val" in w.meta:
             cw.meta["val"] = w.meta["val"]
         cw.meta[META_TP] = "R"

@@ -30,9 +30,12 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from passes.split_stages import META_STAGE, META_STAGES
+from planner.graph import META_LAYER, META_MODULE, META_PARAM
+
 __all__ = ["needs_normalizing", "to_aten"]
 
-_KEEP_META = ("fs_module", "fs_layer", "nn_module_stack", "stack_trace", "fs_stage", "fs_stages")
+_KEEP_META = (META_MODULE, META_LAYER, "nn_module_stack", "stack_trace", META_STAGE, META_STAGES)
 _SHAPE_MATH = {getattr, operator.getitem, operator.floordiv, operator.mul, operator.add, operator.sub,
                operator.truediv, operator.mod, operator.neg, len}
 
@@ -52,7 +55,7 @@ def _transposed_param(node: Any) -> Node | None:
     if not (isinstance(node, Node) and node.op == "call_function" and node.target in _TRANSPOSES):
         return None
     w = node.args[0]
-    if not (isinstance(w, Node) and w.op == "get_attr" and "fs_param" in w.meta):
+    if not (isinstance(w, Node) and w.op == "get_attr" and META_PARAM in w.meta):
         return None
     v = w.meta.get("val")
     if not isinstance(v, torch.Tensor) or v.dim() != 2:

@@ -44,6 +44,7 @@ from passes.tp.functionalize import functionalize_inplace
 from passes.tp.normalize import to_aten
 from passes.tp.rewrite import TPShardError, args_of, source_of
 from passes.tp.rules import ELEMENTWISE, VIEWS
+from planner.graph import META_MODULE, META_PARAM
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
 from planner.tp_styles import TPRules
@@ -102,7 +103,7 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
         styles = _detect(gm, out)
         if verify and tp > 1:
             _verify(gm, styles, tp, sequence_parallel, out)
-        paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
+        paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
         out.modules = dict(styles)
         out.rules = TPRules(_group(styles, paths), reason=out.reason())
     except Exception as exc:  # noqa: BLE001 - the detector must never take the search down
@@ -129,12 +130,12 @@ def _prepared(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _detect(gm: torch.fx.GraphModule, out: TPProposal) -> dict[str, str]:
     """Module path -> proposed style (before checking it with the pass)."""
-    params = {n for n in gm.graph.nodes if n.op == "get_attr" and "fs_param" in n.meta}
+    params = {n for n in gm.graph.nodes if n.op == "get_attr" and META_PARAM in n.meta}
     act = _activation_dependent(gm, params)
     styles: dict[str, str] = {}
 
     def claim(node: Node, style: str) -> None:
-        path = node.meta.get("fs_module", "")
+        path = node.meta.get(META_MODULE, "")
         if path and styles.setdefault(path, style) != style:
             out.notes.append(f"{path}: wanted both {styles[path]} and {style}; kept {styles[path]}")
 
@@ -150,7 +151,7 @@ def _detect(gm: torch.fx.GraphModule, out: TPProposal) -> dict[str, str]:
             role[b] = "rowwise"
             claim(b, "rowwise")
     for n in matmuls:  # output heads: the last matmuls before the loss
-        path = n.meta.get("fs_module", "")
+        path = n.meta.get(META_MODULE, "")
         if path in styles or not _is_head(n, params):
             continue
         blocker = _loss_blocker(n)
@@ -327,7 +328,7 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
     """Drop rules the pass rejects at this tp (one block family at a time), noting why."""
     from passes.tp.shard_tensor_parallel import check_tensor_parallel
 
-    paths = {n.meta.get("fs_module", "") for n in gm.graph.nodes if n.op == "call_function"}
+    paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
     for _ in range(len(styles) + 1):
         if not styles:
             return
@@ -337,7 +338,7 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
             return
         except Exception as exc:  # noqa: BLE001 - whatever the pass refuses, the rules responsible are dropped
             node = getattr(exc, "node", None)
-            culprit = node.meta.get("fs_module", "") if isinstance(node, Node) else ""
+            culprit = node.meta.get(META_MODULE, "") if isinstance(node, Node) else ""
             text = str(exc) if isinstance(exc, TPShardError) else f"{type(exc).__name__}: {exc}"
             where = source_of(node) if isinstance(node, Node) else ""
             if where and where.strip() not in text:

@@ -28,16 +28,23 @@ from torch.fx import Node
 from passes.ops import comm
 from passes.graph_utils import local_fake
 from passes.tp.placement import Placement, R, S, local_shape
+from planner.graph import META_LAYER, META_MODULE, META_PARAM
+from planner.modpath import fetch_attr
 
-__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "args_of", "fmt", "source_of"]
+__all__ = ["Rewriter", "TPShardError", "META_TP", "META_TP_COMM", "META_TP_GLOBAL_SHAPE", "META_TP_FALLBACK", "args_of",
+           "fmt", "source_of"]
 
 META_TP = "fs_tp"
 """str on every rewritten node: the placement of its rank-local value (``R``, ``S(2)``, ``P``)."""
 META_TP_COMM = "fs_tp_comm"
 """str on inserted collective nodes: why it was inserted (``"P->R for add_6"``)."""
+META_TP_GLOBAL_SHAPE = "fs_tp_global_shape"
+"""tuple on rewritten nodes whose rank-local value is a slice: the shape of the whole value."""
+META_TP_FALLBACK = "fs_tp_fallback"
+"""True on ops run replicated for lack of a rule (``passes.tp.rules.fallback``)."""
 
 _CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
-_COPY_META = ("fs_module", "fs_layer", "nn_module_stack", "stack_trace", "fs_param")
+_COPY_META = (META_MODULE, META_LAYER, "nn_module_stack", "stack_trace", META_PARAM)
 
 
 class TPShardError(ValueError):
@@ -146,7 +153,7 @@ class Rewriter:
     def compute_grad(self, node: Node) -> bool:
         """Whether ``node``'s value can carry a gradient (decides where copy_to_group is needed)."""
         if node.op == "get_attr":
-            attr = _fetch(self.gm, str(node.target))
+            attr = fetch_attr(self.gm, str(node.target))
             return isinstance(attr, torch.Tensor) and attr.requires_grad
         if node.op == "placeholder":
             v = self.val(node)  # stage inputs may be activations: any float input may carry a gradient
@@ -167,7 +174,7 @@ class Rewriter:
         new = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
         if like is not None:
             for key in _COPY_META:
-                if key in like.meta and key != "fs_param":
+                if key in like.meta and key != META_PARAM:
                     new.meta[key] = like.meta[key]
         new.meta[META_TP] = str(place) if isinstance(place, Placement) else [str(p) for p in place or []]
         if comm_why:
@@ -179,7 +186,7 @@ class Rewriter:
         v = self.val(old)
         if isinstance(v, torch.Tensor) and isinstance(place, Placement):
             new.meta["val"] = local_fake(v, local_shape(v.shape, place, self.tp))
-            new.meta["fs_tp_global_shape"] = tuple(int(s) for s in v.shape)
+            new.meta[META_TP_GLOBAL_SHAPE] = tuple(int(s) for s in v.shape)
         elif isinstance(v, (tuple, list)) and isinstance(place, list):
             new.meta["val"] = type(v)(
                 local_fake(x, local_shape(x.shape, pl, self.tp)) if isinstance(x, torch.Tensor) and pl else x
@@ -344,10 +351,3 @@ def _any_not_r(place: Any) -> bool:
     if isinstance(place, (list, tuple)):
         return any(_any_not_r(p) for p in place)
     return False
-
-
-def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

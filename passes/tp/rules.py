@@ -18,7 +18,7 @@ from torch.fx import Node
 from passes.ops import tp_ops
 from passes.tp.placement import PD, P, Placement, R, S
 from passes.tp.functionalize import is_inplace
-from passes.tp.rewrite import Rewriter, TPShardError, args_of, fmt
+from passes.tp.rewrite import META_TP_FALLBACK, Rewriter, TPShardError, args_of, fmt
 
 aten = torch.ops.aten
 Rule = Callable[[Rewriter, Node], tuple[Node, Any]]
@@ -101,7 +101,7 @@ def fallback(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if is_inplace(node.target):
         _check_inplace(rw, node, _gather_all(rw, node))
     new = rw.finish(node, _gather_all(rw, node), out)
-    new.meta["fs_tp_fallback"] = True
+    new.meta[META_TP_FALLBACK] = True
     return new, out
 
 

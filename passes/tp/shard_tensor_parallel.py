@@ -62,8 +62,8 @@ node.meta keys written (on the returned graph): ``fs_tp`` (placement of every va
 ``S(d)``, ``P``), ``fs_tp_comm`` (on inserted collectives: why), ``fs_tp_style`` (the style that
 applied to a node), ``fs_tp_fallback`` (ops run replicated for lack of a rule), ``val`` (rank-local
 fake tensor) and ``fs_tp_global_shape``. gm.meta read: ``fs_stage_io``. gm.meta written: ``fs_layout`` (a
-:class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp``
-(a summary: sizes, sharded keys, inserted collectives by kind, and ``received`` / ``sent``: the
+:class:`~passes.layout.ParamLayout` with a ``TensorShard`` per sliced parameter) and ``fs_tp_summary``
+(:mod:`passes.tp.summary`: sizes, sharded keys, inserted collectives by kind, and ``received`` / ``sent``: the
 placement and rank-local shape of each received placeholder and each sent output, which the
 pipeline runtime uses for its p2p buffers).
 """
@@ -79,17 +79,19 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from passes.ops import comm
+from passes.ops.calls import calls_of
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard
 from passes.tp.functionalize import functionalize_inplace
 from passes.tp.normalize import to_aten
 from passes.tp.fuse import fuse_gather_copy, hoist_copy_over_scatter
-from passes.split_stages import META_IO, StageIO
+from passes.split_stages import stage_io
 from passes.tp.placement import Placement, R, S, local_shape
+from passes.tp.summary import META_TP_SUMMARY
 from passes.tp.rewrite import META_TP, Rewriter, TPShardError, args_of, fmt, source_of
 from passes.tp.model_rules import rule_for
 from passes.tp.rules import NOT_OUTPUT, VIEWS
 from passes.tp.rules_matmul import WEIGHT_OPS
+from planner.graph import META_MODULE, META_PARAM
 from planner.plan import Plan
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES, TP_STYLES, split_dim
@@ -98,13 +100,8 @@ __all__ = ["shard_tensor_parallel_pass", "check_tensor_parallel", "TPShardError"
 
 aten = torch.ops.aten
 META_STYLE = "fs_tp_style"
-META_SUMMARY = "fs_tp"
 
-COLLECTIVES = {
-    comm.copy_to_group: "copy_to_group", comm.reduce_from_group: "reduce_from_group",
-    comm.gather_from_group: "gather_from_group", comm.scatter_to_group: "scatter_to_group",
-    comm.gather_seq: "gather_seq", comm.reduce_scatter_seq: "reduce_scatter_seq",
-}
+COLLECTIVES = calls_of("tp", collective=True)
 """Autograd-paired collective functions the pass inserts, by name."""
 
 _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default, aten._to_copy.default}
@@ -112,11 +109,7 @@ _PASSTHROUGH = VIEWS | {aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
 
 def collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many of each tp collective (and vocab-parallel loss) a rank graph calls."""
-    from passes.ops import tp_ops
-
-    named: dict[Any, str] = {**COLLECTIVES, tp_ops.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
-             tp_ops.vocab_parallel_embedding: "vocab_parallel_embedding",
-             tp_ops.expert_grouped_mm: "expert_grouped_mm", tp_ops.local_chunk: "local_chunk"}
+    named = calls_of("tp")
     counts: Counter[str] = Counter()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in named:
@@ -132,7 +125,7 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
     hoist_copy_over_scatter(rw.graph, gm)
     rw.graph.lint()
     out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
-    out.meta[META_SUMMARY].update(boundary)
+    out.meta[META_TP_SUMMARY].update(boundary)
     return out
 
 
@@ -163,9 +156,9 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int, tp_size: in
     rw = Rewriter(gm, tp=tp_size, index=tp_index, axis=axis, sequence_parallel=sp, seq_dim=seq_dim,
                   params=params, styles=styles)
     rw.graph._codegen = copy.deepcopy(gm.graph._codegen)
-    io = gm.meta.get(META_IO)
-    received = set(io.received) if isinstance(io, StageIO) else set()
-    sends = isinstance(io, StageIO) and io.sends
+    io = stage_io(gm)
+    received = set(io.received) if io is not None else set()
+    sends = io is not None and io.sends
     boundary: dict[str, list[tuple[str, tuple[int, ...]]]] = {"received": [], "sent": []}
     for node in gm.graph.nodes:
         rw.cur = node
@@ -241,7 +234,7 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
     canonical: dict[str, str] = {}
     aliases: dict[int, list[str]] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and "fs_param" in node.meta:
+        if node.op == "get_attr" and META_PARAM in node.meta:
             group = aliases.setdefault(id(_attr(gm, str(node.target))), [])
             if str(node.target) not in group:
                 group.append(str(node.target))
@@ -251,7 +244,7 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        path = node.meta.get("fs_module", "")
+        path = node.meta.get(META_MODULE, "")
         hit = next(((text, style) for text, sel, style in rules if path and sel.matches(path)), None)
         if hit is None:
             continue
@@ -269,7 +262,7 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
     for text, node in matched_without_param.items():
         if text not in used_rules and styles[node] != "replicate":
             raise _at(node, TPShardError(
-                f"tensor_parallel rule {text!r} ({styles[node]}) matches module {node.meta.get('fs_module')!r}, "
+                f"tensor_parallel rule {text!r} ({styles[node]}) matches module {node.meta.get(META_MODULE)!r}, "
                 f"which has no linear/embedding/expert parameter to shard (first node: {fmt(node)}); name the "
                 "projection modules instead"))
     params: dict[str, Placement] = {}
@@ -280,15 +273,15 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
                 u for u in node.users if u.op == "call_function" and u.target not in NOT_OUTPUT)
     for target, uses in claims.items():
         first = uses[0]
-        claimed = {node.meta.get("fs_module") for _, node, _ in uses}
+        claimed = {node.meta.get(META_MODULE) for _, node, _ in uses}
         if first[0].is_s:
             # a tied weight is one tensor: every reader must agree on its layout, or the copies held
             # by different pipeline stages would be different pieces (their gradient sum would break)
-            stray = next((u for u in readers.get(target, []) if u.meta.get("fs_module") not in claimed), None)
+            stray = next((u for u in readers.get(target, []) if u.meta.get(META_MODULE) not in claimed), None)
             if stray is not None:
                 raise _at(first[1], TPShardError(
                     f"parameter {target} is split by rule {first[2]!r} ({first[0]}, module "
-                    f"{first[1].meta.get('fs_module')!r}) but is also read by module {stray.meta.get('fs_module')!r} "
+                    f"{first[1].meta.get(META_MODULE)!r}) but is also read by module {stray.meta.get(META_MODULE)!r} "
                     f"({fmt(stray)}{source_of(stray)}), which no rule splits the same way; a tied weight needs one "
                     "layout: give that module the matching style (an embedding's tied LM head: vocab_loss) or "
                     "replicate both"))
@@ -318,7 +311,7 @@ def _at(node: Node, exc: TPShardError) -> TPShardError:
 def _claims_of(gm: torch.fx.GraphModule, node: Node, style: str, tp: int) -> list[tuple[str, Placement]]:
     """(parameter, placement) claims of one node of a module with ``style``: the weight dim and the
     bias handling come from the style table (``planner.tp_styles``), the module kind from the op."""
-    params = [a for a in node.all_input_nodes if a.op == "get_attr" and "fs_param" in a.meta]
+    params = [a for a in node.all_input_nodes if a.op == "get_attr" and META_PARAM in a.meta]
     if not params:
         return []
     st = STYLES[style]
@@ -393,7 +386,7 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
             continue
         target = str(node.target)
         value = _attr(gm, target)
-        key = node.meta.get("fs_param")
+        key = node.meta.get(META_PARAM)
         if key is not None and old is None:
             layout.keys[target] = key
         place = params.get(target)
@@ -412,6 +405,6 @@ def _build_module(gm: torch.fx.GraphModule, rw: Rewriter, params: dict[str, Plac
     out = torch.fx.GraphModule(root, rw.graph, class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     out.meta[META_LAYOUT] = layout
-    out.meta[META_SUMMARY] = {"tp_size": tp_size, "tp_index": tp_index, "axis": axis, "sequence_parallel": sp,
+    out.meta[META_TP_SUMMARY] = {"tp_size": tp_size, "tp_index": tp_index, "axis": axis, "sequence_parallel": sp,
                               "sharded": sharded, "collectives": collective_counts(out)}
     return out

@@ -17,6 +17,7 @@ from fairscale.testing.models import build
 from passes.ops import comm, tp_ops
 from passes.layout import META_LAYOUT, TensorShard
 from passes.tp.shard_tensor_parallel import TPShardError, collective_counts, shard_tensor_parallel_pass
+from passes.tp.summary import tp_summary
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.graph import ModelGraph
@@ -93,7 +94,7 @@ def test_collective_counts(family: str, sp: bool) -> None:
     gm = shard(family, sp)
     gm.graph.lint()
     assert collective_counts(gm) == EXPECTED[(family, sp)]
-    assert gm.meta["fs_tp"]["collectives"] == EXPECTED[(family, sp)]
+    assert tp_summary(gm)["collectives"] == EXPECTED[(family, sp)]
 
 
 def _consumers(node: torch.fx.Node) -> set[str]:
@@ -192,7 +193,7 @@ def test_meta_records_placements_and_reasons() -> None:
     linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
                   and n.meta.get("fs_module") == "model.layers.0.self_attn.o_proj")
     assert linear.meta["fs_tp"] == "P" and linear.meta["fs_tp_style"] == "rowwise"
-    assert graph_of("llama").gm.meta.get("fs_tp") is None  # the input graph is left alone
+    assert tp_summary(graph_of("llama").gm) is None  # the input graph is left alone
 
 
 def test_colwise_gather_gathers_the_logits() -> None:

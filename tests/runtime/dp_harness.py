@@ -22,7 +22,7 @@ import torch
 
 import fairscale
 from fairscale.runtime import state
-from fairscale.runtime.data_parallel import DataParallelRunner
+from fairscale.data_parallel import DataParallelRunner
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, train_reference
 from passes.ops import comm

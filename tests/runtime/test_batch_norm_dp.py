@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import fairscale
-from fairscale.runtime.data_parallel import DataParallelRunner, local_slice
+from fairscale.data_parallel import DataParallelRunner
+from fairscale.runtime.data_parallel import local_slice
 from fairscale.testing.batch_norm_models import BATCH_NORM_FAMILIES
 from fairscale.testing.models import Case
 from fairscale.testing.reference import Trajectory, train_reference

@@ -11,7 +11,7 @@ import torch
 
 import fairscale
 from fairscale.runtime.checkpoint import CheckpointSaveError, checkpoint_path, load_checkpoint, save_checkpoint
-from fairscale.runtime.data_parallel import DataParallelRunner
+from fairscale.data_parallel import DataParallelRunner
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from planner.capture import capture
 

@@ -11,7 +11,7 @@ from fairscale.runtime.run_cli import run_script
 SCRIPT = textwrap.dedent('''
     import json, sys
     import torch, torch.distributed as dist
-    from fairscale.runtime.data_parallel import DataParallelRunner
+    from fairscale.data_parallel import DataParallelRunner
     from fairscale.testing.models import build
     from planner.capture import capture
     from planner.plan import DataParallel

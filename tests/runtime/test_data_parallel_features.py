@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fairscale
-from fairscale.runtime.data_parallel import DataParallelRunner
+from fairscale.data_parallel import DataParallelRunner
 from fairscale.runtime.optim import DataParallelOptimizer
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.ops import comm

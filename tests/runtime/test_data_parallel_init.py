@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fairscale
-from fairscale.runtime.data_parallel import DataParallelRunner
+from fairscale.data_parallel import DataParallelRunner
 from fairscale.runtime.init import (ReplicaMismatchError, check_replicas, materialize_meta, materialize_sharded,
                                     sync_params)
 from fairscale.testing.models import CNN, GPT, GPTConfig, MLPNet, build

@@ -218,7 +218,7 @@ def test_errors_name_the_problem() -> None:
         shard_experts_pass(dense.gm, ep_index=0, ep_size=2)
     with pytest.raises(ExpertParallelError, match="does not divide the 4 experts"):
         shard_experts_pass(graph.gm, ep_index=0, ep_size=3)
-    from fairscale.runtime.data_parallel import DataParallelRunner
+    from fairscale.data_parallel import DataParallelRunner
 
     with pytest.raises(ValueError, match=r"runs pp=tp=ep=1 plans; this plan has mesh pp=1, tp=1, ep=2: use the full"):
         DataParallelRunner.build(graph, Plan(mesh=Mesh(dp=2, ep=2)))

@@ -36,6 +36,7 @@ from fairscale.testing.reference import Trajectory, compare, compare_grads, make
 from passes.ops import comm
 from passes.layout import META_LAYOUT
 from passes.tp.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
+from passes.tp.summary import tp_summary
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.plan import Mesh, Plan, TensorParallel
@@ -279,7 +280,7 @@ def _pipeline_rank(rank: int, world: int, program: Any, rules: dict[str, str],
         sent.append(comm.COUNTER.snapshot().get("send:pp", {}).get("bytes", 0.0))
         opt.step()
     state = gather_state(stage, tied, group=comm.get_group("tp"))
-    return pp_index, tp_index, losses, state if tp_index == 0 else None, sent, stage.meta["fs_tp"]
+    return pp_index, tp_index, losses, state if tp_index == 0 else None, sent, tp_summary(stage)
 
 
 def test_pipeline_sends_sequence_shards_under_sequence_parallelism() -> None:
@@ -354,11 +355,11 @@ def test_float32_llama() -> None:
 def _engine_rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, Any]]:
     import functools
 
-    from fairscale.runtime.engine import ParallelModule
+    from fairscale.build import build_module
 
     case = make_case("gpt2", 2)
-    pm = ParallelModule(case.model, plan, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                        optimizer=functools.partial(torch.optim.Adam, lr=1e-2))
+    pm = build_module(case.model, plan, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                      optimizer=functools.partial(torch.optim.Adam, lr=1e-2))
     losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(STEPS)]
     return losses, {k: v.detach().numpy() for k, v in pm.state_dict().items()}
 

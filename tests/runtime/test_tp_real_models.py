@@ -136,15 +136,15 @@ def _flat_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
 def _pp_tp_rank(rank: int, world: int, rules: dict[str, str]) -> list[float]:
     import functools
 
-    from fairscale.runtime.engine import ParallelModule
+    from fairscale.build import build_module
     from planner.plan import Schedule, Stage
 
     plan = Plan(mesh=Mesh(pp=2, tp=2), schedule=Schedule(kind="1f1b", microbatches=2),
                 stages=[Stage(layers="inner.transformer.wte, inner.transformer.wpe, inner.transformer.h.0"),
                         Stage(layers="inner.transformer.h.1, inner.transformer.ln_f, inner.lm_head")],
                 tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
-    pm = ParallelModule(_Logits(_model("gpt2").inner), plan, example_inputs=_batch("gpt2", 0), loss_fn=_flat_loss,
-                        optimizer=functools.partial(torch.optim.SGD, lr=LR))
+    pm = build_module(_Logits(_model("gpt2").inner), plan, example_inputs=_batch("gpt2", 0), loss_fn=_flat_loss,
+                      optimizer=functools.partial(torch.optim.SGD, lr=LR))
     return [pm.train_step(_batch("gpt2", s)) for s in range(STEPS)]
 
 

@@ -1,0 +1,137 @@
+"""The face's compile step: capture → ``passes.compile_rank`` → a :class:`RankProgram` for the runtime.
+
+``fairscale.parallelize`` plans (or checks a given plan) and then calls :func:`compile_program`,
+which on this rank
+
+1. chooses the device (``fairscale.runtime.device``: ``cuda:LOCAL_RANK`` under NCCL, else CPU) and
+   makes it current before anything touches CUDA;
+2. captures the model at the shape one microbatch has on one rank (global batch / (dp ×
+   microbatches)), because exported graphs are shape-specialized;
+3. checks that every rank holds the same initial weights (one checksum all-reduce);
+4. runs the pass pipeline for this rank's stages (``passes.compile_rank``), which builds the rank's
+   slices and shards directly on the device, one parameter at a time, and keeps no reference to
+   the capture: once this function returns, the capture is garbage and the rank holds one copy of
+   its share of the weights (the user's model is the user's);
+5. renders the plan's report and the planner's memory prediction for this rank into the program.
+
+:func:`build_module` wraps the result in a :class:`fairscale.runtime.engine.ParallelModule`: what
+``parallelize`` returns, without searching, validating or checking the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.report.text import render_report
+from fairscale.runtime.device import resolve_device, use_device
+from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
+from fairscale.runtime.init import check_replicas
+from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.program import MEMORY_PARTS, RankProgram
+from passes import compile_rank
+from planner.capture import capture
+from planner.cluster import Cluster
+from planner.cost import CostOptions
+from planner.graph import ModelGraph
+from planner.plan import Plan, PlanError
+from planner.schedule import build_schedule
+from planner.search import cost_plan
+
+__all__ = ["compile_program", "build_module", "predicted_memory"]
+
+
+def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
+                    loss_fn: Callable[..., torch.Tensor] | None = None, device: str | torch.device | None = None,
+                    predicted: dict[str, float] | None = None) -> RankProgram:
+    """This rank's compiled part of ``plan`` (see the module docstring). Collective (the replica
+    check). ``predicted``: the planner's memory per category for this rank, to carry along."""
+    if not dist.is_initialized():
+        raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
+                           "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
+    rank_device = resolve_device(device)
+    use_device(rank_device)
+    m = plan.mesh
+    world = dist.get_world_size()
+    if m.size != world:
+        raise ValueError(f"mesh pp({m.pp}) × dp({m.dp}) × tp({m.tp}) = {m.size}, but the world has {world} ranks")
+    gb = plan.schedule.global_batch or batch_rows(example_inputs)
+    micro = plan.schedule.microbatches
+    if gb % (m.dp * micro):
+        raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
+                         f"= {m.dp * micro} equal microbatches")
+    rows = gb // (m.dp * micro)
+    graph = capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, annotate=False)
+    if not any(p.is_meta for p in graph.gm.parameters()):
+        check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model
+    schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
+                              virtual_stages=plan.schedule.virtual_stages)
+    coords = RankMesh(m.pp, m.dp, m.tp, dist.get_rank()).coords()
+    stages, modules = compile_rank(graph, plan, stages=schedule.rank_stages(coords[0]), dp_index=coords[1],
+                                   tp_index=coords[2], device=rank_device)
+    return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
+                       device=rank_device, global_batch=gb, microbatch_rows=rows,
+                       tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
+                       model=weakref.ref(model), predicted_memory=dict(predicted or {}))
+
+
+def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
+                 device: str | torch.device | None = None, tf32: bool = True,
+                 predicted: dict[str, float] | None = None) -> ParallelModule:
+    """:func:`compile_program` run by a :class:`ParallelModule`: ``plan`` as given, no search,
+    validation or compile check (``fairscale.parallelize`` does those first)."""
+    program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device,
+                              predicted=predicted)
+    return ParallelModule(program, optimizer=optimizer, tf32=tf32)
+
+
+def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,
+                     ) -> dict[str, float]:
+    """Bytes the cost model predicts this rank holds at its peak, per category (``MEMORY_PARTS``),
+    for the runtime fairscale runs (``CostOptions.for_runtime``) and the optimizer given (Adam's two
+    states, SGD's momentum; an optimizer the model does not know leaves ``optimizer`` out).
+    ``graph`` is the annotated capture the plan was costed on. Empty when ranks are not launched."""
+    if not dist.is_initialized():
+        return {}
+    kind, states = _optimizer_kind(optimizer)
+    options = dataclasses.replace(CostOptions.for_runtime(cluster), optimizer=kind)
+    try:
+        cost = cost_plan(plan, graph, cluster, global_batch=plan.schedule.global_batch or graph.batch_size,
+                         options=options, validate=False)
+    except (PlanError, ValueError) as exc:  # the plan was validated already: a prediction must not stop a run
+        warnings.warn(f"pm.memory_report() will have no prediction: the cost model cannot cost this plan ({exc})",
+                      stacklevel=3)
+        return {}
+    pp_index = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, dist.get_rank()).coords()[0]
+    parts = {k: float(cost.memory_parts[pp_index][k]) for k in MEMORY_PARTS}
+    if states is None:
+        del parts["optimizer"]
+    elif states == 0:
+        parts["optimizer"] = 0.0
+    return parts
+
+
+def _optimizer_kind(spec: OptimizerSpec | None) -> tuple[str, int | None]:
+    """(cost-model optimizer, per-element state tensors: None when the cost model does not know it)."""
+    cls, kwargs = (spec.func, spec.keywords) if isinstance(spec, functools.partial) else (spec, {})
+    if cls is None or (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+        return "adam", 2
+    if isinstance(cls, type) and issubclass(cls, torch.optim.SGD):
+        return "sgd", 1 if kwargs.get("momentum", 0) else 0
+    return "adam", None
+
+
+def batch_rows(batch: Sequence[Any]) -> int:
+    """Rows (dim 0) of the batch's first tensor with a batch dimension."""
+    for t in batch:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError("the example batch has no tensor with a batch dimension")
