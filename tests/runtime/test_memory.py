@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -44,16 +45,25 @@ def _case() -> Any:
     return build("gpt", layers=4, dim=128)
 
 
-def _live_bytes(exclude: set[int]) -> int:
-    """Bytes of every real tensor storage alive in this process, but those in ``exclude``."""
+def _real_tensors() -> list[torch.Tensor]:
+    return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta
+            and (type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter))]  # fake tensors hold no memory
+
+
+def _new_bytes(before: dict[int, weakref.ref], exclude: set[int]) -> int:  # type: ignore[type-arg]
+    """Bytes of the tensor storages alive now that no tensor alive before held (nor ``exclude``).
+    Tensors are told apart by identity (a weak reference to the same object), not by address: the forked rank
+    inherits the test process's tensors, some of which are freed meanwhile and their memory reused."""
+    alive = [t for t in (r() for r in before.values()) if t is not None]
+    old = {t.untyped_storage().data_ptr() for t in alive}
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta or type(obj) is not torch.Tensor and \
-                not isinstance(obj, torch.nn.Parameter):
-            continue  # fake tensors of captured graphs hold no memory
-        storage = obj.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in exclude:
-            seen[storage.data_ptr()] = storage.nbytes()
+    for t in _real_tensors():
+        known = before.get(id(t))
+        if known is not None and known() is t:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and ptr not in exclude and ptr not in old:
+            seen[ptr] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -64,13 +74,13 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
         batch = case.make_batch(0, 8)
         mine = {t.untyped_storage().data_ptr() for t in [*case.model.parameters(), *case.model.buffers(), *batch]}
         gc.collect()
-        before = _live_bytes(mine)  # what the process held already (inherited from the test process)
+        before = {id(t): weakref.ref(t) for t in _real_tensors()}  # what the process held already (inherited from the test process)
         pm = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
         pm.train_step(batch, measure_memory=True)
         report = pm.memory_report()
         gc.collect()
         out[name] = dict(predicted=report.predicted, measured=report.measured, table=report.table(),
-                         live=_live_bytes(mine) - before,
+                         live=_new_bytes(before, mine),
                          model=sum(p.numel() * p.element_size() for p in case.model.parameters()))
         del pm
         gc.collect()
