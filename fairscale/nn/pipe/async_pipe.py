@@ -158,7 +158,7 @@ class _Stage:
             index, received = self.recv("act")
             tensors = [t for t in received if t is not None]
             if final:
-                phony = torch.empty(0, requires_grad=torch.is_grad_enabled())
+                phony = torch.empty(0, device=tensors[0].device if tensors else None, requires_grad=torch.is_grad_enabled())
                 inputs = list(_FromPrevStage.apply(phony, self, index, *tensors))
             else:
                 inputs = [t.requires_grad_(t.is_floating_point() and training) for t in tensors]
