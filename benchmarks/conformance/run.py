@@ -3,13 +3,17 @@
     python benchmarks/conformance/run.py --suite /path/to/fairscale-0.4.13      # both, side by side
     python benchmarks/conformance/run.py --suite ... --only ours -k nn/moe      # a subset, ours only
     python benchmarks/conformance/run.py --suite ... --json /tmp/conf.json      # keep every outcome
+    python benchmarks/conformance/run.py --suite ... --from-json /tmp/orig.json --from-json /tmp/ours.json
+                                                        # the table of two one-side runs' --json files
 
 ``--suite`` is a checkout of facebookresearch/fairscale at v0.4.13 (or its ``tests/`` folder),
 supplied by you: this script downloads nothing. The original runs from its own virtual environment
 (``--original-python``, default ``/tmp/fs013/bin/python``), made once with::
 
     python -m venv --system-site-packages /tmp/fs013
-    /tmp/fs013/bin/pip install --no-deps fairscale==0.4.13     # pure Python; keeps the local torch
+    /tmp/fs013/bin/pip install --no-deps fairscale==0.4.13 parameterized==0.9.0   # keeps the local torch
+
+and ours needs the suite's one test dependency too: ``pip install -c constraints.txt -e '.[conformance]'``.
 
 Ours runs with this repository first on ``PYTHONPATH``. Both run the same copy of the suite, in a
 scratch workspace, under the same CPU conftest (``cpu_conftest.py``: gloo, spawned tests at world
@@ -178,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=1200, help="seconds per test file")
     p.add_argument("--per-test-timeout", type=int, default=300, help="seconds per test")
     p.add_argument("--json", type=Path, help="write every outcome here")
+    p.add_argument("--from-json", type=Path, action="append", default=[],
+                   help="instead of running, read the outcomes a run wrote with --json (repeatable: one per side)")
     args = p.parse_args(argv)
+    if args.from_json:
+        sides, files = {}, []
+        for path in args.from_json:
+            saved = json.loads(path.read_text())
+            sides.update(saved["sides"])
+            files = files or saved["files"]
+        return _report(files, sides, args.json)
 
     work = make_workspace(_suite_tests(args.suite))
     files = test_files(work, args.select)
@@ -191,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workspace {work}; {len(files)} test files", flush=True)
     sides = {side: run_side(py, side, work, files, jobs=args.jobs, timeout=args.timeout,
                             per_test=args.per_test_timeout) for side, py in pythons.items()}
+    shutil.rmtree(work, ignore_errors=True)
+    return _report(files, sides, args.json)
+
+
+def _report(files: list[str], sides: dict[str, dict[str, dict]], json_path: Path | None) -> int:
     print()
     print(table(files, sides))
     if len(sides) == 2:
@@ -198,10 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(diff)} tests pass on the original and not on ours" + (":" if diff else ""))
         for t, o in diff:
             print(f"  {o:<14} {t}")
-    if args.json:
-        args.json.write_text(json.dumps({"files": files, "sides": sides}, indent=1))
-        print(f"\nwrote {args.json}")
-    shutil.rmtree(work, ignore_errors=True)
+    if json_path:
+        json_path.write_text(json.dumps({"files": files, "sides": sides}, indent=1))
+        print(f"\nwrote {json_path}")
     return 0
 
 

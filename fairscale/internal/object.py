@@ -16,7 +16,8 @@ def pyobject_to_tensor(obj: Any, fixed_buffer_size: int = 0) -> torch.Tensor:
     if fixed_buffer_size and len(data) > fixed_buffer_size:
         raise ValueError(f"message too big to send: {len(data)} bytes > fixed_buffer_size={fixed_buffer_size}; "
                          "increase fixed_buffer_size")
-    out = torch.zeros(max(len(data), fixed_buffer_size), dtype=torch.uint8)
+    # lint: cpu -- pickled bytes are built on the host; callers move them to the collective's device
+    out = torch.zeros(max(len(data), fixed_buffer_size), dtype=torch.uint8, device="cpu")
     out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return out
 

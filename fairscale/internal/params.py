@@ -53,7 +53,7 @@ def calc_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, p: float) 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     params = [q for q in params if q.grad is not None]
     if not params:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=torch.get_default_device())  # no gradient anywhere: a host-side zero
     p = float(p)
     if p == math.inf:
         return torch.stack([q.grad.detach().abs().max() for q in params]).max()  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "config_auto_wrap_policy": "fairscale.nn.wrap.auto_wrap",
     "FlattenParamsWrapper": "fairscale.nn.misc.flatten_params_wrapper",
     "Pipe": "fairscale.nn.pipe",
+    "PipeRPCWrapper": "fairscale.nn.pipe",
     "MultiProcessPipe": "fairscale.nn.pipe",
     "MOELayer": "fairscale.nn.moe",
     "Top2Gate": "fairscale.nn.moe",

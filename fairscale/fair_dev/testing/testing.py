@@ -19,6 +19,7 @@ run spawned tests on gloo.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import gc
 import inspect
@@ -175,6 +176,10 @@ def worker_process(rank: int, world_size: int, filename: str, filename_rpc: str,
     initialize_model_parallel(1, world_size, pipeline_backend="gloo")
     try:
         func(*args)
+        # a rank that tears its groups down while another is still connecting a group makes that
+        # one fail ("connection closed by peer"); a bounded barrier first (a failed rank cannot hang it)
+        with contextlib.suppress(Exception):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
         teardown()
     except BaseException as e:
         logging.warning(f"rank {rank}: {e}")

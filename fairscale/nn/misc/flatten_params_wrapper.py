@@ -168,7 +168,7 @@ class FlattenParamsWrapper(nn.Module):
         for g, params, suffix in zip(self._groups, groups, flat_param_names):
             distinct = list({id(p): p for p in params}.values())
             with torch.no_grad():
-                data = torch.cat([p.detach().reshape(-1) for p in distinct]) if distinct else torch.empty(0)
+                data = torch.cat([p.detach().reshape(-1) for p in distinct])  # groups are never empty
             flat = nn.Parameter(data, requires_grad=g.requires_grad)
             for slots in g.slots:
                 for mod, name in slots:

@@ -58,6 +58,7 @@ def _slice_master(master: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
 
 def _master(rows: int, cols: int, init_method: InitMethod, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The dense weight, initialized on the host (identical on every rank seeded alike)."""
+    # lint: cpu -- the host generator, seeded alike on every rank (CUDA seeds differ per model-parallel rank)
     master = torch.empty(rows, cols, dtype=dtype, device="cpu")
     init_method(master)
     return master

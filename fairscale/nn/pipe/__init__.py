@@ -1,5 +1,6 @@
 """FairScale 0.4.13's ``fairscale.nn.pipe``: single-process GPipe (:class:`Pipe`), balance helpers,
-skip connections, and pipelines across processes.
+skip connections, and pipelines across processes: :class:`AsyncPipe` (one stage per rank, as in
+0.4.13) and :class:`PipeRPCWrapper` (rank 0 drives an AsyncPipe through RPC).
 
 ``is_checkpointing()`` / ``is_recomputing()`` tell a layer whether it runs inside a checkpointed
 micro-batch's first forward or its backward-time recomputation (e.g. to skip side effects once).
@@ -12,13 +13,22 @@ from typing import Any
 from fairscale.nn.pipe.checkpoint import is_checkpointing, is_recomputing
 from fairscale.nn.pipe.pipe import BalanceError, Pipe
 
-__all__ = ["Pipe", "MultiProcessPipe", "BalanceError", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "AsyncPipe", "PipeRPCWrapper", "LazyModule", "MultiProcessPipe", "BalanceError",
+           "is_checkpointing", "is_recomputing"]
+
+_LAZY = {  # imported on first use: torch.distributed.rpc, capture and the pipeline runtime
+    "AsyncPipe": "fairscale.nn.pipe.async_pipe",
+    "PipeRPCWrapper": "fairscale.nn.pipe.rpc",
+    "LazyModule": "fairscale.nn.pipe.types",
+    "MultiProcessPipe": "fairscale.nn.pipe.multiprocess",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: MultiProcessPipe pulls in capture and the pipeline runtime
-    if name == "MultiProcessPipe":
-        from fairscale.nn.pipe.multiprocess import MultiProcessPipe
+    if name in _LAZY:
+        import importlib
 
-        return MultiProcessPipe
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'fairscale.nn.pipe' has no attribute {name!r}")
