@@ -388,10 +388,17 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a script on N CPU ranks, as torchrun would", description=(
         "Run SCRIPT on N forked ranks with torch.distributed initialized (gloo on CPU) and RANK, WORLD_SIZE, "
-        "LOCAL_RANK set. Arguments after the script are passed to it."))
+        "LOCAL_RANK set. Arguments after the script are passed to it. A script that trains with "
+        "fairscale.train re-plans and resumes from its last checkpoint after a restart."))
     p.add_argument("--devices", type=int, required=True, metavar="N", help="number of ranks")
     p.add_argument("--timeout", type=float, metavar="S", help="wall-clock limit in seconds (default: none; Ctrl-C "
                    "or SIGTERM stop every rank)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="after a failure, start again on the "
+                   "devices that are left (a rank that died takes its device), at most K times (default 0)")
+    p.add_argument("--checkpoint-every", type=int, metavar="S", help="fairscale.train in the script checkpoints "
+                   "every S steps and resumes from the last checkpoint after a restart")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="where fairscale.train checkpoints and resumes (default "
+                   "with --max-restarts or --checkpoint-every: a temporary directory, removed on success)")
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
     p.set_defaults(run=_cmd_run)
@@ -442,7 +449,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fairscale.runtime.run_cli import run_script
 
-    return run_script(args.script, args.devices, args.script_args, timeout_s=args.timeout)
+    return run_script(args.script, args.devices, args.script_args, timeout_s=args.timeout,
+                      max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -40,10 +40,14 @@ __all__ = ["launch", "RankFailedError", "init_distributed", "under_torchrun"]
 
 
 class RankFailedError(RuntimeError):
-    """One or more ranks failed; ``failures`` maps rank -> traceback text."""
+    """One or more ranks failed; ``failures`` maps rank -> traceback text; ``lost`` holds the ranks
+    whose process died without reporting (a signal such as SIGKILL, or an exit without a result):
+    ``fairscale run --max-restarts`` counts their devices as gone."""
 
-    def __init__(self, failures: dict[int, str], world_size: int) -> None:
+    def __init__(self, failures: dict[int, str], world_size: int, *, lost: frozenset[int] = frozenset()) -> None:
         self.failures = dict(failures)  # in order of arrival: the first is usually the root cause
+        self.world_size = world_size
+        self.lost = frozenset(lost)
         first = next(iter(failures))
         ranks = ", ".join(str(r) for r in failures)
         detail = "\n".join(f"--- rank {r} ---\n{t.rstrip()}" for r, t in failures.items())
@@ -204,6 +208,7 @@ def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float | None, gra
     n = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}  # insertion order = order of arrival: the root cause comes first
+    lost: set[int] = set()  # died without reporting (before the launcher stopped anything)
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     first_failure: float | None = None
     while len(results) + len(failures) < n:
@@ -231,12 +236,15 @@ def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float | None, gra
                     results[r] = payload
                 else:
                     failures[r] = payload or _death_text(p)
+                    if payload is None:
+                        lost.add(r)
                     first_failure = first_failure or time.monotonic()
                 progressed = True
             elif not p.is_alive():
                 if c.poll():  # result arrived between the two checks
                     continue
                 failures[r] = _death_text(p)
+                lost.add(r)
                 first_failure = first_failure or time.monotonic()
                 progressed = True
         if not progressed:
@@ -248,10 +256,10 @@ def _collect(procs: list[Any], conns: list[Any], *, timeout_s: float | None, gra
     for c in conns:
         c.close()
     # A rank that died silently is the likeliest root cause: the others then fail on a closed socket.
-    silent = {r: t for r, t in failures.items() if t.endswith("without reporting a result")}
+    silent = {r: t for r, t in failures.items() if r in lost}
     real = silent | {r: t for r, t in failures.items() if not t.startswith("stopped by the launcher")}
     if failures:
-        raise RankFailedError(real or failures, n)
+        raise RankFailedError(real or failures, n, lost=frozenset(lost))
     return [results[r] for r in range(n)]
 
 
