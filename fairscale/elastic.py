@@ -45,6 +45,7 @@ from torch import nn
 from fairscale.api import parallelize, search
 from fairscale.elastic_world import regroup
 from fairscale.runtime.engine import OptimizerSpec
+from fairscale.runtime.launch import init_distributed, under_torchrun
 from fairscale.runtime.run_cli import ENV_DIR, ENV_EVERY, ENV_RESTART
 from planner.plan import Plan
 
@@ -112,6 +113,8 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
     Returns:
         :class:`ElasticResult`; on a rank the plan leaves idle, ``idle=True`` and no losses.
     """
+    if not dist.is_initialized() and under_torchrun():
+        init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")
     if not dist.is_initialized():
         raise RuntimeError("fairscale.train runs on every rank: run the script with `python -m fairscale run "
                            "--devices N script.py`, under torchrun, or call it inside fairscale.launch(fn, devices=N)")

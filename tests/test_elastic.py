@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import fairscale
@@ -18,6 +22,7 @@ from fairscale.runtime.run_cli import run_script
 from fairscale.testing.models import build
 from planner.plan import Plan
 
+ROOT = Path(__file__).resolve().parents[1]
 GPT = dict(layers=2, seq=8, dim=32, vocab=64)
 GLOBAL_BATCH = 8
 STEPS, EVERY, KILL_AT, VICTIM = 7, 3, 4, 5  # checkpoints after 3 and 6 steps; rank 5 dies in step 4
@@ -125,3 +130,36 @@ def test_train_resumes_where_the_last_checkpoint_left_off(tmp_path: Path) -> Non
     assert zero["kept"] == ["elastic.json", "step-000003", "step-000005"]  # the default keeps 2
     assert f"{tmp_path / 'first' / 'elastic.json'} records checkpoints of another model" in zero["refused"]
     assert "global rank 0 could not plan the run" in got[1]["refused"] and "another model" in got[1]["refused"]
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(f"""
+    import json, os, sys
+    import fairscale
+    from fairscale.testing.models import build
+
+    out, steps, checkpoints = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    case = build("gpt", **{GPT!r})
+    result = fairscale.train(case.model, lambda step: case.make_batch(step, {GLOBAL_BATCH}), steps=steps,
+                             loss_fn=case.loss_fn, checkpoint_dir=checkpoints, checkpoint_every=2)
+    if os.environ["RANK"] == "0":
+        with open(out, "w") as f:
+            json.dump(dict(losses=result.losses, resumed_from=result.resumed_from, launched=result.launched,
+                           devices=result.devices), f)
+""")
+
+
+@pytest.mark.slow
+def test_torchrun_with_a_new_world_size_replans_and_resumes(tmp_path: Path) -> None:
+    """What a torchrun elastic restart does: the script starts again with another WORLD_SIZE (4, then 3
+    ranks; torchrun initializes nothing, fairscale.train does) and the same checkpoint directory."""
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for ranks, steps, out in ((4, 2, "a.json"), (3, 4, "b.json")):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                        str(script), str(tmp_path / out), str(steps), str(tmp_path / "ckpt")],
+                       env=env, check=True, capture_output=True, timeout=600)
+    a, b = (json.loads((tmp_path / out).read_text()) for out in ("a.json", "b.json"))
+    assert a["resumed_from"] is None and b["resumed_from"] == 2 and b["launched"] == 3
+    assert b["devices"] <= 3 and GLOBAL_BATCH % b["devices"] == 0  # dp over 3 would not split the batch
+    assert b["losses"][:2] == a["losses"] and len(b["losses"]) == 4
