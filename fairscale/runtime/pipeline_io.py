@@ -171,11 +171,26 @@ def split_microbatches(batch: Sequence[Any], m: int, program: StagedProgram,
         for idx, spec in zip(stage.batch_inputs, stage.batch_specs):
             got = parts[0][idx]
             if isinstance(got, torch.Tensor) and tuple(got.shape) != spec.shape:
-                raise PipelineError(
-                    f"microbatch input {idx} has shape {list(got.shape)} but stage {s} was captured for "
-                    f"{list(spec.shape)}: capture the model with a batch of {spec.shape[0] if spec.shape else 1} "
-                    f"rows per microbatch (global batch / (dp × microbatches)), or change the microbatch count")
+                raise PipelineError(f"microbatch input {idx} has shape {list(got.shape)} but stage {s} was captured "
+                                    f"for {list(spec.shape)}: {_shape_fix(tuple(got.shape), spec.shape)}")
     return [tuple(p) for p in parts]
+
+
+def _shape_fix(got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """What differs between a microbatch's shape and the captured one, and what to do: only the
+    batch dim (rows) follows the plan; every other dim was fixed by the example batch."""
+    if len(got) != len(want):
+        return (f"{len(got)} dims instead of {len(want)}; give every batch the example batch's shapes, or parallelize "
+                "again with example_inputs shaped like the batches you train with")
+    other = [d for d in range(1, len(want)) if got[d] != want[d]]
+    if other:
+        d = other[0]
+        return (f"dim {d} is {got[d]}, not {want[d]} (a length fixed when parallelize captured the model, such as "
+                f"the sequence length); give every batch the example batch's shape beyond dim 0 (pad or cut dim {d} "
+                f"to {want[d]}), or parallelize again with example_inputs shaped like the batches you train with")
+    return (f"{got[0]} rows per microbatch instead of {want[0]} (global batch / (dp × microbatches)); train with the "
+            "global batch the plan was made for, or parallelize again with global_batch= (or example_inputs) of the "
+            "batch you train with")
 
 
 def check_values(values: Sequence[Any], specs: Sequence[ValueSpec], what: str) -> None:
