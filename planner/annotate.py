@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
+from planner.capture_errors import DATA_DEPENDENT_ADVICE, is_data_dependent, node_site, source_context
 from planner.fx_capture import failure_site
 from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
@@ -452,15 +453,21 @@ class AnnotateError(RuntimeError):
 
 
 def _explain(node: torch.fx.Node, exc: BaseException) -> str:
+    """The user's line (from the traceback, else the stack trace export recorded on the node) with
+    a few lines around it, what failed and what to do; the fx node only when no line is known."""
     site = failure_site(exc)
-    where = f" at {site[0]}:{site[1]}: `{site[3]}`" if site is not None else ""
-    data_dependent = "DataDependent" in type(exc).__name__ or "data-dependent" in str(exc)
-    why = ("It needs a tensor's value, which a fake tensor does not have. Make that code independent of "
-           "the data (torch.where instead of `if`), or capture" if data_dependent else
-           "The op has no fake-tensor kernel or rejects fake inputs; report it with this message, or capture")
-    return (f"cannot compute facts for {node.format_node()} on fake tensors{where}\n"
-            f"    {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}\n"
-            f"{why} with annotate=False: the graph still runs, only FLOPs and bytes are missing.")
+    where = (site[0], site[1]) if site is not None else node_site(node)
+    what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    lines = [f"cannot compute the facts of {where[0]}:{where[1]} on fake tensors (shapes only, no values):"
+             if where is not None else f"cannot compute the facts of {node.format_node()} on fake tensors:"]
+    if where is not None:
+        lines += source_context(*where)
+    lines.append(f"  {what}")
+    if is_data_dependent(exc):
+        lines += ["The result or a branch there depends on the data, which the planner cannot see.", DATA_DEPENDENT_ADVICE]
+    else:
+        lines.append("The op has no fake-tensor kernel or rejects fake inputs; please report it with this message.")
+    return "\n".join(lines)
 
 
 def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,

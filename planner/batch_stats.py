@@ -34,8 +34,8 @@ arbitrary ops that mix samples (``x.mean(0)``, in-batch contrastive logits ``a @
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +44,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from planner.capture_errors import node_site
 from planner.graph import META_MODULE
 
 __all__ = ["BatchStatOp", "BatchStatCall", "find_batch_stat_ops", "batch_stat_call", "describe_ops",
@@ -261,23 +262,14 @@ def _norm_class(node: torch.fx.Node) -> str:
     return name if "Norm" in name else ""
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(.*)')
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_COMPILER = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), pkg) + os.sep
-                  for pkg in ("planner", "passes"))
-
-
 def source_line(node: torch.fx.Node) -> str:
     """``file.py:LINE `code``` of the innermost frame of the user's code in the node's recorded
-    stack trace (frames of torch and of the compiler's own planner/passes skipped), or ''."""
-    trace = node.meta.get("stack_trace") or ""
-    found = ""
-    for path, line, code in _FRAME.findall(trace):
-        full = os.path.abspath(path)
-        if full.startswith(_TORCH) or full.startswith(_COMPILER):
-            continue
-        found = f"{os.path.basename(path)}:{line} `{code.strip()}`"
-    return found
+    stack trace (``planner.capture_errors.node_site``), or ''."""
+    site = node_site(node)
+    if site is None:
+        return ""
+    path, line = site
+    return f"{os.path.basename(path)}:{line} `{linecache.getline(path, line).strip()}`"
 
 
 def describe_ops(ops: list[BatchStatOp], *, limit: int = 4) -> str:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.annotate import AnnotateError, annotate_graph
+from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.graph import META_MODULE, META_PARAM, ModelGraph
 from planner.replicate import replica_map
@@ -149,10 +150,11 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     used = order[0]
     for used in order:
         try:
-            if used == "export":
-                gm = export_trace(LossModule(model, loss_fn), batch)
-            else:
-                gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)
+            with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
+                if used == "export":
+                    gm = export_trace(LossModule(model, loss_fn), batch)
+                else:
+                    gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)
             break
         except CaptureError:
             raise
@@ -174,18 +176,18 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
         replicas = replica_map(gm, layers, blocks) if replicate else {}
         flat = tuple(x for x in tree_flatten(batch)[0])
         try:
-            with _quiet(_on_meta(model)):  # a CPU-kernel refusal below is handled, not an error to log
+            with _quiet():  # a failure below is explained in the CaptureError, not logged by FakeTensor
                 stats = annotate_graph(gm, flat, replicas=replicas)
         except AnnotateError as exc:
             if not _on_meta(model):
-                raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}") from exc
+                raise _annotate_failure(model, used, exc, failures) from exc
             # code traced on meta can take device-specific branches that CPU kernels reject
             # (Mixtral's int32 histc); count on meta then, where attention runs the math path
             graph_device = "meta"
             try:
                 stats = annotate_graph(gm, flat, replicas=replicas, device="meta")
             except AnnotateError as again:
-                raise CaptureError(f"captured {type(model).__name__} with torch.{used}, but {again}") from again
+                raise _annotate_failure(model, used, again, failures) from again
     annotated = time.perf_counter()
     _check_scalar_loss(gm, model, loss_fn)
     config = model_config(model)
@@ -227,12 +229,11 @@ def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_mo
 
 
 @contextlib.contextmanager
-def _quiet(on: bool) -> Iterator[None]:
-    """Silence FakeTensor's error log while a failure would be retried."""
+def _quiet() -> Iterator[None]:
+    """Silence FakeTensor's error log where a failure is retried or explained in a CaptureError."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
-    if on:
-        logger.setLevel(logging.CRITICAL)
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -244,19 +245,15 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:
-    name = type(model).__name__
-    site = next((f.site for f in failures if f.site is not None), None)
-    owner = site[4] if site is not None and site[4] else "the module that holds it"
-    line = f"{site[0]}:{site[1]}" if site is not None else "the failing line"
-    tried = " nor ".join(f.tracer for f in failures)
-    return CaptureError(
-        f"could not capture {name}: {'neither ' + tried + ' can' if len(failures) > 1 else tried + ' cannot'} trace it.\n"
-        + "\n".join(f.describe() for f in failures)
-        + "\nWhat to do:\n"
-        f"  - remove data-dependent control flow at {line} (branch with torch.where, or torch.cond), or\n"
-        f"  - mark {owner} as a leaf: capture(..., tracer='fx', leaf_modules=({owner if site and site[4] else 'TheModule'},))"
-        " - it becomes one opaque node, or\n"
-        "  - pass concrete_args={'batch_0': ...} to fix the inputs that decide the branch (fx).")
+    return CaptureError(describe_capture_failure(type(model).__name__, failures))
+
+
+def _annotate_failure(model: nn.Module, used: str, exc: AnnotateError, failures: list[Failure]) -> CaptureError:
+    if used == "fx" and any(f.tracer == "torch.export" for f in failures):
+        # export ran the forward and failed; fx traced it without running it, so the facts then fail
+        # on the same code: export's failure, at the user's line, is the cause
+        return _capture_error(model, failures)
+    return CaptureError(f"captured {type(model).__name__} with torch.{used}, but {exc}")
 
 
 def _annotate_paths(gm: torch.fx.GraphModule) -> None:

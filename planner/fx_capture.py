@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import sys
 import sysconfig
 import traceback
 from types import FunctionType, TracebackType
@@ -36,7 +39,7 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def export_trace(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.fx.GraphModule:
-    ep = torch.export.export(wrapper, batch, strict=False)
+    ep = _without_partial_graph_dump(wrapper, batch)
     gm = ep.module()
     for node in list(gm.graph.nodes):  # export's input-shape guard: the runtime feeds other shapes
         if node.op == "call_module" and node.target == "_guards_fn":
@@ -46,6 +49,23 @@ def export_trace(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.fx.GraphMo
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _without_partial_graph_dump(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)``, minus the graph-so-far torch prints to stderr (once per
+    wrapper it passes through) when a trace fails: the capture error says where, in the user's code.
+    Whatever else export writes to stderr is passed on."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            return torch.export.export(wrapper, batch, strict=False)
+    except Exception as exc:
+        dump = getattr(exc, "partial_fx_graph", None)
+        text = buffer.getvalue()
+        buffer = io.StringIO(text.replace(f"{dump}\n", "") if isinstance(dump, str) and dump else text)
+        raise
+    finally:
+        sys.stderr.write(buffer.getvalue())
 
 
 class _Tracer(torch.fx.Tracer):
