@@ -28,11 +28,17 @@ microbatches, F costing 1 and B costing 2 time units (``format_gantt``)::
     …
 
 :func:`simulate` (``planner.schedule_sim``) runs the lowered lists in one process, with sends that
-do not block and receives that wait for their message, exactly as the executor does. It raises :class:`ScheduleError` on a
-deadlock (naming what each rank waits for), on a receive that no send matches, on a missing or
-duplicated action, and on send/receive shapes that disagree. It returns a :class:`Timeline`, the
-start and end of every action for given per-stage costs; its ``bubble`` is the measured idle
-fraction that the planner's formula (:func:`predicted_bubble`) approximates.
+do not block and receives that wait for their message (each message matched by name). It raises
+:class:`ScheduleError` on a deadlock (naming what each rank waits for), on a receive that no send
+matches, on a missing or duplicated action, and on send/receive shapes that disagree. It returns a
+:class:`Timeline`, the start and end of every action for given per-stage costs; its ``bubble`` is
+the measured idle fraction that the planner's formula (:func:`predicted_bubble`) approximates.
+
+What the executor runs is :func:`batch_p2p`'s program (``planner.schedule_batched``): the same
+computes, with the sends and receives grouped into batches that both ranks of a pair post alike,
+in an order NCCL can run (messages matched per rank pair in order, sends that wait for the peer's
+receive); :func:`check_nccl_order` proves that with ``planner.p2p_model``. Batches print in
+brackets: ``F0 [SF0] F1 [SF1 RB0] B0``.
 
 Usage::
 
@@ -40,6 +46,7 @@ Usage::
     print(sched.format())                       # one row of tokens per rank
     tl = simulate(sched.lower(), f_cost=1, b_cost=2)
     print(tl.format_gantt()); tl.bubble         # 3 / 11 for GPipe and 1F1B
+    print(check_nccl_order(sched).to_text())    # what each rank posts, batch by batch
 """
 
 from __future__ import annotations
@@ -48,12 +55,14 @@ from planner.plan import Plan
 from planner.schedule_builders import gpipe, interleaved_1f1b, one_f_one_b, v_shape, v_shape_timed
 from planner.schedule_ir import COMM, COMPUTE, Action, PipelineSchedule, ScheduleError, parse_actions
 from planner.schedule_kinds import KINDS, kind_of
-from planner.schedule_sim import Slot, Timeline, fifo_violations, simulate
+from planner.p2p_model import P2POrderError
+from planner.schedule_batched import BatchedProgram, CommBatch, batch_p2p, check_nccl_order
+from planner.schedule_sim import Slot, Timeline, simulate
 
 __all__ = [
     "Action", "PipelineSchedule", "ScheduleError", "Timeline", "Slot", "build_schedule", "schedule_for", "gpipe",
     "one_f_one_b", "interleaved_1f1b", "v_shape", "v_shape_timed", "simulate", "predicted_bubble", "parse_actions",
-    "fifo_violations", "KINDS", "COMPUTE", "COMM",
+    "batch_p2p", "check_nccl_order", "BatchedProgram", "CommBatch", "P2POrderError", "KINDS", "COMPUTE", "COMM",
 ]
 
 

@@ -78,8 +78,9 @@ def v_shape(pp: int, microbatches: int) -> PipelineSchedule:
     a 1F1B stage, so that is about 1F1B's peak memory on rank 0). Every stage runs its
     microbatches in order, so gradients accumulate in the same order as 1F1B. With F = 1, B = 2
     the bubble lies between 1F1B's and interleaved's (pp = 4, m = 8: 0.20 against 0.27 and 0.16).
-    Messages between two ranks are not always received in the order they are sent, which the
-    executor's tagged point-to-point handles (``fifo_violations`` lists them for untagged backends)."""
+    In :meth:`PipelineSchedule.lower`'s order the messages between two ranks are not always received
+    in the order they are sent; the executor runs the batched order of ``planner.schedule_batched``,
+    which matches them in order (as NCCL needs)."""
     return v_shape_timed(pp, microbatches)[0]
 
 

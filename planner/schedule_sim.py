@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from planner.schedule_ir import COMPUTE, Action, PipelineSchedule, ScheduleError
 
-__all__ = ["simulate", "Timeline", "Slot", "fifo_violations"]
+__all__ = ["simulate", "Timeline", "Slot"]
 
 
 @dataclass(frozen=True)
@@ -226,27 +226,3 @@ def _check_specs(sched: PipelineSchedule, send_specs: Specs, recv_specs: Specs) 
         out, inp = list(send_specs.get(s, [])), list(recv_specs.get(s + 1, []))
         if out != inp:
             raise ScheduleError(f"stage {s} sends {out} but stage {s + 1} expects {inp}")
-
-
-def fifo_violations(schedule: PipelineSchedule) -> list[str]:
-    """Channels (sender rank → receiver rank) whose send order differs from the receive order.
-
-    The executor tags every message, so gloo matches them in any order; a backend that ignores
-    tags (NCCL) matches in order and needs this list to be empty."""
-    sched = schedule.lower()
-    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    for r, acts in enumerate(sched.actions):
-        for a in acts:
-            if a.kind == "SF" or a.kind == "SB":
-                peer = sched.stage_rank(a.stage + (1 if a.kind == "SF" else -1))
-                sends.setdefault((r, peer), []).append((a.kind, a.mb, a.stage))
-            elif a.kind == "RF" or a.kind == "RB":
-                src_stage = a.stage - 1 if a.kind == "RF" else a.stage + 1
-                msg = ("SF" if a.kind == "RF" else "SB", a.mb, src_stage)
-                recvs.setdefault((sched.stage_rank(src_stage), r), []).append(msg)
-    out = []
-    for ch in sorted(set(sends) | set(recvs)):
-        if sends.get(ch, []) != recvs.get(ch, []):
-            out.append(f"rank {ch[0]} → rank {ch[1]}")
-    return out
