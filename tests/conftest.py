@@ -10,3 +10,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # cache turn it back on in a temporary directory.
 os.environ["FAIRSCALE_NO_CALIBRATE"] = "1"
 os.environ["FAIRSCALE_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fairscale-test-cache-{os.getpid()}")
+# Every pipeline in the suite runs under the NCCL semantics checker (fairscale.runtime.nccl_check):
+# its point-to-point is matched per rank pair in order, without tags, and checked for NCCL's
+# rendezvous deadlocks, on gloo.
+os.environ.setdefault("FAIRSCALE_NCCL_CHECK", "1")

@@ -26,8 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fairscale.runtime import p2p
-
 from passes.ops import comm
 
 __all__ = ["RankMesh", "build_mesh"]
@@ -92,7 +90,6 @@ def build_mesh(pp: int, dp: int, tp: int, *, ep: int = 1,
     options = _options_with(timeout, device_type)
     override = {axis: options for axis in AXES} if options is not None else None
     device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES, backend_override=override)
-    p2p.set_timeout(timeout)
     sizes: dict[str, Any] = {"pp": pp, "dp": dp, "tp": tp}
     for axis in AXES:
         comm.set_group(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)

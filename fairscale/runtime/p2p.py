@@ -1,104 +1,86 @@
-"""Point-to-point plumbing of the pipeline executor: message tags, typed isend/irecv, and the
-compact encoding of boundary specs exchanged in the first-step shape handshake."""
+"""Point-to-point of the pipeline: batches of sends and receives posted together, without tags.
+
+NCCL matches the messages between two ranks in the order they are posted and ignores tags, and
+a send completes only while the peer runs the matching receive (``planner.p2p_model``). So, as
+``torch.distributed.pipelining`` and Megatron-LM do, every exchange is one
+``torch.distributed.batch_isend_irecv`` of :class:`Message` s whose order both ranks of each pair
+agree on (the executor posts ``planner.schedule_batched``'s batches; tied weights post one batch),
+and nothing carries a tag. The same code runs on gloo, which matches untagged messages per pair in
+order too.
+
+:func:`exchange` posts a batch, counts its bytes in ``comm.COUNTER``, posts it to the flight
+record (``passes.ops.flight``) with the messages' names, and hands it first to ``check``, the NCCL
+semantics checker when it is on (``fairscale.runtime.nccl_check``).
+"""
 
 from __future__ import annotations
 
-import datetime
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from passes.program import ValueSpec
-from planner.schedule import ScheduleError
+from passes.ops import comm
+from passes.ops.flight import RECORDER, Entry
 
-KIND_CODE = {"F": 0, "B": 1, "SHAKE": 2, "TIED": 3}
-"""Message kinds: activations, gradients, handshake specs, tied-weight gradients."""
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64]
-"""Dtype codes of the handshake encoding (99 = another dtype)."""
+__all__ = ["Message", "Batch", "Check", "exchange", "format_specs"]
 
 
-class P2PError(RuntimeError):
-    """A point-to-point op could not be posted (this rank is outside the group)."""
+@dataclass
+class Message:
+    """One tensor to send to, or receive from, ``peer``."""
+
+    send: bool
+    peer: int
+    """Global rank of the other side."""
+    tensor: torch.Tensor
+    """What is sent, or the buffer a receive fills."""
+    name: str
+    """The message's name, the same on both sides: ``F3 0→1 #0`` (activation of microbatch 3 from
+    stage 0 to stage 1, value 0), ``B3 1→0 #0`` (a gradient), ``tied wte.weight@0``."""
+    action: str
+    """This side's schedule action: ``SF3@0``, ``RF3@1``, ``tied``."""
+
+    def describe(self) -> str:
+        arrow = "to" if self.send else "from"
+        return f"{'send' if self.send else 'recv'} {self.name} {arrow} rank {self.peer}"
 
 
-def tag(kind: str, mb: int, stage: int, index: int) -> int:
-    """A unique message tag: 2 bits kind, 10 bits stage, 13 bits microbatch, 6 bits value index."""
-    if stage >= 1024 or mb >= 8192 or index >= 64:
-        raise ScheduleError(f"too many stages ({stage}), microbatches ({mb}) or boundary values ({index}) "
-                            "for message tags; at most 1024 stages, 8192 microbatches, 64 values")
-    return ((KIND_CODE[kind] * 1024 + stage) * 8192 + mb) * 64 + index
+class Batch:
+    """The works of one posted batch; :meth:`wait` (idempotent) waits through the flight record."""
+
+    def __init__(self, works: Sequence[Any], entry: Entry | None) -> None:
+        self._works = list(works)
+        self._entry = entry
+        self._done = not self._works
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        assert self._entry is not None
+        RECORDER.wait(self._entry, lambda: [w.wait() for w in self._works])
+        self._done = True
 
 
-def send(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
-    work = dist.isend(t, peer, group=group, tag=tag)
-    if work is None:
-        raise P2PError(f"this rank is not in the pipeline group of peer {peer}")
-    return work
+Check = Callable[[Sequence[Message], Any], None]
+"""A hook that sees every batch (its messages and group) before it is posted:
+``fairscale.runtime.nccl_check.NcclChecker``."""
 
 
-def recv(t: torch.Tensor, peer: int, *, group: Any, tag: int) -> Any:
-    work = dist.irecv(t, peer, group=group, tag=tag)
-    if work is None:
-        raise P2PError(f"this rank is not in the pipeline group of peer {peer}")
-    return work
+def exchange(messages: Sequence[Message], *, group: Any, axis: str, check: Check | None = None) -> Batch:
+    """Post ``messages`` as one ``batch_isend_irecv`` on ``group`` (no tags); returns its :class:`Batch`."""
+    if not messages:
+        return Batch([], None)
+    if check is not None:
+        check(messages, group)
+    for m in messages:
+        nbytes = m.tensor.numel() * m.tensor.element_size()
+        comm.COUNTER.record("send" if m.send else "recv", axis, nbytes, float(nbytes))
+    entry = RECORDER.post("p2p", axis, "; ".join(m.describe() for m in messages))
+    ops = [dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, group) for m in messages]
+    return Batch(dist.batch_isend_irecv(ops), entry)
 
 
-_TIMEOUT: datetime.timedelta | None = None
-
-
-def set_timeout(timeout: datetime.timedelta | None) -> None:
-    """How long a pipeline wait may block (``fairscale.runtime.mesh.build_mesh`` sets the world's)."""
-    global _TIMEOUT
-    _TIMEOUT = timeout
-
-
-class P2PTimeout(RuntimeError):
-    """A pipeline send or receive did not complete: the collective timeout passed, or the peer failed."""
-
-
-def wait_all(pending: list[tuple[Any, torch.Tensor]], *, what: str = "", peer: int | None = None) -> list[torch.Tensor]:
-    """Wait for posted sends or receives, at most the collective timeout each; a timeout names
-    ``what`` was awaited and from which ``peer`` (pp-group rank)."""
-    for work, _ in pending:
-        try:
-            ok = work.wait(_TIMEOUT) if _TIMEOUT is not None else work.wait()
-        except RuntimeError as exc:
-            raise P2PTimeout(_stuck(what, peer, exc)) from exc
-        if ok is False:
-            raise P2PTimeout(_stuck(what, peer, None))
-    return [buf for _, buf in pending]
-
-
-def _stuck(what: str, peer: int | None, exc: BaseException | None) -> str:
-    who = f"pipeline rank {peer}" if peer is not None else "the peer"
-    awaited = what or "a pipeline message"
-    if exc is not None and "time" not in str(exc).lower():  # the peer closed the connection: it failed
-        first = str(exc).splitlines()[0][:300]
-        return f"{awaited} from {who} never came: the connection failed ({type(exc).__name__}: {first})"
-    limit = f"{_TIMEOUT.total_seconds():.0f} s" if _TIMEOUT is not None else "the timeout"
-    return (f"waited {limit} (the collective timeout) for {awaited} from {who}, which is stuck or dead; "
-            "the launcher reports the rank that failed first")
-
-
-def encode_specs(specs: Sequence[ValueSpec]) -> list[int]:
-    out = [len(specs)]
-    for s in specs:
-        out += [len(s.shape), *s.shape, DTYPES.index(s.dtype) if s.dtype in DTYPES else 99]
-    return out
-
-
-def decode_specs(code: list[int]) -> list[tuple[tuple[int, ...], Any]]:
-    out, i = [], 1
-    for _ in range(code[0]):
-        nd = code[i]
-        shape = tuple(code[i + 1:i + 1 + nd])
-        d = code[i + 1 + nd]
-        out.append((shape, DTYPES[d] if d < len(DTYPES) else "other"))
-        i += 2 + nd
-    return out
-
-
-def format_specs(specs: list[tuple[tuple[int, ...], Any]]) -> str:
+def format_specs(specs: Sequence[tuple[tuple[int, ...], Any]]) -> str:
     return "[" + ", ".join(f"{list(shape)}:{str(d).replace('torch.', '')}" for shape, d in specs) + "]"

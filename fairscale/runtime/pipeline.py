@@ -12,15 +12,23 @@ Usage (every rank of the pp × dp × tp mesh)::
         opt.step()
 
 ``step`` cuts the batch into ``schedule.microbatches`` microbatches along dim 0 and runs this
-rank's lowered action list (``planner.schedule``): ``F``/``B`` call the stage GraphModule and
-``torch.autograd.backward`` on its outputs; ``SF``/``SB`` post a tagged ``isend`` of the stage's
-outputs or input gradients to the neighbouring stage's rank, ``RF``/``RB`` post the ``irecv``
-that a later compute waits on (posted two computes early, so transfers overlap compute). Each
-microbatch's loss is scaled by ``1 / microbatches``, so the accumulated gradients are those of the
-mean loss over the step's batch. After the last action, copies of parameters held by several
-stages (tied embeddings) get the sum of all copies' gradients, added in stage order on every
-holder so the copies stay bitwise identical; then the last stage's rank broadcasts the step loss
-over the pp axis.
+rank's batched program (``planner.schedule_batched``): ``F``/``B`` call the stage GraphModule and
+``torch.autograd.backward`` on its outputs; a batch ``[SF3 RB1]`` posts, in one
+``batch_isend_irecv`` without tags (``fairscale.runtime.p2p``), the sends of stage outputs or
+input gradients and the receives that later computes wait on. Every pair of ranks posts its
+messages in the same batches and order, which is what NCCL needs (messages matched per pair in
+order, sends that wait for the peer's receive); the program is checked against that model when
+the executor is built. Each microbatch's loss is scaled by ``1 / microbatches``, so the
+accumulated gradients are those of the mean loss over the step's batch. After the last action,
+copies of parameters held by several stages (tied embeddings) get the sum of all copies'
+gradients, added in stage order on every holder so the copies stay bitwise identical; then the
+last stage's rank broadcasts the step loss over the pp axis.
+
+Every compute and batch first names itself in the flight record's context (``step 3, F1@0``),
+so a collective that times out says where (``fairscale.runtime.watchdog``). With
+``nccl_check=True`` (or ``FAIRSCALE_NCCL_CHECK=1``), every batch also goes through the NCCL
+semantics checker (``fairscale.runtime.nccl_check``) and each step's batches of all pipeline
+ranks are checked together at its end.
 
 Every rank loads the same microbatches (stages read the batch inputs they need, e.g. labels on the
 last stage), so data never travels down the pipeline.
@@ -39,7 +47,7 @@ Data parallel: the stage graphs may be rewritten by ``shard_data_parallel_pass``
 split); each stage's backwards except its last of the step run under ``passes.ops.dp_ops.no_sync`` so
 gradients are reduced over dp once per step.
 
-This module holds the executor and its action loop. What crosses stage boundaries (tagged sends
+This module holds the executor and its action loop. What crosses stage boundaries (sends
 and receives, the shape handshake, microbatch splitting and the boundary checks) is in
 :mod:`fairscale.runtime.pipeline_io`; the checks and gradient sums of tied parameters are in
 :mod:`fairscale.runtime.pipeline_tied`. ``PipelineError`` is defined in ``pipeline_io`` and
@@ -48,7 +56,6 @@ re-exported here.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -57,13 +64,15 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from fairscale.runtime import nccl_check as nccl
 from fairscale.runtime import p2p
 from fairscale.runtime.pipeline_io import (PipelineError, StageLinks, StepState, check_values, local_specs,
                                            split_microbatches)
 from fairscale.runtime.pipeline_tied import TiedParams, fetch_attr, stage_layout
 from passes.ops import comm
+from passes.ops.flight import RECORDER
 from passes.program import StagedProgram
-from planner.schedule import Action, PipelineSchedule, simulate
+from planner.schedule import Action, CommBatch, PipelineSchedule, check_nccl_order, simulate
 
 __all__ = ["PipelineExecutor", "PipelineError", "StepTrace"]
 
@@ -104,14 +113,17 @@ class PipelineExecutor:
         dp_axis: the data-parallel axis; when bound to more than one rank, the returned loss is
             the mean over its replicas (each replica's batch is the same size), i.e. the loss of
             the global batch. ``None`` returns this replica's loss.
-        device: where receive buffers, handshake messages and the reported loss are made (the
-            engine passes its device: a CUDA device under NCCL); default ``cpu``.
+        device: where receive buffers and the reported loss are made (the engine passes its
+            device: a CUDA device under NCCL); default ``cpu``.
+        nccl_check: run every step under the NCCL semantics checker (gloo only); default: on when
+            the environment sets ``FAIRSCALE_NCCL_CHECK=1``.
     """
 
     def __init__(self, program: StagedProgram, schedule: PipelineSchedule, *, axis: str = "pp",
                  modules: Mapping[int, nn.Module] | None = None,
                  no_sync: Callable[[], ContextManager[Any]] | None = None, record: bool = False,
-                 dp_axis: str | None = "dp", device: torch.device | str | None = None) -> None:
+                 dp_axis: str | None = "dp", device: torch.device | str | None = None,
+                 nccl_check: bool | None = None) -> None:
         n = len(program.stages)
         if schedule.stages != n:
             raise PipelineError(f"the schedule has {schedule.stages} stages but the program has {n}; "
@@ -126,12 +138,14 @@ class PipelineExecutor:
         self.schedule = schedule
         self.axis = axis
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        """Where receive buffers, handshake messages and the reported loss live (the engine's device)."""
+        """Where receive buffers and the reported loss live (the engine's device)."""
         self.rank = comm.group_rank(axis)
-        self.actions: list[Action] = schedule.lower().actions[self.rank]
-        forward = schedule.forward_only()
-        simulate(forward)
-        self._eval_actions: list[Action] = forward.lower().actions[self.rank]
+        # raises P2POrderError if NCCL could mismatch or deadlock on the batches (never for the
+        # registered kinds: schedule_batched orders them so; a hand-written schedule may)
+        self.batched: list[Action | CommBatch] = check_nccl_order(schedule).steps[self.rank]
+        """This rank's computes and point-to-point batches, in order (``planner.schedule_batched``)."""
+        self._eval_batched: list[Action | CommBatch] = check_nccl_order(schedule.forward_only()).steps[self.rank]
+        self.actions: list[Action] = [a for a in self.batched if isinstance(a, Action)]
         self.local_stages = schedule.rank_stages(self.rank)
         self.modules: dict[int, nn.Module] = {s: (modules or {}).get(s, program.stages[s].gm)
                                               for s in self.local_stages}
@@ -148,6 +162,9 @@ class PipelineExecutor:
         self.dp_axis = dp_axis
         self.trace = StepTrace()
         self._shaken = False
+        self._step_count = 0
+        self._state = StepState()
+        self._check = nccl.checker(axis) if nccl.wanted(nccl_check) else None
         last_b: dict[int, Action] = {}
         for a in self.actions:
             if a.kind == "B":
@@ -155,15 +172,6 @@ class PipelineExecutor:
         self._last_backward = set(last_b.values())
         self._tied = TiedParams(program, schedule, axis=axis, modules=self.modules, local_stages=self.local_stages)
         self._tied.check()
-        # Post each receive when the compute two steps before the one that needs it starts, so the
-        # transfer overlaps that compute instead of starting when the receiver is already waiting.
-        self._prefetch: dict[int, list[Action]] = {}
-        computes = [i for i, a in enumerate(self.actions) if a.kind in ("F", "B")]
-        for i, a in enumerate(self.actions):
-            if a.kind in ("RF", "RB"):
-                k = bisect.bisect_left(computes, i)  # computes before action i
-                at = computes[k - 2] if k >= 2 else 0
-                self._prefetch.setdefault(at, []).append(a)
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -205,17 +213,8 @@ class PipelineExecutor:
         if not self._shaken:
             self._links.handshake()
             self._shaken = True
-        st = StepState()
-        for a in self._eval_actions:
-            if a.kind == "F":
-                self._do_F(a, micro, st)
-            else:
-                getattr(self, "_do_" + a.kind)(a, micro, st)
-            if a.kind == "SF":  # nothing comes back in evaluation: drop the sent activations
-                st.outputs.pop((a.mb, a.stage))
-                st.inputs.pop((a.mb, a.stage), None)
-        p2p.wait_all(st.sends, what="the delivery of this step's pipeline sends")
-        return self._report_loss(st.losses)
+        self._run(self._eval_batched, micro, "eval", evaluation=True)
+        return self._finish("eval")
 
     def step(self, batch: Sequence[Any]) -> float:
         """Forward and backward of ``batch`` (this dp replica's rows) over all microbatches;
@@ -227,16 +226,42 @@ class PipelineExecutor:
             self._links.handshake()
             self._shaken = True
         self.trace = StepTrace(start=time.perf_counter())
-        st = StepState()
-        for i, a in enumerate(self.actions):
-            for r in self._prefetch.get(i, ()):
-                getattr(self, "_do_" + r.kind)(r, micro, st)
-            if a.kind not in ("RF", "RB"):  # receives were posted by the prefetch above
-                getattr(self, "_do_" + a.kind)(a, micro, st)
-        p2p.wait_all(st.sends, what="the delivery of this step's pipeline sends")
-        self._tied.sum_grads()
-        out = self._report_loss(st.losses)
+        where = f"step {self._step_count}"
+        self._step_count += 1
+        self._run(self.batched, micro, where, evaluation=False)
+        RECORDER.context = f"{where}, tied-weight gradients"
+        self._tied.sum_grads(check=self._check)
+        out = self._finish(where)
         self.trace.end = time.perf_counter()
+        return out
+
+    def _run(self, program: Sequence[Action | CommBatch], micro: list[tuple[Any, ...]], where: str, *,
+             evaluation: bool) -> None:
+        st = self._state = StepState()
+        last = "the start"
+        for item in program:
+            if isinstance(item, CommBatch):
+                RECORDER.context = f"{where}, after {last}"
+                self._post(item, st, evaluation=evaluation)
+                continue
+            last = item.token()
+            RECORDER.context = f"{where}, {last}"
+            if item.kind == "F":
+                self._do_F(item, micro, st)
+            else:
+                self._do_B(item, micro, st)
+        for b in st.sends:
+            b.wait()
+
+    def _finish(self, where: str) -> float:
+        """The step's end: the NCCL semantics check of all pipeline ranks' batches (when on), then the loss."""
+        if self._check is not None:
+            RECORDER.context = f"{where}, NCCL semantics check"
+            self._check.end_step(where)
+        RECORDER.context = f"{where}, loss"
+        out = self._report_loss(self._state.losses)
+        self._state = StepState()
+        RECORDER.context = ""
         return out
 
     def _report_loss(self, losses: list[torch.Tensor]) -> float:
@@ -259,8 +284,7 @@ class PipelineExecutor:
         elif self.schedule.stage_rank(a.stage - 1) == self.rank:
             received = [t.detach() for t in st.outputs[(a.mb, a.stage - 1)]]
         else:
-            received = p2p.wait_all(st.recvs.pop(("F", a.mb, a.stage)), peer=self.schedule.stage_rank(a.stage - 1),
-                                    what=f"the activations of microbatch {a.mb} into stage {a.stage}")
+            received = self._received(st, ("F", a.mb, a.stage))
         for t, spec in zip(received, stage.inputs):
             if spec.grad:
                 t.requires_grad_(True)
@@ -287,8 +311,7 @@ class PipelineExecutor:
             if self.schedule.stage_rank(a.stage + 1) == self.rank:
                 got = st.local_grads.pop((a.mb, a.stage + 1))
             else:
-                got = p2p.wait_all(st.recvs.pop(("B", a.mb, a.stage)), peer=self.schedule.stage_rank(a.stage + 1),
-                                   what=f"the gradients of microbatch {a.mb} out of stage {a.stage}")
+                got = self._received(st, ("B", a.mb, a.stage))
             tensors, grads = [], []
             pairs = [(o, s) for o, s in zip(out, stage.outputs) if s.grad]
             for (o, _), g in zip(pairs, got):
@@ -311,17 +334,33 @@ class PipelineExecutor:
             else:
                 st.grads_out[(a.mb, a.stage)] = in_grads
 
-    def _do_SF(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
-        st.sends.extend(self._links.send_forward(a.mb, a.stage, st.outputs[(a.mb, a.stage)]))
+    def _post(self, batch: CommBatch, st: StepState, *, evaluation: bool) -> None:
+        """Post one batch of sends and receives (``batch_isend_irecv``, in the batch's agreed order)."""
+        messages: list[p2p.Message] = []
+        receives: list[tuple[tuple[str, int, int], list[p2p.Message]]] = []
+        for a in batch.actions:
+            if a.kind == "SF":
+                messages += self._links.send_forward(a.mb, a.stage, st.outputs[(a.mb, a.stage)])
+                if evaluation:  # nothing comes back in evaluation: drop the sent activations
+                    st.outputs.pop((a.mb, a.stage))
+                    st.inputs.pop((a.mb, a.stage), None)
+            elif a.kind == "SB":
+                messages += self._links.send_backward(a.mb, a.stage, st.grads_out.pop((a.mb, a.stage)))
+            else:
+                got = (self._links.recv_forward if a.kind == "RF" else self._links.recv_backward)(a.mb, a.stage)
+                receives.append(((a.kind[1], a.mb, a.stage), got))
+                messages += got
+        posted = p2p.exchange(messages, group=comm.get_group(self.axis), axis=self.axis, check=self._check)
+        if any(m.send for m in messages):
+            st.sends.append(posted)
+        for key, got in receives:
+            st.recvs[key] = (posted, [m.tensor for m in got])
 
-    def _do_SB(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
-        st.sends.extend(self._links.send_backward(a.mb, a.stage, st.grads_out.pop((a.mb, a.stage))))
-
-    def _do_RF(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
-        st.recvs[("F", a.mb, a.stage)] = self._links.recv_forward(a.mb, a.stage)
-
-    def _do_RB(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
-        st.recvs[("B", a.mb, a.stage)] = self._links.recv_backward(a.mb, a.stage)
+    @staticmethod
+    def _received(st: StepState, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        posted, buffers = st.recvs.pop(key)
+        posted.wait()
+        return buffers
 
 
 def _default_no_sync() -> Callable[[], ContextManager[Any]]:

@@ -4,10 +4,11 @@ in from the ranks of the neighbouring stages.
 :class:`fairscale.runtime.pipeline.PipelineExecutor` runs the action loop; this module holds the
 pieces it uses at the edges of each stage:
 
-- :class:`StageLinks`: the tagged ``isend``/``irecv`` of ``SF``/``SB``/``RF``/``RB`` actions on the
-  pp axis (bytes counted in ``comm.COUNTER``), with receive buffers sized by the boundary specs, and
-  the first-step handshake in which neighbours compare the shapes and dtypes they will send and
-  expect, so ranks that split different captures fail with the same error instead of hanging;
+- :class:`StageLinks`: the :class:`fairscale.runtime.p2p.Message` s of the ``SF``/``SB``/``RF``/``RB``
+  actions on the pp axis (the executor posts each batch of them in one ``batch_isend_irecv``),
+  with receive buffers sized by the boundary specs, and the first-step handshake in which the
+  pipeline ranks compare the shapes and dtypes every stage will send and expect, so ranks that
+  split different captures fail with the same error instead of hanging;
 - :func:`split_microbatches`: cuts a batch along dim 0 and checks the pieces against the capture;
 - :func:`local_specs` and :func:`check_values`: a stage's boundary at its rank-local shapes
   (sequence-parallel stages send shards, ``passes.tp.summary``) and the check of a stage's outputs
@@ -25,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale.runtime import p2p
+from fairscale.runtime.p2p import Batch, Message, format_specs
 from passes.ops import comm
-from passes.tp.summary import tp_summary
 from passes.program import StagedProgram, ValueSpec
+from passes.tp.summary import tp_summary
 from planner.schedule import PipelineSchedule
 
 __all__ = ["PipelineError", "StageLinks", "StepState", "split_microbatches", "local_specs", "check_values"]
@@ -44,10 +45,10 @@ class StepState:
 
     inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    recvs: dict[tuple[str, int, int], list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
+    recvs: dict[tuple[str, int, int], tuple[Batch, list[torch.Tensor]]] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     local_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    sends: list[Batch] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -55,7 +56,9 @@ class StageLinks:
     """This rank's messages to the ranks of its stages' neighbours on the ``axis`` group.
 
     ``in_specs``/``out_specs`` map each local stage to the (rank-local) specs it receives and
-    sends; they size the receive buffers and are what the handshake compares.
+    sends; they size the receive buffers and are what the handshake compares. A message is named
+    alike on both sides (``F3 0→1 #0``: activation value 0 of microbatch 3 from stage 0 to 1;
+    ``B3 1→0 #0``: a gradient), which is what the NCCL semantics checker matches.
     """
 
     def __init__(self, schedule: PipelineSchedule, *, axis: str, rank: int, stages: int,
@@ -69,83 +72,54 @@ class StageLinks:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.device = device
-        """Where receive buffers and handshake messages are allocated (NCCL: this rank's GPU)."""
+        """Where receive buffers are allocated (NCCL: this rank's GPU)."""
 
-    def send_forward(self, mb: int, stage: int, outputs: Sequence[torch.Tensor]) -> list[tuple[Any, torch.Tensor]]:
-        """Post the sends of ``stage``'s outputs of microbatch ``mb`` to the next stage's rank."""
-        peer = self.peer(stage + 1)
-        return [self._isend(t.detach().contiguous(), peer, p2p.tag("F", mb, stage + 1, i))
+    def send_forward(self, mb: int, stage: int, outputs: Sequence[torch.Tensor]) -> list[Message]:
+        """The sends of ``stage``'s outputs of microbatch ``mb`` to the next stage's rank."""
+        peer, action = self.peer(stage + 1), f"SF{mb}@{stage}"
+        return [Message(True, peer, t.detach().contiguous(), f"F{mb} {stage}→{stage + 1} #{i}", action)
                 for i, t in enumerate(outputs)]
 
-    def send_backward(self, mb: int, stage: int, grads: Sequence[torch.Tensor]) -> list[tuple[Any, torch.Tensor]]:
-        """Post the sends of ``stage``'s input gradients of microbatch ``mb`` to the previous stage's rank."""
-        peer = self.peer(stage - 1)
-        return [self._isend(g.contiguous(), peer, p2p.tag("B", mb, stage - 1, i)) for i, g in enumerate(grads)]
+    def send_backward(self, mb: int, stage: int, grads: Sequence[torch.Tensor]) -> list[Message]:
+        """The sends of ``stage``'s input gradients of microbatch ``mb`` to the previous stage's rank."""
+        peer, action = self.peer(stage - 1), f"SB{mb}@{stage}"
+        return [Message(True, peer, g.contiguous(), f"B{mb} {stage}→{stage - 1} #{i}", action)
+                for i, g in enumerate(grads)]
 
-    def recv_forward(self, mb: int, stage: int) -> list[tuple[Any, torch.Tensor]]:
-        """Post the receives of ``stage``'s inputs of microbatch ``mb`` from the previous stage's rank."""
-        return self._irecv_all(self.in_specs[stage], self.peer(stage - 1), "F", mb, stage)
+    def recv_forward(self, mb: int, stage: int) -> list[Message]:
+        """The receives of ``stage``'s inputs of microbatch ``mb`` from the previous stage's rank."""
+        return self._recvs(self.in_specs[stage], stage - 1, stage, f"F{mb}", f"RF{mb}@{stage}")
 
-    def recv_backward(self, mb: int, stage: int) -> list[tuple[Any, torch.Tensor]]:
-        """Post the receives of the gradients of ``stage``'s differentiable outputs from the next stage's rank."""
+    def recv_backward(self, mb: int, stage: int) -> list[Message]:
+        """The receives of the gradients of ``stage``'s differentiable outputs from the next stage's rank."""
         specs = [s for s in self.out_specs[stage] if s.grad]
-        return self._irecv_all(specs, self.peer(stage + 1), "B", mb, stage)
+        return self._recvs(specs, stage + 1, stage, f"B{mb}", f"RB{mb}@{stage}")
 
     def peer(self, stage: int) -> int:
         """The global rank that runs ``stage``."""
         return dist.get_global_rank(comm.get_group(self.axis), self.schedule.stage_rank(stage))
 
-    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
-        nbytes = t.numel() * t.element_size()
-        comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-        return p2p.send(t, peer, group=comm.get_group(self.axis), tag=tag), t
-
-    def _irecv_all(self, specs: Sequence[ValueSpec], peer: int, kind: str, mb: int,
-                   stage: int) -> list[tuple[Any, torch.Tensor]]:
-        out = []
-        for i, spec in enumerate(specs):
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            nbytes = buf.numel() * buf.element_size()
-            comm.COUNTER.record("recv", self.axis, nbytes, float(nbytes))
-            out.append((p2p.recv(buf, peer, group=comm.get_group(self.axis), tag=p2p.tag(kind, mb, stage, i)), buf))
-        return out
+    def _recvs(self, specs: Sequence[ValueSpec], src: int, dst: int, what: str, action: str) -> list[Message]:
+        peer = self.peer(src)
+        return [Message(False, peer, torch.empty(spec.shape, dtype=spec.dtype, device=self.device),
+                        f"{what} {src}→{dst} #{i}", action) for i, spec in enumerate(specs)]
 
     def handshake(self) -> None:
-        """Exchange boundary specs with both neighbours; both sides raise on a mismatch."""
-        n = self.stages
-        mine: list[tuple[int, int, str, list[ValueSpec]]] = []  # (peer stage, boundary, role, my specs)
-        for s in self.local_stages:
-            if s + 1 < n and self.schedule.stage_rank(s + 1) != self.rank:
-                mine.append((s + 1, s, "sends", self.out_specs[s]))
-            if s > 0 and self.schedule.stage_rank(s - 1) != self.rank:
-                mine.append((s - 1, s - 1, "expects", self.in_specs[s]))
-        if not mine:
-            return
-        sends, recvs = [], []
-        for peer_stage, boundary, role, specs in mine:
-            code = torch.tensor(p2p.encode_specs(specs), dtype=torch.int64, device=self.device)
-            size = torch.tensor([code.numel()], dtype=torch.int64, device=self.device)
-            tag = p2p.tag("SHAKE", 0, boundary, 0 if role == "sends" else 1)
-            peer = self.peer(peer_stage)
-            group = comm.get_group(self.axis)
-            sends += [p2p.send(size, peer, group=group, tag=tag), p2p.send(code, peer, group=group, tag=tag + 2)]
-            other = torch.zeros(1, dtype=torch.int64, device=self.device)
-            other_tag = p2p.tag("SHAKE", 0, boundary, 1 if role == "sends" else 0)
-            recvs.append((p2p.recv(other, peer, group=group, tag=other_tag), other, peer, other_tag, boundary,
-                          role, specs))
+        """Every pipeline rank shares the boundary specs of its stages (one all-gather of small
+        objects over the pp axis), and every rank checks every boundary between two ranks: all
+        raise the same error on a mismatch, before any activation is sent."""
+        mine = {s: ([(tuple(x.shape), x.dtype) for x in self.in_specs[s]],
+                    [(tuple(x.shape), x.dtype) for x in self.out_specs[s]]) for s in self.local_stages}
+        every: dict[int, Any] = {}
+        for part in comm.all_gather_object(mine, self.axis, what="pipeline boundary specs"):
+            every.update(part)
         problems = []
-        for work, size, peer, other_tag, boundary, role, specs in recvs:
-            work.wait()
-            code = torch.zeros(int(size.item()), dtype=torch.int64, device=self.device)
-            p2p.recv(code, peer, group=comm.get_group(self.axis), tag=other_tag + 2).wait()
-            theirs = p2p.decode_specs(code.tolist())
-            ours = [(tuple(s.shape), s.dtype) for s in specs]
-            if theirs != ours:
-                sent, expected = (ours, theirs) if role == "sends" else (theirs, ours)
-                problems.append(f"stage {boundary} sends {p2p.format_specs(sent)} but stage {boundary + 1} expects "
-                                f"{p2p.format_specs(expected)}")
-        for w in sends:
-            w.wait()
+        for s in range(self.stages - 1):
+            if self.schedule.stage_rank(s) == self.schedule.stage_rank(s + 1) or s not in every or s + 1 not in every:
+                continue
+            sent, expected = every[s][1], every[s + 1][0]
+            if sent != expected:
+                problems.append(f"stage {s} sends {format_specs(sent)} but stage {s + 1} expects {format_specs(expected)}")
         if problems:
             raise PipelineError("pipeline shape handshake failed: " + "; ".join(problems) + ". Every pipeline rank "
                                 "must split the same capture (same model, microbatch size and plan).")

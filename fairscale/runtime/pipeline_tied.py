@@ -3,7 +3,8 @@
 A tied weight used on several stages is a separate copy in each stage graph
 (``StagedProgram.shared``: canonical key -> holder stages). After a step's last backward,
 :class:`fairscale.runtime.pipeline.PipelineExecutor` calls :meth:`TiedParams.sum_grads`: the
-holders' ranks exchange their copies' gradients over the pp axis and every copy gets the sum,
+holders' ranks exchange their copies' gradients over the pp axis (one batch of sends and receives
+in an order both sides agree on) and every copy gets the sum,
 added in stage order on every holder so the copies stay bitwise identical and the optimizer
 steps them alike. :meth:`TiedParams.check` refuses, when the executor is built, copies that a
 data-parallel pass sharded (their sharded master copies would never see the sum).
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale.runtime import p2p
+from fairscale.runtime.p2p import Check, Message, exchange
 from fairscale.runtime.pipeline_io import PipelineError
 from passes.ops import comm
 from passes.dp.info import find_dp_info
@@ -42,12 +43,20 @@ class TiedParams:
         self.modules = modules
         self.local_stages = local_stages
 
-    def sum_grads(self) -> None:
-        """Give every copy of a shared parameter the sum of all copies' gradients, in stage order."""
+    def sum_grads(self, *, check: Check | None = None) -> None:
+        """Give every copy of a shared parameter the sum of all copies' gradients, in stage order.
+
+        The holders' ranks exchange their copies' gradients in ONE ``batch_isend_irecv`` (all keys):
+        every rank posts, per key in sorted order, its sends to each other holder rank and its
+        receives from each, both sides naming a message by (key, sending stage), so the pairs agree
+        on the order and no side waits on a send before its receive is posted (the send-send
+        deadlock of separate calls under NCCL). ``check``: the NCCL semantics checker, if on."""
         if not self.program.shared:
             return
+        messages: list[Message] = []
+        local: list[tuple[str, dict[int, nn.Parameter], dict[int, torch.Tensor]]] = []
         group = comm.get_group(self.axis)
-        for k_index, (key, holders) in enumerate(sorted(self.program.shared.items())):
+        for key, holders in sorted(self.program.shared.items()):
             mine = [s for s in holders if s in self.local_stages]
             if not mine:
                 continue
@@ -55,22 +64,17 @@ class TiedParams:
             grads: dict[int, torch.Tensor] = {}
             for s, p in params.items():
                 grads[s] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-            works = []
-            remote_ranks = sorted({self.schedule.stage_rank(s) for s in holders if s not in mine})
-            for r in remote_ranks:
+            for r in sorted({self.schedule.stage_rank(s) for s in holders if s not in mine}):
                 peer = dist.get_global_rank(group, r)
-                for own in mine:
-                    t = grads[own].contiguous()
-                    nbytes = t.numel() * t.element_size()
-                    comm.COUNTER.record("send", self.axis, nbytes, float(nbytes))
-                    works.append(p2p.send(t, peer, group=group, tag=p2p.tag("TIED", k_index, own, 0)))
+                messages += [Message(True, peer, grads[own].contiguous(), f"tied {key}@{own}", "tied") for own in mine]
                 for s in holders:
                     if self.schedule.stage_rank(s) == r:
-                        buf = torch.empty_like(grads[mine[0]])
-                        works.append(p2p.recv(buf, peer, group=group, tag=p2p.tag("TIED", k_index, s, 0)))
-                        grads[s] = buf
-            for w in works:
-                w.wait()
+                        grads[s] = torch.empty_like(grads[mine[0]])
+                        messages.append(Message(False, peer, grads[s], f"tied {key}@{s}", "tied"))
+            local.append((key, params, grads))
+        exchange(messages, group=group, axis=self.axis, check=check).wait()
+        for key, params, grads in local:
+            holders = self.program.shared[key]
             total = grads[holders[0]].clone()
             for s in holders[1:]:
                 total += grads[s]

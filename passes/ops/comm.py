@@ -18,7 +18,10 @@ Korthikanti et al. 2022, section 4.2.2)::
 
 Every collective records the bytes it moves per rank in :data:`COUNTER`, using the ring-algorithm
 volume (what NCCL reports as bus bytes): all-reduce 2(n-1)/n·B, all-gather and reduce-scatter
-(n-1)/n·B of the full tensor, all-to-all (n-1)/n·B, point-to-point B.
+(n-1)/n·B of the full tensor, all-to-all (n-1)/n·B, point-to-point B. Each is also posted to the
+flight record (:mod:`passes.ops.flight`) and waited for through it, and asynchronous ones return a
+``TracedWork``, so a wait that fails (a timeout under the group's ``collective_timeout_s``, a dead
+peer) says what this rank waited for.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from passes.ops.flight import RECORDER, TracedWork, describe_tensor
 from planner.collectives import wire_bytes
 
 # torch.distributed.nn.functional evaluates ``group=group.WORLD`` as default arguments when it is
@@ -143,7 +147,16 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# plain collectives (no autograd), each recording into COUNTER
+# plain collectives (no autograd), each recording into COUNTER and the flight record
+
+
+def traced(op: str, axis: str, t: torch.Tensor, call: Any, *, async_op: bool = False) -> Any:
+    """Post ``call()`` (a torch.distributed collective) to the flight record: waited for through
+    it when synchronous, returned as a ``TracedWork`` when ``async_op``."""
+    entry = RECORDER.post(op, axis, describe_tensor(t))
+    if async_op:
+        return TracedWork(call(), entry, RECORDER)
+    return RECORDER.wait(entry, call)
 
 
 def all_reduce_(t: torch.Tensor, axis: str, *, op: Any = None, async_op: bool = False) -> Any:
@@ -152,7 +165,9 @@ def all_reduce_(t: torch.Tensor, axis: str, *, op: Any = None, async_op: bool = 
     if n == 1:
         return None
     COUNTER.record("all_reduce", axis, _nbytes(t), ring_bytes("all_reduce", _nbytes(t), n))
-    return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=get_group(axis), async_op=async_op)
+    group = get_group(axis)
+    return traced("all_reduce", axis, t, lambda: dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group,
+                                                                 async_op=async_op), async_op=async_op)
 
 
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
@@ -162,7 +177,9 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: str, *, async_
         out.copy_(shard.reshape(out.shape))
         return None
     COUNTER.record("all_gather", axis, _nbytes(out), ring_bytes("all_gather", _nbytes(out), n))
-    return dist.all_gather_single(out, shard, group=get_group(axis), async_op=async_op)
+    group = get_group(axis)
+    return traced("all_gather", axis, out, lambda: dist.all_gather_single(out, shard, group=group, async_op=async_op),
+                  async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
@@ -172,7 +189,9 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: str, *, asy
         out.copy_(full.reshape(out.shape))
         return None
     COUNTER.record("reduce_scatter", axis, _nbytes(full), ring_bytes("reduce_scatter", _nbytes(full), n))
-    return dist.reduce_scatter_single(out, full, group=get_group(axis), async_op=async_op)
+    group = get_group(axis)
+    return traced("reduce_scatter", axis, full,
+                  lambda: dist.reduce_scatter_single(out, full, group=group, async_op=async_op), async_op=async_op)
 
 
 def broadcast_(t: torch.Tensor, axis: str, *, src_rank: int = 0) -> None:
@@ -182,7 +201,8 @@ def broadcast_(t: torch.Tensor, axis: str, *, src_rank: int = 0) -> None:
         return
     group = get_group(axis)
     COUNTER.record("broadcast", axis, _nbytes(t), ring_bytes("broadcast", _nbytes(t), n))
-    dist.broadcast(t, src=dist.get_global_rank(group, src_rank), group=group)
+    src = dist.get_global_rank(group, src_rank)
+    traced("broadcast", axis, t, lambda: dist.broadcast(t, src=src, group=group))
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, axis: str, *,
@@ -192,8 +212,21 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, axis: str, *,
         out.copy_(inp)
         return
     COUNTER.record("all_to_all", axis, _nbytes(inp), ring_bytes("all_to_all", _nbytes(inp), n))
-    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=get_group(axis))
+    group = get_group(axis)
+    traced("all_to_all", axis, inp, lambda: dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                                                    input_split_sizes=in_splits, group=group))
+
+
+def all_gather_object(obj: Any, axis: str, *, what: str = "objects") -> list[Any]:
+    """Every rank's ``obj`` over ``axis``, in axis rank order (pickled; for small metadata only)."""
+    n = group_size(axis)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    group = get_group(axis)
+    entry = RECORDER.post("all_gather_object", axis, what)
+    RECORDER.wait(entry, lambda: dist.all_gather_object(out, obj, group=group))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

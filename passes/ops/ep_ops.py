@@ -43,7 +43,9 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str) ->
     row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
     me = comm.group_rank(axis)
     comm.COUNTER.record("all_to_all", axis, x.numel() * x.element_size(), float((sum(send) - send[me]) * row))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=comm.get_group(axis))
+    group = comm.get_group(axis)
+    comm.traced("all_to_all", axis, x, lambda: dist.all_to_all_single(out, x, output_split_sizes=recv,
+                                                                       input_split_sizes=send, group=group))
     return out
 
 
