@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.fx
 
 from fairscale.runtime import state as _state
+from fairscale.runtime import watchdog
 from fairscale.runtime.data_parallel import local_slice, memory_bytes
 from fairscale.runtime.device import collective_device
 from fairscale.runtime.init import check_replicas, sync_params
@@ -37,6 +38,7 @@ from fairscale.runtime.optim import DataParallelOptimizer
 from passes.dp.batch_norm import batch_norm_info, batch_norm_pass
 from passes.dp.shard_data_parallel import no_sync, shard_data_parallel_pass
 from passes.ops import comm
+from passes.ops.flight import RECORDER
 from planner.batch_stats import microbatch_problem
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Mesh, Plan
@@ -54,6 +56,7 @@ class DataParallelRunner:
     dp_index: int
     dp_size: int
     _grad_norm: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -85,6 +88,7 @@ class DataParallelRunner:
         world, rank = dist.get_world_size(), dist.get_rank()
         if comm.get_group(axis) is None or comm.group_size(axis) != world:
             comm.set_group(axis, dist.group.WORLD if world > 1 else None)
+        watchdog.install(label=f"dp {rank}")  # the world group carries collective_timeout_s
         gm = graph.gm if isinstance(graph, ModelGraph) else graph
         if sync is None:
             sync = under_torchrun() and not os.environ.get("FAIRSCALE_LAUNCHED")
@@ -118,6 +122,7 @@ class DataParallelRunner:
         self.optimizer.zero_grad(set_to_none=True)
         total: torch.Tensor | None = None  # summed on the device: one host sync per step, at the end
         for m in range(microbatches):
+            RECORDER.context = f"step {self._steps}, microbatch {m}"
             part = local_slice(mine, m, microbatches) if microbatches > 1 else mine
             ctx = no_sync() if m < microbatches - 1 else _null()
             with ctx:
@@ -125,6 +130,8 @@ class DataParallelRunner:
                 (loss / microbatches).backward()
             share = loss.detach().to(torch.float64) / microbatches
             total = share if total is None else total + share
+        RECORDER.context = f"step {self._steps}, optimizer"
+        self._steps += 1
         if clip_norm is not None:
             self._grad_norm = self.optimizer.clip_grad_norm_(clip_norm)
         self.optimizer.step()

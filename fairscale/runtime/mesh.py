@@ -13,11 +13,12 @@ Expert parallelism (``ep`` dividing dp) splits the dp axis in two more groups: `
 place in their blocks, which hold the same experts::
 
     dp=4, ep=2:   dp ranks 0 1 2 3   ep groups {0,1} {2,3}   ep_rep groups {0,2} {1,3}
+
+Every group gets the world's ``collective_timeout_s`` (``fairscale.runtime.watchdog``), not torch's
+30-minute default for new groups, and binding the mesh starts the rank's watchdog heartbeat.
 """
 
 from __future__ import annotations
-
-import datetime
 
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fairscale.runtime import watchdog
 from passes.ops import comm
 
 __all__ = ["RankMesh", "build_mesh"]
@@ -86,47 +88,22 @@ def build_mesh(pp: int, dp: int, tp: int, *, ep: int = 1,
         raise ValueError(f"mesh pp({pp}) × dp({dp}) × tp({tp}) = {pp * dp * tp}, but the world has {world} ranks")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    timeout = configured_timeout()
-    options = _options_with(timeout, device_type)
-    override = {axis: options for axis in AXES} if options is not None else None
+    timeout = watchdog.collective_timeout()
+    backend = dist.get_backend()
+    options = watchdog.group_options(backend, timeout)
+    override: Any = {axis: (backend, options) for axis in AXES} if options is not None else None
     device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES, backend_override=override)
     sizes: dict[str, Any] = {"pp": pp, "dp": dp, "tp": tp}
     for axis in AXES:
         comm.set_group(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)
     mesh = RankMesh(pp, dp, tp, dist.get_rank())
-    _bind_expert_axes(mesh, ep)
+    _bind_expert_axes(mesh, ep, timeout)
+    p, d, t = mesh.coords()
+    watchdog.install(label=f"pp {p}, dp {d}, tp {t}")
     return mesh, device_mesh
 
 
-def configured_timeout() -> datetime.timedelta | None:
-    """The timeout the world was initialized with (``fairscale.launch``'s ``collective_timeout_s``,
-    or what the user gave ``init_process_group`` under torchrun): every group the runtime creates
-    gets it, so a stuck rank fails its peers' collectives as a dp-only world's would."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-    return None
-
-
-def _options_with(timeout: datetime.timedelta | None, device_type: str) -> Any:
-    """(backend, options) for ``init_device_mesh``'s groups carrying ``timeout``; None to keep torch's."""
-    if timeout is None:
-        return None
-    if device_type == "cuda" and dist.is_nccl_available():
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return ("nccl", opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    return ("gloo", opts)
-
-
-def _bind_expert_axes(mesh: RankMesh, ep: int) -> None:
+def _bind_expert_axes(mesh: RankMesh, ep: int, timeout: Any) -> None:
     """Create the ``ep`` and ``ep_rep`` groups (every rank creates every group, in one order)."""
     if ep < 1 or mesh.dp % ep:
         raise ValueError(f"mesh ep({ep}) must divide dp({mesh.dp})")
@@ -140,6 +117,6 @@ def _bind_expert_axes(mesh: RankMesh, ep: int) -> None:
             blocks = [[mesh.rank_of(p, b * ep + j, t) for j in range(ep)] for b in range(mesh.dp // ep)]
             for axis, groups in (("ep", blocks), ("ep_rep", [list(g) for g in zip(*blocks)])):
                 for ranks in groups:
-                    group = dist.new_group(ranks, timeout=configured_timeout()) if len(ranks) > 1 else None
+                    group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                     if mesh.rank in ranks and me[0] == p and me[2] == t:
                         comm.set_group(axis, group)

@@ -87,12 +87,10 @@ class NcclChecker:
                 buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device="cpu")  # lint: cpu -- gloo side channel
                 ops.append(dist.P2POp(dist.irecv, buf, m.peer, group, tag=HEADER_TAG))
                 expected.append((m, buf))
+        entry = RECORDER.post("p2p", self.axis, "NCCL check headers: " + "; ".join(m.describe() for m in messages))
         works = dist.batch_isend_irecv(ops)
-        for m, work in zip(messages, works):
-            if m.send:
-                self._headers.append(work)
-            else:
-                work.wait()
+        self._headers += [w for m, w in zip(messages, works) if m.send]
+        RECORDER.wait(entry, lambda: [w.wait() for m, w in zip(messages, works) if not m.send])
         me = dist.get_rank()
         for m, buf in expected:
             got = json.loads(bytes(buf.tolist()).rstrip(b"\0").decode())
@@ -110,8 +108,9 @@ class NcclChecker:
 
     def end_step(self, where: str) -> None:
         """Check the step's batches of every rank on the axis together (collective over the axis)."""
-        for work in self._headers:
-            work.wait()
+        if self._headers:
+            entry = RECORDER.post("p2p", self.axis, "NCCL check headers sent this step")
+            RECORDER.wait(entry, lambda: [w.wait() for w in self._headers])
         self._headers = []
         programs = comm.all_gather_object(self.batches, self.axis, what="the step's point-to-point batches")
         self.batches = []

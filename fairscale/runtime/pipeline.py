@@ -238,10 +238,10 @@ class PipelineExecutor:
     def _run(self, program: Sequence[Action | CommBatch], micro: list[tuple[Any, ...]], where: str, *,
              evaluation: bool) -> None:
         st = self._state = StepState()
-        last = "the start"
+        last = ""
         for item in program:
             if isinstance(item, CommBatch):
-                RECORDER.context = f"{where}, after {last}"
+                RECORDER.context = f"{where}, after {last}" if last else f"{where}, start"
                 self._post(item, st, evaluation=evaluation)
                 continue
             last = item.token()
@@ -261,7 +261,7 @@ class PipelineExecutor:
         RECORDER.context = f"{where}, loss"
         out = self._report_loss(self._state.losses)
         self._state = StepState()
-        RECORDER.context = ""
+        RECORDER.context = f"{where}, after the pipeline (optimizer, clipping)"
         return out
 
     def _report_loss(self, losses: list[torch.Tensor]) -> float:

@@ -69,6 +69,8 @@ class FlightRecorder:
         """When this rank last posted or finished waiting for an entry."""
         self.explain: Callable[[Entry, BaseException], BaseException | None] | None = None
         """Hook of the runtime's watchdog: an error to raise instead of a failed wait's, or None."""
+        self.failed: str | None = None
+        """The entry whose wait failed on this rank (set by the watchdog; the rank is on its way out)."""
 
     def post(self, op: str, axis: str, detail: str) -> Entry:
         self.seq += 1
@@ -96,7 +98,7 @@ class FlightRecorder:
     def state(self) -> dict[str, Any]:
         """What the other ranks need to know about this one (JSON-able)."""
         cur, last = self.current, (self.entries[-1] if self.entries else None)
-        return {"seq": self.seq, "context": self.context, "last_event": self.last_event,
+        return {"seq": self.seq, "context": self.context, "last_event": self.last_event, "failed": self.failed,
                 "waiting": cur.describe() if cur is not None else None,
                 "waiting_since": cur.waiting if cur is not None else None,
                 "last": last.describe() if last is not None else None}
