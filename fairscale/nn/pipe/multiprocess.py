@@ -3,8 +3,8 @@
 Built on the compiler's pipeline runtime, not on a second one: the Sequential and its loss are
 captured (``planner.capture``), cut into stages by ``balance`` (``passes.split_stages``), and run
 by :class:`fairscale.runtime.pipeline.PipelineExecutor` under a schedule from
-``planner.schedule`` (GPipe, 1F1B or interleaved 1F1B), with tagged point-to-point sends between
-neighbouring ranks.
+``planner.schedule`` (GPipe, 1F1B or interleaved 1F1B), with batched, untagged point-to-point
+between neighbouring ranks (``fairscale.runtime.p2p``).
 
     # every rank (fairscale.launch or torchrun), pipeline of 2 ranks:
     pipe = MultiProcessPipe(nn.Sequential(a, b, c, d), balance=[2, 2], chunks=4,
