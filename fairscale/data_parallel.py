@@ -143,7 +143,9 @@ class DataParallelRunner:
         if self.dp_size == 1:
             return float(value)
         t = torch.as_tensor(value, dtype=torch.float64, device=collective_device()).reshape(1)
-        dist.all_reduce(t, group=comm.get_group(self.optimizer.info.axis))
+        axis = self.optimizer.info.axis
+        group = comm.get_group(axis)
+        comm.traced("all_reduce", axis, t, lambda: dist.all_reduce(t, group=group))
         return float(t.item() / self.dp_size)
 
     # -- reports and state ------------------------------------------------------------------------

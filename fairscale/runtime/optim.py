@@ -269,14 +269,16 @@ def reduce_grad_norm(parts: dict[tuple[str, ...], torch.Tensor], norm_type: floa
             continue
         keys = sorted(k for k in parts if axis in k)
         vec = torch.stack([parts[k] for k in keys])
-        dist.all_reduce(vec, op=op, group=comm.get_group(axis))
+        group = comm.get_group(axis)
+        comm.traced("all_reduce", axis, vec, lambda: dist.all_reduce(vec, op=op, group=group))  # not model traffic
         parts.update(zip(keys, vec.unbind()))
     values = list(parts.values()) or [torch.zeros((), dtype=torch.float64, device=_device())]
     total = torch.stack(values).max() if inf else torch.stack(values).sum()
     total = total.reshape(1).clone()
     for axis in reduce_axes:
         if comm.group_size(axis) > 1:
-            dist.all_reduce(total, op=op, group=comm.get_group(axis))
+            group = comm.get_group(axis)
+            comm.traced("all_reduce", axis, total, lambda: dist.all_reduce(total, op=op, group=group))
     return total[0] if inf else total[0] ** (1.0 / norm_type)
 
 
