@@ -27,7 +27,7 @@ Used by ``planner.schedule_batched`` (a schedule's own order, before anything ru
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -125,25 +125,25 @@ def _match(programs: Sequence[Sequence[P2PBatch]]) -> dict[Place, Place]:
 
 
 def _execute(programs: Sequence[Sequence[P2PBatch]], partner: dict[Place, Place]) -> None:
+    """Run every rank's batches in order; an operation completes when its partner's batch is the
+    one the partner's rank is in. A rank is revisited only when one of its operations completed."""
     n = len(programs)
     head = [0] * n
     done: set[Place] = set()
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n):
-            while head[r] < len(programs[r]):
-                b = head[r]
-                ops = programs[r][b].ops
-                for k in range(len(ops)):
-                    if (r, b, k) not in done:
-                        other = partner[(r, b, k)]
-                        if head[other[0]] == other[1]:
-                            done.update(((r, b, k), other))
-                if not all((r, b, k) in done for k in range(len(ops))):
-                    break
-                head[r] += 1
-                progress = True
+    queue = deque(range(n))
+    while queue:
+        r = queue.popleft()
+        while head[r] < len(programs[r]):
+            b = head[r]
+            for k in range(len(programs[r][b].ops)):
+                if (r, b, k) not in done:
+                    other = partner[(r, b, k)]
+                    if head[other[0]] == other[1]:
+                        done.update(((r, b, k), other))
+                        queue.append(other[0])  # its batch may be complete now
+            if not all((r, b, k) in done for k in range(len(programs[r][b].ops))):
+                break
+            head[r] += 1
     blocked = [r for r in range(n) if head[r] < len(programs[r])]
     if blocked:
         raise P2POrderError("deadlock under NCCL's semantics (a send completes only while the peer runs the "

@@ -98,17 +98,17 @@ class BatchedProgram:
                 if isinstance(step, Action):
                     last = step.token()
                     continue
-                ops = tuple(P2POp(send=a.kind in ("SF", "SB"), peer=sched.stage_rank(peer_stage(a)),
-                                  message="{}{} {}→{}".format(*message_key(a)[:2], *_ends(a)), action=a.token())
-                            for a in step.actions)
+                ops = tuple(_op(sched, a) for a in step.actions)
                 prog.append(P2PBatch(ops, where=f"after {last}"))
             out.append(prog)
         return out
 
 
-def _ends(a: Action) -> tuple[int, int]:
-    kind, _, src = message_key(a)
-    return src, src + (1 if kind == "F" else -1)
+def _op(sched: PipelineSchedule, a: Action) -> P2POp:
+    kind, mb, src = message_key(a)
+    dst = src + (1 if kind == "F" else -1)
+    return P2POp(send=a.kind[0] == "S", peer=sched.stage_rank(peer_stage(a)), message=f"{kind}{mb} {src}→{dst}",
+                 action=a.token())
 
 
 def batch_p2p(schedule: PipelineSchedule) -> BatchedProgram:
