@@ -107,7 +107,9 @@ class StageLinks:
     def handshake(self) -> None:
         """Every pipeline rank shares the boundary specs of its stages (one all-gather of small
         objects over the pp axis), and every rank checks every boundary between two ranks: all
-        raise the same error on a mismatch, before any activation is sent."""
+        raise the same error on a mismatch, before any activation is sent. Being the first
+        collective on the pp group, it also lets NCCL's batched point-to-point that follows involve
+        only some ranks of the group (``batch_isend_irecv`` needs every rank in the group's first call)."""
         mine = {s: ([(tuple(x.shape), x.dtype) for x in self.in_specs[s]],
                     [(tuple(x.shape), x.dtype) for x in self.out_specs[s]]) for s in self.local_stages}
         every: dict[int, Any] = {}
