@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fairscale.runtime import watchdog
 from fairscale.runtime.device import collective_device
 from fairscale.runtime.state import load_sharded_state_dict, sharded_state_dict
 
@@ -50,7 +51,13 @@ def dp_mesh() -> DeviceMesh:
     """A 1-D mesh over the whole world, named ``dp`` (the dp-only runner's layout)."""
     world = dist.get_world_size()
     if world not in _MESHES:
-        _MESHES[world] = init_device_mesh(collective_device().type, (world,), mesh_dim_names=("dp",))
+        # the world's default group (and its collective_timeout_s) is reused, except on a CUDA machine
+        # running gloo, where init_device_mesh makes a new group: give that one the timeout too
+        options = watchdog.group_options("gloo", watchdog.collective_timeout())
+        override: Any = {"dp": ("gloo", options)} if (
+            options is not None and torch.cuda.is_available() and dist.get_backend() == "gloo") else None
+        _MESHES[world] = init_device_mesh(collective_device().type, (world,), mesh_dim_names=("dp",),
+                                          backend_override=override)
     return _MESHES[world]
 
 
