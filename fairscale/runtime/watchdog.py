@@ -33,6 +33,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -126,9 +127,10 @@ def install(*, label: str = "") -> None:
     ``pp 0, dp 1, tp 1``, named in other ranks' errors. No-op for backends other than gloo and NCCL."""
     if not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
         return
-    world_id = (os.getpid(), id(dist.distributed_c10d._get_default_group()))
+    world = dist.distributed_c10d._get_default_group()
     beat = _ACTIVE.get("beat")
-    if beat is not None and _ACTIVE.get("world") == world_id:
+    same = _ACTIVE.get("pid") == os.getpid() and _ACTIVE["world"]() is world  # a forked rank starts its own
+    if beat is not None and same:
         beat.label = label or beat.label
         return
     if beat is not None:
@@ -137,7 +139,7 @@ def install(*, label: str = "") -> None:
     seconds = timeout.total_seconds() if timeout is not None else 1800.0
     beat = _Heartbeat(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), label,
                       interval=min(1.0, max(0.1, seconds / 10)), timeout=seconds)  # >= 10 beats per timeout
-    _ACTIVE.update(beat=beat, world=world_id)
+    _ACTIVE.update(beat=beat, world=weakref.ref(world), pid=os.getpid())
     RECORDER.explain = explain
     if not _ACTIVE.get("atexit"):
         atexit.register(lambda: _ACTIVE["beat"].stop.set() if _ACTIVE.get("beat") else None)
