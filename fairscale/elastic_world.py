@@ -18,7 +18,7 @@ import os
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from fairscale.runtime.mesh import configured_timeout
+from fairscale.runtime.watchdog import collective_timeout
 
 __all__ = ["regroup"]
 
@@ -36,7 +36,7 @@ def regroup(n: int) -> bool:
         return True
     store = c10d._get_default_store()  # held here, so it outlives the group it served
     backend = dist.get_backend()
-    timeout = configured_timeout() or datetime.timedelta(minutes=30)  # torch's default, kept when none was set
+    timeout = collective_timeout() or datetime.timedelta(minutes=30)  # torch's default, kept when none was set
     prefix = f"fairscale/regroup/{next(_GENERATION)}/{world}->{n}/"
     dist.barrier()  # nobody leaves while another still talks over the old group
     dist.destroy_process_group()
