@@ -37,7 +37,7 @@ from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
 from passes.dp.batch_norm import batch_norm_info, batch_norm_pass
 from passes.dp.shard_data_parallel import no_sync, shard_data_parallel_pass
-from passes.ops import comm
+from passes.ops import comm, groups
 from passes.ops.flight import RECORDER
 from planner.batch_stats import microbatch_problem
 from planner.graph import ModelGraph
@@ -86,7 +86,8 @@ class DataParallelRunner:
                 "Launch with fairscale.launch(fn, devices=N, backend='gloo'); GPU placement belongs to the "
                 "full engine")
         world, rank = dist.get_world_size(), dist.get_rank()
-        if comm.get_group(axis) is None or comm.group_size(axis) != world:
+        bound = groups.PROCESS.get(axis)  # the runner's dp is process-wide, as FairScale's groups are
+        if bound is None or dist.get_world_size(bound) != world:
             comm.set_group(axis, dist.group.WORLD if world > 1 else None)
         watchdog.install(label=f"dp {rank}")  # the world group carries collective_timeout_s
         gm = graph.gm if isinstance(graph, ModelGraph) else graph

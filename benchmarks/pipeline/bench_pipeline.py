@@ -104,56 +104,57 @@ def _timed(fn: Any, steps: int, warmup: int) -> list[float]:
 
 def _rank(rank: int, world: int, args: argparse.Namespace, cfg: GPTConfig,
           graphs: dict[str, ModelGraph]) -> dict[str, Any]:
-    build_mesh(world, 1, 1)
-    torch.set_num_threads(args.threads)
-    out: dict[str, Any] = {}
-    for kind in args.kinds:
-        v = 2 if kind == "interleaved" else 1
-        blocks = _split(cfg.layers, world * v)
-        plan = Plan(mesh=Mesh(pp=world), schedule=Schedule(kind=kind, microbatches=args.microbatches,
-                                                            virtual_stages=v),
-                    stages=[Stage(layers=s) for s in _selectors(blocks)])
-        graph = graphs[kind]
-        sched = build_schedule(kind, pp=world, microbatches=args.microbatches, virtual_stages=v)
-        pipe = PipelineExecutor(split_stages_pass(graph.gm, plan, graph=graph), sched, record=True)
-        bubbles, costs = [], []
+    mesh, _ = build_mesh(world, 1, 1)
+    with mesh.groups.active():
+        torch.set_num_threads(args.threads)
+        out: dict[str, Any] = {}
+        for kind in args.kinds:
+            v = 2 if kind == "interleaved" else 1
+            blocks = _split(cfg.layers, world * v)
+            plan = Plan(mesh=Mesh(pp=world), schedule=Schedule(kind=kind, microbatches=args.microbatches,
+                                                                virtual_stages=v),
+                        stages=[Stage(layers=s) for s in _selectors(blocks)])
+            graph = graphs[kind]
+            sched = build_schedule(kind, pp=world, microbatches=args.microbatches, virtual_stages=v)
+            pipe = PipelineExecutor(split_stages_pass(graph.gm, plan, graph=graph), sched, record=True)
+            bubbles, costs = [], []
 
-        def ours(i: int) -> None:
-            for p in pipe.parameters():
-                p.grad = None
-            pipe.step(_batch(cfg, i, args.batch))
-            bubbles.append(pipe.trace.bubble)
-            costs.append(list(pipe.trace.compute))
+            def ours(i: int) -> None:
+                for p in pipe.parameters():
+                    p.grad = None
+                pipe.step(_batch(cfg, i, args.batch))
+                bubbles.append(pipe.trace.bubble)
+                costs.append(list(pipe.trace.compute))
 
-        ours_t = _timed(ours, args.steps, args.warmup)
+            ours_t = _timed(ours, args.steps, args.warmup)
 
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        mine = sched.rank_stages(rank)
-        stages = [sp.PipelineStage(
-            _TorchStage(model, blocks[s], first=s == 0, last=s == len(blocks) - 1), s, len(blocks),
-            torch.device("cpu"), group=comm.get_group("pp")) for s in mine]
-        if kind == "interleaved":
-            schedule = sp.ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=lm_loss)
-        else:
-            cls = sp.ScheduleGPipe if kind == "gpipe" else sp.Schedule1F1B
-            schedule = cls(stages[0], args.microbatches, loss_fn=lm_loss)
-
-        def theirs(i: int) -> None:
-            for st in stages:
-                st.submod.zero_grad(set_to_none=True)
-            ids, labels = _batch(cfg, i, args.batch)
-            if rank == 0:
-                schedule.step(ids)
-            elif rank == world - 1:
-                schedule.step(target=labels, losses=[])
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            mine = sched.rank_stages(rank)
+            stages = [sp.PipelineStage(
+                _TorchStage(model, blocks[s], first=s == 0, last=s == len(blocks) - 1), s, len(blocks),
+                torch.device("cpu"), group=comm.get_group("pp")) for s in mine]
+            if kind == "interleaved":
+                schedule = sp.ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=lm_loss)
             else:
-                schedule.step()
+                cls = sp.ScheduleGPipe if kind == "gpipe" else sp.Schedule1F1B
+                schedule = cls(stages[0], args.microbatches, loss_fn=lm_loss)
 
-        torch_t = _timed(theirs, args.steps, args.warmup)
-        out[kind] = {"ours": ours_t, "torch": torch_t, "bubble": bubbles[args.warmup:],
-                     "compute": costs[args.warmup:]}
-    return out
+            def theirs(i: int) -> None:
+                for st in stages:
+                    st.submod.zero_grad(set_to_none=True)
+                ids, labels = _batch(cfg, i, args.batch)
+                if rank == 0:
+                    schedule.step(ids)
+                elif rank == world - 1:
+                    schedule.step(target=labels, losses=[])
+                else:
+                    schedule.step()
+
+            torch_t = _timed(theirs, args.steps, args.warmup)
+            out[kind] = {"ours": ours_t, "torch": torch_t, "bubble": bubbles[args.warmup:],
+                         "compute": costs[args.warmup:]}
+        return out
 
 
 def _stage_costs(per_rank: list[dict[str, Any]], kind: str, stages: int) -> tuple[list[float], list[float]]:

@@ -105,21 +105,22 @@ def _dtensor(model: torch.nn.Module, mesh: Any, batch: tuple[Any, ...], steps: i
 
 def _rank(rank: int, world: int, args: argparse.Namespace, gm: torch.fx.GraphModule, model: torch.nn.Module,
           detector_rules: dict[str, str], batch: tuple[Any, ...]) -> dict[str, Any]:
-    _, device_mesh = build_mesh(1, 1, world)
-    tp_mesh = device_mesh["tp"]
-    out: dict[str, Any] = {}
-    if args.bytes:
-        for name, rules, sp in _variants(detector_rules):
-            _, out[name + ":bytes"], out[name + ":summary"] = _ours(gm, rules, sp, rank, world, batch, 0, 0)
+    mesh, device_mesh = build_mesh(1, 1, world)
+    with mesh.groups.active():
+        tp_mesh = device_mesh["tp"]
+        out: dict[str, Any] = {}
+        if args.bytes:
+            for name, rules, sp in _variants(detector_rules):
+                _, out[name + ":bytes"], out[name + ":summary"] = _ours(gm, rules, sp, rank, world, batch, 0, 0)
+            return out
+        # interleave the two sides so machine noise hits both alike
+        for rep in range(args.repeats):
+            out.setdefault("dtensor", []).extend(_dtensor(model, tp_mesh, batch, args.steps, args.warmup))
+            for name, rules, sp in _variants(detector_rules):
+                times, moved, _ = _ours(gm, rules, sp, rank, world, batch, args.steps, args.warmup)
+                out.setdefault(name, []).extend(times)
+                out[name + ":bytes"] = moved
         return out
-    # interleave the two sides so machine noise hits both alike
-    for rep in range(args.repeats):
-        out.setdefault("dtensor", []).extend(_dtensor(model, tp_mesh, batch, args.steps, args.warmup))
-        for name, rules, sp in _variants(detector_rules):
-            times, moved, _ = _ours(gm, rules, sp, rank, world, batch, args.steps, args.warmup)
-            out.setdefault(name, []).extend(times)
-            out[name + ":bytes"] = moved
-    return out
 
 
 def main() -> None:

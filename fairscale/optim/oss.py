@@ -82,7 +82,7 @@ def _broadcast_async(t: torch.Tensor, axis: str, src_rank: int) -> Any:
         return None
     group = comm.get_group(axis)
     nbytes = t.numel() * t.element_size()
-    comm.COUNTER.record("broadcast", axis, nbytes, comm.ring_bytes("broadcast", nbytes, n))
+    comm.count("broadcast", axis, nbytes, comm.ring_bytes("broadcast", nbytes, n))
     return dist.broadcast(t, src=dist.get_global_rank(group, src_rank), group=group, async_op=True)
 
 

@@ -37,6 +37,7 @@ from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.ops import comm
 from passes.ops.gauge import UNSHARD as _UNSHARD
+from passes.ops.groups import AxisGroups
 
 __all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
 
@@ -44,6 +45,15 @@ OptimizerSpec = Callable[..., torch.optim.Optimizer]
 """An optimizer class or a ``functools.partial`` of one with its options, e.g.
 ``functools.partial(torch.optim.AdamW, lr=3e-4)``. Sharded data-parallel kinds construct it over
 this rank's shards."""
+
+
+def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a ``ParallelModule`` method with its mesh's groups active (``passes.ops.groups``)."""
+    @functools.wraps(method)
+    def run(self: ParallelModule, *args: Any, **kwargs: Any) -> Any:
+        with self.mesh.groups.active():
+            return method(self, *args, **kwargs)
+    return run
 
 
 def microbatch_example(batch: Sequence[Any], size: int) -> tuple[Any, ...]:
@@ -91,6 +101,10 @@ class ParallelModule:
         m = self.plan.mesh
         self.mesh: RankMesh
         self.mesh, self.device_mesh = build_mesh(m.pp, m.dp, m.tp, ep=m.ep, device_type=self.device.type)
+        with self.mesh.groups.active():
+            self._start(program, optimizer)
+
+    def _start(self, program: RankProgram, optimizer: OptimizerSpec | None) -> None:
         if self.mesh.coords() != program.coords:
             raise ValueError(f"this rank is at (pp, dp, tp) = {self.mesh.coords()} of the mesh, but its program was "
                              f"compiled for {program.coords}: compile the program on the rank that runs it")
@@ -104,7 +118,7 @@ class ParallelModule:
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
-        self.optimizer = _StageOptimizers(self._optimizers)
+        self.optimizer = _StageOptimizers(self._optimizers, self.mesh.groups)
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
@@ -120,6 +134,7 @@ class ParallelModule:
 
     # -- training ---------------------------------------------------------------------------------
 
+    @_on_mesh
     def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None,
                    measure_memory: bool = False) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank).
@@ -157,6 +172,7 @@ class ParallelModule:
             self._batch_checked = True
         return to_device(local_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
 
+    @_on_mesh
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this rank's gradients so the norm over the FULL model's gradients is at most
@@ -185,6 +201,7 @@ class ParallelModule:
         later = [k for k in program.shared_keys(stage) if min(program.shared[program.canonical(k)]) != stage]
         return {name for k in later for name in program.aliases.get(k, [k])}
 
+    @_on_mesh
     def __call__(self, *batch: Any) -> torch.Tensor:
         """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""
         if self.plan.mesh.pp > 1 or self.plan.schedule.microbatches > 1:
@@ -202,6 +219,7 @@ class ParallelModule:
 
     # -- state ------------------------------------------------------------------------------------
 
+    @_on_mesh
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only, in
         host memory; other ranks get ``{}``. Collective: every rank must call it.
@@ -215,6 +233,7 @@ class ParallelModule:
         model = self._user_model()
         return apply_state_dict_hooks(model, out) if out and model is not None else out
 
+    @_on_mesh
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The full gradients of the last backward (after ``train_step``, or ``loss.backward()``
         in the plain loop), in the user's keys (``model.named_parameters()`` names, and every name
@@ -265,10 +284,12 @@ class ParallelModule:
         for s in self.local_stages:
             yield from iter_full_state(self.modules[s], aliases=self.rank_program.tied)
 
+    @_on_mesh
     def save_checkpoint(self, path: str) -> None:
         """Save model and optimizer state so any plan can resume it (``fairscale.runtime.engine_checkpoint``)."""
         engine_checkpoint.save(path, self._stage_states(), mesh=self.mesh, tied=self.rank_program.tied)
 
+    @_on_mesh
     def load_checkpoint(self, path: str) -> None:
         """Resume from a checkpoint saved under this or any other plan of the same model."""
         engine_checkpoint.load(path, self._stage_states())
@@ -281,6 +302,7 @@ class ParallelModule:
         compiled this rank rendered it (``fairscale.report.text.render_report``)."""
         return self.rank_program.report
 
+    @_on_mesh
     def memory_report(self) -> MemoryReport:
         """This rank's memory by category (parameters, gradients, optimizer, activations, buffers),
         measured against the planner's prediction. On CPU from the runtime's own accounting of the
@@ -291,28 +313,40 @@ class ParallelModule:
         return measure_memory(self._stage_states(), predicted=self.rank_program.predicted_memory,
                               device=self.device, peaks=self._peaks)
 
+    @property
+    def comm_counter(self) -> comm.CommCounter:
+        """Bytes each collective of this module moved on this rank (ring volumes), by kind and axis;
+        ``fairscale.comm_counter`` counts every collective of the process."""
+        if self.mesh.groups.counter is None:
+            self.mesh.groups.counter = comm.CommCounter()
+        return self.mesh.groups.counter
+
     def comm_summary(self) -> str:
-        """Bytes each collective moved on this rank (ring volumes) since the counter was reset."""
-        return comm.COUNTER.summary()
+        """Bytes each collective of this module moved on this rank (ring volumes) since its counter
+        (``pm.comm_counter``) was reset."""
+        return self.comm_counter.summary()
 
 
 class _StageOptimizers:
     """The optimizers of this rank's stages, stepped together."""
 
-    def __init__(self, optimizers: list[DataParallelOptimizer]) -> None:
+    def __init__(self, optimizers: list[DataParallelOptimizer], groups: AxisGroups) -> None:
         self.optimizers = optimizers
+        self._groups = groups
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
+        with self._groups.active():
+            for o in self.optimizers:
+                o.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
+        with self._groups.active():
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=set_to_none)
 
 
 def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:

@@ -14,13 +14,17 @@ place in their blocks, which hold the same experts::
 
     dp=4, ep=2:   dp ranks 0 1 2 3   ep groups {0,1} {2,3}   ep_rep groups {0,2} {1,3}
 
+The axis names are bound in the mesh's own table (``RankMesh.groups``), not process-wide: two
+modules in one process each keep their groups (``passes.ops.groups``).
+
 Every group gets the world's ``collective_timeout_s`` (``fairscale.runtime.watchdog``), not torch's
 30-minute default for new groups, and binding the mesh starts the rank's watchdog heartbeat.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,11 +32,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fairscale.runtime import watchdog
-from passes.ops import comm
+from passes.ops.groups import AxisGroups
 
 __all__ = ["RankMesh", "build_mesh"]
 
 AXES = ("pp", "dp", "tp")
+_MESHES = itertools.count()  # names meshes in errors
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class RankMesh:
     dp: int
     tp: int
     rank: int
+    groups: AxisGroups = field(default_factory=lambda: AxisGroups("a mesh"), compare=False, repr=False)
+    """What each axis name means on this rank (``passes.ops.groups``): the module that holds the
+    mesh runs under ``with mesh.groups.active():``."""
 
     @property
     def size(self) -> int:
@@ -76,8 +84,10 @@ class RankMesh:
 
 def build_mesh(pp: int, dp: int, tp: int, *, ep: int = 1,
                device_type: str | None = None) -> tuple[RankMesh, DeviceMesh]:
-    """Create the DeviceMesh for pp × dp × tp on the current world and bind ``comm`` axes to it
-    (``pp``, ``dp``, ``tp``, and with ``ep > 1`` the ``ep`` and ``ep_rep`` sub-axes of dp).
+    """Create the DeviceMesh for pp × dp × tp on the current world and bind its axes in the mesh's
+    own table, ``mesh.groups`` (``pp``, ``dp``, ``tp``, and with ``ep > 1`` the ``ep`` and
+    ``ep_rep`` sub-axes of dp): code that runs collectives by axis name runs under
+    ``with mesh.groups.active():``, as a ``ParallelModule`` does.
 
     Every rank must call this (it creates process groups). Size-1 axes are bound to ``None``.
     """
@@ -94,9 +104,9 @@ def build_mesh(pp: int, dp: int, tp: int, *, ep: int = 1,
     override: Any = {axis: (backend, options) for axis in AXES} if options is not None else None
     device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES, backend_override=override)
     sizes: dict[str, Any] = {"pp": pp, "dp": dp, "tp": tp}
+    mesh = RankMesh(pp, dp, tp, dist.get_rank(), AxisGroups(f"the pp{pp}×dp{dp}×tp{tp} mesh #{next(_MESHES)}"))
     for axis in AXES:
-        comm.set_group(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)
-    mesh = RankMesh(pp, dp, tp, dist.get_rank())
+        mesh.groups.bind(axis, device_mesh.get_group(axis) if sizes[axis] > 1 else None)
     _bind_expert_axes(mesh, ep, timeout)
     p, d, t = mesh.coords()
     watchdog.install(label=f"pp {p}, dp {d}, tp {t}")
@@ -107,8 +117,8 @@ def _bind_expert_axes(mesh: RankMesh, ep: int, timeout: Any) -> None:
     """Create the ``ep`` and ``ep_rep`` groups (every rank creates every group, in one order)."""
     if ep < 1 or mesh.dp % ep:
         raise ValueError(f"mesh ep({ep}) must divide dp({mesh.dp})")
-    comm.set_group("ep", None)
-    comm.set_group("ep_rep", None)
+    mesh.groups.bind("ep", None)
+    mesh.groups.bind("ep_rep", None)
     if ep == 1:
         return
     me = mesh.coords()
@@ -119,4 +129,4 @@ def _bind_expert_axes(mesh: RankMesh, ep: int, timeout: Any) -> None:
                 for ranks in groups:
                     group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                     if mesh.rank in ranks and me[0] == p and me[2] == t:
-                        comm.set_group(axis, group)
+                        mesh.groups.bind(axis, group)

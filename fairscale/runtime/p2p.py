@@ -76,7 +76,7 @@ def exchange(messages: Sequence[Message], *, group: Any, axis: str, check: Check
         check(messages, group)
     for m in messages:
         nbytes = m.tensor.numel() * m.tensor.element_size()
-        comm.COUNTER.record("send" if m.send else "recv", axis, nbytes, float(nbytes))
+        comm.count("send" if m.send else "recv", axis, nbytes, float(nbytes))
     entry = RECORDER.post("p2p", axis, "; ".join(m.describe() for m in messages))
     ops = [dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, group) for m in messages]
     return Batch(dist.batch_isend_irecv(ops), entry)

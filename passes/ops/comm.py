@@ -1,8 +1,9 @@
 """Collective calls that the passes insert into per-rank graphs, and the counter of what they move.
 
 Graphs refer to process groups by **axis name** (``"dp"``, ``"tp"``, ``"pp"``, or any name a
-runtime registers), so a printed rank graph reads ``tp_all_reduce(x, 'tp')``. The runtime binds
-names to real groups with :func:`set_group` before it runs a graph. An unbound name, or a name
+runtime registers), so a printed rank graph reads ``tp_all_reduce(x, 'tp')``. Each mesh binds
+names to real groups in its own table and its module runs under it (:mod:`passes.ops.groups`);
+:func:`set_group` binds process-wide groups (classic FairScale modules). An unbound name, or a name
 bound to ``None``, is a group of size 1 on which every collective is the identity.
 
 Autograd pairing (Megatron-LM, Shoeybi et al. 2019, section 3; sequence parallelism,
@@ -16,7 +17,8 @@ Korthikanti et al. 2022, section 4.2.2)::
     gather_seq        all-gather  reduce-scatter    (sequence parallel entry)
     reduce_scatter_seq reduce-scatter all-gather    (sequence parallel exit)
 
-Every collective records the bytes it moves per rank in :data:`COUNTER`, using the ring-algorithm
+Every collective records the bytes it moves per rank in :data:`COUNTER` (and in the active mesh's
+own counter), using the ring-algorithm
 volume (what NCCL reports as bus bytes): all-reduce 2(n-1)/n·B, all-gather and reduce-scatter
 (n-1)/n·B of the full tensor, all-to-all (n-1)/n·B, point-to-point B. Each is also posted to the
 flight record (:mod:`passes.ops.flight`) and waited for through it, and asynchronous ones return a
@@ -26,7 +28,6 @@ peer) says what this rank waited for.
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -34,6 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from passes.ops import groups
 from passes.ops.flight import RECORDER, TracedWork, describe_tensor
 from planner.collectives import wire_bytes
 
@@ -49,32 +51,20 @@ from planner.collectives import wire_bytes
 if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
-_GROUPS: dict[str, Any] = {}  # axis -> weakref.ref(group), or None (size 1)
-
-
 def set_group(axis: str, group: Any) -> None:
-    """Bind ``axis`` to a process group (``None`` = size 1).
-
-    Only a weak reference is kept: torch's own registry keeps a group alive until
-    ``dist.destroy_process_group``, and a strong global reference here would keep its gloo worker
-    threads running into interpreter finalization, where they can abort the process.
-    """
-    _GROUPS[axis] = None if group is None else weakref.ref(group)
+    """Bind ``axis`` to a process group (``None`` = size 1) in the process-wide table (what applies
+    outside every module: classic FairScale modules' groups). A mesh binds its own table
+    (``passes.ops.groups``)."""
+    groups.PROCESS.bind(axis, group)
 
 
 def clear_groups() -> None:
-    _GROUPS.clear()
+    groups.PROCESS.clear()
 
 
 def get_group(axis: str) -> Any:
-    ref = _GROUPS.get(axis)
-    if ref is None:
-        return None
-    group = ref()
-    if group is None:
-        raise RuntimeError(f"the process group bound to axis {axis!r} was destroyed "
-                           "(dist.destroy_process_group); bind a live group with passes.ops.comm.set_group")
-    return group
+    """The group ``axis`` means here: the running module's, else the process-wide one, else None."""
+    return groups.resolve(axis)
 
 
 def group_size(axis: str) -> int:
@@ -132,7 +122,18 @@ class CommCounter:
 
 
 COUNTER = CommCounter()
-"""The process-wide counter every collective in this module records into."""
+"""The process-wide counter: every collective of the process records into it."""
+groups.PROCESS.counter = COUNTER
+
+
+def count(kind: str, axis: str, payload: int, wire: float) -> None:
+    """Record one collective in :data:`COUNTER` and in the active mesh's own counter."""
+    COUNTER.record(kind, axis, payload, wire)
+    table = groups.current()
+    if table is not groups.PROCESS:
+        if table.counter is None:
+            table.counter = CommCounter()
+        table.counter.record(kind, axis, payload, wire)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -164,7 +165,7 @@ def all_reduce_(t: torch.Tensor, axis: str, *, op: Any = None, async_op: bool = 
     n = group_size(axis)
     if n == 1:
         return None
-    COUNTER.record("all_reduce", axis, _nbytes(t), ring_bytes("all_reduce", _nbytes(t), n))
+    count("all_reduce", axis, _nbytes(t), ring_bytes("all_reduce", _nbytes(t), n))
     group = get_group(axis)
     return traced("all_reduce", axis, t, lambda: dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group,
                                                                  async_op=async_op), async_op=async_op)
@@ -176,7 +177,7 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: str, *, async_
     if n == 1:
         out.copy_(shard.reshape(out.shape))
         return None
-    COUNTER.record("all_gather", axis, _nbytes(out), ring_bytes("all_gather", _nbytes(out), n))
+    count("all_gather", axis, _nbytes(out), ring_bytes("all_gather", _nbytes(out), n))
     group = get_group(axis)
     return traced("all_gather", axis, out, lambda: dist.all_gather_single(out, shard, group=group, async_op=async_op),
                   async_op=async_op)
@@ -188,7 +189,7 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: str, *, asy
     if n == 1:
         out.copy_(full.reshape(out.shape))
         return None
-    COUNTER.record("reduce_scatter", axis, _nbytes(full), ring_bytes("reduce_scatter", _nbytes(full), n))
+    count("reduce_scatter", axis, _nbytes(full), ring_bytes("reduce_scatter", _nbytes(full), n))
     group = get_group(axis)
     return traced("reduce_scatter", axis, full,
                   lambda: dist.reduce_scatter_single(out, full, group=group, async_op=async_op), async_op=async_op)
@@ -200,7 +201,7 @@ def broadcast_(t: torch.Tensor, axis: str, *, src_rank: int = 0) -> None:
     if n == 1:
         return
     group = get_group(axis)
-    COUNTER.record("broadcast", axis, _nbytes(t), ring_bytes("broadcast", _nbytes(t), n))
+    count("broadcast", axis, _nbytes(t), ring_bytes("broadcast", _nbytes(t), n))
     src = dist.get_global_rank(group, src_rank)
     traced("broadcast", axis, t, lambda: dist.broadcast(t, src=src, group=group))
 
@@ -211,7 +212,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, axis: str, *,
     if n == 1:
         out.copy_(inp)
         return
-    COUNTER.record("all_to_all", axis, _nbytes(inp), ring_bytes("all_to_all", _nbytes(inp), n))
+    count("all_to_all", axis, _nbytes(inp), ring_bytes("all_to_all", _nbytes(inp), n))
     group = get_group(axis)
     traced("all_to_all", axis, inp, lambda: dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                                                     input_split_sizes=in_splits, group=group))
@@ -273,6 +274,7 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return out
 
 
+@groups.group_function
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -284,6 +286,7 @@ class _CopyToGroup(torch.autograd.Function):
         return _all_reduce(grad, ctx.axis), None
 
 
+@groups.group_function
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -294,6 +297,7 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+@groups.group_function
 class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
@@ -305,6 +309,7 @@ class _GatherFromGroup(torch.autograd.Function):
         return _split_dim(grad, ctx.axis, ctx.dim), None, None
 
 
+@groups.group_function
 class _ScatterToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
@@ -316,6 +321,7 @@ class _ScatterToGroup(torch.autograd.Function):
         return _gather_dim(grad, ctx.axis, ctx.dim), None, None
 
 
+@groups.group_function
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
@@ -327,6 +333,7 @@ class _GatherSeq(torch.autograd.Function):
         return _reduce_scatter_dim(grad, ctx.axis, ctx.dim), None, None
 
 
+@groups.group_function
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

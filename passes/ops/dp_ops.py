@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from passes.ops import comm
+from passes.ops.groups import group_function
 from passes.ops.gauge import UNSHARD, nbytes
 from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, enqueue, finish_where, flat_grads,
                                   no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
@@ -133,6 +134,7 @@ class _Reduction:
         return (shard_grad, *param_grads)
 
 
+@group_function
 class _Bucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> Any:
@@ -303,6 +305,7 @@ def _finish_units(task: int) -> None:
     finish_where(task, lambda red: isinstance(red, _UnitReduction))
 
 
+@group_function
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
@@ -345,6 +348,7 @@ class _Unshard(torch.autograd.Function):
         return None, None
 
 
+@group_function
 class _Reshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: FSDPUnit, *xs: Any) -> Any:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from passes.ops import comm
+from passes.ops.groups import group_function
 
 __all__ = ["moe_dispatch", "moe_combine", "scale_grad", "regroup_order"]
 
@@ -42,13 +43,14 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str) ->
     out = x.new_empty((sum(recv), *x.shape[1:]))
     row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
     me = comm.group_rank(axis)
-    comm.COUNTER.record("all_to_all", axis, x.numel() * x.element_size(), float((sum(send) - send[me]) * row))
+    comm.count("all_to_all", axis, x.numel() * x.element_size(), float((sum(send) - send[me]) * row))
     group = comm.get_group(axis)
     comm.traced("all_to_all", axis, x, lambda: dist.all_to_all_single(out, x, output_split_sizes=recv,
                                                                        input_split_sizes=send, group=group))
     return out
 
 
+@group_function
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], axis: str) -> torch.Tensor:
@@ -60,6 +62,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.axis), None, None, None
 
 
+@group_function
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:

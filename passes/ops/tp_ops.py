@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from passes.ops import comm
+from passes.ops.groups import group_function
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "expert_grouped_mm", "sharded_dropout",
            "local_chunk"]
@@ -49,6 +50,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_star
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+@group_function
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, axis: str, vocab_start: int,
@@ -147,6 +149,7 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, tp_index: int) -> to
     return x * keep / (1.0 - p)
 
 
+@group_function
 class _LocalChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -198,24 +198,25 @@ def _meta_ranks(rank: int, world: int) -> list[str]:
     for family, dp, tp, kind, sp in META_PLANS:
         dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=dp * tp)
         mesh, _ = build_mesh(1, dp, tp, device_type="cpu")
-        case = build(family)
-        graph = capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn, annotate=False)
-        rules = propose_tp_rules(graph.gm, tp=tp, sequence_parallel=sp).rules if tp > 1 else {}
-        units = "layers.*" if family in ("gpt", "llama") else ("block.*" if family == "t5" else "")
-        plan = Plan(mesh=Mesh(dp=dp, tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp),
-                    data_parallel=DataParallel(kind=kind, units=units if kind == "fsdp" else ""))
-        _, modules = compile_rank(graph, plan, stages=[0], dp_index=mesh.dp_index, tp_index=mesh.tp_index,
-                                  device="meta")
-        gm = modules[0]
-        stale = [n for n, t in [*gm.named_parameters(), *gm.named_buffers()] if not t.is_meta]
-        assert not stale, f"{family} {kind} dp={dp} tp={tp}: {stale[:3]} not on the target device"
-        batch = tuple(t.to("meta") for t in case.make_batch(0, 2))  # the captured (per-rank) shape
-        with _OnlyOn("meta"):
-            out = gm(*batch)
-            loss = out[0] if isinstance(out, (tuple, list)) else out
-            loss.backward()
-        done.append(f"{family}-{kind}-dp{dp}-tp{tp}")
-        dist.destroy_process_group()
+        with mesh.groups.active():
+            case = build(family)
+            graph = capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn, annotate=False)
+            rules = propose_tp_rules(graph.gm, tp=tp, sequence_parallel=sp).rules if tp > 1 else {}
+            units = "layers.*" if family in ("gpt", "llama") else ("block.*" if family == "t5" else "")
+            plan = Plan(mesh=Mesh(dp=dp, tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp),
+                        data_parallel=DataParallel(kind=kind, units=units if kind == "fsdp" else ""))
+            _, modules = compile_rank(graph, plan, stages=[0], dp_index=mesh.dp_index, tp_index=mesh.tp_index,
+                                      device="meta")
+            gm = modules[0]
+            stale = [n for n, t in [*gm.named_parameters(), *gm.named_buffers()] if not t.is_meta]
+            assert not stale, f"{family} {kind} dp={dp} tp={tp}: {stale[:3]} not on the target device"
+            batch = tuple(t.to("meta") for t in case.make_batch(0, 2))  # the captured (per-rank) shape
+            with _OnlyOn("meta"):
+                out = gm(*batch)
+                loss = out[0] if isinstance(out, (tuple, list)) else out
+                loss.backward()
+            done.append(f"{family}-{kind}-dp{dp}-tp{tp}")
+            dist.destroy_process_group()
     return done
 
 

@@ -17,13 +17,14 @@ def test_rank_order_puts_tp_innermost():
 
 def _groups(rank, world):
     mesh, _ = build_mesh(2, 2, 2)
-    members = {}
-    for axis in ("pp", "dp", "tp"):
-        t = torch.tensor([float(rank)])
-        out = torch.empty(comm.group_size(axis))
-        comm.all_gather_flat(out, t, axis)
-        members[axis] = out.int().tolist()
-    return members
+    with mesh.groups.active():
+        members = {}
+        for axis in ("pp", "dp", "tp"):
+            t = torch.tensor([float(rank)])
+            out = torch.empty(comm.group_size(axis))
+            comm.all_gather_flat(out, t, axis)
+            members[axis] = out.int().tolist()
+        return members
 
 
 def test_axes_are_bound_to_the_right_ranks():

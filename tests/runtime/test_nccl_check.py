@@ -40,34 +40,36 @@ def _plan(graph, kind: str, m: int) -> Plan:
 
 def _unbatched(rank: int, world: int, graph, kind: str, m: int) -> None:
     """Train one step with the executor posting one call per message in ``lower()``'s order."""
-    build_mesh(world, 1, 1)
-    plan = _plan(graph, kind, m)
-    pipe = PipelineExecutor(split_stages_pass(graph.gm, plan, graph=graph), schedule_for(plan), nccl_check=True)
-    pipe.batched = [CommBatch(0.0, (a,)) if a.kind in COMM else a for a in pipe.schedule.lower().actions[rank]]
-    pipe.step(build("gpt").make_batch(0, GB))
+    mesh, _ = build_mesh(world, 1, 1)
+    with mesh.groups.active():
+        plan = _plan(graph, kind, m)
+        pipe = PipelineExecutor(split_stages_pass(graph.gm, plan, graph=graph), schedule_for(plan), nccl_check=True)
+        pipe.batched = [CommBatch(0.0, (a,)) if a.kind in COMM else a for a in pipe.schedule.lower().actions[rank]]
+        pipe.step(build("gpt").make_batch(0, GB))
 
 
 def _raw(rank: int, world: int, scenario: str) -> str:
     """Messages posted by hand through the checker, on a pipeline axis of two ranks."""
-    build_mesh(world, 1, 1)
-    check = NcclChecker("pp")
-    group, peer = comm.get_group("pp"), 1 - rank
-    if scenario == "size":  # rank 0 sends 4 floats, rank 1 posts a receive of 2
-        t = torch.ones(4) if rank == 0 else torch.empty(2)
-        exchange([Message(rank == 0, peer, t, "x", "SF0@0" if rank == 0 else "RF0@1")], group=group, axis="pp",
-                 check=check).wait()
+    mesh, _ = build_mesh(world, 1, 1)
+    with mesh.groups.active():
+        check = NcclChecker("pp")
+        group, peer = comm.get_group("pp"), 1 - rank
+        if scenario == "size":  # rank 0 sends 4 floats, rank 1 posts a receive of 2
+            t = torch.ones(4) if rank == 0 else torch.empty(2)
+            exchange([Message(rank == 0, peer, t, "x", "SF0@0" if rank == 0 else "RF0@1")], group=group, axis="pp",
+                     check=check).wait()
+            return "passed"
+        # each side sends its gradient, then receives the other's, in separate calls (the tied-weight
+        # exchange before batching)
+        mine, theirs = torch.full((3,), float(rank)), torch.empty(3)
+        first = exchange([Message(True, peer, mine, f"tied w@{rank}", "tied")], group=group, axis="pp", check=check)
+        exchange([Message(False, peer, theirs, f"tied w@{peer}", "tied")], group=group, axis="pp", check=check).wait()
+        first.wait()
+        try:
+            check.end_step("step 0")
+        except NcclSemanticsError as err:  # both ranks raise it together: the run can go on
+            return str(err)
         return "passed"
-    # each side sends its gradient, then receives the other's, in separate calls (the tied-weight
-    # exchange before batching)
-    mine, theirs = torch.full((3,), float(rank)), torch.empty(3)
-    first = exchange([Message(True, peer, mine, f"tied w@{rank}", "tied")], group=group, axis="pp", check=check)
-    exchange([Message(False, peer, theirs, f"tied w@{peer}", "tied")], group=group, axis="pp", check=check).wait()
-    first.wait()
-    try:
-        check.end_step("step 0")
-    except NcclSemanticsError as err:  # both ranks raise it together: the run can go on
-        return str(err)
-    return "passed"
 
 
 @pytest.fixture(scope="module")

@@ -152,14 +152,15 @@ def _train(graph: ModelGraph, plan: Plan, batch_of: Callable[[int], tuple[torch.
 
 def _pp_rank(rank: int, world: int, cases: list[tuple[str, str, int]],
              graphs: dict[tuple[str, int], ModelGraph]) -> list[Any]:
-    build_mesh(world, 1, 1)
-    out = []
-    for name, kind, m in cases:
-        case = MODELS[name]()
-        graph = graphs[(name, GB // m)]
-        plan = Plan.from_json(EDITED_PLAN) if kind == "edited" else _plan(graph, world, kind, m)
-        out.append(_train(graph, plan, lambda step: case.make_batch(step, GB)))
-    return out
+    mesh, _ = build_mesh(world, 1, 1)
+    with mesh.groups.active():
+        out = []
+        for name, kind, m in cases:
+            case = MODELS[name]()
+            graph = graphs[(name, GB // m)]
+            plan = Plan.from_json(EDITED_PLAN) if kind == "edited" else _plan(graph, world, kind, m)
+            out.append(_train(graph, plan, lambda step: case.make_batch(step, GB)))
+        return out
 
 
 EDITED_PLAN = """{
@@ -176,25 +177,26 @@ def _pp_dp_rank(rank: int, world: int, cases: list[tuple[str, str]],
     from passes.dp.shard_data_parallel import shard_data_parallel_pass
 
     mesh, _ = build_mesh(2, 2, 1)
-    out = []
-    for name, dp_kind in cases:
-        case = MODELS[name]()
-        graph = graphs[(name, GB // 4)]
-        plan = _plan(graph, 2, "1f1b", 2, dp=2)
-        plan.data_parallel = DataParallel(kind=dp_kind, units="layers.*")
-        half = GB // 2
+    with mesh.groups.active():
+        out = []
+        for name, dp_kind in cases:
+            case = MODELS[name]()
+            graph = graphs[(name, GB // 4)]
+            plan = _plan(graph, 2, "1f1b", 2, dp=2)
+            plan.data_parallel = DataParallel(kind=dp_kind, units="layers.*")
+            half = GB // 2
 
-        def batch_of(step: int) -> tuple[torch.Tensor, ...]:
-            return tuple(x[mesh.dp_index * half:(mesh.dp_index + 1) * half] for x in case.make_batch(step, GB))
+            def batch_of(step: int) -> tuple[torch.Tensor, ...]:
+                return tuple(x[mesh.dp_index * half:(mesh.dp_index + 1) * half] for x in case.make_batch(step, GB))
 
-        def modules(program: Any) -> dict[int, nn.Module]:
-            # tied copies (gpt) stay whole inside sharded kinds, so the pipeline can sum their grads
-            return {s: shard_data_parallel_pass(st.gm, plan, dp_index=mesh.dp_index, dp_size=2,
-                                                replicate=program.shared_keys(s))
-                    for s, st in enumerate(program.stages) if s % 2 == mesh.pp_index}
+            def modules(program: Any) -> dict[int, nn.Module]:
+                # tied copies (gpt) stay whole inside sharded kinds, so the pipeline can sum their grads
+                return {s: shard_data_parallel_pass(st.gm, plan, dp_index=mesh.dp_index, dp_size=2,
+                                                    replicate=program.shared_keys(s))
+                        for s, st in enumerate(program.stages) if s % 2 == mesh.pp_index}
 
-        out.append(_train(graph, plan, batch_of, modules))  # the loss is averaged over dp by the executor
-    return out
+            out.append(_train(graph, plan, batch_of, modules))  # the loss is averaged over dp by the executor
+        return out
 
 
 CASES = {pp: [(name, kind, m) for name in MODELS for kind in KINDS for m in (pp, 2 * pp)] for pp in (2, 4)}
@@ -282,11 +284,12 @@ def test_tied_embedding_copies_are_summed_and_identical(runs: dict[str, Any]) ->
 
 
 def _mismatch_rank(rank: int, world: int, graphs: dict[int, ModelGraph]) -> None:
-    build_mesh(world, 1, 1)
-    graph = graphs[rank]  # rank 1 split a capture made for another microbatch size
-    m = 4 if rank == 0 else 2
-    case = MODELS["gpt"]()
-    _train(graph, _plan(graph, 2, "1f1b", m), lambda step: case.make_batch(step, GB))
+    mesh, _ = build_mesh(world, 1, 1)
+    with mesh.groups.active():
+        graph = graphs[rank]  # rank 1 split a capture made for another microbatch size
+        m = 4 if rank == 0 else 2
+        case = MODELS["gpt"]()
+        _train(graph, _plan(graph, 2, "1f1b", m), lambda step: case.make_batch(step, GB))
 
 
 def test_shape_mismatch_between_stages_is_an_error_on_both_sides() -> None:

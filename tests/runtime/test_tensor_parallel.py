@@ -96,27 +96,28 @@ def gather_state(gm: torch.fx.GraphModule, tied: list[list[str]], group: Any = N
 
 def _rank(rank: int, world: int, gm: torch.fx.GraphModule, rules: dict[str, str], family: str, tp: int,
           tied: list[list[str]]) -> dict[bool, Any]:
-    build_mesh(1, 1, tp)
-    case = make_case(family, tp)
-    results = {}
-    for sp in (False, True):
-        plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
-        local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=tp)
-        opt = make_optimizer(local.parameters())
-        losses = []
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            comm.COUNTER.reset()
-            loss = local(*case.make_batch(step, BATCH))
-            loss.backward()
-            moved = comm.COUNTER.total_bytes()  # of the last step
-            if step == 0:  # collective, uncounted
-                grads = {k: v.numpy() for k, v in full_grads(local, aliases=tied).items()}
-            opt.step()
-            losses.append(loss.item())
-        state = gather_state(local, tied)  # collective: every rank takes part
-        results[sp] = (losses, state if rank == 0 else None, collective_counts(local), moved, grads)
-    return results
+    mesh, _ = build_mesh(1, 1, tp)
+    with mesh.groups.active():
+        case = make_case(family, tp)
+        results = {}
+        for sp in (False, True):
+            plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+            local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=tp)
+            opt = make_optimizer(local.parameters())
+            losses = []
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                comm.COUNTER.reset()
+                loss = local(*case.make_batch(step, BATCH))
+                loss.backward()
+                moved = comm.COUNTER.total_bytes()  # of the last step
+                if step == 0:  # collective, uncounted
+                    grads = {k: v.numpy() for k, v in full_grads(local, aliases=tied).items()}
+                opt.step()
+                losses.append(loss.item())
+            state = gather_state(local, tied)  # collective: every rank takes part
+            results[sp] = (losses, state if rank == 0 else None, collective_counts(local), moved, grads)
+        return results
 
 
 _RUNS: dict[tuple[str, int], Any] = {}
@@ -201,32 +202,33 @@ def test_other_families_match_single_process(family: str) -> None:
 def _staged_rank(rank: int, world: int, program: Any, rules: dict[str, str], tied: list[list[str]]) -> dict[bool, Any]:
     """Both pipeline stages of Llama on every tp rank, run back to back (the pipeline runtime sends
     the boundary tensors instead); TP is applied to each stage graph separately."""
-    build_mesh(1, 1, world)
-    case = make_case("llama", world)
-    out = {}
-    for sp in (False, True):
-        plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
-        stages = [shard_tensor_parallel_pass(copy.deepcopy(st.gm), plan, tp_index=rank, tp_size=world)
-                  for st in program.stages]
-        opt = make_optimizer([p for st in stages for p in st.parameters()])
-        losses = []
-        for step in range(STEPS):
-            batch = case.make_batch(step, BATCH)
-            opt.zero_grad(set_to_none=True)
-            sent = stages[0](*[batch[i] for i in program.stages[0].batch_inputs])
-            recv = [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
-            (loss,) = stages[1](*[batch[i] for i in program.stages[1].batch_inputs], *recv)
-            loss.backward()
-            torch.autograd.backward([t for t, r in zip(sent, recv) if r.grad is not None],
-                                    [r.grad for r in recv if r.grad is not None])
-            opt.step()
-            losses.append(loss.item())
-        state: dict[str, Any] = {}
-        for st in stages:
-            state.update(gather_state(st, tied))
-        out[sp] = (losses, state if rank == 0 else None,
-                   [collective_counts(st) for st in stages])
-    return out
+    mesh, _ = build_mesh(1, 1, world)
+    with mesh.groups.active():
+        case = make_case("llama", world)
+        out = {}
+        for sp in (False, True):
+            plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+            stages = [shard_tensor_parallel_pass(copy.deepcopy(st.gm), plan, tp_index=rank, tp_size=world)
+                      for st in program.stages]
+            opt = make_optimizer([p for st in stages for p in st.parameters()])
+            losses = []
+            for step in range(STEPS):
+                batch = case.make_batch(step, BATCH)
+                opt.zero_grad(set_to_none=True)
+                sent = stages[0](*[batch[i] for i in program.stages[0].batch_inputs])
+                recv = [t.detach().requires_grad_(t.is_floating_point()) for t in sent]
+                (loss,) = stages[1](*[batch[i] for i in program.stages[1].batch_inputs], *recv)
+                loss.backward()
+                torch.autograd.backward([t for t, r in zip(sent, recv) if r.grad is not None],
+                                        [r.grad for r in recv if r.grad is not None])
+                opt.step()
+                losses.append(loss.item())
+            state: dict[str, Any] = {}
+            for st in stages:
+                state.update(gather_state(st, tied))
+            out[sp] = (losses, state if rank == 0 else None,
+                       [collective_counts(st) for st in stages])
+        return out
 
 
 def test_tensor_parallel_on_pipeline_stage_graphs() -> None:
@@ -265,22 +267,23 @@ def _pipeline_rank(rank: int, world: int, program: Any, rules: dict[str, str],
     from fairscale.runtime.pipeline import PipelineExecutor
     from planner.schedule import build_schedule
 
-    build_mesh(2, 1, 2)
-    pp_index, tp_index = comm.group_rank("pp"), comm.group_rank("tp")
-    case = make_case("llama", 2)
-    plan = Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
-    stage = shard_tensor_parallel_pass(program.stages[pp_index].gm, plan, tp_index=tp_index, tp_size=2)
-    pipe = PipelineExecutor(program, build_schedule("1f1b", pp=2, microbatches=MICRO), modules={pp_index: stage})
-    opt = make_optimizer(pipe.parameters())
-    losses, sent = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        comm.COUNTER.reset()
-        losses.append(pipe.step(case.make_batch(step, BATCH)))
-        sent.append(comm.COUNTER.snapshot().get("send:pp", {}).get("bytes", 0.0))
-        opt.step()
-    state = gather_state(stage, tied, group=comm.get_group("tp"))
-    return pp_index, tp_index, losses, state if tp_index == 0 else None, sent, tp_summary(stage)
+    mesh, _ = build_mesh(2, 1, 2)
+    with mesh.groups.active():
+        pp_index, tp_index = comm.group_rank("pp"), comm.group_rank("tp")
+        case = make_case("llama", 2)
+        plan = Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=True))
+        stage = shard_tensor_parallel_pass(program.stages[pp_index].gm, plan, tp_index=tp_index, tp_size=2)
+        pipe = PipelineExecutor(program, build_schedule("1f1b", pp=2, microbatches=MICRO), modules={pp_index: stage})
+        opt = make_optimizer(pipe.parameters())
+        losses, sent = [], []
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            comm.COUNTER.reset()
+            losses.append(pipe.step(case.make_batch(step, BATCH)))
+            sent.append(comm.COUNTER.snapshot().get("send:pp", {}).get("bytes", 0.0))
+            opt.step()
+        state = gather_state(stage, tied, group=comm.get_group("tp"))
+        return pp_index, tp_index, losses, state if tp_index == 0 else None, sent, tp_summary(stage)
 
 
 def test_pipeline_sends_sequence_shards_under_sequence_parallelism() -> None:
@@ -317,24 +320,25 @@ def test_pipeline_sends_sequence_shards_under_sequence_parallelism() -> None:
 
 def _fp32_rank(rank: int, world: int, gm: torch.fx.GraphModule, rules: dict[str, str],
                tied: list[list[str]]) -> dict[bool, Any]:
-    build_mesh(1, 1, world)
-    case = build("llama")
-    out = {}
-    for sp in (False, True):
-        plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
-        local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=world)
-        opt = make_optimizer(local.parameters())
-        losses = []
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            loss = local(*case.make_batch(step, BATCH))
-            loss.backward()
-            if step == 0:
-                grads = {k: v.numpy() for k, v in full_grads(local, aliases=tied).items()}
-            opt.step()
-            losses.append(loss.item())
-        out[sp] = (losses, gather_state(local, tied), grads)
-    return out
+    mesh, _ = build_mesh(1, 1, world)
+    with mesh.groups.active():
+        case = build("llama")
+        out = {}
+        for sp in (False, True):
+            plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+            local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=world)
+            opt = make_optimizer(local.parameters())
+            losses = []
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                loss = local(*case.make_batch(step, BATCH))
+                loss.backward()
+                if step == 0:
+                    grads = {k: v.numpy() for k, v in full_grads(local, aliases=tied).items()}
+                opt.step()
+                losses.append(loss.item())
+            out[sp] = (losses, gather_state(local, tied), grads)
+        return out
 
 
 def test_float32_llama() -> None:

@@ -63,16 +63,17 @@ def _train(model: torch.nn.Module, name: str) -> tuple[list[float], dict[str, An
 
 def _rank(rank: int, world: int, jobs: list[tuple[str, torch.fx.GraphModule, dict[str, str], list[list[str]]]]
           ) -> dict[tuple[str, bool], Any]:
-    build_mesh(1, 1, world)
-    out = {}
-    for name, gm, rules, tied in jobs:
-        for sp in (False, True):
-            plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
-            local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=world)
-            losses, _ = _train(local, name)
-            state = gather_state(local, tied)
-            out[(name, sp)] = (losses, state if rank == 0 else None, collective_counts(local))
-    return out
+    mesh, _ = build_mesh(1, 1, world)
+    with mesh.groups.active():
+        out = {}
+        for name, gm, rules, tied in jobs:
+            for sp in (False, True):
+                plan = Plan(mesh=Mesh(tp=world), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+                local = shard_tensor_parallel_pass(copy.deepcopy(gm), plan, tp_index=rank, tp_size=world)
+                losses, _ = _train(local, name)
+                state = gather_state(local, tied)
+                out[(name, sp)] = (losses, state if rank == 0 else None, collective_counts(local))
+        return out
 
 
 _RUNS: dict[tuple[str, ...], Any] = {}

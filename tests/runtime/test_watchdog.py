@@ -34,9 +34,10 @@ TIMEOUT = 10.0  # short, and above any setup step one rank runs while the others
 
 
 def _timeouts(rank: int, world: int) -> dict[str, float]:
-    build_mesh(2, 2, 1, ep=2)
-    return {axis: comm.get_group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for axis in ("pp", "dp", "ep", "ep_rep") if comm.get_group(axis) is not None}
+    mesh, _ = build_mesh(2, 2, 1, ep=2)
+    with mesh.groups.active():
+        return {axis: comm.get_group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for axis in ("pp", "dp", "ep", "ep_rep") if comm.get_group(axis) is not None}
 
 
 def test_every_group_of_the_mesh_carries_the_collective_timeout() -> None:
@@ -107,10 +108,11 @@ def test_a_stuck_rank_ends_the_job_with_its_name_within_the_timeout(tmp_path, st
 
 
 def _mismatch(rank: int, world: int) -> None:
-    build_mesh(2, 1, 1)
-    # both ranks receive first: neither sends
-    got = Message(False, 1 - rank, torch.empty(3), "x", "RF0@0")
-    exchange([got], group=comm.get_group("pp"), axis="pp").wait()
+    mesh, _ = build_mesh(2, 1, 1)
+    with mesh.groups.active():
+        # both ranks receive first: neither sends
+        got = Message(False, 1 - rank, torch.empty(3), "x", "RF0@0")
+        exchange([got], group=comm.get_group("pp"), axis="pp").wait()
 
 
 def test_ranks_waiting_on_each_other_are_told_so() -> None:

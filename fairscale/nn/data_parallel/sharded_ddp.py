@@ -64,7 +64,7 @@ def reduce_(t: torch.Tensor, axis: str, *, dst_rank: int, async_op: bool = False
         return None
     group = comm.get_group(axis)
     nbytes = t.numel() * t.element_size()
-    comm.COUNTER.record("reduce", axis, nbytes, float(nbytes))
+    comm.count("reduce", axis, nbytes, float(nbytes))
     return dist.reduce(t, dst=dist.get_global_rank(group, dst_rank), group=group, async_op=async_op)
 
 
