@@ -28,6 +28,7 @@ from fairscale.runtime.optim import DataParallelOptimizer, reduce_grad_norm
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.ops import comm
+from passes.ops.groups import PROCESS
 from passes.layout import META_LAYOUT, TensorShard
 from passes.dp.shard_data_parallel import shard_data_parallel_pass
 from passes.tp.patterns import propose_tp_rules
@@ -97,7 +98,7 @@ def _reduce_on_ep_axis(rank: int) -> float:
     """reduce_grad_norm on an axis other than pp/dp/tp: "ep" groups of 2 ranks ({0,1}, {2,3}, ...)
     hold disjoint expert slices (added over ep), whole tensors are the same on every rank (once)."""
     groups = [dist.new_group([r, r + 1]) for r in range(0, dist.get_world_size(), 2)]
-    before = comm.get_group("ep")
+    before = PROCESS.get("ep")  # the process-wide binding; the module's mesh keeps its own
     comm.set_group("ep", groups[rank // 2])
     try:
         parts = {("ep",): torch.tensor(float((rank % 2 + 1) ** 2), dtype=torch.float64),  # squares 1 and 4
@@ -126,7 +127,7 @@ def _parts_with_ep_axis(rank: int) -> dict[str, dict[tuple[str, ...], float]]:
     """grad_norm_parts of :func:`_marked_mlp` per kind, with "ep" bound to a group of 2 ranks and
     dp unbound (each rank is its own dp = 1 world here)."""
     groups = [dist.new_group([r, r + 1]) for r in range(0, dist.get_world_size(), 2)]
-    before = comm.get_group("ep"), comm.get_group("dp")
+    before = PROCESS.get("ep"), PROCESS.get("dp")
     comm.set_group("ep", groups[rank // 2])
     comm.set_group("dp", None)
     try:
