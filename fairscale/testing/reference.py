@@ -23,7 +23,7 @@ from fairscale import numerics
 from fairscale.testing.models import Case
 from planner.capture import LossModule
 
-__all__ = ["Trajectory", "train_reference", "compare", "compare_grads"]
+__all__ = ["Trajectory", "train_reference", "compare", "compare_grads", "grad_comparison"]
 
 
 @dataclass
@@ -108,9 +108,15 @@ def compare_grads(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype |
     and losses at ``2⁸·u``, ``u`` the roundoff of the least precise dtype of the computation: of
     the parameters and the reference's loss). Returns the comparison (``.describe()`` for the
     numbers). ``loss_dtype``: the precision the run reported its losses in, when coarser."""
+    result = grad_comparison(ref, got, loss_dtype=loss_dtype)
+    result.assert_ok()
+    return result
+
+
+def grad_comparison(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype | None = None
+                    ) -> numerics.Comparison:
+    """:func:`compare_grads` without the assertion: the comparison, within tolerance or not."""
     assert ref.grads, "the reference recorded no gradients (train it with train_reference)"
     assert got.grads, "the parallel run recorded no gradients: fill Trajectory.grads from pm.full_grads()"
     dtype = numerics.least_precise([t.dtype for t in ref.grads.values()] + [ref.loss_dtype])
-    result = numerics.compare(ref.losses, got.losses, ref.grads, got.grads, dtype=dtype, loss_dtype=loss_dtype)
-    result.assert_ok()
-    return result
+    return numerics.compare(ref.losses, got.losses, ref.grads, got.grads, dtype=dtype, loss_dtype=loss_dtype)
