@@ -37,6 +37,7 @@ from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from passes import compile_rank
+from passes.loss_weights import token_counter
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.cost import CostOptions
@@ -79,6 +80,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
     return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
+                       token_counter=token_counter(graph.gm),
                        model=weakref.ref(model), predicted_memory=dict(predicted or {}))
 
 

@@ -115,6 +115,7 @@ class ParallelModule:
         self.program = program.stages
         """Every stage's boundary specs and tied-weight groups (``passes.program.StagedProgram``)."""
         self.modules = program.modules
+        self._token_counter = program.token_counter
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
@@ -151,10 +152,10 @@ class ParallelModule:
         base = step_peaks(self.device)
         if measure_memory:
             with ActivationMeter(self._stage_states()) as meter:
-                loss = self.executor.step(self._local(batch))  # mean over pp and dp
+                loss = self.executor.step(self._local(batch), weights=self._weights(batch))  # mean over pp and dp
             self._peaks = {"activations": float(meter.peak)}
         else:
-            loss = self.executor.step(self._local(batch))
+            loss = self.executor.step(self._local(batch), weights=self._weights(batch))
             self._peaks = {}
         self._peaks["buffers"] = float(_UNSHARD.peak - base)
         if clip_norm is not None:
@@ -163,6 +164,23 @@ class ParallelModule:
         if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
             self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
+
+    def _weights(self, batch: Sequence[Any]) -> list[float] | None:
+        """Each of this rank's microbatches' weight in the step's loss when the loss is a token
+        mean whose pieces count different numbers of labels (``passes.loss_weights``): ``dp * n_i
+        / N``, ``n_i`` the piece's labels not ignored and ``N`` the global batch's; None (the
+        plain mean, ``1 / microbatches``) when every piece counts the same. Every rank holds the
+        global batch, so each counts all pieces itself, without communication."""
+        counter, m = self._token_counter, self.schedule.microbatches
+        dp = self.mesh.dp
+        if counter is None or dp * m == 1:
+            return None
+        counts = [[counter(tuple(part)) for part in _chunks(local_slice(batch, d, dp), m)] for d in range(dp)]
+        flat = [n for row in counts for n in row]
+        total = sum(flat)
+        if total == 0 or len(set(flat)) == 1:
+            return None  # equal pieces: the plain mean is the token mean (no labels: NaN either way)
+        return [dp * n / total for n in counts[self.mesh.dp_index]]
 
     def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
         """This rank's dp slice of the global ``batch``, on its device (copied without blocking).
@@ -357,3 +375,13 @@ def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.op
             raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")
         return spec.func, dict(spec.keywords)
     return spec, {}
+
+
+def _chunks(batch: Sequence[Any], m: int) -> list[list[Any]]:
+    """``batch`` cut into ``m`` microbatches along dim 0, as the pipeline cuts it (non-tensors in each)."""
+    parts: list[list[Any]] = [[] for _ in range(m)]
+    for x in batch:
+        pieces = x.chunk(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m
+        for p, piece in zip(parts, pieces):
+            p.append(piece)
+    return parts

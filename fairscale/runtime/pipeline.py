@@ -162,6 +162,7 @@ class PipelineExecutor:
         self.dp_axis = dp_axis
         self.trace = StepTrace()
         self._shaken = False
+        self._weights: list[float] | None = None
         self._step_count = 0
         self._state = StepState()
         self._check = nccl.checker(axis) if nccl.wanted(nccl_check) else None
@@ -210,17 +211,25 @@ class PipelineExecutor:
         """The mean loss of ``batch`` without backward (the forwards of the schedule alone, in
         microbatch order); same value on every rank, averaged over ``dp_axis`` replicas."""
         micro = split_microbatches(batch, self.schedule.microbatches, self.program, self.local_stages)
+        self._weights = None
         if not self._shaken:
             self._links.handshake()
             self._shaken = True
         self._run(self._eval_batched, micro, "eval", evaluation=True)
         return self._finish("eval")
 
-    def step(self, batch: Sequence[Any]) -> float:
+    def step(self, batch: Sequence[Any], *, weights: Sequence[float] | None = None) -> float:
         """Forward and backward of ``batch`` (this dp replica's rows) over all microbatches;
         returns the step's mean loss on every rank (averaged over ``dp_axis`` replicas).
-        Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps)."""
+        Gradients accumulate into ``.grad`` (call ``zero_grad`` between steps).
+
+        ``weights``: each microbatch's weight in this replica's loss (default ``1 / microbatches``
+        each); the step's loss is ``sum(weights[i] * loss_i)`` averaged over dp. A token-mean loss
+        whose microbatches count different numbers of labels needs them (``passes.loss_weights``)."""
         m = self.schedule.microbatches
+        if weights is not None and len(weights) != m:
+            raise ValueError(f"{len(weights)} microbatch weights for {m} microbatches")
+        self._weights = list(weights) if weights is not None else None
         micro = split_microbatches(batch, m, self.program, self.local_stages)
         if not self._shaken:
             self._links.handshake()
@@ -268,7 +277,11 @@ class PipelineExecutor:
         """Mean of the last stage's microbatch losses, broadcast over pp and averaged over dp."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
-            loss = torch.stack([x.double() for x in losses]).sum() / self.schedule.microbatches
+            if self._weights is None:
+                loss = torch.stack([x.double() for x in losses]).sum() / self.schedule.microbatches
+            else:
+                mbs = self._state.loss_microbatches
+                loss = torch.stack([x.double() * self._weights[mb] for x, mb in zip(losses, mbs)]).sum()
         comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))
         if self.dp_axis is not None and comm.group_size(self.dp_axis) > 1:
             comm.all_reduce_(loss, self.dp_axis)
@@ -299,6 +312,7 @@ class PipelineExecutor:
         st.outputs[(a.mb, a.stage)] = out
         if a.stage == len(self.program.stages) - 1:
             st.losses.append(out[0].detach())
+            st.loss_microbatches.append(a.mb)
 
     def _do_B(self, a: Action, micro: list[tuple[Any, ...]], st: StepState) -> None:
         stage = self.program.stages[a.stage]
@@ -306,7 +320,8 @@ class PipelineExecutor:
         last = a.stage == len(self.program.stages) - 1
         if last:
             tensors = [out[0]]
-            grads: list[torch.Tensor] = [torch.full_like(out[0], 1.0 / self.schedule.microbatches)]
+            seed = 1.0 / self.schedule.microbatches if self._weights is None else self._weights[a.mb]
+            grads: list[torch.Tensor] = [torch.full_like(out[0], seed)]
         else:
             if self.schedule.stage_rank(a.stage + 1) == self.rank:
                 got = st.local_grads.pop((a.mb, a.stage + 1))

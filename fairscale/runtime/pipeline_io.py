@@ -50,6 +50,8 @@ class StepState:
     local_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     sends: list[Batch] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    loss_microbatches: list[int] = field(default_factory=list)
+    """The microbatch of each entry of ``losses``."""
 
 
 class StageLinks:

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from passes.loss_weights import TokenCounter
 from passes.program import StagedProgram
 from planner.plan import Plan
 from planner.schedule_ir import PipelineSchedule
@@ -54,6 +55,9 @@ class RankProgram:
     model: Callable[[], nn.Module | None] = lambda: None
     """The user's model, weakly (``weakref.ref``): ``pm.state_dict()`` runs its state-dict hooks
     (``fairscale.runtime.state_hooks``); the rank keeps no reference that would hold it alive."""
+    token_counter: TokenCounter | None = None
+    """Counts the labels a token-mean loss averages over in a piece of the batch
+    (``passes.loss_weights``): the step weighs each microbatch by its count; None for other losses."""
     predicted_memory: dict[str, float] = field(default_factory=dict)
     """Bytes this rank is predicted to hold at its peak, per :data:`MEMORY_PARTS` category (the
     planner's cost model for this rank's pipeline position); empty when not costed."""

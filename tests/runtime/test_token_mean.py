@@ -1,0 +1,103 @@
+"""Token-mean losses under data parallelism and microbatches (passes.loss_weights).
+
+``cross_entropy(logits, labels)`` with ``-100`` labels (a masked-LM collator's, padding) is the
+mean over the labels not ignored. Cut into dp slices and microbatches that count different
+numbers of labels, the plain mean of the pieces' means is not the batch's mean: every such plan
+trained silently to other numbers (Hugging Face BERT / RoBERTa / DistilBERT with masked-LM labels,
+under dp4 and microbatches). The step now weighs each microbatch by its share of the labels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fairscale
+from fairscale.testing.models import Case
+from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from passes.loss_weights import token_counter
+from planner.capture import capture
+from planner.plan import Mesh, Plan, Schedule, Stage
+
+VOCAB, SEQ, BATCH, STEPS = 32, 8, 8, 3
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    keep = torch.rand((n, SEQ), generator=g) < torch.linspace(0.1, 0.9, n)[:, None]  # rows count differently
+    return ids, torch.where(keep, ids, torch.full_like(ids, -100))
+
+
+def _case() -> Case:
+    torch.manual_seed(0)
+    return Case("tiny-lm", TinyLM(), _batch, None)
+
+
+def test_counter_counts_the_labels_the_loss_averages_over() -> None:
+    batch = _batch(0, BATCH)
+    counter = token_counter(capture(_case().model, batch, annotate=False).gm)
+    assert counter is not None and counter.ignore_index == -100
+    assert counter(batch) == int((batch[1] != -100).sum())
+    halves = [counter((batch[0][i:i + 2], batch[1][i:i + 2])) for i in range(0, BATCH, 2)]
+    assert len(set(halves)) > 1, halves  # the pieces of this batch count different numbers of labels
+
+
+def test_hugging_face_shifted_labels_are_counted_after_the_shift() -> None:
+    from fairscale.testing.corpus_hf import MODELS
+
+    case = MODELS["hf-llama"].build(0)
+    ids, labels = case.make_batch(0, 2)
+    labels[0, :5] = -100
+    counter = token_counter(capture(case.model, (ids, labels), annotate=False).gm)
+    assert counter is not None  # ForCausalLMLoss: pad with -100, drop the first label, flatten
+    assert counter((ids, labels)) == 2 * (labels.shape[1] - 1) - 4
+
+
+def test_other_losses_keep_the_plain_mean() -> None:
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    summed = capture(model, (x, y), loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="sum"), annotate=False)
+    assert token_counter(summed.gm) is None
+
+
+def _rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, np.ndarray]]:
+    case = _case()
+    pm = fairscale.parallelize(case.model, example_inputs=_batch(0, BATCH), plan=plan,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    losses, grads = [], {}
+    for step in range(STEPS):
+        losses.append(pm.train_step(_batch(step, BATCH)))
+        if step == 0:
+            grads = {k: v.numpy() for k, v in pm.full_grads().items()}
+    return losses, grads
+
+
+@pytest.mark.parametrize("mesh,micro", [((1, 2), 2), ((2, 2), 2), ((1, 4), 1)], ids=["dp2x2mb", "pp2xdp2x2mb", "dp4"])
+def test_token_mean_matches_one_process(mesh: tuple[int, int], micro: int) -> None:
+    pp, dp = mesh
+    stages = [Stage(layers="embed, layers.0"), Stage(layers="layers.1, head")] if pp == 2 else []
+    plan = Plan(mesh=Mesh(pp=pp, dp=dp), schedule=Schedule(kind="1f1b", microbatches=micro), stages=stages)
+    ref = train_reference(_case, steps=STEPS, global_batch=BATCH,
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+    losses, grads = fairscale.launch(_rank, devices=pp * dp, args=(plan,))[0]
+    compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
