@@ -1,6 +1,7 @@
 """Tensor parallelism on Hugging Face models with their DEFAULT configurations, on real gloo ranks.
 
-The models come from ``hf_defaults.py`` (library defaults, shrunk in size only, dropout 0): KV
+The models come from the conformance corpus, ``fairscale.testing.corpus_hf`` (library defaults,
+shrunk in size only, dropout 0): KV
 cache on, tied embeddings, Falcon's transposed-weight linears and parallel attention, T5's
 encoder-decoder with one embedding shared by the encoder, the decoder and the LM head, Mixtral's
 experts. The rules come from the pattern detector (``propose_tp_rules``), as the planner would
@@ -17,6 +18,7 @@ themselves at float32 precision.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ import torch
 
 import fairscale
 from fairscale.runtime.mesh import build_mesh
-from hf_defaults import BUILDERS, build_hf
+from fairscale.testing.corpus_hf import MODELS
 from passes.tp.patterns import propose_tp_rules
 from passes.tp.shard_tensor_parallel import collective_counts, shard_tensor_parallel_pass
 from planner.capture import capture
@@ -33,11 +35,11 @@ from test_tensor_parallel import gather_state
 
 STEPS, BATCH, LR, TP = 3, 4, 0.5, 2
 FAST = ("llama", "gpt2", "falcon", "t5")
-SLOW = tuple(m for m in BUILDERS if m not in FAST)
+SLOW = ("mistral", "qwen2", "mixtral", "gpt-neox", "bert")
 
 
 def _model(name: str) -> torch.nn.Module:
-    model, _ = build_hf(name)
+    model = MODELS[f"hf-{name}"].build(0).model
     model.to(torch.float64)
     if name == "mixtral":  # HF's grouped expert matmul has no float64 kernel: the experts stay float32
         for layer in model.inner.model.layers:
@@ -45,8 +47,9 @@ def _model(name: str) -> torch.nn.Module:
     return model
 
 
+@functools.cache
 def _batch(name: str, step: int) -> tuple[torch.Tensor, ...]:
-    return build_hf(name)[1](step, BATCH)
+    return MODELS[f"hf-{name}"].build(0).make_batch(step, BATCH)
 
 
 def _train(model: torch.nn.Module, name: str) -> tuple[list[float], dict[str, Any]]:
@@ -55,6 +58,7 @@ def _train(model: torch.nn.Module, name: str) -> tuple[list[float], dict[str, An
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         loss = model(*_batch(name, step))
+        loss = loss.loss if hasattr(loss, "loss") else loss  # the wrapped HF model returns its output
         loss.backward()
         opt.step()
         losses.append(loss.item())
