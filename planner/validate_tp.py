@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from planner.graph import ModelGraph
+from planner.graph import META_PARAM, ModelGraph
 from planner.messages import json_path_key
 from planner.plan import Plan
 from planner.selectors import Selector, format_layers
@@ -82,13 +82,32 @@ def tied_layout(graph: ModelGraph, key: str, parsed: list[tuple[str, Selector, s
     return text, None
 
 
+def used_keys(graph: ModelGraph) -> set[str]:
+    """State-dict keys the captured graph reads a parameter or buffer through: a tied tensor is
+    read under the key of each module that uses it (``planner.layers.split_tied_uses``), so a key
+    of a module that only owns it (BERT's ``cls.predictions.bias``, read by the decoder as
+    ``cls.predictions.decoder.bias``; T5's ``shared.weight``) is not among them."""
+    keys = {str(n.meta[META_PARAM]) for n in graph.gm.graph.nodes if n.op == "get_attr" and META_PARAM in n.meta}
+    return keys or {k for group in graph.tied for k in group}  # a graph without parameter facts: every key
+
+
+def tied_conflicts(graph: ModelGraph, parsed: list[tuple[str, Selector, str]]
+                   ) -> list[tuple[list[str], dict[str, tuple[str | None, int | None]]]]:
+    """Tied groups whose used keys the rules give different layouts, each with its keys' (rule
+    key, split dim) (:func:`tied_layout`). Keys the graph never reads have no layout of their own."""
+    used = used_keys(graph)
+    out = []
+    for group in graph.tied:
+        layouts = {k: tied_layout(graph, k, parsed) for k in group if k in used}
+        if len({dim for _, dim in layouts.values()}) > 1:
+            out.append((group, layouts))
+    return out
+
+
 def _check_tied(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], problems: list[str]) -> None:
     """Every tied group gets one layout: its copies (one per pipeline stage that reads it) are
     summed after backward, which needs the same piece of the tensor on every copy."""
-    for group in graph.tied:
-        layouts = {k: tied_layout(graph, k, parsed) for k in group}
-        if len({dim for _, dim in layouts.values()}) <= 1:
-            continue
+    for group, layouts in tied_conflicts(graph, parsed):
         parts = []
         for k, (text, dim) in layouts.items():
             how = "kept whole" if dim is None else f"split on dim {dim}"

@@ -73,9 +73,36 @@ def rules_function(graph: ModelGraph, rules: TPRules | None) -> Callable[[int], 
     def at(tp: int) -> dict[str, str]:
         if tp not in cache:  # a TPRules keeps the detector's reasons for what it left out
             got = fn(tp) if tp > 1 else {}
-            cache[tp] = got if isinstance(got, DetectedRules) else dict(got)
+            cache[tp] = one_layout_per_tied(graph, got if isinstance(got, DetectedRules) else dict(got))
         return cache[tp]
     return at
+
+
+def one_layout_per_tied(graph: ModelGraph, rules: dict[str, str]) -> dict[str, str]:
+    """Proposed ``rules`` without those that would give a tied tensor two layouts (T5's shared
+    embedding split as encoder and decoder ``vocab_embedding`` while the LM head that reads it
+    is left whole, or the reverse): the modules reading such a tensor are all kept whole, which
+    validation accepts and the pipeline's tied-gradient sum needs. The reason is added to the
+    detector's ``reason`` so a refusal of tensor parallelism can say it."""
+    from planner.selectors import parse_selector
+    from planner.validate_tp import tied_conflicts
+
+    out = dict(rules)
+    dropped: list[str] = []
+    while True:
+        conflicts = tied_conflicts(graph, [(text, parse_selector(text), style) for text, style in out.items()])
+        texts = {text for _, layouts in conflicts for text, _ in layouts.values() if text is not None}
+        if not texts:
+            break
+        for text in texts:
+            dropped.append(text)
+            del out[text]
+    if not dropped:
+        return rules
+    reason = getattr(rules, "reason", "")
+    note = (f"rules {sorted(dropped)} left out: they gave a tied weight two layouts (the modules that read it "
+            "must split it alike or all keep it whole)")
+    return DetectedRules(out, reason=f"{reason}; {note}" if reason else note)
 
 
 def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rules: TPRules | None,

@@ -288,3 +288,27 @@ def test_tied_weights_need_one_layout_in_validation() -> None:
     with pytest.raises(TPShardError, match="a tied weight needs one layout"):
         shard_tensor_parallel_pass(graph.gm, Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules)),
                                    tp_index=0, tp_size=2)
+
+
+def test_a_tied_key_the_graph_never_reads_has_no_layout_and_the_search_drops_conflicting_rules() -> None:
+    """Hugging Face BERT ties ``cls.predictions.bias`` to ``cls.predictions.decoder.bias``: the graph
+    reads the tensor through the decoder only. Validation gave the owner key a layout of its own
+    ("kept whole") and refused the detector's vocab-parallel head, after the search had returned it:
+    the ranks raised after launch. Only keys the graph reads count now; and where the proposed
+    rules do give a tied tensor two layouts, the search drops them instead of returning the plan."""
+    from fairscale.testing.corpus_hf import MODELS
+    from planner.search.core import one_layout_per_tied
+
+    case = MODELS["hf-bert"].build(0)
+    graph = capture(case.model, case.make_batch(0, 2))
+    assert ["inner.cls.predictions.bias", "inner.cls.predictions.decoder.bias"] in graph.tied
+    rules = dict(propose_tp_rules(graph.gm, tp=2).rules)
+    assert rules.get("inner.cls.predictions.decoder") == "vocab_loss"
+    validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=rules)), graph, devices=2)
+    assert one_layout_per_tied(graph, rules) is rules
+    half = {k: v for k, v in rules.items() if k != "inner.cls.predictions.decoder"}  # embedding split, head whole
+    with pytest.raises(PlanError, match="must have one layout"):
+        validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=half)), graph, devices=2)
+    kept = one_layout_per_tied(graph, half)
+    assert "inner.bert.embeddings.word_embeddings" not in kept and "tied weight two layouts" in kept.reason
+    validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=kept)), graph, devices=2)
