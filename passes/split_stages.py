@@ -155,6 +155,7 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
     position = {node: i for i, node in enumerate(nodes)}
     owner = _assign_owners(gm, nodes, layer_stage, n)
     pure = _pure_nodes(gm, nodes)
+    writes = _mutators(nodes)
     out_node = next(node for node in nodes if node.op == "output")
     loss = out_node.args[0]
     if isinstance(loss, (tuple, list)):
@@ -182,7 +183,7 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
                 raise SplitError(f"{node.format_node()} on stage {s} reads {inp.name} computed on later stage "
                                  f"{owner[inp]}; move the cut so data flows forward")
             if pure[inp]:
-                _add_cone(inp, local[s], pure)
+                _add_cone(inp, local[s], pure, writes)
             else:
                 sent_until[inp] = max(sent_until.get(inp, -1), s)
     # a recomputed cone may itself read values that are sent (never: a pure cone reads only pure nodes)
@@ -238,25 +239,58 @@ def _assign_owners(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], layer_s
     return owner
 
 
-def _pure_nodes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, bool]:
-    """Nodes computed only from batch inputs, buffers and constants, with no random op."""
-    params = {id(p) for p in gm.parameters()}
-    pure: dict[torch.fx.Node, bool] = {}
+def _is_view(target: Any) -> bool:
+    """Whether ``target`` is an ATen overload whose output aliases its first input without writing it."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None and not first.is_write
+
+
+def _mutators(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """value -> the in-place ops that write it, directly or through views of it (Hugging Face's
+    ``shift_tokens_right``: ``new_zeros``, then ``copy_`` into a slice of it and ``fill_`` of a
+    column, then ``masked_fill_``). A stage that recomputes the value must replay them too."""
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in nodes:
-        if node.op == "placeholder":
-            pure[node] = True
-        elif node.op == "get_attr":
-            pure[node] = id(fetch_attr(gm, str(node.target))) not in params
-        elif node.op == "call_function":
-            name = str(node.target).lower()
-            pure[node] = (not any(r in name for r in _RANDOM)
-                          and all(pure.get(i, False) for i in node.all_input_nodes))
-        else:
-            pure[node] = False
+        if node.op != "call_function" or not is_inplace(node.target) or not node.args:
+            continue
+        base = node.args[0]
+        while isinstance(base, torch.fx.Node):
+            out.setdefault(base, []).append(node)
+            if not (base.op == "call_function" and _is_view(base.target) and base.args):
+                break
+            base = base.args[0]
+    return out
+
+
+def _pure_nodes(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, bool]:
+    """Nodes computed only from batch inputs, buffers and constants, with no random op; a value
+    an in-place op writes is pure only if that op is (:func:`_mutators`)."""
+    params = {id(p) for p in gm.parameters()}
+    writes = _mutators(nodes)
+    pure: dict[torch.fx.Node, bool] = {}
+    for _ in range(2):  # the second pass sees the writes that come after the values they write
+        for node in nodes:
+            if node.op == "placeholder":
+                pure[node] = True
+            elif node.op == "get_attr":
+                pure[node] = id(fetch_attr(gm, str(node.target))) not in params
+            elif node.op == "call_function":
+                name = str(node.target).lower()
+                pure[node] = (not any(r in name for r in _RANDOM)
+                              and all(pure.get(i, False) for i in node.all_input_nodes)
+                              and all(pure.get(w, True) for w in writes.get(node, [])))
+            else:
+                pure[node] = False
     return pure
 
 
-def _add_cone(node: torch.fx.Node, into: set[torch.fx.Node], pure: dict[torch.fx.Node, bool]) -> None:
+def _add_cone(node: torch.fx.Node, into: set[torch.fx.Node], pure: dict[torch.fx.Node, bool],
+              writes: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
+    """``node`` and what it is computed from, to recompute on a stage: with every in-place op
+    that writes any of them (an op in place on a slice of a fresh tensor changes the tensor)."""
     stack = [node]
     while stack:
         cur = stack.pop()
@@ -264,6 +298,7 @@ def _add_cone(node: torch.fx.Node, into: set[torch.fx.Node], pure: dict[torch.fx
             continue
         into.add(cur)
         stack.extend(cur.all_input_nodes)
+        stack.extend(writes.get(cur, []))
 
 
 def _check_sendable(v: torch.fx.Node, stage: int) -> None:

@@ -178,3 +178,25 @@ def test_boundary_shape_disagreement_is_caught_by_the_simulator(
                                                       "expects [((4, 32, 64), torch.float32)]")):
         simulate(build_schedule("gpipe", pp=2, microbatches=2), send_specs=a.boundary_specs()[0],
                  recv_specs=b.boundary_specs()[1])
+
+
+def test_a_recomputed_value_replays_the_in_place_writes_into_its_views() -> None:
+    """Hugging Face BART (and Whisper) build the decoder's inputs with ``shift_tokens_right``:
+    ``new_zeros``, ``copy_`` into a slice of it, ``fill_`` of its first column, ``masked_fill_``.
+    A stage that recomputed the value (it depends on the labels only) copied ``new_zeros`` and
+    ``masked_fill_`` but not the writes through the views, so its decoder read zeros: the losses of
+    pp2 plans with the decoder embedding on a later stage than the shift differed by 5e-3, silently."""
+    from fairscale.testing.corpus_hf import MODELS
+
+    case = MODELS["hf-bart"].build(0)
+    graph, batch = _capture(case)
+    program = split_stages_pass(graph.gm, _plan(
+        "inner.model.encoder.embed_tokens, inner.model.encoder.embed_positions, "
+        "inner.model.encoder.layernorm_embedding, inner.model.encoder.layers.0",
+        "inner.model.encoder.layers.1, inner.model.decoder.embed_tokens, inner.model.decoder.embed_positions, "
+        "inner.model.decoder.layernorm_embedding",
+        "inner.model.decoder.layers.0", "inner.model.decoder.layers.1, inner.lm_head", v=2), graph=graph)
+    assert float(_chain(program, batch)) == float(graph.gm(*batch))
+    shift = [n for n in program.stages[1].gm.graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Tensor)]
+    assert len(shift) == 2, "the stage that recomputes the shifted labels replays both writes"
