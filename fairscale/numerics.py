@@ -43,6 +43,20 @@ gradients to ~3e-7 = 5u, far inside the bound; a real bug (a missing or doubled 
 slice, a partial sum used twice) moves a gradient by a visible fraction of its norm (≥ 1e-3), far
 above it. For 16-bit dtypes the formula would exceed 1, so their tolerance is capped at 2⁻⁵ (a
 coarse check).
+
+Ill-conditioned models. The bound assumes a gradient is about as large as the sum of the
+magnitudes it is made of. Some models are far from that in float32: Hugging Face T5's encoder
+gradients computed in float32 in ONE process differ from the same computation in float64 by up to
+4.4e-3 of their norm (ReLU units whose pre-activation sits within rounding of 0, and its
+unscaled attention), 70 times the bound, while two float32 runs in different row orders agree
+to 2e-7. A parallel run sums in another order, so it lands elsewhere within that spread. The
+reference is then known only to within its own distance from the exact result, measured as the
+model's float32 **floor** (:func:`precision_floor`: the largest error of the float32 reference's
+gradients against the same step in float64). A parallel run as accurate as the reference lies
+within the floor of the exact result too, so within ``2 · floor`` of the reference (triangle
+inequality): ``compare(..., floor=f)`` holds gradients to ``max(GRAD_ULPS·u, 2f)``. Losses keep
+their bound. The floor is measured, never chosen, and a model whose float32 reference agrees with
+float64 has a floor below the bound and no relaxation (every model of the test families).
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["GRAD_ULPS", "LOSS_ULPS", "grad_rtol", "loss_rtol", "TensorDiff", "LossDiff", "Comparison", "compare",
-           "unit_roundoff", "least_precise"]
+           "unit_roundoff", "least_precise", "precision_floor"]
 
 GRAD_ULPS = 2.0 ** 10
 """Gradient tolerance in units of the dtype's roundoff (λ·√K with λ = 2, K = 2¹⁸; module docstring)."""
@@ -190,7 +204,7 @@ def least_precise(dtypes: Iterable[torch.dtype | None]) -> torch.dtype:
 
 def compare(ref_losses: Sequence[float], got_losses: Sequence[float], ref_grads: Mapping[str, torch.Tensor],
             got_grads: Mapping[str, torch.Tensor], *, order: Iterable[str] | None = None, order_note: str = "",
-            dtype: torch.dtype | None = None, loss_dtype: torch.dtype | None = None) -> Comparison:
+            dtype: torch.dtype | None = None, loss_dtype: torch.dtype | None = None, floor: float = 0.0) -> Comparison:
     """Compare losses step by step and gradients tensor by tensor (module docstring: the bound).
 
     Args:
@@ -203,6 +217,8 @@ def compare(ref_losses: Sequence[float], got_losses: Sequence[float], ref_grads:
             precise dtype among ``ref_grads``. A float64 model with float32 experts computes every
             gradient through float32 arithmetic, so all of them carry float32 rounding.
         loss_dtype: the precision the losses were reported in, when it is coarser than ``dtype``.
+        floor: the model's measured precision floor in ``dtype`` (:func:`precision_floor`);
+            gradients are held to ``max(grad_rtol(dtype), 2 * floor)`` (module docstring).
     """
     out = Comparison(order_note=order_note)
     dtype = least_precise([dtype] if dtype is not None else [t.dtype for t in ref_grads.values()])
@@ -218,7 +234,7 @@ def compare(ref_losses: Sequence[float], got_losses: Sequence[float], ref_grads:
     total_n = sum(t.numel() for t in ref_grads.values()) or 1
     for key in keys:
         ref = ref_grads[key].detach()
-        rtol = grad_rtol(dtype)
+        rtol = max(grad_rtol(dtype), 2 * floor)
         got = got_grads.get(key)
         norm = float(ref.double().norm())
         if got is None:
@@ -236,3 +252,11 @@ def compare(ref_losses: Sequence[float], got_losses: Sequence[float], ref_grads:
             error = math.inf
         out.grads.append(TensorDiff(key, error, rtol, norm, float(diff.abs().max()) if diff.numel() else 0.0))
     return out
+
+
+def precision_floor(grads: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor]) -> float:
+    """How far a computation's gradients are from the same computation in higher precision:
+    the largest error (as in :func:`compare`, relative to each tensor's scale) of ``grads``
+    against ``exact`` (the same step with the model and batch in float64)."""
+    result = compare([0.0], [0.0], exact, grads, dtype=torch.float64)
+    return max((d.error for d in result.grads if not d.problem), default=0.0)

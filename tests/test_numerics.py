@@ -87,3 +87,20 @@ def test_compare_grads_reads_trajectories() -> None:
         compare_grads(ref, got)
     with pytest.raises(AssertionError, match="recorded no gradients"):
         compare_grads(ref, Trajectory(losses=[3.0, 2.9]))
+
+
+def test_the_measured_float32_floor_widens_the_gradient_bound_to_twice_the_floor() -> None:
+    """An ill-conditioned model (Hugging Face T5 in float32: 4.4e-3 from float64 in one process)
+    is judged against its own measured floor: a run as accurate as the reference is within
+    2 x floor of it (numerics module docstring); a well-conditioned model's floor changes nothing."""
+    exact = {k: v.double() for k, v in _grads().items()}
+    ref = {k: (v * (1 + 1e-3 * torch.randn_like(v))).float() for k, v in exact.items()}  # 1e-3 from exact
+    floor = numerics.precision_floor(ref, exact)
+    assert 5e-4 < floor < 2e-3
+    other = {k: (v * (1 + 1e-3 * torch.randn_like(v))).float() for k, v in exact.items()}  # as accurate
+    assert not numerics.compare([1.0], [1.0], ref, other).ok
+    assert numerics.compare([1.0], [1.0], ref, other, floor=floor).ok
+    wrong = dict(other, **{"head.weight": ref["head.weight"] * 1.05})  # a real difference stays one
+    assert not numerics.compare([1.0], [1.0], ref, wrong, floor=floor).ok
+    tiny = numerics.precision_floor({k: v.float() for k, v in exact.items()}, exact)
+    assert 2 * tiny < numerics.grad_rtol(torch.float32)

@@ -13,7 +13,10 @@ API (stable; the tests, ``benchmarks/corpus/run.py`` and both corpus sources use
 
 * ``exact``: trained :data:`STEPS` steps on launched gloo ranks and matched one process: the
   losses of every step and the first step's full gradients (``pm.full_grads()``) within the float
-  tolerance of :mod:`fairscale.numerics` (``reference.grad_comparison``).
+  tolerance of :mod:`fairscale.numerics` (``reference.grad_comparison``). Where only gradients
+  fall outside it, the model's measured float32 floor is taken into account
+  (``numerics.precision_floor``: how far the one-process float32 gradients are from float64; see
+  :mod:`fairscale.numerics`, "Ill-conditioned models") and reported with the result.
 * ``refused``: the public API raised ``PlanError`` (a refusal, or a plan the passes cannot
   compile) in the parent, before any rank started. The refusal must say where and what to do:
   :func:`refusal_gaps` lists what its message lacks (module, op, source line, remedy), and a
@@ -54,6 +57,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from fairscale import numerics
+from fairscale.check_step import reference_step
 from fairscale.testing.corpus import CorpusModel, models
 from fairscale.testing.models import Case
 from fairscale.testing.reference import Trajectory, grad_comparison, train_reference
@@ -111,6 +116,8 @@ class Result:
     """Planning plus this case's share of the launch (its own training time on rank 0)."""
     gaps: list[str] = field(default_factory=list)
     """For a refusal: what its message lacks (:func:`refusal_gaps`)."""
+    floor: float | None = None
+    """The model's measured float32 floor, when the gradients were judged with it."""
 
     @property
     def ok(self) -> bool:
@@ -124,7 +131,8 @@ class Result:
 
     def summary(self) -> str:
         if self.outcome in ("exact", "DIFFERS"):
-            return (f"{self.outcome} ({self.mesh}; loss {self.loss_error:.1e}, grad {self.grad_error:.1e})")
+            floor = f", float32 floor {self.floor:.1e}" if self.floor is not None else ""
+            return f"{self.outcome} ({self.mesh}; loss {self.loss_error:.1e}, grad {self.grad_error:.1e}{floor})"
         if self.outcome == "refused":
             return f"refused: {self.reason()}" + (f" [message lacks: {', '.join(self.gaps)}]" if self.gaps else "")
         return f"CRASH: {self.detail.strip().splitlines()[-1] if self.detail.strip() else ''}"
@@ -214,16 +222,36 @@ def _launch_all(jobs: list[_Job], devices: int, progress: Callable[[str], None])
     return out
 
 
-def _judge(job: _Job, ref: Trajectory, record: Any, plan_s: float) -> Result:
+def _float32_floor(entry: CorpusModel) -> float | None:
+    """The model's float32 floor (``numerics.precision_floor``): its first step's gradients in
+    float32 against the same step in float64, in one process; None if it has no float64 kernels."""
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        case = entry.build(SEED)
+        case.model.to(dtype)
+        batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in case.make_batch(0, GLOBAL_BATCH))
+        try:
+            grads[dtype] = reference_step(case.model, batch, case.loss_fn)[1]
+        except RuntimeError:
+            return None
+    return numerics.precision_floor(grads[torch.float32], grads[torch.float64])
+
+
+def _judge(job: _Job, entry: CorpusModel, ref: Trajectory, record: Any, plan_s: float) -> Result:
     base = dict(model=job.model, plan=job.plan_kind, mesh=_mesh(job.plan))
     if isinstance(record, str):
         return Result(**base, outcome="CRASH", detail=record, seconds=plan_s)
     got = Trajectory(losses=list(record["losses"]), grads={k: torch.from_numpy(np.asarray(v))
                                                            for k, v in record["grads"].items()})
-    cmp = grad_comparison(ref, got)
+    cmp, floor = grad_comparison(ref, got), None
+    if not cmp.ok and all(d.ok for d in cmp.losses):  # gradients only: is it the model's float32 floor?
+        floor = _float32_floor(entry)
+        if floor is not None:
+            cmp = grad_comparison(ref, got, floor=floor)
     return Result(**base, outcome="exact" if cmp.ok else "DIFFERS", detail="" if cmp.ok else cmp.describe(),
                   loss_error=max((d.error for d in cmp.losses), default=0.0),
-                  grad_error=max((d.error for d in cmp.grads), default=0.0), seconds=plan_s + record["seconds"])
+                  grad_error=max((d.error for d in cmp.grads), default=0.0), seconds=plan_s + record["seconds"],
+                  floor=floor)
 
 
 def run_cases(names: Iterable[str] | None = None, plans: Sequence[str] = tuple(PLANS), *, devices: int = 4,
@@ -269,7 +297,8 @@ def run_cases(names: Iterable[str] | None = None, plans: Sequence[str] = tuple(P
         group = [j for j in jobs if j.plan.mesh.size == size]
         records = _launch_all(group, size, say)
         for job in group:
-            results[job.index] = _judge(job, refs[job.model], records[job.index], plan_seconds[job.index])
+            results[job.index] = _judge(job, registry[job.model], refs[job.model], records[job.index],
+                                        plan_seconds[job.index])
             say(f"{job.model} x {job.plan_kind}: {results[job.index].summary()}")
     return [results[i] for i in sorted(results)]
 
@@ -289,4 +318,5 @@ def table(results: Sequence[Result], plans: Sequence[str] | None = None) -> str:
 def to_json(results: Sequence[Result]) -> list[dict[str, Any]]:
     """The results as JSON-able records (every field, plus ``ok``)."""
     return [dict(model=r.model, plan=r.plan, outcome=r.outcome, ok=r.ok, mesh=r.mesh, loss_error=r.loss_error,
-                 grad_error=r.grad_error, seconds=round(r.seconds, 2), gaps=r.gaps, detail=r.detail) for r in results]
+                 grad_error=r.grad_error, float32_floor=r.floor, seconds=round(r.seconds, 2), gaps=r.gaps,
+                 detail=r.detail) for r in results]

@@ -113,10 +113,12 @@ def compare_grads(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype |
     return result
 
 
-def grad_comparison(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype | None = None
-                    ) -> numerics.Comparison:
-    """:func:`compare_grads` without the assertion: the comparison, within tolerance or not."""
+def grad_comparison(ref: Trajectory, got: Trajectory, *, loss_dtype: torch.dtype | None = None,
+                    floor: float = 0.0) -> numerics.Comparison:
+    """:func:`compare_grads` without the assertion: the comparison, within tolerance or not.
+    ``floor``: the model's measured float precision floor (``numerics.precision_floor``)."""
     assert ref.grads, "the reference recorded no gradients (train it with train_reference)"
     assert got.grads, "the parallel run recorded no gradients: fill Trajectory.grads from pm.full_grads()"
     dtype = numerics.least_precise([t.dtype for t in ref.grads.values()] + [ref.loss_dtype])
-    return numerics.compare(ref.losses, got.losses, ref.grads, got.grads, dtype=dtype, loss_dtype=loss_dtype)
+    return numerics.compare(ref.losses, got.losses, ref.grads, got.grads, dtype=dtype, loss_dtype=loss_dtype,
+                            floor=floor)
