@@ -63,7 +63,9 @@ class DataParallelOptimizer:
                 "use kind='ddp', or pass allow_non_elementwise=True if its update is elementwise")
         self.params = self._params()
         self._pieces: list[GradPiece] | None = None
-        self.optimizer = optimizer_cls(self.params, **kwargs)
+        # a pipeline stage may hold no trainable parameter (Whisper's interleaved stage of a
+        # parameterless layer); torch.optim refuses an empty list, but takes one empty group
+        self.optimizer = optimizer_cls(self.params or [{"params": []}], **kwargs)
 
     def _params(self) -> list[torch.nn.Parameter]:
         if self.info.kind == "ddp":

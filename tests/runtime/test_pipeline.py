@@ -338,3 +338,28 @@ def test_tied_weights_across_stages_with_sharded_dp_are_refused() -> None:
     modules = {s: shard_data_parallel_pass(st.gm, plan, dp_index=0, dp_size=1, replicate=program.shared_keys(s))
                for s, st in enumerate(program.stages)}
     PipelineExecutor(program, schedule_for(plan), modules=modules)
+
+
+def _no_param_stage_rank(rank: int, world: int) -> list[float]:
+    import functools
+
+    import fairscale
+    from planner.plan import Mesh, Plan, Schedule, Stage
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3])
+    plan = Plan(mesh=Mesh(pp=2), schedule=Schedule(kind="1f1b", microbatches=2), stages=[Stage(layers="0"),
+                                                                                          Stage(layers="1")])
+    pm = fairscale.parallelize(model, example_inputs=(x, y), loss_fn=torch.nn.functional.cross_entropy, plan=plan,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    return [pm.train_step((x, y)) for _ in range(2)]
+
+
+def test_a_stage_without_parameters_trains() -> None:
+    """A pipeline stage that holds only parameterless layers (an activation, Whisper's interleaved
+    stage) crashed every rank after launch: torch.optim refuses an empty parameter list."""
+    import fairscale
+
+    losses = fairscale.launch(_no_param_stage_rank, devices=2)
+    assert losses[0] == losses[1] and losses[0][1] < losses[0][0]
