@@ -18,7 +18,7 @@ API (stable; the tests, ``benchmarks/corpus/run.py`` and both corpus sources use
   (``numerics.precision_floor``: how far the one-process float32 gradients are from float64; see
   :mod:`fairscale.numerics`, "Ill-conditioned models") and reported with the result.
 * ``refused``: the public API raised ``PlanError`` (a refusal, or a plan the passes cannot
-  compile) in the parent, before any rank started. The refusal must say where and what to do:
+  compile) or ``CaptureError`` (a model it cannot trace) in the parent, before any rank started. The refusal must say where and what to do:
   :func:`refusal_gaps` lists what its message lacks (module, op, source line, remedy), and a
   refusal with gaps is not ``ok``.
 * ``DIFFERS``: trained, but the losses or gradients differ from one process: a silent wrong result.
@@ -62,6 +62,7 @@ from fairscale.check_step import reference_step
 from fairscale.testing.corpus import CorpusModel, models
 from fairscale.testing.models import Case
 from fairscale.testing.reference import Trajectory, grad_comparison, train_reference
+from planner.capture import CaptureError
 from planner.plan import Plan, PlanError
 
 __all__ = ["PLANS", "OUTCOMES", "STEPS", "GLOBAL_BATCH", "LR", "Result", "run_cases", "plan_case", "refusal_gaps",
@@ -275,7 +276,7 @@ def run_cases(names: Iterable[str] | None = None, plans: Sequence[str] = tuple(P
             start = time.perf_counter()
             try:
                 plan = plan_case(case, kind, devices=devices)
-            except PlanError as e:
+            except (PlanError, CaptureError) as e:
                 msg = str(e)
                 results[index] = Result(entry.name, kind, "refused", detail=msg, gaps=refusal_gaps(msg),
                                         seconds=time.perf_counter() - start)
