@@ -175,7 +175,7 @@ class _Job:
     plan: Plan
 
 
-def _rank(rank: int, world: int, jobs: list[_Job], scratch: str) -> None:
+def _rank(rank: int, world: int, jobs: list[_Job], scratch: str, say: Callable[[str], None]) -> None:
     import fairscale
 
     for job in jobs:
@@ -194,6 +194,7 @@ def _rank(rank: int, world: int, jobs: list[_Job], scratch: str) -> None:
             with open(os.path.join(scratch, f"{job.index}.tmp"), "wb") as f:
                 pickle.dump(out, f)
             os.replace(os.path.join(scratch, f"{job.index}.tmp"), os.path.join(scratch, f"{job.index}.pkl"))
+            say(f"  trained {job.model} x {job.plan_kind} on {world} ranks ({out['seconds']:.1f} s)")
 
 
 def _launch_all(jobs: list[_Job], devices: int, progress: Callable[[str], None]) -> dict[int, Any]:
@@ -205,7 +206,7 @@ def _launch_all(jobs: list[_Job], devices: int, progress: Callable[[str], None])
     with tempfile.TemporaryDirectory(prefix="fairscale-corpus-") as scratch:
         while pending:
             try:
-                launch(_rank, devices=devices, args=(pending, scratch), collective_timeout_s=60.0)
+                launch(_rank, devices=devices, args=(pending, scratch, progress), collective_timeout_s=60.0)
                 failure = None
             except RankFailedError as e:
                 failure = str(e)
