@@ -66,7 +66,7 @@ from planner.capture import CaptureError
 from planner.plan import Plan, PlanError
 
 __all__ = ["PLANS", "OUTCOMES", "STEPS", "GLOBAL_BATCH", "LR", "Result", "run_cases", "plan_case", "refusal_gaps",
-           "table", "to_json"]
+           "table", "to_json", "from_json"]
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -126,8 +126,10 @@ class Result:
         return self.outcome == "exact" or (self.outcome == "refused" and not self.gaps)
 
     def reason(self) -> str:
-        """The refusal's first line, without the error's boilerplate."""
-        text = self.detail.strip().splitlines()[0] if self.detail.strip() else ""
+        """The refusal's first problem, without the error's boilerplate ("plan has 1 problem:")."""
+        lines = [ln.strip() for ln in self.detail.strip().splitlines()]
+        lines = [ln for ln in lines if ln and not re.fullmatch(r".* has \d+ problems?:", ln)]
+        text = re.sub(r"^- ", "", lines[0]) if lines else ""
         return re.sub(r"^.*?the plan does not compile: ", "", text)
 
     def summary(self) -> str:
@@ -315,6 +317,13 @@ def table(results: Sequence[Result], plans: Sequence[str] | None = None) -> str:
         cells = [by[(name, k)].summary().replace("|", "/") if (name, k) in by else "" for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def from_json(records: Sequence[dict[str, Any]]) -> list[Result]:
+    """:func:`to_json`'s records back as results (to re-render a table)."""
+    return [Result(model=r["model"], plan=r["plan"], outcome=r["outcome"], detail=r["detail"], mesh=r["mesh"],
+                   loss_error=r["loss_error"], grad_error=r["grad_error"], seconds=r["seconds"], gaps=r["gaps"],
+                   floor=r.get("float32_floor")) for r in records]
 
 
 def to_json(results: Sequence[Result]) -> list[dict[str, Any]]:
