@@ -18,11 +18,12 @@ from fairscale.check import CheckFailed, check
 from fairscale.elastic import ElasticResult, train
 from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.launch import RankFailedError, launch
+from fairscale.switch import switch_plan
 from passes.ops.comm import COUNTER as comm_counter
 from planner.cluster import Cluster
 from planner.plan import Plan, PlanError
 
 __version__ = "1.0.0.dev0"
 
-__all__ = ["parallelize", "plan", "search", "check", "CheckFailed", "launch", "train", "ElasticResult", "ParallelModule", "Plan", "PlanError",
+__all__ = ["parallelize", "plan", "search", "switch_plan", "check", "CheckFailed", "launch", "train", "ElasticResult", "ParallelModule", "Plan", "PlanError",
            "Cluster", "RankFailedError", "comm_counter", "__version__"]

@@ -79,7 +79,8 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
     return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
-                       model=weakref.ref(model), predicted_memory=dict(predicted or {}))
+                       model=weakref.ref(model), predicted_memory=dict(predicted or {}),
+                       example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 
 
 def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],

@@ -9,7 +9,7 @@ renders: everything it needs to run, save and describe the rank is here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -54,6 +54,11 @@ class RankProgram:
     model: Callable[[], nn.Module | None] = lambda: None
     """The user's model, weakly (``weakref.ref``): ``pm.state_dict()`` runs its state-dict hooks
     (``fairscale.runtime.state_hooks``); the rank keeps no reference that would hold it alive."""
+    example_inputs: Sequence[Any] = ()
+    """The global example batch the plan was compiled from (``fairscale.switch_plan`` compiles
+    another plan from it)."""
+    loss_fn: Callable[..., Any] | None = None
+    """The user's loss function, as ``parallelize`` took it."""
     predicted_memory: dict[str, float] = field(default_factory=dict)
     """Bytes this rank is predicted to hold at its peak, per :data:`MEMORY_PARTS` category (the
     planner's cost model for this rank's pipeline position); empty when not costed."""
