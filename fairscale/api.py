@@ -34,6 +34,7 @@ from torch import nn
 
 from fairscale.arguments import check_all
 from fairscale.build import build_module, predicted_memory
+from fairscale.closed_loop import ClosedLoop, steps_requested
 from fairscale.compile_check import checker_for
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
@@ -149,7 +150,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
                 global_batch: int | None = None, constraints: dict[str, Any] | None = None,
                 dtype: str | None = None, device: str | torch.device | None = None, tf32: bool = True,
-                check: bool = False) -> ParallelModule:
+                check: bool = False, calibrate: bool | int | None = None) -> ParallelModule:
     """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
 
     Call it on every rank (inside ``fairscale.launch`` or torchrun) with the same model and batch.
@@ -181,6 +182,11 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
             gradients with one process (``fairscale check``, :mod:`fairscale.check`); raises
             ``fairscale.CheckFailed`` on every rank if they differ, else the report is
             ``pm.check_report``. Costs one extra compile and step.
+        calibrate: close the loop (:mod:`fairscale.closed_loop`): after one warm-up step, time the
+            next ``calibrate`` steps (``True``: 5) by term, print predicted against measured, refit
+            the cost model to the measurement, search again, and if another plan is predicted at
+            least 10% faster, switch ``pm`` to it live (``fairscale.switch_plan``); the report is
+            ``pm.closed_loop_report``. Default: ``FAIRSCALE_CALIBRATE`` (``fairscale run --calibrate``), else off.
 
     Returns:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
@@ -223,6 +229,17 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
+    steps = steps_requested(calibrate, dict(os.environ))
+    if steps:
+        graph = captured(model, example_inputs, loss_fn=loss_fn)
+        checker = checker_for(model, example_inputs, loss_fn=loss_fn)
+        gb, keep_dtype = pm.global_batch, dtype or chosen.data_parallel.param_dtype  # switching keeps the numerics
+
+        def replan(refit: Cluster) -> Plan:
+            return search_graph(graph, refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
+                                use_all_devices=True, compiles=checker).plan
+
+        ClosedLoop(steps, graph=graph, cluster=cl, replan=replan).attach(pm)
     return pm
 
 
