@@ -13,12 +13,11 @@ The classic FairScale modules keep their import paths: ``fairscale.nn``, ``fairs
 ``fairscale.experimental``.
 """
 
-from fairscale.api import parallelize, plan, search
+from fairscale.api import parallelize, plan, search, switch_plan
 from fairscale.check import CheckFailed, check
 from fairscale.elastic import ElasticResult, train
 from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.launch import RankFailedError, launch
-from fairscale.switch import switch_plan
 from passes.ops.comm import COUNTER as comm_counter
 from planner.cluster import Cluster
 from planner.plan import Plan, PlanError

@@ -30,7 +30,7 @@ What happens (:class:`ClosedLoop`, a ``pm.after_step`` hook on every rank):
    (``fairscale.runtime.calibrate.fit_alpha_beta``), else only the term that dominates them
    (β for large messages, α for small), the other kept.
 4. It re-costs the current plan and searches again on the refitted cluster (the same search
-   ``parallelize`` runs, every device used); if the best plan is predicted at least
+   ``parallelize`` runs, every device used, the running plan's compute dtype kept); if the best plan is predicted at least
    :data:`SWITCH_GAIN` faster, ``fairscale.switch_plan`` reshards the training state in memory
    and ``pm`` continues under it (``pm.become``).
 
@@ -38,7 +38,8 @@ Limits: on CPU ranks that share cores, a pipeline rank computing while the other
 faster than the all-busy rate the stage times assume, so ``k`` is biased high for pipelines with
 large bubbles (it is common to all plans, so rankings move less than absolute times). The
 optimizer and point-to-point terms are measured and shown but not refitted (the cluster has no
-separate coefficient for them). On CUDA the timer synchronizes the device at step ends.
+separate coefficient for them). Only ``train_step`` is timed (the plain ``pm(batch)`` loop is
+not). On CUDA the timer synchronizes the device where it reads the clock.
 """
 
 from __future__ import annotations
@@ -251,10 +252,11 @@ class ClosedLoopReport:
 class ClosedLoop:
     """Time ``steps`` steps of ``pm`` after one warm-up, refit, re-plan and maybe switch (module docstring).
 
-    ``replan(cluster) -> Plan`` searches on the refitted cluster; ``graph`` is the annotated
-    capture plans are costed on."""
+    ``replan(cluster) -> Plan`` searches on the refitted cluster; ``switch(pm, plan, cluster)``
+    is ``fairscale.switch_plan``; ``graph`` is the annotated capture plans are costed on."""
 
     def __init__(self, steps: int, *, graph: Any, cluster: Cluster, replan: Callable[[Cluster], Plan],
+                 switch: Callable[[ParallelModule, Plan, Cluster], ParallelModule],
                  out: TextIO | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibrate={steps}: time at least one step (calibrate=True times {DEFAULT_STEPS})")
@@ -262,6 +264,7 @@ class ClosedLoop:
         self.graph = graph
         self.cluster = cluster
         self.replan = replan
+        self.switch = switch
         self.out = out if out is not None else sys.stdout
         self.seen = 0
         self.records: list[dict[str, Any]] = []
@@ -274,14 +277,13 @@ class ClosedLoop:
     def __call__(self, pm: ParallelModule, loss: float) -> None:
         self.seen += 1
         if self.seen > 1:
-            timings = RECORDER.timings or []
-            self.calls += timings
+            self.calls += pm.last_waits
             waits: dict[str, float] = {}
-            for _, axis, _, _, secs in timings:
+            for _, axis, _, _, secs in pm.last_waits:
                 waits[axis] = waits.get(axis, 0.0) + secs
             self.records.append({**pm.last_timing, "waits": waits})
         if self.seen <= self.steps:
-            RECORDER.timings = []  # time the next step's waits
+            RECORDER.timings = []  # time the next step's waits (pm.last_waits)
             return
         RECORDER.timings = None
         pm.after_step.remove(self)
@@ -322,9 +324,7 @@ class ClosedLoop:
         if dist.get_rank() == 0:
             print(report.text(), file=self.out, flush=True)
         if switch:
-            from fairscale.switch import switch_plan
-
-            pm.become(switch_plan(pm, best, cluster=cluster))
+            pm.become(self.switch(pm, best, cluster))
         return report
 
 

@@ -37,6 +37,7 @@ from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.ops import comm
+from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
 from passes.ops.groups import AxisGroups
 
@@ -133,6 +134,9 @@ class ParallelModule:
         self._peaks: dict[str, float | None] = {}
         self.last_timing: dict[str, float] = {}
         """Host seconds of the last ``train_step`` on this rank: ``step`` (all of it) and ``optimizer``."""
+        self.last_waits: list[tuple[str, str, int, int, float]] = []
+        """The collective and point-to-point waits of the last ``train_step``, while the flight
+        record times them (``RECORDER.timings`` is a list; ``passes.ops.flight``)."""
         self.after_step: list[Callable[[ParallelModule, float], None]] = []
         """Called as ``hook(pm, loss)`` after each ``train_step``, outside the mesh's groups
         (``fairscale.closed_loop`` measures steps and may switch the plan from one)."""
@@ -171,6 +175,7 @@ class ParallelModule:
     @_on_mesh
     def _step(self, batch: Sequence[Any], *, clip_norm: float | None, measure_memory: bool) -> float:
         start = self._clock()
+        mark = len(RECORDER.timings) if RECORDER.timings is not None else 0
         self.optimizer.zero_grad(set_to_none=True)
         base = step_peaks(self.device)
         if measure_memory:
@@ -187,6 +192,7 @@ class ParallelModule:
         self.optimizer.step()
         end = self._clock()
         self.last_timing = {"step": end - start, "optimizer": end - before_optimizer}
+        self.last_waits = RECORDER.timings[mark:] if RECORDER.timings is not None else []
         if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
             self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss

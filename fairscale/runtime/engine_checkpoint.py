@@ -52,7 +52,7 @@ def full_state_share(stages: Sequence[StageState], mesh: RankMesh, tied: list[li
     group, and the optimizer's per-parameter state ``optim.<key>.<name>`` under every name too, so
     that a plan holding the tied tensor under any of its names finds its moments and step count),
     plus ``optim.param_groups`` (one JSON string, the same on every rank). What a checkpoint writes
-    (:func:`save`) and what a live switch of plans sends (``fairscale.switch``). Collective over
+    (:func:`save`) and what a live switch of plans sends (``fairscale.runtime.reshard``). Collective over
     each stage's dp and tp groups."""
     share: dict[str, Any] = {}
     writers = mesh.dp * mesh.tp
