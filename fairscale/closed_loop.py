@@ -89,6 +89,8 @@ class Measurement:
     pipeline's idle waits (the bubble)."""
     calls: list[tuple[str, int, int, float]] = field(default_factory=list)
     """(op, group size, bytes, seconds) per distinct collective: the fitting points."""
+    rank_step_s: list[float] = field(default_factory=list)
+    """Per global rank: its median step time."""
 
 
 @dataclass
@@ -158,7 +160,8 @@ def measure(ranks: list[dict[str, Any]], mesh: RankMesh) -> Measurement:
                 key = (op, size, nbytes)
                 points[key] = min(points.get(key, float("inf")), secs)
     return Measurement(steps=n, step_s=step, optimizer_s=opt, stage_compute_s=stages, comm_s=comm,
-                       calls=[(op, size, nbytes, t) for (op, size, nbytes), t in sorted(points.items())])
+                       calls=[(op, size, nbytes, t) for (op, size, nbytes), t in sorted(points.items())],
+                       rank_step_s=[statistics.median(s["step"] for s in r["steps"]) for r in ranks])
 
 
 def refit(cluster: Cluster, predicted: dict[str, Any], measured: Measurement) -> tuple[Cluster, Fit]:
@@ -242,6 +245,8 @@ class ClosedLoopReport:
             err, rerr = (f"{(p - m) / m * 100:+.0f}%", f"{(r - m) / m * 100:+.0f}%") if m > 0 else ("", "")
             out.append(f"{label:<{width}} {p:>10.4g} {r:>10.4g} {m:>10.4g} {err:>7} {rerr:>11}")
         out.append("(slowest rank, median over the timed steps; error: predicted against measured)")
+        if self.measured.rank_step_s:
+            out.append("step per rank (s): " + " ".join(f"{t:.4g}" for t in self.measured.rank_step_s))
         return "\n".join(out)
 
     def text(self) -> str:

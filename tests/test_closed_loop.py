@@ -69,7 +69,7 @@ def test_closed_loop_leaves_a_bad_plan_and_continues_exactly(tmp_path):
     assert switched, text
     assert new["mesh"]["pp"] < 4, text
     assert "seconds per step" in text and "compute, pipeline rank 3" in text and "refit error" in text
-    assert "switched live from pp4×dp1×tp1" in text
+    assert "switched live from pp4×dp1×tp1" in text and "step per rank (s): " in text
     fresh = fairscale.launch(_fresh, devices=4, args=(bad, new, str(tmp_path / "ckpt")))[0]
     assert losses[SWITCH_AT:] == fresh[SWITCH_AT:]  # the same state under the same plan: bit for bit
     compare(train_reference(_case, steps=TOTAL, global_batch=BATCH, lr=LR), Trajectory(losses=losses, params=params),
@@ -127,3 +127,28 @@ def test_run_calibrate_reaches_parallelize_in_the_script(tmp_path):
     assert [(tmp_path / f"steps{r}").read_text() for r in range(2)] == ["5", "5"]
     assert main(["run", "--devices", "2", "--calibrate-steps", "3", str(script), str(out)]) == 0
     assert (tmp_path / "steps1").read_text() == "3"
+
+
+def test_measure_takes_the_slowest_rank_per_term_and_the_least_waiting_rank_per_collective():
+    from fairscale.closed_loop import measure
+    from fairscale.runtime.mesh import RankMesh
+
+    def rank(steps, points):
+        return {"steps": [{"step": s, "optimizer": o, "waits": w} for s, o, w in steps], "points": points}
+
+    ar = ("all_reduce", "dp", 2, 4096)
+    ranks = [  # pp2 x dp2: ranks 0, 1 on pipeline rank 0, ranks 2, 3 on pipeline rank 1
+        rank([(1.0, 0.1, {"dp": 0.2, "pp": 0.1}), (1.2, 0.1, {"dp": 0.3, "pp": 0.1})], {ar: 0.05}),
+        rank([(1.1, 0.2, {"dp": 0.1, "pp": 0.1}), (1.1, 0.2, {"dp": 0.1, "pp": 0.1})], {ar: 0.02}),
+        rank([(0.9, 0.1, {"pp": 0.5}), (0.9, 0.1, {"pp": 0.4})], {}),
+        rank([(0.9, 0.1, {"pp": 0.45}), (1.3, 0.1, {"pp": 0.45})], {("p2p", "pp", 2, 512): 0.01}),
+    ]
+    m = measure(ranks, RankMesh(2, 2, 1, 0))
+    assert m.step_s == pytest.approx(1.2)  # the slowest rank's steps are 1.1 and 1.3
+    assert m.optimizer_s == pytest.approx(0.2)
+    # compute = step - optimizer - waits, median over steps, slowest rank of each pipeline rank
+    assert m.stage_compute_s == pytest.approx([0.7, 0.55])  # ranks 1 (0.7, 0.7) and 3 (0.35, 0.75)
+    assert m.comm_s["dp"] == pytest.approx(0.25) and m.comm_s["p2p"] == pytest.approx(0.45)
+    assert m.calls == [("all_reduce", 2, 4096, 0.02)]  # point-to-point is not a collective point
+    assert m.rank_step_s == pytest.approx([1.1, 1.1, 0.9, 1.1])
+
