@@ -39,7 +39,8 @@ faster than the all-busy rate the stage times assume, so ``k`` is biased high fo
 large bubbles (it is common to all plans, so rankings move less than absolute times). The
 optimizer and point-to-point terms are measured and shown but not refitted (the cluster has no
 separate coefficient for them). Only ``train_step`` is timed (the plain ``pm(batch)`` loop is
-not). On CUDA the timer synchronizes the device where it reads the clock.
+not). On CUDA the timer synchronizes the device where it reads the clock. Until it has decided,
+the loop holds the capture and the compile checker (to search again); then it lets them go.
 """
 
 from __future__ import annotations

@@ -96,12 +96,13 @@ class ParallelModule:
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
         self.rank_program = program
+        """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
         self.optimizer_spec = optimizer
         """The optimizer as ``parallelize`` took it (``fairscale.switch_plan`` builds the next module with it)."""
         self.tf32_requested = tf32
+        """The ``tf32`` argument (``self.tf32`` says whether TF32 is on)."""
         self.retired: str = ""
         """Why this module no longer runs (``fairscale.switch_plan`` moved its state to another module); empty while it runs."""
-        """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
         self.device: torch.device = program.device
         """Where this rank computes: its shards, activations and collectives (see ``fairscale.runtime.device``)."""
         use_device(self.device)
@@ -336,9 +337,9 @@ class ParallelModule:
         return [(self.modules[s], opt) for s, opt in zip(self.local_stages, self._optimizers)]
 
     def become(self, other: ParallelModule) -> None:
-        """Take over ``other``'s program, mesh, state and hooks (``other`` came from
-        ``fairscale.switch_plan(self, ...)``), so references the user holds to this module train
-        under the new plan; ``other`` is not used afterwards."""
+        """Take over ``other``'s program, mesh and state, keeping this module's ``after_step`` hooks
+        (``other`` came from ``fairscale.switch_plan(self, ...)``), so references the user holds to
+        this module train under the new plan; ``other`` is not used afterwards."""
         hooks = self.after_step
         self.__dict__.update(other.__dict__)
         self.after_step = hooks
