@@ -13,7 +13,7 @@ The classic FairScale modules keep their import paths: ``fairscale.nn``, ``fairs
 ``fairscale.experimental``.
 """
 
-from fairscale.api import parallelize, plan, search
+from fairscale.api import parallelize, plan, search, switch_plan
 from fairscale.check import CheckFailed, check
 from fairscale.elastic import ElasticResult, train
 from fairscale.runtime.engine import ParallelModule
@@ -24,5 +24,5 @@ from planner.plan import Plan, PlanError
 
 __version__ = "1.0.0.dev0"
 
-__all__ = ["parallelize", "plan", "search", "check", "CheckFailed", "launch", "train", "ElasticResult", "ParallelModule", "Plan", "PlanError",
+__all__ = ["parallelize", "plan", "search", "switch_plan", "check", "CheckFailed", "launch", "train", "ElasticResult", "ParallelModule", "Plan", "PlanError",
            "Cluster", "RankFailedError", "comm_counter", "__version__"]

@@ -34,10 +34,12 @@ from torch import nn
 
 from fairscale.arguments import check_all
 from fairscale.build import build_module, predicted_memory
+from fairscale.closed_loop import ClosedLoop, steps_requested
 from fairscale.compile_check import checker_for
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
+from fairscale.runtime.reshard import reshard
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
@@ -49,7 +51,7 @@ from planner.search import Compiles, SearchResult, cost_plan
 from planner.validate import validate_plan
 from planner.validate_fields import fp16_problem
 
-__all__ = ["search", "plan", "parallelize", "captured", "resolve_cluster", "search_graph", "tp_rules_of"]
+__all__ = ["search", "plan", "parallelize", "switch_plan", "captured", "resolve_cluster", "search_graph", "tp_rules_of"]
 
 _CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
 _SEARCHES: dict[tuple[Any, ...], SearchResult] = {}
@@ -149,7 +151,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
                 global_batch: int | None = None, constraints: dict[str, Any] | None = None,
                 dtype: str | None = None, device: str | torch.device | None = None, tf32: bool = True,
-                check: bool = False) -> ParallelModule:
+                check: bool = False, calibrate: bool | int | None = None) -> ParallelModule:
     """Capture, plan (or load and check ``plan``), rewrite and return this rank's trainable module.
 
     Call it on every rank (inside ``fairscale.launch`` or torchrun) with the same model and batch.
@@ -181,6 +183,11 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
             gradients with one process (``fairscale check``, :mod:`fairscale.check`); raises
             ``fairscale.CheckFailed`` on every rank if they differ, else the report is
             ``pm.check_report``. Costs one extra compile and step.
+        calibrate: close the loop (:mod:`fairscale.closed_loop`): after one warm-up step, time the
+            next ``calibrate`` steps (``True``: 5) by term, print predicted against measured, refit
+            the cost model to the measurement, search again, and if another plan is predicted at
+            least 10% faster, switch ``pm`` to it live (``fairscale.switch_plan``); the report is
+            ``pm.closed_loop_report``. Default: ``FAIRSCALE_CALIBRATE`` (``fairscale run --calibrate``), else off.
 
     Returns:
         :class:`fairscale.runtime.engine.ParallelModule`: ``pm.train_step(batch)``, ``pm(batch)``
@@ -223,7 +230,62 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
+    steps = steps_requested(calibrate, dict(os.environ))
+    if steps:
+        graph = captured(model, example_inputs, loss_fn=loss_fn)
+        checker = checker_for(model, example_inputs, loss_fn=loss_fn)
+        gb, keep_dtype = pm.global_batch, dtype or chosen.data_parallel.param_dtype  # switching keeps the numerics
+
+        def replan(refit: Cluster) -> Plan:
+            return search_graph(graph, refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
+                                use_all_devices=True, compiles=checker).plan
+
+        ClosedLoop(steps, graph=graph, cluster=cl, replan=replan,
+                   switch=lambda old, new, refit: switch_plan(old, new, cluster=refit)).attach(pm)
     return pm
+
+
+def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster | str | None = None,
+                ) -> ParallelModule:
+    """``pm``'s whole training state resharded in memory to ``plan`` on the same ranks; returns the
+    new module, and ``pm`` is retired (its calls raise). Collective: every rank calls it alike.
+
+        pm = fairscale.switch_plan(pm, "dp4.json")      # training continues exactly where it was
+
+    Parameters, buffers and the optimizer's state (moments and step counts; a tied weight's under
+    every name of the tie) move through the any-plan checkpoint's mapping, without a disk
+    (:mod:`fairscale.runtime.reshard`). The plan is checked as ``parallelize(plan=...)`` checks one
+    (validated, re-costed, compiled on rank 0 first) before any state moves, and must keep the
+    global batch. Learning-rate schedulers must be attached to the new module's optimizer again
+    (its hyperparameters, ``lr`` included, carry over).
+
+    Args:
+        pm: a module built by ``fairscale.parallelize``; the user's model it was built from must
+            still be alive (its structure is compiled again; its weights are not read).
+        plan: a Plan or the path of a plan file.
+        cluster: what the plan is costed for (default: as ``parallelize``).
+    """
+    if pm.retired:
+        raise RuntimeError(pm.retired)
+    program = pm.rank_program
+    model = program.model()
+    if model is None:
+        raise RuntimeError("switch_plan compiles the new plan from the user's model, which is gone: keep a "
+                           "reference to the model passed to fairscale.parallelize while training")
+    batch, loss_fn = program.example_inputs, program.loss_fn
+    graph = captured(model, batch, loss_fn=loss_fn)
+    cl = _same_on_every_rank(resolve_cluster(dist.get_world_size(), cluster, device=pm.device))
+    chosen = load_and_check(plan, graph, cl, global_batch=pm.global_batch)
+    if chosen.schedule.global_batch != pm.global_batch:
+        raise ValueError(f"the new plan's global batch is {chosen.schedule.global_batch}, but this run trains on "
+                         f"{pm.global_batch} samples per step; a live switch keeps the global batch (set "
+                         f"schedule.global_batch to {pm.global_batch}, or leave it out)")
+    check_compiles_on_ranks(model, batch, chosen, loss_fn=loss_fn,
+                            source=str(plan) if isinstance(plan, (str, Path)) else "plan")
+    predicted = predicted_memory(chosen, graph, cl, optimizer=pm.optimizer_spec)
+    return reshard(pm, lambda: build_module(model, chosen, example_inputs=batch, loss_fn=loss_fn,
+                                            optimizer=pm.optimizer_spec, device=pm.device,
+                                            tf32=pm.tf32_requested, predicted=predicted))
 
 
 def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, *,

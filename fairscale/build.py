@@ -81,7 +81,8 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
                        token_counter=token_counter(graph.gm),
-                       model=weakref.ref(model), predicted_memory=dict(predicted or {}))
+                       model=weakref.ref(model), predicted_memory=dict(predicted or {}),
+                       example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 
 
 def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],

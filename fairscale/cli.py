@@ -399,6 +399,11 @@ def _parser() -> argparse.ArgumentParser:
                    "every S steps and resumes from the last checkpoint after a restart")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where fairscale.train checkpoints and resumes (default "
                    "with --max-restarts or --checkpoint-every: a temporary directory, removed on success)")
+    p.add_argument("--calibrate", action="store_true", help="close the loop: time the first steps of every "
+                   "parallelize in the script, print predicted against measured, refit the cost model, and switch "
+                   "live to a plan predicted at least 10%% faster (fairscale.closed_loop)")
+    p.add_argument("--calibrate-steps", type=int, metavar="K", help="steps to time after one warm-up step "
+                   "(default 5; implies --calibrate)")
     p.add_argument("script", metavar="SCRIPT.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
     p.set_defaults(run=_cmd_run)
@@ -447,11 +452,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from fairscale.closed_loop import DEFAULT_STEPS
     from fairscale.runtime.run_cli import run_script
 
+    steps = args.calibrate_steps if args.calibrate_steps is not None else (DEFAULT_STEPS if args.calibrate else None)
     return run_script(args.script, args.devices, args.script_args, timeout_s=args.timeout,
                       max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every)
+                      checkpoint_every=args.checkpoint_every, calibrate_steps=steps)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -34,6 +34,8 @@ def add_commands(sub: argparse._SubParsersAction, *, graph_of: GraphOf, cluster_
     p.add_argument("factory", metavar="FACTORY", nargs="?", help=factory_help + " (default: A's model.factory)")
     devices(p, required_note="(default: the cluster A records)")
     p.add_argument("--global-batch", type=int, metavar="B", help="samples per step (default: each plan's own)")
+    p.add_argument("--html", metavar="OUT.html", help="also write both plans side by side (per term, per stage, "
+                   "memory, and each plan's mesh, memory and timeline pictures) to an offline HTML page")
     p.set_defaults(run=functools.partial(_cmd_diff, graph_of=graph_of, cluster_of=cluster_of, usage=usage_error))
 
     p = sub.add_parser("what-if", help="re-cost a plan on other hardware and compare with the search there",
@@ -70,9 +72,15 @@ def _cmd_diff(args: argparse.Namespace, *, graph_of: GraphOf, cluster_of: Cluste
     cluster = cluster_of(args) or (Cluster.from_dict(a.cluster) if a.cluster else None)
     if cluster is None:
         raise usage(f"{args.plan_a} records no cluster; give --cluster PRESET (and --nodes/--devices)")
-    d = diff_plans(a, b, graph, cluster, global_batch=args.global_batch,
-                   names=(Path(args.plan_a).name, Path(args.plan_b).name))
+    names = (Path(args.plan_a).name, Path(args.plan_b).name)
+    d = diff_plans(a, b, graph, cluster, global_batch=args.global_batch, names=names)
     print(d.text())
+    if args.html:
+        from fairscale.report.compare import diff_html_report
+
+        out = diff_html_report(a, b, graph=graph, cluster=cluster, path=args.html, names=names,
+                               global_batch=args.global_batch)
+        print(f"wrote {out}")
     return 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fairscale.report import svg
 
-__all__ = ["ReportData", "render_html", "write_html"]
+__all__ = ["ReportData", "render_html", "write_html", "plan_figures", "page"]
 
 
 @dataclass(kw_only=True)
@@ -44,20 +44,31 @@ figure { margin: 0; }
 """
 
 
-def render_html(data: ReportData) -> str:
+def plan_figures(data: ReportData, *, suffix: str = "") -> list[str]:
+    """The mesh, memory and (with pp > 1) timeline figures of one plan, as HTML fragments; figure
+    ids get ``suffix`` (two plans on one page, ``fairscale.report.compare``)."""
     gib = float(2**30)
     memory = [{k: v / gib for k, v in stage.items()} for stage in data.memory]
-    parts = [f"<h1>{escape(data.title)}</h1>", "<h2>Plan</h2>", f"<pre>{escape(data.text)}</pre>",
-             "<h2>Device mesh</h2>", f'<figure id="mesh">{svg.mesh_diagram(*data.mesh)}</figure>',
+    parts = ["<h2>Device mesh</h2>", f'<figure id="mesh{suffix}">{svg.mesh_diagram(*data.mesh)}</figure>',
              "<h2>Memory per device</h2>",
-             f'<figure id="memory">{svg.memory_bars(memory, capacity=data.capacity_bytes / gib, labels=data.stage_labels or None)}</figure>']
+             f'<figure id="memory{suffix}">{svg.memory_bars(memory, capacity=data.capacity_bytes / gib, labels=data.stage_labels or None)}</figure>']
     if data.timeline:
         rows = max(b.row for b in data.timeline) + 1
         parts += ["<h2>Pipeline timeline (one step, simulated)</h2>",
-                  f'<figure id="timeline">{svg.gantt(data.timeline, rows=rows)}</figure>']
-    body = "\n".join(parts)
+                  f'<figure id="timeline{suffix}">{svg.gantt(data.timeline, rows=rows)}</figure>']
+    return parts
+
+
+def page(title: str, body: list[str], *, css: str = "") -> str:
+    """A self-contained HTML page (no script, no network)."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{escape(data.title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
+            f"<title>{escape(title)}</title><style>{_CSS}{css}</style></head>\n<body>\n" + "\n".join(body)
+            + "\n</body></html>\n")
+
+
+def render_html(data: ReportData) -> str:
+    parts = [f"<h1>{escape(data.title)}</h1>", "<h2>Plan</h2>", f"<pre>{escape(data.text)}</pre>", *plan_figures(data)]
+    return page(data.title, parts)
 
 
 def write_html(data: ReportData, path: str | Path, *, overwrite: bool = True) -> Path:

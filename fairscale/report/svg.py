@@ -5,6 +5,7 @@
 * :func:`memory_bars`: stacked per-device memory (parameters, gradients, optimizer, activations,
   buffers) against the device's capacity.
 * :func:`mesh_diagram`: the pp × dp × tp grid of ranks.
+* :func:`paired_bars`: two plans' values side by side, one pair of bars per row (``fairscale diff --html``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-__all__ = ["Box", "gantt", "memory_bars", "mesh_diagram", "MEMORY_PARTS"]
+__all__ = ["Box", "gantt", "memory_bars", "mesh_diagram", "paired_bars", "MEMORY_PARTS"]
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 _COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759",
@@ -117,3 +118,30 @@ def mesh_diagram(pp: int, dp: int, tp: int, *, title: str = "device mesh", width
                             f'fill="#4e79a7" rx="4"><title>rank {rank}: pp {s}, dp {d}, tp {t}</title></rect>'
                             f'<text x="{x + 6:.1f}" y="{y + 19:.1f}" fill="#ffffff">{rank}</text>')
     return _svg(width, top + dp * cell + 10, body, title)
+
+
+PAIR_COLORS = ("#4e79a7", "#f28e2b")
+
+
+def paired_bars(rows: list[tuple[str, float, float]], *, names: tuple[str, str], unit: str = "ms",
+                title: str = "per term", width: float = 760) -> str:
+    """One pair of horizontal bars per ``(label, a, b)`` row, ``a`` over ``b``, on one scale."""
+    if not rows:
+        raise ValueError("paired_bars needs at least one row")
+    left, bar_h, gap, top = 220.0, 10.0, 8.0, 40.0
+    peak = max(max(a, b) for _, a, b in rows)
+    scale = (width - left - 80) / peak if peak > 0 else 1.0
+    body = [f'<text x="4" y="14">{escape(title)} ({unit})</text>']
+    for i, name in enumerate(names):
+        body.append(f'<rect x="{left + i * 200}" y="20" width="10" height="10" fill="{PAIR_COLORS[i]}"/>'
+                    f'<text x="{left + i * 200 + 14}" y="29">{escape(name)}</text>')
+    for r, (label, a, b) in enumerate(rows):
+        y = top + r * (2 * bar_h + gap)
+        body.append(f'<text x="4" y="{y + bar_h + 4:.1f}">{escape(label)}</text>')
+        for i, v in enumerate((a, b)):
+            w = max(v * scale, 0.0)
+            yy = y + i * bar_h
+            body.append(f'<rect class="pair" x="{left}" y="{yy:.1f}" width="{w:.1f}" height="{bar_h - 1}" '
+                        f'fill="{PAIR_COLORS[i]}"><title>{escape(names[i])} {escape(label)}: {v:.4g} {unit}</title></rect>'
+                        f'<text x="{left + w + 4:.1f}" y="{yy + bar_h - 1:.1f}" font-size="9">{v:.3g}</text>')
+    return _svg(width, top + len(rows) * (2 * bar_h + gap) + 4, body, title)

@@ -17,6 +17,7 @@ the last stage). Losses returned are means over the global batch, identical on e
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.ops import comm
+from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
 from passes.ops.groups import AxisGroups
 
@@ -51,6 +53,8 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a ``ParallelModule`` method with its mesh's groups active (``passes.ops.groups``)."""
     @functools.wraps(method)
     def run(self: ParallelModule, *args: Any, **kwargs: Any) -> Any:
+        if self.retired:
+            raise RuntimeError(self.retired)
         with self.mesh.groups.active():
             return method(self, *args, **kwargs)
     return run
@@ -93,6 +97,12 @@ class ParallelModule:
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
         self.rank_program = program
         """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
+        self.optimizer_spec = optimizer
+        """The optimizer as ``parallelize`` took it (``fairscale.switch_plan`` builds the next module with it)."""
+        self.tf32_requested = tf32
+        """The ``tf32`` argument (``self.tf32`` says whether TF32 is on)."""
+        self.retired: str = ""
+        """Why this module no longer runs (``fairscale.switch_plan`` moved its state to another module); empty while it runs."""
         self.device: torch.device = program.device
         """Where this rank computes: its shards, activations and collectives (see ``fairscale.runtime.device``)."""
         use_device(self.device)
@@ -124,8 +134,20 @@ class ParallelModule:
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
         self._peaks: dict[str, float | None] = {}
+        self.last_timing: dict[str, float] = {}
+        """Host seconds of the last ``train_step`` on this rank: ``step`` (all of it) and ``optimizer``."""
+        self.last_waits: list[tuple[str, str, int, int, float]] = []
+        """The collective and point-to-point waits of the last ``train_step``, while the flight
+        record times them (``RECORDER.timings`` is a list; ``passes.ops.flight``)."""
+        self.after_step: list[Callable[[ParallelModule, float], None]] = []
+        """Called as ``hook(pm, loss)`` after each ``train_step``, outside the mesh's groups
+        (``fairscale.closed_loop`` measures steps and may switch the plan from one)."""
         self.check_report: Any = None
         """``fairscale.check.CheckReport`` when built by ``parallelize(..., check=True)``."""
+        self.sync_timing = False
+        """Synchronize a CUDA device where ``last_timing`` reads the clock (the closed loop sets it)."""
+        self.closed_loop_report: Any = None
+        """``fairscale.closed_loop.ClosedLoopReport`` once ``parallelize(..., calibrate=K)`` has measured."""
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -135,7 +157,6 @@ class ParallelModule:
 
     # -- training ---------------------------------------------------------------------------------
 
-    @_on_mesh
     def train_step(self, batch: Sequence[Any], *, clip_norm: float | None = None,
                    measure_memory: bool = False) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank).
@@ -148,6 +169,15 @@ class ParallelModule:
         """
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
+        loss = self._step(batch, clip_norm=clip_norm, measure_memory=measure_memory)
+        for hook in list(self.after_step):  # outside the mesh's groups: a hook may switch the plan
+            hook(self, loss)
+        return loss
+
+    @_on_mesh
+    def _step(self, batch: Sequence[Any], *, clip_norm: float | None, measure_memory: bool) -> float:
+        start = self._clock()
+        mark = len(RECORDER.timings) if RECORDER.timings is not None else 0
         self.optimizer.zero_grad(set_to_none=True)
         base = step_peaks(self.device)
         if measure_memory:
@@ -160,7 +190,11 @@ class ParallelModule:
         self._peaks["buffers"] = float(_UNSHARD.peak - base)
         if clip_norm is not None:
             self._grad_norm = self.clip_grad_norm_(clip_norm)
+        before_optimizer = self._clock()
         self.optimizer.step()
+        end = self._clock()
+        self.last_timing = {"step": end - start, "optimizer": end - before_optimizer}
+        self.last_waits = RECORDER.timings[mark:] if RECORDER.timings is not None else []
         if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
             self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
@@ -181,6 +215,11 @@ class ParallelModule:
         if total == 0 or len(set(flat)) == 1:
             return None  # equal pieces: the plain mean is the token mean (no labels: NaN either way)
         return [dp * n / total for n in counts[self.mesh.dp_index]]
+
+    def _clock(self) -> float:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
         """This rank's dp slice of the global ``batch``, on its device (copied without blocking).
@@ -314,6 +353,22 @@ class ParallelModule:
 
     def _stage_states(self) -> list[tuple[torch.fx.GraphModule, DataParallelOptimizer]]:
         return [(self.modules[s], opt) for s, opt in zip(self.local_stages, self._optimizers)]
+
+    def become(self, other: ParallelModule) -> None:
+        """Take over ``other``'s program, mesh and state, keeping this module's ``after_step`` hooks
+        (``other`` came from ``fairscale.switch_plan(self, ...)``), so references the user holds to
+        this module train under the new plan; ``other`` is not used afterwards."""
+        hooks = self.after_step
+        self.__dict__.update(other.__dict__)
+        self.after_step = hooks
+
+    def retire(self, why: str) -> None:
+        """Release this rank's graphs, shards and optimizer state; every later call raises ``why``."""
+        self.retired = why
+        self.modules = {}
+        self._optimizers = []
+        self.optimizer = _StageOptimizers([], self.mesh.groups)
+        self.executor = None  # type: ignore[assignment]
 
     def report(self) -> str:
         """The plan's text report (stages, memory, predicted time, collectives), as the face that

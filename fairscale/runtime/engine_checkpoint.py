@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -40,21 +40,28 @@ from fairscale.runtime.state import (held_keys, load_full_state_dict, load_optim
                                      tied_aliases)
 from fairscale.runtime.state_stream import iter_full_state, iter_optimizer_state
 
-__all__ = ["save", "load", "StageState"]
+__all__ = ["save", "load", "StageState", "full_state_share", "wanted_keys", "load_full_state"]
 
 StageState = tuple[torch.fx.GraphModule, DataParallelOptimizer]
 """One of a rank's stages: its compiled graph and the optimizer over its local tensors."""
 
 
-def _my_share(stages: Sequence[StageState], mesh: RankMesh, tied: list[list[str]]) -> dict[str, Any]:
-    """The tensors this rank writes: every (dp × tp)-th one of its stages' gathered tensors, on the host."""
+def full_state_share(stages: Sequence[StageState], mesh: RankMesh, tied: list[list[str]]) -> dict[str, Any]:
+    """This rank's share of the full training state in the user's keys, on the host: every (dp ×
+    tp)-th one of its stages' gathered tensors (parameters and buffers under every name of a tied
+    group, and the optimizer's per-parameter state ``optim.<key>.<name>`` under every name too, so
+    that a plan holding the tied tensor under any of its names finds its moments and step count),
+    plus ``optim.param_groups`` (one JSON string, the same on every rank). What a checkpoint writes
+    (:func:`save`) and what a live switch of plans sends (``fairscale.runtime.reshard``). Collective over
+    each stage's dp and tp groups."""
     share: dict[str, Any] = {}
     writers = mesh.dp * mesh.tp
     me = mesh.dp_index * mesh.tp + mesh.tp_index
     for gm, opt in stages:
         # every name of a tied tensor is written (another plan may hold it under any of them)
         params = ((n, t) for names, t in iter_full_state(gm, aliases=tied) for n in names)
-        for i, (name, value) in enumerate(itertools.chain(params, iter_optimizer_state(gm, opt))):
+        states = ((name, v) for names, v in iter_optimizer_state(gm, opt, aliases=tied) for name in names)
+        for i, (name, value) in enumerate(itertools.chain(params, states)):
             if i % writers == me:
                 share[name] = value.to("cpu", copy=True) if isinstance(value, torch.Tensor) else \
                     torch.tensor(value, device="cpu")  # lint: cpu -- a Python scalar state, saved as a tensor
@@ -62,6 +69,41 @@ def _my_share(stages: Sequence[StageState], mesh: RankMesh, tied: list[list[str]
     share["optim.param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}
                                               for g in stages[-1][1].param_groups], default=str)
     return share
+
+
+def wanted_keys(stages: Sequence[StageState], available: Iterable[str]) -> set[str]:
+    """The keys of ``available`` (a full state in the user's keys, as :func:`full_state_share`
+    names them) that a rank's ``stages`` load: their tensors under any of their names, and those
+    names' optimizer state."""
+    available = set(available)
+    wanted: set[str] = {"optim.param_groups"}
+    for gm, _ in stages:
+        for key in held_keys(gm):
+            names = [key, *tied_aliases(gm).get(key, [])]
+            wanted.update(names)
+            wanted.update(k for k in available for n in names if k.startswith(f"optim.{n}."))
+    return wanted & available
+
+
+def load_full_state(stages: Sequence[StageState], state: dict[str, Any]) -> None:
+    """Copy a full state in the user's keys (host tensors holding at least :func:`wanted_keys`)
+    into a rank's ``stages``: each takes its tensor-parallel slices and data-parallel shards, and
+    its optimizer its state. Local (no collective)."""
+    for gm, opt in stages:
+        layout = param_layout(gm)
+        load_full_state_dict(gm, {k: v for k, v in state.items() if not k.startswith("optim.")})
+        optim: dict[str, Any] = {}
+        for name, value in state.items():
+            if not name.startswith("optim."):
+                continue
+            key = name[len("optim."):].rsplit(".", 1)[0]
+            spec = layout.tp.get(key)
+            optim[name] = spec.slice(value) if spec is not None and isinstance(value, torch.Tensor) \
+                and value.dim() > 0 else value
+        load_optimizer_state_dict(gm, opt, optim)
+        for bucket in opt.info.buckets:
+            if bucket.shard is not None:
+                bucket.gather_params()
 
 
 def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: RankMesh,
@@ -75,7 +117,7 @@ def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: Ra
             shutil.rmtree(tmp)  # debris of an interrupted save, never a complete checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_my_share(stages, mesh, tied), storage_writer=dcp.FileSystemWriter(str(tmp)))
+    dcp.save(full_state_share(stages, mesh, tied), storage_writer=dcp.FileSystemWriter(str(tmp)))
     dist.barrier()
     if dist.get_rank() == 0:
         commit_checkpoint(tmp, path)
@@ -87,34 +129,14 @@ def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:
     """Load a checkpoint written by :func:`save` under any plan into a rank's ``stages``. Collective."""
     reader = dcp.FileSystemReader(str(checkpoint_path(path)))
     meta = reader.read_metadata().state_dict_metadata
-    wanted: set[str] = {"optim.param_groups"}
-    for gm, _ in stages:
-        for key in held_keys(gm):
-            names = [key, *tied_aliases(gm).get(key, [])]
-            wanted.update(names)
-            wanted.update(k for k in meta for n in names if k.startswith(f"optim.{n}."))
     template: dict[str, Any] = {}
-    for key in sorted(wanted & set(meta)):
+    for key in sorted(wanted_keys(stages, meta)):
         item = meta[key]
         if isinstance(item, BytesStorageMetadata):
             template[key] = None
         elif isinstance(item, TensorStorageMetadata):
-            # lint: cpu -- read into host memory; load_full_state_dict copies each rank's part to its device
+            # lint: cpu -- read into host memory; load_full_state copies each rank's part to its device
             template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
     dcp.load(template, storage_reader=reader)
-    for gm, opt in stages:
-        layout = param_layout(gm)
-        load_full_state_dict(gm, {k: v for k, v in template.items() if not k.startswith("optim.")})
-        optim: dict[str, Any] = {}
-        for name, value in template.items():
-            if not name.startswith("optim."):
-                continue
-            key = name[len("optim."):].rsplit(".", 1)[0]
-            spec = layout.tp.get(key)
-            optim[name] = spec.slice(value) if spec is not None and isinstance(value, torch.Tensor) \
-                and value.dim() > 0 else value
-        load_optimizer_state_dict(gm, opt, optim)
-        for bucket in opt.info.buckets:
-            if bucket.shard is not None:
-                bucket.gather_params()
+    load_full_state(stages, template)
     dist.barrier()

@@ -77,7 +77,8 @@ def exchange(messages: Sequence[Message], *, group: Any, axis: str, check: Check
     for m in messages:
         nbytes = m.tensor.numel() * m.tensor.element_size()
         comm.count("send" if m.send else "recv", axis, nbytes, float(nbytes))
-    entry = RECORDER.post("p2p", axis, "; ".join(m.describe() for m in messages))
+    entry = RECORDER.post("p2p", axis, "; ".join(m.describe() for m in messages),
+                          nbytes=sum(m.tensor.numel() * m.tensor.element_size() for m in messages), size=2)
     ops = [dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, group) for m in messages]
     return Batch(dist.batch_isend_irecv(ops), entry)
 

@@ -9,7 +9,7 @@ renders: everything it needs to run, save and describe the rank is here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -58,6 +58,11 @@ class RankProgram:
     token_counter: TokenCounter | None = None
     """Counts the labels a token-mean loss averages over in a piece of the batch
     (``passes.loss_weights``): the step weighs each microbatch by its count; None for other losses."""
+    example_inputs: Sequence[Any] = ()
+    """The global example batch the plan was compiled from (``fairscale.switch_plan`` compiles
+    another plan from it)."""
+    loss_fn: Callable[..., Any] | None = None
+    """The user's loss function, as ``parallelize`` took it."""
     predicted_memory: dict[str, float] = field(default_factory=dict)
     """Bytes this rank is predicted to hold at its peak, per :data:`MEMORY_PARTS` category (the
     planner's cost model for this rank's pipeline position); empty when not costed."""

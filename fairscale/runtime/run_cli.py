@@ -23,12 +23,15 @@ from typing import Sequence, TextIO
 
 from fairscale.runtime.launch import RankFailedError, launch
 
-__all__ = ["run_script", "ENV_DIR", "ENV_EVERY", "ENV_RESTART"]
+__all__ = ["run_script", "ENV_DIR", "ENV_EVERY", "ENV_RESTART", "ENV_CALIBRATE"]
 
 ENV_DIR = "FAIRSCALE_CHECKPOINT_DIR"
 """Set on every rank by ``--checkpoint-dir``: ``fairscale.train``'s default checkpoint directory."""
 ENV_EVERY = "FAIRSCALE_CHECKPOINT_EVERY"
 """Set on every rank by ``--checkpoint-every``: ``fairscale.train``'s default checkpoint interval."""
+ENV_CALIBRATE = "FAIRSCALE_CALIBRATE"
+"""Set on every rank by ``--calibrate`` (the steps to time): ``fairscale.parallelize``'s default
+``calibrate`` (``fairscale.closed_loop``)."""
 ENV_RESTART = "FAIRSCALE_RESTART_COUNT"
 """Set on every rank: how many times the job was restarted (0 on the first start)."""
 
@@ -51,7 +54,7 @@ def _run_rank(rank: int, world: int, script: str, argv: list[str], env: dict[str
 
 def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s: float | None = None,
                max_restarts: int = 0, checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-               stderr: TextIO | None = None) -> int:
+               calibrate_steps: int | None = None, stderr: TextIO | None = None) -> int:
     """Run ``script`` on ``devices`` forked ranks; return the process exit status (0 = every rank
     succeeded, 1 = a rank failed, 130 = interrupted with Ctrl-C; SIGTERM exits 143). No wall-clock
     limit unless ``timeout_s`` (per start); every rank is stopped on any way out.
@@ -63,9 +66,14 @@ def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s
     ``checkpoint_dir``, saving every ``checkpoint_every`` steps (both passed to the ranks as
     ``FAIRSCALE_CHECKPOINT_DIR`` / ``FAIRSCALE_CHECKPOINT_EVERY``; ``FAIRSCALE_RESTART_COUNT``
     counts the restarts).
+
+    ``calibrate_steps``: every ``fairscale.parallelize`` in the script closes the loop over that
+    many timed steps (``FAIRSCALE_CALIBRATE``; see ``fairscale.closed_loop``).
     """
     err = stderr or sys.stderr
     problem = _usage_problem(script, devices, max_restarts, checkpoint_every)
+    if problem is None and calibrate_steps is not None and calibrate_steps < 1:
+        problem = f"--calibrate-steps must be >= 1, got {calibrate_steps}"
     if problem:
         print(f"fairscale run: {problem}", file=err)
         return 2
@@ -75,6 +83,8 @@ def run_script(script: str, devices: int, argv: Sequence[str] = (), *, timeout_s
     env = {ENV_DIR: str(Path(checkpoint_dir).resolve())} if checkpoint_dir is not None else {}
     if checkpoint_every is not None:
         env[ENV_EVERY] = str(checkpoint_every)
+    if calibrate_steps is not None:
+        env[ENV_CALIBRATE] = str(calibrate_steps)
     code = _run_with_restarts(script, devices, argv, env, timeout_s=timeout_s, max_restarts=max_restarts, err=err)
     if temporary and checkpoint_dir is not None:
         if code == 0:

@@ -4,8 +4,8 @@ Usage (every rank of a stage's dp and tp groups iterates together; the order is 
 
     for names, full in iter_full_state(rank_gm, aliases=graph.tied):
         ...                           # full: dp- and tp-gathered tensor on the graph's device
-    for name, full in iter_optimizer_state(rank_gm, optimizer):
-        ...                           # "optim.<key>.<state>": the same, for the optimizer's state
+    for names, full in iter_optimizer_state(rank_gm, optimizer, aliases=graph.tied):
+        ...                           # ["optim.<key>.<state>", ...]: the same, for the optimizer's state
 
 :func:`fairscale.runtime.state.full_state_dict` gathers every tensor of a graph at once, which holds
 a whole stage on every rank. These generators gather one parameter, one ZeRO bucket or one FSDP
@@ -74,23 +74,31 @@ def iter_full_state(gm: torch.fx.GraphModule, *, aliases: Iterable[Iterable[str]
         del full
 
 
-def iter_optimizer_state(gm: torch.fx.GraphModule, optimizer: Any) -> Iterator[tuple[str, Any]]:
-    """(``optim.<key>.<state name>``, value) for ``optimizer``'s state in user keys, gathered one
-    bucket or unit at a time: per-element states as full tensors (over dp, then over the key's tp or
-    ep axis), scalars (Adam's ``step``) as they are. Collective like :func:`iter_full_state`. The
-    param groups are not included (``fairscale.runtime.state.optimizer_state_dict`` has them)."""
+def iter_optimizer_state(gm: torch.fx.GraphModule, optimizer: Any, *, aliases: Iterable[Iterable[str]] = (),
+                         ) -> Iterator[tuple[list[str], Any]]:
+    """([``optim.<key>.<state name>`` for every user name of the key], value) for ``optimizer``'s
+    state in user keys, gathered one bucket or unit at a time: per-element states as full tensors
+    (over dp, then over the key's tp or ep axis), scalars (Adam's ``step``) as they are. A tied
+    tensor's state is named under each of its names, as :func:`iter_full_state` names the tensor.
+    Collective like :func:`iter_full_state`. The param groups are not included
+    (``fairscale.runtime.state.optimizer_state_dict`` has them)."""
     layout = param_layout(gm)
+    groups = [list(g) for g in aliases]
+
+    def named(key: str, name: str) -> list[str]:
+        return [f"optim.{k}.{name}" for k in _names(key, gm, groups)]
+
     for p, members, padded, _ in _optim_targets(gm, optimizer):
         for name, value in optimizer.state.get(p, {}).items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.shape:
                 for key, _ in members:
-                    yield f"optim.{key}.{name}", value
+                    yield named(key, name), value
                 continue
             axis = info.axis if (info := find_dp_info(gm)) is not None else "dp"
             full = _gather_flat(value, padded, axis) if padded > 0 else value.reshape(-1)
             start = 0
             for key, shape in members:
                 piece = full[start:start + shape.numel()].view(shape)
-                yield f"optim.{key}.{name}", gather_tensor_shard(key, piece, layout)
+                yield named(key, name), gather_tensor_shard(key, piece, layout)
                 start += shape.numel()
             del full

@@ -154,7 +154,7 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> float:
 def traced(op: str, axis: str, t: torch.Tensor, call: Any, *, async_op: bool = False) -> Any:
     """Post ``call()`` (a torch.distributed collective) to the flight record: waited for through
     it when synchronous, returned as a ``TracedWork`` when ``async_op``."""
-    entry = RECORDER.post(op, axis, describe_tensor(t))
+    entry = RECORDER.post(op, axis, describe_tensor(t), nbytes=_nbytes(t), size=group_size(axis))
     if async_op:
         return TracedWork(call(), entry, RECORDER)
     return RECORDER.wait(entry, call)

@@ -45,6 +45,10 @@ class Entry:
     """When the host started waiting for it (None: not yet)."""
     done: float | None = None
     """When the wait returned (None: not yet)."""
+    nbytes: int = 0
+    """Bytes of the full tensor (the ring formulas' message size; a point-to-point batch: its bytes)."""
+    size: int = 0
+    """Ranks in the group (2 for point-to-point)."""
 
     def describe(self) -> str:
         where = f", {self.context}" if self.context else ""
@@ -71,10 +75,14 @@ class FlightRecorder:
         """Hook of the runtime's watchdog: an error to raise instead of a failed wait's, or None."""
         self.failed: str | None = None
         """The entry whose wait failed on this rank (set by the watchdog; the rank is on its way out)."""
+        self.timings: list[tuple[str, str, int, int, float]] | None = None
+        """When a list (the runtime's step timer sets one), every finished wait appends
+        ``(op, axis, nbytes, group size, seconds the host blocked)``: what the closed loop
+        (``fairscale.closed_loop``) measures collectives and point-to-point by."""
 
-    def post(self, op: str, axis: str, detail: str) -> Entry:
+    def post(self, op: str, axis: str, detail: str, *, nbytes: int = 0, size: int = 0) -> Entry:
         self.seq += 1
-        entry = Entry(self.seq, op, axis, detail, self.context, time.time())
+        entry = Entry(self.seq, op, axis, detail, self.context, time.time(), nbytes=nbytes, size=size)
         self.entries.append(entry)
         self.last_event = entry.posted
         return entry
@@ -82,6 +90,7 @@ class FlightRecorder:
     def wait(self, entry: Entry, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (the blocking part of ``entry``), noting the wait; a failure goes through ``explain``."""
         entry.waiting = time.time()
+        start = time.perf_counter()
         self.current = entry
         try:
             out = fn()
@@ -93,6 +102,8 @@ class FlightRecorder:
         finally:
             self.current = None
         entry.done = self.last_event = time.time()
+        if self.timings is not None:
+            self.timings.append((entry.op, entry.axis, entry.nbytes, entry.size, time.perf_counter() - start))
         return out
 
     def state(self) -> dict[str, Any]:
