@@ -15,19 +15,23 @@ are computed from batch inputs alone (Hugging Face's shift: pad with ``-100``, s
 returns a :class:`TokenCounter`, a small graph of the labels' ops that counts a piece's labels
 not ignored; the runtime (``fairscale.runtime.engine`` and ``pipeline``) weighs each
 microbatch's loss by ``dp * n_i / N`` instead of ``1 / microbatches`` (dp averages gradients over
-its ranks). Any other loss (no such node at the output, class weights, labels that depend on
-parameters) gets ``None`` and the plain mean, which is exact for losses that are means over the
-rows of the batch.
+its ranks). Any other loss (no such node, class weights, labels that depend on parameters) gets ``None``
+and the plain mean, which is exact for losses that are means over the rows of the batch.
+
+A token mean INSIDE a larger loss (``ce + 0.01 * aux``, a sum of two token means) cannot be
+reweighted by pieces: the other terms have their own weights. Its counter is returned with
+``exact=False``; the runtime then checks every step that the pieces count the same number of
+labels (the plain mean is exact then) and otherwise raises, on every rank alike (each holds the
+global batch), before the step computes a gradient. Never silently different.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
-
 import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
+
+from passes.loss_count import TokenCounter
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -43,26 +47,8 @@ _MEAN = 1
 """``torch.nn._reduction``'s enum for ``reduction="mean"``."""
 
 
-@dataclass
-class TokenCounter:
-    """``counter(batch)``: how many labels of ``batch`` (a flat batch tuple) the loss counts."""
-
-    gm: torch.fx.GraphModule
-    """``gm(*batch inputs it reads) -> int64 scalar``: the labels' ops, then ``(labels != ignore).sum()``."""
-    batch_inputs: list[int]
-    """Indices into the flat batch of the inputs ``gm`` reads, in placeholder order."""
-    ignore_index: int
-    """The label value the loss skips."""
-    loss: str
-    """The loss node's op (``aten.cross_entropy_loss.default``), for messages."""
-
-    def __call__(self, batch: Sequence[Any]) -> int:
-        with torch.no_grad():
-            return int(self.gm(*[batch[i] for i in self.batch_inputs]))
-
-
 def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
-    """The counter of ``gm``'s loss if it is a token mean (module docstring), else None."""
+    """The counter of ``gm``'s loss if it is a token mean or contains one (module docstring), else None."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     value = out.args[0]
     while isinstance(value, (tuple, list)) and len(value) == 1:
@@ -71,8 +57,21 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         return None
     while value.op == "call_function" and value.target in _PASS_THROUGH:
         value = value.args[0]
-    if value.op != "call_function" or value.target not in _TOKEN_MEAN:
+    if value.op == "call_function" and value.target in _TOKEN_MEAN:
+        found = _labels_of(value)
+        if found is not None:
+            return _build(gm, [found], loss=str(value.target), exact=True)
+    inner = [(n, found) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
+             for found in [_labels_of(n)] if found is not None]
+    if not inner:
         return None
+    return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
+
+
+def _labels_of(value: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """(labels node, ignore_index) of the mean token loss ``value``; None for another reduction,
+    class weights, or labels that are not a function of the batch alone."""
+    assert callable(value.target)
     norm = normalize_function(value.target, tuple(value.args), dict(value.kwargs), normalize_to_only_use_kwargs=True)
     kwargs = norm.kwargs if norm is not None else {}
     if kwargs.get("weight") is not None or kwargs.get("reduction", _MEAN) != _MEAN:
@@ -80,8 +79,6 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     target = kwargs.get("target")
     if not isinstance(target, torch.fx.Node):
         return None
-    ignore = int(kwargs.get("ignore_index", -100))
-    needed: list[torch.fx.Node] = []
     seen: set[torch.fx.Node] = set()
     stack = [target]
     while stack:
@@ -92,16 +89,31 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         if node.op not in ("placeholder", "call_function"):
             return None  # labels computed from parameters or buffers: not a function of the batch
         stack.extend(node.all_input_nodes)
+    return target, int(kwargs.get("ignore_index", -100))
+
+
+def _build(gm: torch.fx.GraphModule, labels: list[tuple[torch.fx.Node, int]], *, loss: str,
+           exact: bool) -> TokenCounter:
+    """A counter graph: the ops ``labels`` are computed with, then each one's count of labels kept
+    (one int64 scalar, or a vector of one count per token mean when there are several)."""
+    seen: set[torch.fx.Node] = set()
+    stack = [t for t, _ in labels]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    needed = [n for n in gm.graph.nodes if n in seen]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     inputs = []
-    for node in needed:
-        env[node] = graph.node_copy(node, lambda x: env[x])
-        if node.op == "placeholder":
-            inputs.append(placeholders.index(node))
-    kept = graph.call_function(aten.ne.Scalar, (env[target], ignore))
-    graph.output(graph.call_function(aten.sum.default, (kept,)))
-    return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs, ignore_index=ignore,
-                        loss=str(value.target))
+    for node in gm.graph.nodes:
+        if node in seen:
+            env[node] = graph.node_copy(node, lambda x: env[x])
+            if node.op == "placeholder":
+                inputs.append(placeholders.index(node))
+    counts = [graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (env[t], ignore)),))
+              for t, ignore in labels]
+    graph.output(counts[0] if len(counts) == 1 else graph.call_function(aten.stack.default, (counts,)))
+    return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs,
+                        ignore_index=labels[0][1], loss=loss, exact=exact)

@@ -30,7 +30,7 @@ PACKAGES = ("planner", "passes", "fairscale")
 LINE_BUDGET = 500
 FACE = ("fairscale.api", "fairscale.build", "fairscale.cli", "fairscale.report", "fairscale.demo", "fairscale.check",
         "fairscale.data_parallel")
-RECORDS = ("passes.layout", "passes.program", "passes.dp.info", "passes.tp.summary")
+RECORDS = ("passes.layout", "passes.program", "passes.dp.info", "passes.tp.summary", "passes.loss_count")
 """The records passes leave on rank graphs that the runtime reads: leaves, importing no pass."""
 PLANNER_LEAVES = ("planner.collectives", "planner.modpath")
 """Planner tables with no import of this repo, which passes/ops/ may read (one home for a fact

@@ -199,21 +199,34 @@ class ParallelModule:
             self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
 
-    def _weights(self, batch: Sequence[Any]) -> list[float] | None:
+    def _weights(self, batch: Sequence[Any], microbatches: int | None = None) -> list[float] | None:
         """Each of this rank's microbatches' weight in the step's loss when the loss is a token
         mean whose pieces count different numbers of labels (``passes.loss_weights``): ``dp * n_i
         / N``, ``n_i`` the piece's labels not ignored and ``N`` the global batch's; None (the
         plain mean, ``1 / microbatches``) when every piece counts the same. Every rank holds the
-        global batch, so each counts all pieces itself, without communication."""
-        counter, m = self._token_counter, self.schedule.microbatches
+        global batch, so each counts all pieces itself, without communication, and every rank
+        raises alike when a token mean inside a larger loss meets pieces that count differently."""
+        counter = self._token_counter
+        m = self.schedule.microbatches if microbatches is None else microbatches
         dp = self.mesh.dp
         if counter is None or dp * m == 1:
             return None
         counts = [[counter(tuple(part)) for part in _chunks(local_slice(batch, d, dp), m)] for d in range(dp)]
         flat = [n for row in counts for n in row]
-        total = sum(flat)
-        if total == 0 or len(set(flat)) == 1:
+        if len(set(flat)) == 1:
             return None  # equal pieces: the plain mean is the token mean (no labels: NaN either way)
+        if not counter.exact:
+            raise ValueError(
+                f"the loss is a token mean ({counter.loss}) combined with other terms, and this batch's "
+                f"{dp * m} pieces (dp={dp} x {m} microbatches) count different numbers of labels not equal "
+                f"to ignore_index ({flat}): the mean of the pieces' losses is not the batch's loss, and the "
+                "pieces cannot be reweighted because the other terms have their own weights. Make the pieces "
+                "count the same labels (no ignored labels, or the same number per row), return the token mean "
+                "alone as the loss, or compute the mean over the whole batch yourself (sum the terms and divide "
+                "by the global count, as Hugging Face's num_items_in_batch does)")
+        total = sum(flat)
+        if total == 0:
+            return None
         return [dp * n / total for n in counts[self.mesh.dp_index]]
 
     def _clock(self) -> float:
@@ -266,8 +279,13 @@ class ParallelModule:
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
                 f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
                 "schedule interleaves: use pm.train_step(batch)")
+        weights = self._weights(batch, microbatches=1)
         out = self.modules[0](*self._local(batch))
-        return out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
+        loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
+        # A token mean over dp slices that count different labels: this rank's gradient weighs
+        # dp * n_r / N (the average over dp is then the batch's token mean); the value stays this
+        # rank's own mean, as torch DDP's would.
+        return loss if weights is None else _scale_grad(loss, weights[0])
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's trainable local tensors (slices and shards), as the optimizer sees them."""
@@ -440,3 +458,20 @@ def _chunks(batch: Sequence[Any], m: int) -> list[list[Any]]:
         for p, piece in zip(parts, pieces):
             p.append(piece)
     return parts
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``weight``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.weight, None
+
+
+def _scale_grad(x: torch.Tensor, weight: float) -> torch.Tensor:
+    return _ScaleGrad.apply(x, weight)

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from passes.loss_weights import TokenCounter
+from passes.loss_count import TokenCounter
 from passes.program import StagedProgram
 from planner.plan import Plan
 from planner.schedule_ir import PipelineSchedule

@@ -101,3 +101,66 @@ def test_token_mean_matches_one_process(mesh: tuple[int, int], micro: int) -> No
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
     losses, grads = fairscale.launch(_rank, devices=pp * dp, args=(plan,))[0]
     compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
+
+
+def _plain_rank(rank: int, world: int, plan: Plan) -> dict[str, np.ndarray]:
+    case = _case()
+    pm = fairscale.parallelize(case.model, example_inputs=_batch(0, BATCH), plan=plan,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    pm(*_batch(0, BATCH)).backward()
+    return {k: v.numpy() for k, v in pm.full_grads().items()}
+
+
+def test_the_plain_loop_weighs_each_rank_by_its_labels() -> None:
+    """``loss = pm(*batch); loss.backward()`` under dp4: each rank's mean counts other labels; the
+    gradient is the batch's token mean, as in one process (before: the mean of the ranks' means)."""
+    plan = Plan(mesh=Mesh(dp=4), schedule=Schedule(kind="1f1b", microbatches=1))
+    case = _case()
+    batch = _batch(0, BATCH)
+    case.model(*batch).backward()
+    want = {k: p.grad for k, p in case.model.named_parameters()}
+    got = fairscale.launch(_plain_rank, devices=4, args=(plan,))[0]
+    for k, g in want.items():
+        err = float((torch.from_numpy(got[k]) - g).norm() / g.norm())
+        assert err < 1e-5, f"{k}: relative error {err:.2e}"
+
+
+class TinyLMWithAux(TinyLM):
+    """A token mean plus an auxiliary term (as MoE models add a load-balancing loss)."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        ce = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return ce + 0.01 * x.pow(2).mean()
+
+
+def test_a_token_mean_inside_a_larger_loss_is_found_but_not_reweighted() -> None:
+    torch.manual_seed(0)
+    batch = _batch(0, BATCH)
+    counter = token_counter(capture(TinyLMWithAux(), batch, annotate=False).gm)
+    assert counter is not None and not counter.exact
+    assert counter(batch) == int((batch[1] != -100).sum())
+
+
+def _aux_rank(rank: int, world: int, plan: Plan, uneven: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = TinyLMWithAux()
+    make = _batch if uneven else (lambda step, n: (_batch(step, n)[0], _batch(step, n)[0]))
+    pm = fairscale.parallelize(model, example_inputs=make(0, BATCH), plan=plan,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    return [pm.train_step(make(step, BATCH)) for step in range(2)]
+
+
+def test_a_mixed_loss_whose_pieces_count_differently_is_refused_on_every_rank() -> None:
+    plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1))
+    with pytest.raises(Exception) as info:
+        fairscale.launch(_aux_rank, devices=2, args=(plan, True))
+    text = str(info.value)
+    assert "combined with other terms" in text and "count different numbers of labels" in text, text
+    losses = fairscale.launch(_aux_rank, devices=2, args=(plan, False))[0]  # no ignored labels: exact
+    torch.manual_seed(0)
+    model = TinyLMWithAux()
+    ids = _batch(0, BATCH)[0]
+    assert abs(losses[0] - float(model(ids, ids))) < 1e-5

@@ -1,0 +1,40 @@
+"""The record of a token-mean loss the runtime reads: how many labels a piece of the batch counts.
+
+``passes.loss_weights.token_counter`` makes it from a captured graph (that module's docstring:
+why a token mean cut into pieces needs weights); ``fairscale.runtime.engine`` calls it on each
+piece of every step. A leaf: it imports no pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+__all__ = ["TokenCounter"]
+
+
+@dataclass
+class TokenCounter:
+    """``counter(batch)``: how many labels of ``batch`` (a flat batch tuple) the loss counts."""
+
+    gm: torch.fx.GraphModule
+    """``gm(*batch inputs it reads) -> int64 scalar`` (a vector for several token means): the
+    labels' ops, then ``(labels != ignore).sum()``."""
+    batch_inputs: list[int]
+    """Indices into the flat batch of the inputs ``gm`` reads, in placeholder order."""
+    ignore_index: int
+    """The label value the loss skips (the first token mean's)."""
+    loss: str
+    """The loss node's op (``aten.cross_entropy_loss.default``), for messages."""
+    exact: bool = True
+    """True when the graph's output IS the token mean (pieces can be reweighted); False when the
+    token mean is one part of a larger loss (pieces must count the same labels, or the step is refused)."""
+
+    def __call__(self, batch: Sequence[Any]) -> int | tuple[int, ...]:
+        """The count (a tuple of counts, one per token mean, when the loss holds several)."""
+        with torch.no_grad():
+            counts = self.gm(*[batch[i] for i in self.batch_inputs])
+        return int(counts) if counts.dim() == 0 else tuple(int(c) for c in counts)
