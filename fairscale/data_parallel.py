@@ -13,8 +13,9 @@ Usage (inside ``fairscale.launch`` or torchrun)::
         return runner.full_state_dict()                        # rank 0: the user's state_dict
 
 Every rank takes a contiguous ``1/dp`` slice of the global batch along dim 0, so the loss and
-the update equal single-process training on the global batch (for losses that are means over
-equally sized slices). The pipeline/tensor-parallel engine reuses the pass and the optimizer; this
+the update equal single-process training on the global batch: for losses that are means over
+equally sized slices, and for token means (``passes.loss_weights``), whose pieces are weighted by
+their share of the labels. The pipeline/tensor-parallel engine reuses the pass and the optimizer; this
 runner is the dp-only path.
 """
 
@@ -37,6 +38,8 @@ from fairscale.runtime.launch import under_torchrun
 from fairscale.runtime.optim import DataParallelOptimizer
 from passes.dp.batch_norm import batch_norm_info, batch_norm_pass
 from passes.dp.shard_data_parallel import no_sync, shard_data_parallel_pass
+from passes.loss_count import TokenCounter, piece_weights
+from passes.loss_weights import token_counter
 from passes.ops import comm, groups
 from passes.ops.flight import RECORDER
 from planner.batch_stats import microbatch_problem
@@ -57,6 +60,8 @@ class DataParallelRunner:
     dp_size: int
     _grad_norm: torch.Tensor | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
+    token_counter: TokenCounter | None = None
+    """The loss's token counter (``passes.loss_weights``), or None: pieces are then weighted alike."""
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -105,7 +110,7 @@ class DataParallelRunner:
         rank_gm = shard_data_parallel_pass(gm, plan, dp_index=rank, dp_size=world, axis=axis)
         opt = DataParallelOptimizer(rank_gm, optimizer_cls, **optimizer_kwargs)
         return cls(gm=rank_gm, optimizer=opt, graph=graph if isinstance(graph, ModelGraph) else None,
-                   dp_index=rank, dp_size=world)
+                   dp_index=rank, dp_size=world, token_counter=token_counter(gm))
 
     def train_step(self, global_batch: Sequence[Any], *, microbatches: int = 1, clip_norm: float | None = None,
                    local: bool = False) -> float:
@@ -120,16 +125,17 @@ class DataParallelRunner:
             raise ValueError(microbatch_problem(bn.ops, microbatches, where="train_step(microbatches=...)",
                                                 opt_in='a Plan with batch_norm="local" given to DataParallelRunner.build'))
         mine = tuple(global_batch) if local else local_slice(global_batch, self.dp_index, self.dp_size)
+        parts = [local_slice(mine, m, microbatches) if microbatches > 1 else mine for m in range(microbatches)]
+        weights = self._weights(parts) or [1.0 / microbatches] * microbatches
         self.optimizer.zero_grad(set_to_none=True)
         total: torch.Tensor | None = None  # summed on the device: one host sync per step, at the end
-        for m in range(microbatches):
+        for m, part in enumerate(parts):
             RECORDER.context = f"step {self._steps}, microbatch {m}"
-            part = local_slice(mine, m, microbatches) if microbatches > 1 else mine
             ctx = no_sync() if m < microbatches - 1 else _null()
             with ctx:
                 loss = self.gm(*part)
-                (loss / microbatches).backward()
-            share = loss.detach().to(torch.float64) / microbatches
+                (loss * weights[m]).backward()
+            share = loss.detach().to(torch.float64) * weights[m]
             total = share if total is None else total + share
         RECORDER.context = f"step {self._steps}, optimizer"
         self._steps += 1
@@ -138,6 +144,20 @@ class DataParallelRunner:
         self.optimizer.step()
         assert total is not None, "microbatches must be >= 1"
         return self._mean(total)
+
+    def _weights(self, parts: list[Sequence[Any]]) -> list[float] | None:
+        """This rank's pieces' weights when the loss is a token mean whose pieces count different
+        labels (``passes.loss_count.piece_weights``); every rank's counts are gathered (a rank may
+        hold only its own slice)."""
+        counter = self.token_counter
+        if counter is None or self.dp_size * len(parts) == 1:
+            return None
+        mine = [counter(tuple(part)) for part in parts]
+        counts: list[Any] = [mine]
+        if self.dp_size > 1:
+            counts = [None] * self.dp_size
+            dist.all_gather_object(counts, mine, group=comm.get_group(self.optimizer.info.axis))
+        return piece_weights(counter, counts, self.dp_index)
 
     def _mean(self, value: torch.Tensor | float) -> float:
         """Mean of a per-rank scalar over dp ranks (a reporting all-reduce, not counted as model traffic)."""

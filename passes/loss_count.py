@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-__all__ = ["TokenCounter"]
+__all__ = ["TokenCounter", "piece_weights"]
 
 
 @dataclass
@@ -38,3 +38,25 @@ class TokenCounter:
         with torch.no_grad():
             counts = self.gm(*[batch[i] for i in self.batch_inputs])
         return int(counts) if counts.dim() == 0 else tuple(int(c) for c in counts)
+
+
+def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int) -> list[float] | None:
+    """Weights of dp rank ``dp_index``'s pieces in the step's loss, from ``counts[d][i]`` (the
+    labels piece ``i`` of dp rank ``d`` counts): ``dp * n / N`` each, or None when every piece
+    counts the same (the plain mean is the token mean then). Raises when the token mean is part
+    of a larger loss (``counter.exact`` False) and the pieces differ: no weights make that exact."""
+    dp, m = len(counts), len(counts[0])
+    flat = [n for row in counts for n in row]
+    if len(set(flat)) <= 1:
+        return None
+    if not counter.exact:
+        raise ValueError(
+            f"the loss is a token mean ({counter.loss}) combined with other terms, and this batch's {dp * m} pieces "
+            f"(dp={dp} x {m} microbatches) count different numbers of labels not equal to ignore_index ({flat}): "
+            "the mean of the pieces' losses is not the batch's loss, and the pieces cannot be reweighted because "
+            "the other terms have their own weights. Make the pieces count the same labels (no ignored labels, or "
+            "the same number per row), return the token mean alone as the loss, or compute the mean over the "
+            "whole batch yourself (sum the terms and divide by the global count, as Hugging Face's "
+            "num_items_in_batch does)")
+    total = sum(flat)
+    return None if total == 0 else [dp * n / total for n in counts[dp_index]]

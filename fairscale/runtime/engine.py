@@ -36,6 +36,7 @@ from fairscale.runtime.program import RankProgram
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
+from passes.loss_count import piece_weights
 from passes.ops import comm
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
@@ -212,22 +213,7 @@ class ParallelModule:
         if counter is None or dp * m == 1:
             return None
         counts = [[counter(tuple(part)) for part in _chunks(local_slice(batch, d, dp), m)] for d in range(dp)]
-        flat = [n for row in counts for n in row]
-        if len(set(flat)) == 1:
-            return None  # equal pieces: the plain mean is the token mean (no labels: NaN either way)
-        if not counter.exact:
-            raise ValueError(
-                f"the loss is a token mean ({counter.loss}) combined with other terms, and this batch's "
-                f"{dp * m} pieces (dp={dp} x {m} microbatches) count different numbers of labels not equal "
-                f"to ignore_index ({flat}): the mean of the pieces' losses is not the batch's loss, and the "
-                "pieces cannot be reweighted because the other terms have their own weights. Make the pieces "
-                "count the same labels (no ignored labels, or the same number per row), return the token mean "
-                "alone as the loss, or compute the mean over the whole batch yourself (sum the terms and divide "
-                "by the global count, as Hugging Face's num_items_in_batch does)")
-        total = sum(flat)
-        if total == 0:
-            return None
-        return [dp * n / total for n in counts[self.mesh.dp_index]]
+        return piece_weights(counter, counts, self.mesh.dp_index)
 
     def _clock(self) -> float:
         if self.sync_timing and self.device.type == "cuda":

@@ -164,3 +164,25 @@ def test_a_mixed_loss_whose_pieces_count_differently_is_refused_on_every_rank() 
     model = TinyLMWithAux()
     ids = _batch(0, BATCH)[0]
     assert abs(losses[0] - float(model(ids, ids))) < 1e-5
+
+
+def _runner_rank(rank: int, world: int, local: bool) -> tuple[float, dict[str, np.ndarray]]:
+    from fairscale.data_parallel import DataParallelRunner
+
+    graph = capture(_case().model, _batch(0, BATCH))
+    runner = DataParallelRunner.build(graph, Plan(mesh=Mesh(dp=world)), torch.optim.SGD, lr=0.5)
+    batch = _batch(0, BATCH)
+    if local:  # each rank passes only its own rows
+        rows = BATCH // world
+        batch = tuple(x[rank * rows:(rank + 1) * rows] for x in batch)
+    loss = runner.train_step(batch, microbatches=2, local=local)
+    return loss, {k: v.numpy() for k, v in runner.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["global-batch", "local-slices"])
+def test_the_data_parallel_runner_weighs_pieces_by_their_labels(local: bool) -> None:
+    ref = train_reference(_case, steps=1, global_batch=BATCH, optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+    loss, params = fairscale.launch(_runner_rank, devices=2, args=(local,))[0]
+    assert abs(loss - ref.losses[0]) < 1e-5 * abs(ref.losses[0]), (loss, ref.losses[0])
+    for k, v in ref.params.items():
+        assert torch.allclose(torch.from_numpy(params[k]), v, atol=1e-5), k
