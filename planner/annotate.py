@@ -39,7 +39,7 @@ from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.capture_errors import DATA_DEPENDENT_ADVICE, is_data_dependent, node_site, source_context
 from planner.fx_capture import failure_site
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_MODULE, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
@@ -458,8 +458,13 @@ def _explain(node: torch.fx.Node, exc: BaseException) -> str:
     site = failure_site(exc)
     where = (site[0], site[1]) if site is not None else node_site(node)
     what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-    lines = [f"cannot compute the facts of {where[0]}:{where[1]} on fake tensors (shapes only, no values):"
-             if where is not None else f"cannot compute the facts of {node.format_node()} on fake tensors:"]
+    module = node.meta.get(META_MODULE)
+    op = (str(node.target) if isinstance(node.target, (str, torch._ops.OpOverload))
+          else getattr(node.target, "__name__", str(node.target)))
+    in_what = (f" (op {op}" + (f" in module {module}" if module else " at the model's top level") + ")"
+               if node.op in ("call_function", "call_method") else "")
+    lines = [f"cannot compute the facts of {where[0]}:{where[1]}{in_what} on fake tensors (shapes only, no values):"
+             if where is not None else f"cannot compute the facts of {node.format_node()}{in_what} on fake tensors:"]
     if where is not None:
         lines += source_context(*where)
     lines.append(f"  {what}")

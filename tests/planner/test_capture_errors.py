@@ -129,8 +129,8 @@ def test_item_and_data_dependent_shapes_name_the_line(capfd: pytest.CaptureFixtu
         capture(Masked(), (torch.randn(2, 4),))
     msg = str(info.value)
     line = _line(Masked, "h[h > 0]")
-    assert msg.startswith(f"captured Masked with torch.export, but cannot compute the facts of {__file__}:{line} on "
-                          "fake tensors (shapes only, no values):\n"), msg
+    assert msg.startswith(f"captured Masked with torch.export, but cannot compute the facts of {__file__}:{line} (op "
+                          "aten.index.Tensor at the model's top level) on fake tensors (shapes only, no values):\n"), msg
     assert "DynamicOutputShapeException" in msg and "torch.where(m, x, 0).sum() rather than x[m].sum()" in msg
     _no_internal_advice(msg)
     assert "Traceback" not in capfd.readouterr().err  # FakeTensor's error log is silenced
@@ -169,3 +169,38 @@ def test_concrete_args_fix_a_python_branch_for_fx():
     assert graph.flops_per_step == 2 * 2 * 4 * 4 * 2  # fwd + weight grad; x needs no gradient
     with pytest.raises(ValueError, match=r"^tracer='fx' takes a flat tuple of tensors as example_inputs \(other "):
         capture(model, (x, True), tracer="fx")
+
+
+class Router(nn.Module):
+    """mistral-src's routing: the tokens of each expert found with torch.where on a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.where(chosen == i)[0]
+            out[rows] += expert(x[rows])
+        return out
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x).sum()
+
+
+def test_a_data_dependent_op_in_a_submodule_is_named_with_its_module_and_op() -> None:
+    with pytest.raises(CaptureError) as info:
+        capture(Routed(), (torch.randn(6, 4),))
+    line = _line(Router, "torch.where(chosen == i)")
+    assert str(info.value).startswith(
+        f"captured Routed with torch.export, but cannot compute the facts of {__file__}:{line} (op aten.where.default "
+        "in module moe) on fake tensors (shapes only, no values):\n"), str(info.value)
