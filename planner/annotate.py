@@ -88,6 +88,12 @@ class _State:
     counted: set[int] = field(default_factory=set)
     params: set[int] = field(default_factory=set)
     alias: dict[int, int] = field(default_factory=dict)
+    inputs: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Shapes and dtypes of each node's tensor inputs: a replica's must equal its template's."""
+
+
+def _input_specs(flat: list[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(x.shape), x.dtype) for x in flat if isinstance(x, torch.Tensor))
 
 
 _FWD_CACHE_LIMIT = 100_000
@@ -299,7 +305,10 @@ class _Annotator:
             node.meta.update({META_VAL: s.env[node.name], META_FLOPS_FWD: 0, META_SAVED_BYTES: 0})
             return
         template = self.replicas.get(node.name)
-        if template is not None and template in s.facts:
+        s.inputs[node.name] = specs = _input_specs(flat)
+        # planner.replicate matches a block by its ops and wiring; an input from another layer can
+        # still differ in shape (VGG's ReLU after 16- and after 32-channel batch norms): then run it
+        if template is not None and template in s.facts and s.inputs.get(template) == specs:
             self._copy(node, template, flat)
             return
         key = self._key(node, flat, spec)
