@@ -312,3 +312,32 @@ def test_a_tied_key_the_graph_never_reads_has_no_layout_and_the_search_drops_con
     kept = one_layout_per_tied(graph, half)
     assert "inner.bert.embeddings.word_embeddings" not in kept and "tied weight two layouts" in kept.reason
     validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=kept)), graph, devices=2)
+
+
+class TorchEncoder(nn.Module):
+    """A projection into nn.TransformerEncoder: the attention's in-projection runs inside
+    nn.MultiheadAttention (on its own in_proj_weight), so the detector paired proj (colwise) with the
+    attention module itself (rowwise), which no style applies to; validation then refused the rule
+    and with it every tp > 1 (also for the MLPs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.proj(self.emb(ids))))
+
+
+def test_multihead_attention_stays_replicated_and_its_mlp_is_split() -> None:
+    _, proposal, graph = _exact(TorchEncoder(), flat_loss, expect={("encoder.layers.0.linear1", "colwise"),
+                                                                   ("encoder.layers.0.linear2", "rowwise")})
+    why = proposal.refused["encoder.layers.0.self_attn"]
+    assert why.startswith("rowwise applies to Conv1D / Embedding / Linear modules, but encoder.layers.0.self_attn is "
+                          "MultiheadAttention (op linear"), why
+    assert "aten.linear.default" in why and "test_tp_regressions.py:" in why
+    assert "encoder.layers.0.self_attn" not in proposal.modules
+    assert not validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=proposal.rules)), graph, 2)
