@@ -341,3 +341,29 @@ def test_multihead_attention_stays_replicated_and_its_mlp_is_split() -> None:
     assert "aten.linear.default" in why and "test_tp_regressions.py:" in why
     assert "encoder.layers.0.self_attn" not in proposal.modules
     assert not validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=proposal.rules)), graph, 2)
+
+
+class Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.body = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.relu(self.stem(x))).mean()
+
+
+def test_a_forced_tp_on_a_model_without_linear_layers_names_its_op_and_what_to_do() -> None:
+    """Was: 'tp > 1 needs tensor_parallel rules, and none were given or found' (no module, op, line
+    or remedy)."""
+    from planner.cluster import Cluster
+    from planner.search import search
+
+    graph = capture(Convs().double(), (torch.randn(B, 3, 8, 8, dtype=torch.float64),))
+    with pytest.raises(PlanError, match=r"none were given or found: no Linear, Conv1D or Embedding module of the "
+                                        r"model pairs up for tensor parallelism; its largest op is "
+                                        r"aten.conv2d.default in module body \(Conv2d\) at "
+                                        r"test_tp_regressions.py:\d+. Use tp=1 \(leave mesh.tp out of the "
+                                        r"constraints\), or give tensor_parallel rules"):
+        search(graph, Cluster.cpu(2, memory_bytes=2**30), global_batch=B, constraints={"tp": 2},
+               tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
