@@ -275,7 +275,10 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:
-    return CaptureError(describe_capture_failure(type(model).__name__, failures))
+    paths = {id(m): name[len("model."):] if name.startswith("model.") else name
+             for name, m in LossModule(model, None).named_modules() if name.startswith("model")}
+    paths[id(model)] = ""
+    return CaptureError(describe_capture_failure(type(model).__name__, failures, paths))
 
 
 def _annotate_failure(model: nn.Module, used: str, exc: AnnotateError, failures: list[Failure]) -> CaptureError:

@@ -28,7 +28,7 @@ import torch.fx
 from torch.fx.proxy import ParameterProxy
 from torch import nn
 
-__all__ = ["export_trace", "fx_trace", "failure_site", "fx_supports", "Failure", "META_FX_LEAVES"]
+__all__ = ["export_trace", "fx_trace", "failure_site", "failure_owner", "fx_supports", "Failure", "META_FX_LEAVES"]
 
 META_FX_LEAVES = "fs_fx_leaves"
 """gm.meta key of an fx trace: qualified names of the torch.nn module classes kept whole (leaves)."""
@@ -195,6 +195,8 @@ class Failure:
         self.tracer = tracer
         self.exc = exc
         self.site = failure_site(exc)
+        self.owner = failure_owner(exc)
+        """The module whose forward ran the failing line (None outside the model's modules)."""
 
     def describe(self) -> str:
         msg = (str(self.exc).strip().splitlines() or [""])[0][:300]
@@ -258,6 +260,21 @@ def failure_site(exc: BaseException) -> tuple[str, int, str, str, str] | None:
             owner_name = type(owner).__name__
         frame = frame.f_back
     return file, tb.tb_lineno, summary.name, (summary.line or "").strip(), owner_name
+
+
+def failure_owner(exc: BaseException) -> nn.Module | None:
+    """The module instance whose forward runs the line :func:`failure_site` names."""
+    frames = _user_frames(exc)
+    if not frames:
+        return None
+    tb, _ = frames[-1] if exc.__cause__ is None and exc.__context__ is None else _innermost(frames)
+    frame: Any = tb.tb_frame
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and not _is_internal(owner):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _is_internal(module: nn.Module) -> bool:

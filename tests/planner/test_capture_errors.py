@@ -49,7 +49,7 @@ def test_data_dependent_branch_names_the_line_and_the_fixes(capfd: pytest.Captur
         capture(Branchy(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert msg.startswith(f"could not capture Branchy: its forward needs a tensor's value, not only its shape at "
-                          f"{__file__}:{LINE} (Gate.forward):\n")
+                          f"{__file__}:{LINE} (module gate, Gate.forward), at op aten.item.default:\n")
     assert f"  -> {LINE:>4} |         if x.sum() > 0:" in msg and f"{LINE + 1:>4} |             return self.fc(x)" in msg
     assert "What to do: compute both sides and select with torch.where(condition, a, b)" in msg
     assert "  torch.fx: TraceError: symbolically traced variables cannot be used as inputs to control flow" in msg
@@ -122,7 +122,7 @@ def test_item_and_data_dependent_shapes_name_the_line(capfd: pytest.CaptureFixtu
     msg = str(info.value)
     line = _line(Item, ".item()")
     assert msg.startswith(f"could not capture Item: its forward needs a tensor's value, not only its shape at "
-                          f"{__file__}:{line} (Item.forward):\n"), msg
+                          f"{__file__}:{line} (module (the model), Item.forward), at op aten.item.default:\n"), msg
     _no_internal_advice(msg)
     # export traces a boolean mask (an unbacked size); the facts cannot be computed: still the user's line
     with pytest.raises(CaptureError) as info:
@@ -143,7 +143,7 @@ def test_a_forward_that_fails_on_the_inputs_is_reported_from_the_tracer_that_ran
         capture(Transposed(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert msg.startswith(f"could not capture Transposed: torch.export cannot trace its forward on the example inputs "
-                          f"at {__file__}:{_line(Transposed, 'x.t()')} (Transposed.forward):\n"), msg
+                          f"at {__file__}:{_line(Transposed, 'x.t()')} (module (the model), Transposed.forward):\n"), msg
     assert "if model(*example_inputs) raises this outside fairscale too, fix the inputs or the model" in msg
     assert "  torch.export: RuntimeError: a and b must have same reduction dim" in msg
     _no_internal_advice(msg)
