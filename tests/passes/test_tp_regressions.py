@@ -367,3 +367,41 @@ def test_a_forced_tp_on_a_model_without_linear_layers_names_its_op_and_what_to_d
                                         r"constraints\), or give tensor_parallel rules"):
         search(graph, Cluster.cpu(2, memory_bytes=2**30), global_batch=B, constraints={"tp": 2},
                tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
+
+
+class RoutedLM(nn.Module):
+    """mistral-src's MoE: top-2 of a gate, the tokens of each expert found with torch.where (a size
+    from the data), results[idx] += weight * expert(x[idx])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = nn.Linear(D, 4, bias=False)
+        self.up = nn.ModuleList(nn.Linear(D, 2 * D, bias=False) for _ in range(4))
+        self.down = nn.ModuleList(nn.Linear(2 * D, D, bias=False) for _ in range(4))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).view(-1, D)
+        weights, chosen = torch.topk(self.gate(x), 2)
+        weights = F.softmax(weights, dim=1)
+        out = torch.zeros_like(x)
+        for i, (up, down) in enumerate(zip(self.up, self.down)):
+            rows, nth = torch.where(chosen == i)
+            out[rows] += weights[rows, nth, None] * down(F.silu(up(x[rows])))
+        return self.head(out.view(B, T, D))
+
+
+def test_data_dependent_moe_routing_splits_its_experts_exactly() -> None:
+    """Sizes from the data are symbolic in the graph the ranks capture (annotate=False: export's
+    values); the pass read every size as an int and refused every plan, tp=1 included."""
+    rules, _, _ = _exact(RoutedLM(), flat_loss, expect={("up.0", "colwise"), ("down.0", "rowwise")})
+    model, batch = RoutedLM().double(), _batch()
+    graph = capture(model, batch, loss_fn=flat_loss, annotate=False)
+    assert any(not isinstance(d, int) for n in graph.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+               for d in n.meta["val"].shape)
+    loss, grads = simulate_graph(graph.gm, rules, 2, batch)
+    ref_loss, ref_grads = reference_graph(graph.gm, batch)
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
