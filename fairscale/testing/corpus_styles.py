@@ -140,7 +140,8 @@ def _entries() -> list[CorpusModel]:
                     features="nn.Transformer defaults (post-norm, sequence-first), sinusoidal buffer, t()"),
         CorpusModel(name="encoder-seqfirst", build=_case("encoder-seqfirst", nets.SeqFirstClassifier, _features(8), ce),
                     origin="nn.TransformerEncoder classifier, batch_first=False",
-                    features="sequence-first activations (batch on dim 1), default post-norm"),
+                    features="sequence-first activations (batch on dim 1), default post-norm, "
+                             "nn.MultiheadAttention beside split MLPs", default_tier=True),
         CorpusModel(name="encoder-batchfirst",
                     build=_case("encoder-batchfirst", lambda: nets.SeqFirstClassifier(batch_first=True),
                                 _features(8), ce),
