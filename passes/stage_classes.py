@@ -105,8 +105,8 @@ def _shape_of_args(a: Any, position: dict[Node, int]) -> Any:
 
 
 def _value(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), str(v.dtype))
+    if isinstance(v, torch.Tensor):  # a size from the data (MoE routing's nonzero) is a SymInt: its name
+        return (tuple(d if isinstance(d, int) else str(d) for d in v.shape), str(v.dtype))
     if isinstance(v, (list, tuple)):
         return tuple(_value(x) for x in v)
     return None if v is None else type(v).__name__

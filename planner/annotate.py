@@ -39,7 +39,7 @@ from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.capture_errors import DATA_DEPENDENT_ADVICE, is_data_dependent, node_site, source_context
 from planner.fx_capture import failure_site
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_MODULE, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
@@ -88,6 +88,12 @@ class _State:
     counted: set[int] = field(default_factory=set)
     params: set[int] = field(default_factory=set)
     alias: dict[int, int] = field(default_factory=dict)
+    inputs: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Shapes and dtypes of each node's tensor inputs: a replica's must equal its template's."""
+
+
+def _input_specs(flat: list[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(x.shape), x.dtype) for x in flat if isinstance(x, torch.Tensor))
 
 
 _FWD_CACHE_LIMIT = 100_000
@@ -111,6 +117,8 @@ class _Annotator:
         self.stats = AnnotateStats()
         self.formulas = flop_formulas()
         self.s = _State()
+        self.real: dict[str, Any] | None = None
+        """Node values on the example batch, computed on the first data-dependent op (``_real_value``)."""
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -274,6 +282,49 @@ class _Annotator:
         facts = _OpFacts(flops=counter.get_total_flops(), saved=saved_facts, outs=(specs, out_spec))
         return facts, _Record(leaves=leaves, outs=out_flat), out_flat
 
+    def _real_value(self, node: torch.fx.Node) -> Any:
+        """The node's value on the example batch, for an op whose output shape depends on the data
+        (``nonzero``, ``torch.where(mask)``, boolean-mask indexing: MoE routing). Only a real model
+        has one (not on meta): the graph runs once on the real inputs without autograd, its buffers
+        restored afterwards (a training-mode batch norm would update its running statistics).
+        None when there is no real value to read."""
+        if self.real is None:
+            params = list(itertools.chain(self.gm.parameters(), self.gm.buffers()))
+            if any(t.device.type == "meta" for t in params) or not all(
+                    not isinstance(x, torch.Tensor) or x.device.type != "meta" for x in self.inputs):
+                self.real = {}
+                return None
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            seen: dict[str, Any] = {}
+
+            class Recorder(torch.fx.Interpreter):
+                def run_node(self, n: torch.fx.Node) -> Any:
+                    seen[n.name] = out = super().run_node(n)
+                    return out
+
+            with unset_fake_temporarily(), torch.no_grad():
+                buffers = {k: b.clone() for k, b in self.gm.named_buffers()}
+                try:
+                    Recorder(self.gm).run(*self.inputs)
+                except Exception:  # noqa: BLE001 - no real value then: the caller explains the op
+                    seen.clear()
+                finally:
+                    for k, b in self.gm.named_buffers():
+                        b.copy_(buffers[k])
+            self.real = seen
+        return self.real.get(node.name)
+
+    def _from_real(self, real: Any) -> tuple[_OpFacts, _Record, list[Any]]:
+        """Facts of a data-dependent op from its value on the example batch: its output shapes (a
+        fake of each), no FLOPs, nothing saved, no gradient through it (its outputs are indices)."""
+        flat, spec = tree_flatten(real)
+        outs = [torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device)
+                if isinstance(t, torch.Tensor) else t for t in flat]
+        specs = [(tuple(o.shape), tuple(o.stride()), 0, o.dtype, False, -1) if isinstance(o, torch.Tensor) else o
+                 for o in outs]
+        return _OpFacts(flops=0, saved=[], outs=(specs, spec)), _Record(leaves=[], outs=outs), outs
+
     def _rebuild(self, facts: _OpFacts, flat: list[Any]) -> Any:
         specs, out_spec = facts.outs
         outs: list[Any] = []
@@ -299,7 +350,10 @@ class _Annotator:
             node.meta.update({META_VAL: s.env[node.name], META_FLOPS_FWD: 0, META_SAVED_BYTES: 0})
             return
         template = self.replicas.get(node.name)
-        if template is not None and template in s.facts:
+        s.inputs[node.name] = specs = _input_specs(flat)
+        # planner.replicate matches a block by its ops and wiring; an input from another layer can
+        # still differ in shape (VGG's ReLU after 16- and after 32-channel batch norms): then run it
+        if template is not None and template in s.facts and s.inputs.get(template) == specs:
             self._copy(node, template, flat)
             return
         key = self._key(node, flat, spec)
@@ -309,9 +363,13 @@ class _Annotator:
             try:
                 facts, record, out_flat = self._run(node, flat, spec)
             except Exception as exc:  # noqa: BLE001 - re-raised with the node and the source line
-                raise AnnotateError(_explain(node, exc)) from exc
-            if len(self.fwd_cache) < _FWD_CACHE_LIMIT:
-                self.fwd_cache[key] = facts
+                real = self._real_value(node) if _dynamic_shape(exc) else None
+                if real is None:
+                    raise AnnotateError(_explain(node, exc)) from exc
+                facts, record, out_flat = self._from_real(real)
+            else:
+                if len(self.fwd_cache) < _FWD_CACHE_LIMIT:
+                    self.fwd_cache[key] = facts
             if any(isinstance(o, torch.Tensor) and o.requires_grad for o in out_flat):
                 s.records[node.name] = record
             value = tree_unflatten([o.detach().requires_grad_(o.requires_grad)
@@ -448,6 +506,18 @@ class _Annotator:
         return self.stats
 
 
+def _dynamic_shape(exc: BaseException) -> bool:
+    """The op's output size depends on the data (nonzero, masked indexing), not a value read in
+    Python (``.item()``, an ``if`` on a tensor): the first has a value on the example batch that
+    the graph reproduces on every batch, the second would fix one branch."""
+    chain: BaseException | None = exc
+    while chain is not None:
+        if type(chain).__name__ == "DynamicOutputShapeException":
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
 class AnnotateError(RuntimeError):
     """A node could not run on fake tensors (its value depends on data, or an op has no fake kernel)."""
 
@@ -458,8 +528,13 @@ def _explain(node: torch.fx.Node, exc: BaseException) -> str:
     site = failure_site(exc)
     where = (site[0], site[1]) if site is not None else node_site(node)
     what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-    lines = [f"cannot compute the facts of {where[0]}:{where[1]} on fake tensors (shapes only, no values):"
-             if where is not None else f"cannot compute the facts of {node.format_node()} on fake tensors:"]
+    module = node.meta.get(META_MODULE)
+    op = (str(node.target) if isinstance(node.target, (str, torch._ops.OpOverload))
+          else getattr(node.target, "__name__", str(node.target)))
+    in_what = (f" (op {op}" + (f" in module {module}" if module else " at the model's top level") + ")"
+               if node.op in ("call_function", "call_method") else "")
+    lines = [f"cannot compute the facts of {where[0]}:{where[1]}{in_what} on fake tensors (shapes only, no values):"
+             if where is not None else f"cannot compute the facts of {node.format_node()}{in_what} on fake tensors:"]
     if where is not None:
         lines += source_context(*where)
     lines.append(f"  {what}")

@@ -286,10 +286,11 @@ def microbatch_problem(ops: list[BatchStatOp], microbatches: int, *, where: str 
     what = "training-mode BatchNorm" if norms else "InstanceNorm with running statistics"
     one = '"microbatches": 1 (with pp > 1, schedule kind "gpipe")' if where == "schedule.microbatches" \
         else "microbatches=1"
+    kernels = " / ".join(sorted({op.op for op in ops}))
     return (f"{where}: {microbatches} microbatches per step would give each microbatch its own batch "
-            f"statistics, but the model has {what}: {describe_ops(ops)}. One process computes them over the "
-            "whole batch, which no pipeline can (each microbatch's forward would need every other microbatch's "
-            f"statistics). Use {one}, or opt in to per-microbatch statistics with {opt_in} (each dp rank and "
+            f"statistics, but the model has {what}: {describe_ops(ops)}. One process computes their statistics "
+            f"(op {kernels} in each module) over the whole batch, which no pipeline can (each microbatch's forward "
+            f"would need every other microbatch's statistics). Use {one}, or opt in to per-microbatch statistics with {opt_in} (each dp rank and "
             "microbatch normalizes with its own statistics and updates the running statistics once per "
             "microbatch, as torch DDP without SyncBatchNorm does)")
 

@@ -74,6 +74,8 @@ class LossModule(nn.Module):
 def _loss_of(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
+    if isinstance(out, (tuple, list)):
+        return out[_tuple_loss_index([x if isinstance(x, torch.Tensor) else None for x in out], type(out).__name__)]
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None:
         raise CaptureError(
@@ -82,12 +84,40 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
+def _tuple_loss_index(values: Sequence[torch.Tensor | None], kind: str) -> int:
+    """The loss of a model that returns a tuple, as nanoGPT's ``(logits, loss)``: its one
+    0-dimensional floating-point tensor; anything else is refused, naming what it holds."""
+    scalars = [i for i, v in enumerate(values)
+               if v is not None and v.dim() == 0 and (v.is_floating_point() or v.is_complex())]
+    if len(scalars) == 1:
+        return scalars[0]
+    held = ", ".join(f"[{i}]: " + ("not a tensor" if v is None else f"tensor of shape {tuple(v.shape)}")
+                     for i, v in enumerate(values))
+    which = "no" if not scalars else f"{len(scalars)} ({', '.join(f'[{i}]' for i in scalars)})"
+    raise CaptureError(
+        f"the model returned a {kind} ({held}) with {which} scalar floating-point tensor(s), so its loss is "
+        "ambiguous: return the loss alone (or one scalar in the tuple, e.g. (logits, loss)), or pass loss_fn= "
+        "(the loss is loss_fn(model(batch[0]), *batch[1:]))")
+
+
 def _check_scalar_loss(gm: torch.fx.GraphModule, model: nn.Module, loss_fn: Callable[..., Any] | None) -> None:
     """Refuse a loss that is not one number: a per-sample or per-token loss would have to be
     reduced, and the reduction (a sum over what each rank sees, a mean over what) would change
     with the plan, so the gradients would too. Read from the traced output's recorded value (export
-    records it; fx only after annotation)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    records it; fx only after annotation). A tuple that fx traced from ``model(*batch)`` (export
+    picks the loss in ``LossModule``) is narrowed to its one scalar, as :func:`_loss_of` does."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    out = output.args[0]
+    if isinstance(out, (tuple, list)) and len(out) > 1 and loss_fn is None:
+        if not all(isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) for x in out):
+            raise CaptureError(
+                f"{type(model).__name__} returned a {type(out).__name__} of {len(out)} values and torch.fx cannot "
+                "tell which is the loss without running it: return the loss alone, or capture a real (not meta) "
+                "model so that torch.export runs it")
+        out = out[_tuple_loss_index([x.meta["val"] for x in out], type(out).__name__)]
+        output.args = (out,)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     if isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]
     val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
@@ -245,7 +275,10 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:
-    return CaptureError(describe_capture_failure(type(model).__name__, failures))
+    paths = {id(m): name[len("model."):] if name.startswith("model.") else name
+             for name, m in LossModule(model, None).named_modules() if name.startswith("model")}
+    paths[id(model)] = ""
+    return CaptureError(describe_capture_failure(type(model).__name__, failures, paths))
 
 
 def _annotate_failure(model: nn.Module, used: str, exc: AnnotateError, failures: list[Failure]) -> CaptureError:

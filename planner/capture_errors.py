@@ -81,19 +81,38 @@ def source_context(file: str, line: int, *, around: int = 1) -> list[str]:
     return out
 
 
-def describe_capture_failure(model_name: str, failures: Sequence[Failure]) -> str:
-    """The CaptureError text for ``failures`` (one per tracer tried, in order)."""
+def _last_traced_op(exc: BaseException) -> str:
+    """The last ATen op torch.export traced before failing (from the partial graph it attaches):
+    for a data-dependent guard, the op whose result has a size or value from the data."""
+    chain: BaseException | None = exc
+    while chain is not None:
+        dump = getattr(chain, "partial_fx_graph", None)
+        if isinstance(dump, str):
+            ops = re.findall(r"torch\.ops\.aten\.(\w+\.\w+)\(", dump)
+            return f"aten.{ops[-1]}" if ops else ""
+        chain = chain.__cause__ or chain.__context__
+    return ""
+
+
+def describe_capture_failure(model_name: str, failures: Sequence[Failure],
+                             paths: dict[int, str] | None = None) -> str:
+    """The CaptureError text for ``failures`` (one per tracer tried, in order); ``paths`` (id of
+    a module -> its path in the model) names the module that runs the failing line."""
     primary = next((f for f in failures if f.tracer == "torch.export"), failures[0])  # export runs the code as is
     site = primary.site or next((f.site for f in failures if f.site is not None), None)
     where, context = "", []
     if site is not None:
         file, line, func, _, owner = site
-        where = f" at {file}:{line} ({owner + '.' if owner else ''}{func})"
+        path = (paths or {}).get(id(primary.owner)) if getattr(primary, "owner", None) is not None else None
+        module = f"module {path or '(the model)'}, " if path is not None else ""
+        where = f" at {file}:{line} ({module}{owner + '.' if owner else ''}{func})"
         context = source_context(file, line)
     tried = [f"  {f.tracer}: {type(f.exc).__name__}: {(str(f.exc).strip().splitlines() or [''])[0][:200]}"
              for f in failures]
     if is_data_dependent(primary.exc):
-        head = f"could not capture {model_name}: its forward needs a tensor's value, not only its shape{where}:"
+        op = _last_traced_op(primary.exc)
+        head = (f"could not capture {model_name}: its forward needs a tensor's value, not only its shape{where}"
+                + (f", at op {op}" if op else "") + ":")
         advice = [
             "fairscale plans from a trace of the model (torch.export, then torch.fx), which has shapes but no values,",
             "so it cannot decide this `if`, .item(), bool() or int() of a tensor, or a size taken from the data.",

@@ -28,7 +28,7 @@ import torch.fx
 from torch.fx.proxy import ParameterProxy
 from torch import nn
 
-__all__ = ["export_trace", "fx_trace", "failure_site", "fx_supports", "Failure", "META_FX_LEAVES"]
+__all__ = ["export_trace", "fx_trace", "failure_site", "failure_owner", "fx_supports", "Failure", "META_FX_LEAVES"]
 
 META_FX_LEAVES = "fs_fx_leaves"
 """gm.meta key of an fx trace: qualified names of the torch.nn module classes kept whole (leaves)."""
@@ -51,13 +51,38 @@ def export_trace(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.fx.GraphMo
     return gm
 
 
+@contextlib.contextmanager
+def _causal_hint_without_values() -> Any:
+    """``nn.TransformerEncoder``/``nn.TransformerDecoder`` given a mask and no ``is_causal`` compare
+    the mask with a causal one (``bool((mask == causal).all())``) to choose a kernel; a trace has no
+    mask values, so export failed on torch's own line for every model that passes ``tgt_mask`` (the
+    PyTorch tutorials' way). The answer only chooses between the causal kernel and applying the mask
+    itself, which compute the same attention: while tracing, a mask whose values are unknown is
+    applied as given (``False``: not known causal)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.nn.modules import transformer
+
+    original = transformer._detect_is_causal_mask
+
+    def detect(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+        if is_causal is None and mask is not None and is_fake(mask):
+            return False
+        return original(mask, is_causal, size)
+
+    transformer._detect_is_causal_mask = detect
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = original
+
+
 def _without_partial_graph_dump(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)``, minus the graph-so-far torch prints to stderr (once per
     wrapper it passes through) when a trace fails: the capture error says where, in the user's code.
     Whatever else export writes to stderr is passed on."""
     buffer = io.StringIO()
     try:
-        with contextlib.redirect_stderr(buffer):
+        with contextlib.redirect_stderr(buffer), _causal_hint_without_values():
             return torch.export.export(wrapper, batch, strict=False)
     except Exception as exc:
         dump = getattr(exc, "partial_fx_graph", None)
@@ -170,6 +195,8 @@ class Failure:
         self.tracer = tracer
         self.exc = exc
         self.site = failure_site(exc)
+        self.owner = failure_owner(exc)
+        """The module whose forward ran the failing line (None outside the model's modules)."""
 
     def describe(self) -> str:
         msg = (str(self.exc).strip().splitlines() or [""])[0][:300]
@@ -233,6 +260,21 @@ def failure_site(exc: BaseException) -> tuple[str, int, str, str, str] | None:
             owner_name = type(owner).__name__
         frame = frame.f_back
     return file, tb.tb_lineno, summary.name, (summary.line or "").strip(), owner_name
+
+
+def failure_owner(exc: BaseException) -> nn.Module | None:
+    """The module instance whose forward runs the line :func:`failure_site` names."""
+    frames = _user_frames(exc)
+    if not frames:
+        return None
+    tb, _ = frames[-1] if exc.__cause__ is None and exc.__context__ is None else _innermost(frames)
+    frame: Any = tb.tb_frame
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and not _is_internal(owner):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _is_internal(module: nn.Module) -> bool:

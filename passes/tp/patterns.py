@@ -47,7 +47,7 @@ from passes.tp.rules import ELEMENTWISE, VIEWS
 from planner.graph import META_MODULE, META_PARAM
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
-from planner.tp_styles import TPRules
+from planner.tp_styles import TPRules, module_kind, shard_problem, split_dim
 
 __all__ = ["TPProposal", "propose_tp_rules"]
 
@@ -103,6 +103,8 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
         styles = _detect(gm, out)
         if verify and tp > 1:
             _verify(gm, styles, tp, sequence_parallel, out)
+        if _drop_inapplicable(gm, styles, out) and verify and tp > 1:
+            _verify(gm, styles, tp, sequence_parallel, out)  # what is left, without the dropped partners
         paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
         out.modules = dict(styles)
         out.rules = TPRules(_group(styles, paths), reason=out.reason())
@@ -174,6 +176,41 @@ def _detect(gm: torch.fx.GraphModule, out: TPProposal) -> dict[str, str]:
         elif n.target == aten.scaled_dot_product_attention.default:
             out.attention.append(_heads(n))
     return styles
+
+
+def _drop_inapplicable(gm: torch.fx.GraphModule, styles: dict[str, str], out: TPProposal) -> bool:
+    """Drop the styles that the style table (``planner.tp_styles``) does not apply to their module's
+    kind, which validation would refuse and with them the whole tp degree: a matmul is claimed by
+    the module its (first) matmul runs in, and nn.MultiheadAttention's in- and out-projections run in
+    the attention module itself (on its own ``in_proj_weight``), which is no Linear. Notes say the module, the op
+    and the model's source line; the rest of the model (its MLPs) keeps its rules. True if any was
+    dropped (after the pass's own check, whose reasons come first)."""
+    owners: dict[str, tuple[str, Node]] = {}
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for n in gm.graph.nodes:
+        path = n.meta.get(META_MODULE, "")
+        if n.op == "get_attr" and META_PARAM in n.meta and isinstance(n.meta.get("val"), torch.Tensor):
+            owner, _, name = str(n.meta[META_PARAM]).rpartition(".")
+            shapes.setdefault(owner, {})[name] = tuple(n.meta["val"].shape)
+        elif n.op == "call_function" and path in styles and path not in owners and n.target in _MATMUL_W:
+            stack = n.meta.get("nn_module_stack") or {}
+            cls = next(reversed(stack.values()))[1] if stack else ""
+            cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+            owners[path] = (cls.rpartition(".")[2], n)
+    dropped = False
+    for path, style in list(styles.items()):
+        if path not in owners or style not in ("colwise", "rowwise", "vocab_embedding", "vocab_loss"):
+            continue
+        cls, node = owners[path]
+        own = shapes.get(path, {})
+        if split_dim(style, module_kind(cls, own)) is not None:
+            continue
+        why = f"{shard_problem(style, path, cls, own, 2)} (op {_op_name(node)}{source_of(node)})"
+        del styles[path]
+        out.refused[path] = why
+        out.notes.append(f"{path}: left replicated ({style}): {why}")
+        dropped = True
+    return dropped
 
 
 # ------------------------------------------------------------------------------------------ analysis

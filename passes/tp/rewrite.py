@@ -136,7 +136,8 @@ class Rewriter:
         if not isinstance(v, torch.Tensor):
             raise TPShardError(f"no tensor shape recorded for {fmt(node)} (node.meta['val'] missing); "
                                "run the pass on a graph from planner.capture")
-        return [int(s) for s in v.shape]
+        # a size from the data (MoE routing's nonzero) stays symbolic: replicated values never split it
+        return [s if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
 
     def ndim(self, node: Node) -> int:
         return len(self.shape(node))
@@ -186,7 +187,7 @@ class Rewriter:
         v = self.val(old)
         if isinstance(v, torch.Tensor) and isinstance(place, Placement):
             new.meta["val"] = local_fake(v, local_shape(v.shape, place, self.tp))
-            new.meta[META_TP_GLOBAL_SHAPE] = tuple(int(s) for s in v.shape)
+            new.meta[META_TP_GLOBAL_SHAPE] = tuple(s if isinstance(s, int) else str(s) for s in v.shape)
         elif isinstance(v, (tuple, list)) and isinstance(place, list):
             new.meta["val"] = type(v)(
                 local_fake(x, local_shape(x.shape, pl, self.tp)) if isinstance(x, torch.Tensor) and pl else x

@@ -108,7 +108,9 @@ def tp_refusal(graph: ModelGraph, tp_rules: dict[str, str], tp: int, *, devices:
     reason = getattr(tp_rules, "reason", "")
     if not tp_rules:
         return (f"no tensor-parallel rules at tp={tp}: {reason}" if reason else
-                "tp > 1 needs tensor_parallel rules, and none were given or found")
+                "tp > 1 needs tensor_parallel rules, and none were given or found: no Linear, Conv1D or Embedding "
+                f"module of the model pairs up for tensor parallelism; its largest op is{_site(graph)}. "
+                f"{_REMEDY}")
     parsed = [(text, parse_selector(text), style) for text, style in tp_rules.items()]
     heads = heads_problems(graph, parsed, tp)
     if heads:
@@ -117,5 +119,26 @@ def tp_refusal(graph: ModelGraph, tp_rules: dict[str, str], tp: int, *, devices:
         for mod in parse_selector(text).select(graph.modules):
             problem = module_shard_problem(graph, mod, style, tp)
             if problem:
-                return f"rule {text!r}: {problem}"
+                return f"rule {text!r}: {problem} (its op{_site(graph, mod)}). {_REMEDY}"
     return reason or "the tensor-parallel rules do not apply at this degree"
+
+
+_REMEDY = "Use tp=1 (leave mesh.tp out of the constraints), or give tensor_parallel rules for modules it can split"
+
+
+def _site(graph: ModelGraph, module: str | None = None) -> str:
+    """`` aten.conv2d.default in module inc.0 (Conv2d) at model.py:31``: the op with the most
+    forward FLOPs (in ``module`` when given) and the user's line that runs it."""
+    from planner.capture_errors import node_site
+    from planner.graph import META_FLOPS_FWD, META_MODULE
+
+    nodes = [n for n in graph.gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+             and (module is None or n.meta.get(META_MODULE) == module)]
+    if not nodes:
+        return ""
+    node = max(nodes, key=lambda n: n.meta.get(META_FLOPS_FWD) or 0)
+    path = str(node.meta.get(META_MODULE, ""))
+    where = node_site(node)
+    return (f" {node.target} in module {path or '(the model)'}"
+            + (f" ({graph.modules[path]})" if path in graph.modules else "")
+            + (f" at {where[0].rpartition('/')[2]}:{where[1]}" if where else ""))

@@ -312,3 +312,96 @@ def test_a_tied_key_the_graph_never_reads_has_no_layout_and_the_search_drops_con
     kept = one_layout_per_tied(graph, half)
     assert "inner.bert.embeddings.word_embeddings" not in kept and "tied weight two layouts" in kept.reason
     validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=kept)), graph, devices=2)
+
+
+class TorchEncoder(nn.Module):
+    """A projection into nn.TransformerEncoder: the attention's in-projection runs inside
+    nn.MultiheadAttention (on its own in_proj_weight), so the detector paired proj (colwise) with the
+    attention module itself (rowwise), which no style applies to; validation then refused the rule
+    and with it every tp > 1 (also for the MLPs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.proj(self.emb(ids))))
+
+
+def test_multihead_attention_stays_replicated_and_its_mlp_is_split() -> None:
+    _, proposal, graph = _exact(TorchEncoder(), flat_loss, expect={("encoder.layers.0.linear1", "colwise"),
+                                                                   ("encoder.layers.0.linear2", "rowwise")})
+    why = proposal.refused["encoder.layers.0.self_attn"]
+    assert why.startswith("rowwise applies to Conv1D / Embedding / Linear modules, but encoder.layers.0.self_attn is "
+                          "MultiheadAttention (op linear"), why
+    assert "aten.linear.default" in why and "test_tp_regressions.py:" in why
+    assert "encoder.layers.0.self_attn" not in proposal.modules
+    assert not validate_plan(Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=proposal.rules)), graph, 2)
+
+
+class Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.body = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.relu(self.stem(x))).mean()
+
+
+def test_a_forced_tp_on_a_model_without_linear_layers_names_its_op_and_what_to_do() -> None:
+    """Was: 'tp > 1 needs tensor_parallel rules, and none were given or found' (no module, op, line
+    or remedy)."""
+    from planner.cluster import Cluster
+    from planner.search import search
+
+    graph = capture(Convs().double(), (torch.randn(B, 3, 8, 8, dtype=torch.float64),))
+    with pytest.raises(PlanError, match=r"none were given or found: no Linear, Conv1D or Embedding module of the "
+                                        r"model pairs up for tensor parallelism; its largest op is "
+                                        r"aten.conv2d.default in module body \(Conv2d\) at "
+                                        r"test_tp_regressions.py:\d+. Use tp=1 \(leave mesh.tp out of the "
+                                        r"constraints\), or give tensor_parallel rules"):
+        search(graph, Cluster.cpu(2, memory_bytes=2**30), global_batch=B, constraints={"tp": 2},
+               tp_rules=lambda tp: propose_tp_rules(graph.gm, tp=tp).rules)
+
+
+class RoutedLM(nn.Module):
+    """mistral-src's MoE: top-2 of a gate, the tokens of each expert found with torch.where (a size
+    from the data), results[idx] += weight * expert(x[idx])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = nn.Linear(D, 4, bias=False)
+        self.up = nn.ModuleList(nn.Linear(D, 2 * D, bias=False) for _ in range(4))
+        self.down = nn.ModuleList(nn.Linear(2 * D, D, bias=False) for _ in range(4))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).view(-1, D)
+        weights, chosen = torch.topk(self.gate(x), 2)
+        weights = F.softmax(weights, dim=1)
+        out = torch.zeros_like(x)
+        for i, (up, down) in enumerate(zip(self.up, self.down)):
+            rows, nth = torch.where(chosen == i)
+            out[rows] += weights[rows, nth, None] * down(F.silu(up(x[rows])))
+        return self.head(out.view(B, T, D))
+
+
+def test_data_dependent_moe_routing_splits_its_experts_exactly() -> None:
+    """Sizes from the data are symbolic in the graph the ranks capture (annotate=False: export's
+    values); the pass read every size as an int and refused every plan, tp=1 included."""
+    rules, _, _ = _exact(RoutedLM(), flat_loss, expect={("up.0", "colwise"), ("down.0", "rowwise")})
+    model, batch = RoutedLM().double(), _batch()
+    graph = capture(model, batch, loss_fn=flat_loss, annotate=False)
+    assert any(not isinstance(d, int) for n in graph.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+               for d in n.meta["val"].shape)
+    loss, grads = simulate_graph(graph.gm, rules, 2, batch)
+    ref_loss, ref_grads = reference_graph(graph.gm, batch)
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")

@@ -101,7 +101,8 @@ def test_validation_refuses_microbatches_naming_the_batch_norms():
         "the model has training-mode BatchNorm: bn1 (BatchNorm2d, batch_norm_models.py:62 `x = self.relu(self.bn1("
         "self.conv1(x)))`), layer1.bn1 (BatchNorm2d, batch_norm_models.py:39 `out = self.relu(self.bn1("
         "self.conv1(x)))`),")
-    assert "and 2 more. One process computes them over the whole batch, which no pipeline can" in problem
+    assert ("and 2 more. One process computes their statistics (op aten.batch_norm.default in each module) over the "
+            "whole batch, which no pipeline can") in problem
     assert problem.endswith('Use "microbatches": 1 (with pp > 1, schedule kind "gpipe"), or opt in to '
                             'per-microbatch statistics with "batch_norm": "local" (each dp rank and microbatch '
                             "normalizes with its own statistics and updates the running statistics once per "

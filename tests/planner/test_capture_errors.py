@@ -49,7 +49,7 @@ def test_data_dependent_branch_names_the_line_and_the_fixes(capfd: pytest.Captur
         capture(Branchy(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert msg.startswith(f"could not capture Branchy: its forward needs a tensor's value, not only its shape at "
-                          f"{__file__}:{LINE} (Gate.forward):\n")
+                          f"{__file__}:{LINE} (module gate, Gate.forward), at op aten.item.default:\n")
     assert f"  -> {LINE:>4} |         if x.sum() > 0:" in msg and f"{LINE + 1:>4} |             return self.fc(x)" in msg
     assert "What to do: compute both sides and select with torch.where(condition, a, b)" in msg
     assert "  torch.fx: TraceError: symbolically traced variables cannot be used as inputs to control flow" in msg
@@ -122,17 +122,20 @@ def test_item_and_data_dependent_shapes_name_the_line(capfd: pytest.CaptureFixtu
     msg = str(info.value)
     line = _line(Item, ".item()")
     assert msg.startswith(f"could not capture Item: its forward needs a tensor's value, not only its shape at "
-                          f"{__file__}:{line} (Item.forward):\n"), msg
+                          f"{__file__}:{line} (module (the model), Item.forward), at op aten.item.default:\n"), msg
     _no_internal_advice(msg)
-    # export traces a boolean mask (an unbacked size); the facts cannot be computed: still the user's line
+    # a boolean mask (an unbacked size): the facts take its size on the example batch (a real model)
+    x = torch.randn(2, 4)
+    model = Masked()
+    assert torch.equal(capture(model, (x,)).gm(x), model(x))
+    # on meta there is no example value: refused, naming the op
+    with torch.device("meta"):
+        on_meta = Masked()
     with pytest.raises(CaptureError) as info:
-        capture(Masked(), (torch.randn(2, 4),))
+        capture(on_meta, (torch.randn(2, 4, device="meta"),))
     msg = str(info.value)
-    line = _line(Masked, "h[h > 0]")
-    assert msg.startswith(f"captured Masked with torch.export, but cannot compute the facts of {__file__}:{line} on "
-                          "fake tensors (shapes only, no values):\n"), msg
+    assert msg.startswith("captured Masked with torch.fx, but cannot compute the facts of "), msg
     assert "DynamicOutputShapeException" in msg and "torch.where(m, x, 0).sum() rather than x[m].sum()" in msg
-    _no_internal_advice(msg)
     assert "Traceback" not in capfd.readouterr().err  # FakeTensor's error log is silenced
 
 
@@ -143,7 +146,7 @@ def test_a_forward_that_fails_on_the_inputs_is_reported_from_the_tracer_that_ran
         capture(Transposed(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert msg.startswith(f"could not capture Transposed: torch.export cannot trace its forward on the example inputs "
-                          f"at {__file__}:{_line(Transposed, 'x.t()')} (Transposed.forward):\n"), msg
+                          f"at {__file__}:{_line(Transposed, 'x.t()')} (module (the model), Transposed.forward):\n"), msg
     assert "if model(*example_inputs) raises this outside fairscale too, fix the inputs or the model" in msg
     assert "  torch.export: RuntimeError: a and b must have same reduction dim" in msg
     _no_internal_advice(msg)
@@ -169,3 +172,48 @@ def test_concrete_args_fix_a_python_branch_for_fx():
     assert graph.flops_per_step == 2 * 2 * 4 * 4 * 2  # fwd + weight grad; x needs no gradient
     with pytest.raises(ValueError, match=r"^tracer='fx' takes a flat tuple of tensors as example_inputs \(other "):
         capture(model, (x, True), tracer="fx")
+
+
+class Router(nn.Module):
+    """mistral-src's routing: the tokens of each expert found with torch.where on a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.where(chosen == i)[0]
+            out[rows] += expert(x[rows])
+        return out
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x).sum()
+
+
+def test_data_dependent_routing_is_captured_with_the_example_batchs_sizes() -> None:
+    """mistral-src's MoE routing (torch.where on a mask, then indexing) has sizes from the data:
+    a real model's facts take them from the example batch (was: refused at capture); the captured
+    graph computes the model's loss and its experts are counted."""
+    torch.manual_seed(0)
+    model, x = Routed(), torch.randn(6, 4)
+    graph = capture(model, (x,))
+    assert torch.allclose(graph.gm(x), model(x), rtol=1e-6, atol=0)
+    assert sum(layer.flops_fwd for layer in graph.layers if layer.name.startswith("moe.experts")) > 0
+
+
+def test_data_dependent_routing_on_meta_is_refused_naming_the_module_and_op() -> None:
+    with torch.device("meta"):
+        model = Routed()
+    with pytest.raises(CaptureError) as info:
+        capture(model, (torch.randn(6, 4, device="meta"),))
+    assert "in module moe) on fake tensors" in str(info.value) and "DynamicOutputShapeException" in str(info.value)

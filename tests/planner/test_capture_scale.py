@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from fairscale.testing.models import build
 from planner.capture import capture
@@ -29,6 +32,35 @@ def test_replicated_blocks_have_the_facts_of_a_full_annotation(name, layers):
     full = capture(case.model, batch, loss_fn=case.loss_fn, replicate=False)
     assert fast.extra["replicated_nodes"] > 0 and full.extra["replicated_nodes"] == 0
     assert _facts(fast) == _facts(full)
+
+
+class Widening(nn.Module):
+    """VGG's shape: conv, batch norm, in-place ReLU, pool, with more channels each time. The ReLU
+    layers match by ops and wiring, but their inputs (from the batch norms) differ in shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = 3
+        for v in (8, 16, 32):
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            c = v
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(32 * 2 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+def test_a_block_whose_input_from_another_layer_differs_in_shape_is_annotated_not_copied() -> None:
+    """Was: the third ReLU copied the second's 16-channel value, the head got [8, 64] for its
+    [32, 128] weight, and capture failed ('a and b must have same reduction dim')."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    fast = capture(Widening(), batch, loss_fn=F.cross_entropy)
+    full = capture(Widening(), batch, loss_fn=F.cross_entropy, replicate=False)
+    assert _facts(fast) == _facts(full)
+    assert [tuple(n.meta["val"].shape) for n in fast.gm.graph.nodes if n.name == "flatten"] == [(8, 128)]
 
 
 def _bench(shape: str) -> dict:
