@@ -37,9 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
-from planner.capture_errors import DATA_DEPENDENT_ADVICE, is_data_dependent, node_site, source_context
-from planner.fx_capture import failure_site
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_MODULE, META_SAVED_BYTES, META_VAL
+from planner.annotate_errors import AnnotateError, dynamic_shape, example_values, explain
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
@@ -283,36 +282,16 @@ class _Annotator:
         return facts, _Record(leaves=leaves, outs=out_flat), out_flat
 
     def _real_value(self, node: torch.fx.Node) -> Any:
-        """The node's value on the example batch, for an op whose output shape depends on the data
-        (``nonzero``, ``torch.where(mask)``, boolean-mask indexing: MoE routing). Only a real model
-        has one (not on meta): the graph runs once on the real inputs without autograd, its buffers
-        restored afterwards (a training-mode batch norm would update its running statistics).
-        None when there is no real value to read."""
+        """The node's value on the example batch (``planner.annotate_errors.example_values``) for an
+        op whose output size depends on the data (``nonzero``, masked indexing: MoE routing); None
+        on meta, which has no values."""
         if self.real is None:
             params = list(itertools.chain(self.gm.parameters(), self.gm.buffers()))
             if any(t.device.type == "meta" for t in params) or not all(
                     not isinstance(x, torch.Tensor) or x.device.type != "meta" for x in self.inputs):
                 self.real = {}
                 return None
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            seen: dict[str, Any] = {}
-
-            class Recorder(torch.fx.Interpreter):
-                def run_node(self, n: torch.fx.Node) -> Any:
-                    seen[n.name] = out = super().run_node(n)
-                    return out
-
-            with unset_fake_temporarily(), torch.no_grad():
-                buffers = {k: b.clone() for k, b in self.gm.named_buffers()}
-                try:
-                    Recorder(self.gm).run(*self.inputs)
-                except Exception:  # noqa: BLE001 - no real value then: the caller explains the op
-                    seen.clear()
-                finally:
-                    for k, b in self.gm.named_buffers():
-                        b.copy_(buffers[k])
-            self.real = seen
+            self.real = example_values(self.gm, self.inputs)
         return self.real.get(node.name)
 
     def _from_real(self, real: Any) -> tuple[_OpFacts, _Record, list[Any]]:
@@ -363,9 +342,9 @@ class _Annotator:
             try:
                 facts, record, out_flat = self._run(node, flat, spec)
             except Exception as exc:  # noqa: BLE001 - re-raised with the node and the source line
-                real = self._real_value(node) if _dynamic_shape(exc) else None
+                real = self._real_value(node) if dynamic_shape(exc) else None
                 if real is None:
-                    raise AnnotateError(_explain(node, exc)) from exc
+                    raise AnnotateError(explain(node, exc)) from exc
                 facts, record, out_flat = self._from_real(real)
             else:
                 if len(self.fwd_cache) < _FWD_CACHE_LIMIT:
@@ -506,45 +485,6 @@ class _Annotator:
         return self.stats
 
 
-def _dynamic_shape(exc: BaseException) -> bool:
-    """The op's output size depends on the data (nonzero, masked indexing), not a value read in
-    Python (``.item()``, an ``if`` on a tensor): the first has a value on the example batch that
-    the graph reproduces on every batch, the second would fix one branch."""
-    chain: BaseException | None = exc
-    while chain is not None:
-        if type(chain).__name__ == "DynamicOutputShapeException":
-            return True
-        chain = chain.__cause__ or chain.__context__
-    return False
-
-
-class AnnotateError(RuntimeError):
-    """A node could not run on fake tensors (its value depends on data, or an op has no fake kernel)."""
-
-
-def _explain(node: torch.fx.Node, exc: BaseException) -> str:
-    """The user's line (from the traceback, else the stack trace export recorded on the node) with
-    a few lines around it, what failed and what to do; the fx node only when no line is known."""
-    site = failure_site(exc)
-    where = (site[0], site[1]) if site is not None else node_site(node)
-    what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-    module = node.meta.get(META_MODULE)
-    op = (str(node.target) if isinstance(node.target, (str, torch._ops.OpOverload))
-          else getattr(node.target, "__name__", str(node.target)))
-    in_what = (f" (op {op}" + (f" in module {module}" if module else " at the model's top level") + ")"
-               if node.op in ("call_function", "call_method") else "")
-    lines = [f"cannot compute the facts of {where[0]}:{where[1]}{in_what} on fake tensors (shapes only, no values):"
-             if where is not None else f"cannot compute the facts of {node.format_node()}{in_what} on fake tensors:"]
-    if where is not None:
-        lines += source_context(*where)
-    lines.append(f"  {what}")
-    if is_data_dependent(exc):
-        lines += ["The result or a branch there depends on the data, which the planner cannot see.", DATA_DEPENDENT_ADVICE]
-    else:
-        lines.append("The op has no fake-tensor kernel or rejects fake inputs; please report it with this message.")
-    return "\n".join(lines)
-
-
 def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,
                    device: torch.device | str | None = None, replicas: dict[str, str] | None = None) -> AnnotateStats:
     """Write ``META_VAL``, ``META_FLOPS_FWD``, ``META_FLOPS_BWD`` and ``META_SAVED_BYTES`` on every node.
@@ -558,9 +498,3 @@ def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,
         first = next(itertools.chain(gm.parameters(), gm.buffers()), None)
         device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
     return _Annotator(gm, tuple(example_inputs), torch.device(device), replicas or {}).run()
-
-
-def tree_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) node value."""
-    return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
-

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairscale.testing import corpus_styles_gpt as gpt
+from fairscale.testing import corpus_styles_llama as llama
 from fairscale.testing import corpus_styles_nets as nets
 from fairscale.testing import corpus_styles_seq as seq
 from fairscale.testing.corpus import CorpusModel
@@ -98,7 +99,7 @@ def _entries() -> list[CorpusModel]:
                     origin="minGPT model.py style",
                     features="registered causal-mask buffer, masked_fill(-inf) softmax, NewGELU with pow(x, 3), "
                              "MLP called through a lambda closure"),
-        CorpusModel(name="meta-llama", build=_case("meta-llama", lambda: gpt.MetaLlama(gpt.LlamaArgs()), toks,
+        CorpusModel(name="meta-llama", build=_case("meta-llama", lambda: llama.MetaLlama(llama.LlamaArgs()), toks,
                                                    llama_loss),
                     origin="Meta llama model.py style (training form, no KV cache)",
                     features="RMSNorm x.pow(2) rsqrt, complex freqs_cis (view_as_complex), repeat_kv GQA, "
