@@ -28,7 +28,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from fairscale.testing.corpus import models  # noqa: E402
-from fairscale.testing.corpus_run import PLANS, run_cases, table, to_json  # noqa: E402
+from fairscale.testing.corpus_run import PLANS, from_json, run_cases, table, to_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,7 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated plan kinds (default: {','.join(PLANS)})")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--out", default=str(HERE / "results"), help="path stem of the .md and .json written")
+    ap.add_argument("--render", metavar="JSON", help="re-render the tables of a saved results .json (no run)")
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        results = from_json(saved["results"])
+        plans = list(dict.fromkeys(r.plan for r in results))
+        counts = {o: sum(r.outcome == o for r in results) for o in ("exact", "refused", "DIFFERS", "CRASH")}
+        summary = (f"{len(results)} cases: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+                   + f"; {saved['seconds']:.0f} s on {saved['machine']}")
+        stem = args.render.removesuffix(".json")
+        Path(stem + ".md").write_text(table(results, plans) + "\n\n" + summary + "\n")
+        Path(stem + ".short.md").write_text(table(results, plans, width=140) + "\n\n" + summary + "\n")
+        print(summary)
+        return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     registry = models()
@@ -57,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"{len(results)} cases: " + ", ".join(f"{v} {k}" for k, v in counts.items())
                + f"; {seconds:.0f} s on {machine}")
     Path(args.out + ".md").write_text(md + "\n\n" + summary + "\n")
+    Path(args.out + ".short.md").write_text(table(results, plans, width=140) + "\n\n" + summary + "\n")
     Path(args.out + ".json").write_text(json.dumps(dict(machine=machine, seconds=round(seconds, 1),
                                                         results=to_json(results)), indent=1) + "\n")
     print(md)

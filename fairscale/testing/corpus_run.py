@@ -132,12 +132,17 @@ class Result:
         text = re.sub(r"^- ", "", lines[0]) if lines else ""
         return re.sub(r"^.*?the plan does not compile: ", "", text)
 
-    def summary(self) -> str:
+    def summary(self, *, width: int | None = None) -> str:
+        """One line; ``width`` cuts a refusal's reason to about that many characters (the README's
+        table; ``results.md`` keeps the whole message)."""
         if self.outcome in ("exact", "DIFFERS"):
             floor = f", float32 floor {self.floor:.1e}" if self.floor is not None else ""
             return f"{self.outcome} ({self.mesh}; loss {self.loss_error:.1e}, grad {self.grad_error:.1e}{floor})"
         if self.outcome == "refused":
-            return f"refused: {self.reason()}" + (f" [message lacks: {', '.join(self.gaps)}]" if self.gaps else "")
+            reason = self.reason()
+            if width is not None and len(reason) > width:
+                reason = reason[:width].rsplit(" ", 1)[0] + " …"
+            return f"refused: {reason}" + (f" [message lacks: {', '.join(self.gaps)}]" if self.gaps else "")
         return f"CRASH: {self.detail.strip().splitlines()[-1] if self.detail.strip() else ''}"
 
     def describe(self) -> str:
@@ -307,14 +312,14 @@ def run_cases(names: Iterable[str] | None = None, plans: Sequence[str] = tuple(P
     return [results[i] for i in sorted(results)]
 
 
-def table(results: Sequence[Result], plans: Sequence[str] | None = None) -> str:
-    """A markdown table: one row per model, one column per plan kind."""
+def table(results: Sequence[Result], plans: Sequence[str] | None = None, *, width: int | None = None) -> str:
+    """A markdown table: one row per model, one column per plan kind (``width``: see ``Result.summary``)."""
     kinds = list(plans or dict.fromkeys(r.plan for r in results))
     by = {(r.model, r.plan): r for r in results}
     rows = list(dict.fromkeys(r.model for r in results))
     lines = ["| model | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for name in rows:
-        cells = [by[(name, k)].summary().replace("|", "/") if (name, k) in by else "" for k in kinds]
+        cells = [by[(name, k)].summary(width=width).replace("|", "/") if (name, k) in by else "" for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
