@@ -126,7 +126,7 @@ class DataParallelRunner:
                                                 opt_in='a Plan with batch_norm="local" given to DataParallelRunner.build'))
         mine = tuple(global_batch) if local else local_slice(global_batch, self.dp_index, self.dp_size)
         parts = [local_slice(mine, m, microbatches) if microbatches > 1 else mine for m in range(microbatches)]
-        weights = self._weights(parts) or [1.0 / microbatches] * microbatches
+        weights = self._weights(global_batch, parts, local=local) or [1.0 / microbatches] * microbatches
         self.optimizer.zero_grad(set_to_none=True)
         total: torch.Tensor | None = None  # summed on the device: one host sync per step, at the end
         for m, part in enumerate(parts):
@@ -145,19 +145,21 @@ class DataParallelRunner:
         assert total is not None, "microbatches must be >= 1"
         return self._mean(total)
 
-    def _weights(self, parts: list[Sequence[Any]]) -> list[float] | None:
+    def _weights(self, batch: Sequence[Any], parts: list[Sequence[Any]], *, local: bool) -> list[float] | None:
         """This rank's pieces' weights when the loss is a token mean whose pieces count different
-        labels (``passes.loss_count.piece_weights``); every rank's counts are gathered (a rank may
-        hold only its own slice)."""
-        counter = self.token_counter
-        if counter is None or self.dp_size * len(parts) == 1:
+        labels (``passes.loss_count.piece_weights``). Given the global batch, every rank counts
+        every piece itself; given only its slice (``local``), the ranks gather their counts."""
+        counter, m, dp = self.token_counter, len(parts), self.dp_size
+        if counter is None or dp * m == 1:
             return None
+        if not local:
+            slices = [local_slice(batch, d, dp) for d in range(dp)]
+            counts = [[counter(tuple(local_slice(s, i, m) if m > 1 else s)) for i in range(m)] for s in slices]
+            return piece_weights(counter, counts, self.dp_index)
         mine = [counter(tuple(part)) for part in parts]
-        counts: list[Any] = [mine]
-        if self.dp_size > 1:
-            counts = [None] * self.dp_size
-            dist.all_gather_object(counts, mine, group=comm.get_group(self.optimizer.info.axis))
-        return piece_weights(counter, counts, self.dp_index)
+        gathered: list[Any] = [None] * dp
+        dist.all_gather_object(gathered, mine, group=comm.get_group(self.optimizer.info.axis))
+        return piece_weights(counter, gathered, self.dp_index)
 
     def _mean(self, value: torch.Tensor | float) -> float:
         """Mean of a per-rank scalar over dp ranks (a reporting all-reduce, not counted as model traffic)."""

@@ -213,7 +213,9 @@ def _launch_all(jobs: list[_Job], devices: int, progress: Callable[[str], None])
     with tempfile.TemporaryDirectory(prefix="fairscale-corpus-") as scratch:
         while pending:
             try:
-                launch(_rank, devices=devices, args=(pending, scratch, progress), collective_timeout_s=60.0)
+                # generous: a rank's capture of a large model on a loaded CI machine (the first
+                # collective waits for the slowest) took over 60 s; a stuck rank still ends the launch
+                launch(_rank, devices=devices, args=(pending, scratch, progress), collective_timeout_s=300.0)
                 failure = None
             except RankFailedError as e:
                 failure = str(e)
