@@ -154,9 +154,9 @@ class DataParallelRunner:
             return None
         if not local:
             slices = [local_slice(batch, d, dp) for d in range(dp)]
-            counts = [[counter(tuple(local_slice(s, i, m) if m > 1 else s)) for i in range(m)] for s in slices]
-            return piece_weights(counter, counts, self.dp_index)
-        mine = [counter(tuple(part)) for part in parts]
+            flat = counter.count_all([tuple(local_slice(s, i, m) if m > 1 else s) for s in slices for i in range(m)])
+            return piece_weights(counter, [flat[d * m:(d + 1) * m] for d in range(dp)], self.dp_index)
+        mine = counter.count_all([tuple(part) for part in parts])
         gathered: list[Any] = [None] * dp
         dist.all_gather_object(gathered, mine, group=comm.get_group(self.optimizer.info.axis))
         return piece_weights(counter, gathered, self.dp_index)

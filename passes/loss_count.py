@@ -35,10 +35,13 @@ class TokenCounter:
 
     def __call__(self, batch: Sequence[Any]) -> int | tuple[int, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
-        with torch.no_grad():
-            counts = self.gm(*[batch[i] for i in self.batch_inputs])
-        return int(counts) if counts.dim() == 0 else tuple(int(c) for c in counts)
+        return self.count_all([batch])[0]
 
+    def count_all(self, pieces: Sequence[Sequence[Any]]) -> list[Any]:
+        """Each piece's count, read to the host at once: one host sync per call, however many pieces."""
+        with torch.no_grad():
+            counts = torch.stack([self.gm(*[piece[i] for i in self.batch_inputs]) for piece in pieces]).tolist()
+        return [c if isinstance(c, int) else tuple(c) for c in counts]
 
 def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int) -> list[float] | None:
     """Weights of dp rank ``dp_index``'s pieces in the step's loss, from ``counts[d][i]`` (the

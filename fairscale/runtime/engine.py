@@ -212,8 +212,8 @@ class ParallelModule:
         dp = self.mesh.dp
         if counter is None or dp * m == 1:
             return None
-        counts = [[counter(tuple(part)) for part in _chunks(local_slice(batch, d, dp), m)] for d in range(dp)]
-        return piece_weights(counter, counts, self.mesh.dp_index)
+        flat = counter.count_all([tuple(part) for d in range(dp) for part in _chunks(local_slice(batch, d, dp), m)])
+        return piece_weights(counter, [flat[d * m:(d + 1) * m] for d in range(dp)], self.mesh.dp_index)
 
     def _clock(self) -> float:
         if self.sync_timing and self.device.type == "cuda":

@@ -76,6 +76,8 @@ CHECKPOINTED = "gpipe-zero2-sp"
 ALLOWED_SYNCS = {
     # the step's loss, returned to the caller as a float: one per step
     ("fairscale/runtime/pipeline.py", "_report_loss"): "1 per step",
+    # a token-mean loss: each piece's labels counted, read to the host at once (passes.loss_count)
+    ("passes/loss_count.py", "count_all"): "1 per step",
     # all_to_all takes split sizes as host ints: one copy of the routing table per MoE layer forward
     ("passes/ops/ep_ops.py", "_route"): "1 per MoE layer per microbatch forward",
 }
@@ -160,6 +162,7 @@ def test_a_step_makes_only_the_documented_host_syncs(guarded, name):
         unexpected = {site: n for site, n in syncs.items() if site not in ALLOWED_SYNCS}
         assert not unexpected, f"rank {rank}: host syncs in a step at {unexpected}"
         assert syncs.get(("fairscale/runtime/pipeline.py", "_report_loss")) == 1
+        assert syncs.get(("passes/loss_count.py", "count_all"), 0) <= 1
         routes = syncs.get(("passes/ops/ep_ops.py", "_route"), 0)
         assert routes == (layers * r[name]["microbatches"] if PLANS[name][4] > 1 else 0)
 
