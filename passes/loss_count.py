@@ -61,5 +61,5 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
             "the same number per row), return the token mean alone as the loss, or compute the mean over the "
             "whole batch yourself (sum the terms and divide by the global count, as Hugging Face's "
             "num_items_in_batch does)")
-    total = sum(flat)
-    return None if total == 0 else [dp * n / total for n in counts[dp_index]]
+    total = sum(flat)  # > 0: the counts differ
+    return [dp * n / total for n in counts[dp_index]]

@@ -68,9 +68,13 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
 
 
-def _labels_of(value: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
-    """(labels node, ignore_index) of the mean token loss ``value``; None for another reduction,
-    class weights, or labels that are not a function of the batch alone."""
+_Labels = tuple[torch.fx.Node, int, set[torch.fx.Node]]
+"""A token mean's labels node, its ignore_index, and the nodes the labels are computed from."""
+
+
+def _labels_of(value: torch.fx.Node) -> _Labels | None:
+    """The labels of the mean token loss ``value``; None for another reduction, class weights, or
+    labels that are not a function of the batch alone."""
     assert callable(value.target)
     norm = normalize_function(value.target, tuple(value.args), dict(value.kwargs), normalize_to_only_use_kwargs=True)
     kwargs = norm.kwargs if norm is not None else {}
@@ -89,20 +93,13 @@ def _labels_of(value: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
         if node.op not in ("placeholder", "call_function"):
             return None  # labels computed from parameters or buffers: not a function of the batch
         stack.extend(node.all_input_nodes)
-    return target, int(kwargs.get("ignore_index", -100))
+    return target, int(kwargs.get("ignore_index", -100)), seen
 
 
-def _build(gm: torch.fx.GraphModule, labels: list[tuple[torch.fx.Node, int]], *, loss: str,
-           exact: bool) -> TokenCounter:
+def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact: bool) -> TokenCounter:
     """A counter graph: the ops ``labels`` are computed with, then each one's count of labels kept
     (one int64 scalar, or a vector of one count per token mean when there are several)."""
-    seen: set[torch.fx.Node] = set()
-    stack = [t for t, _ in labels]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
+    seen = set().union(*(ancestors for _, _, ancestors in labels))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -113,7 +110,7 @@ def _build(gm: torch.fx.GraphModule, labels: list[tuple[torch.fx.Node, int]], *,
             if node.op == "placeholder":
                 inputs.append(placeholders.index(node))
     counts = [graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (env[t], ignore)),))
-              for t, ignore in labels]
+              for t, ignore, _ in labels]
     graph.output(counts[0] if len(counts) == 1 else graph.call_function(aten.stack.default, (counts,)))
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs,
                         ignore_index=labels[0][1], loss=loss, exact=exact)

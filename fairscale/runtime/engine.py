@@ -38,6 +38,7 @@ from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.loss_count import piece_weights
 from passes.ops import comm
+from passes.ops.ep_ops import scale_grad
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
 from passes.ops.groups import AxisGroups
@@ -271,7 +272,7 @@ class ParallelModule:
         # A token mean over dp slices that count different labels: this rank's gradient weighs
         # dp * n_r / N (the average over dp is then the batch's token mean); the value stays this
         # rank's own mean, as torch DDP's would.
-        return loss if weights is None else _scale_grad(loss, weights[0])
+        return loss if weights is None else scale_grad(loss, weights[0])
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's trainable local tensors (slices and shards), as the optimizer sees them."""
@@ -444,20 +445,3 @@ def _chunks(batch: Sequence[Any], m: int) -> list[list[Any]]:
         for p, piece in zip(parts, pieces):
             p.append(piece)
     return parts
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``weight``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.weight, None
-
-
-def _scale_grad(x: torch.Tensor, weight: float) -> torch.Tensor:
-    return _ScaleGrad.apply(x, weight)
