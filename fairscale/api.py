@@ -256,8 +256,9 @@ def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster
     every name of the tie) move through the any-plan checkpoint's mapping, without a disk
     (:mod:`fairscale.runtime.reshard`). The plan is checked as ``parallelize(plan=...)`` checks one
     (validated, re-costed, compiled on rank 0 first) before any state moves, and must keep the
-    global batch. Learning-rate schedulers must be attached to the new module's optimizer again
-    (its hyperparameters, ``lr`` included, carry over).
+    global batch. The new module's ``optimizer`` is ``pm.optimizer``, the same object, now holding
+    the new plan's stage optimizers, whose hyperparameters (``lr`` and a scheduler's ``initial_lr``
+    included) carry over: a learning-rate scheduler attached to it keeps driving it.
 
     Args:
         pm: a module built by ``fairscale.parallelize``; the user's model it was built from must
@@ -283,9 +284,13 @@ def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster
     check_compiles_on_ranks(model, batch, chosen, loss_fn=loss_fn,
                             source=str(plan) if isinstance(plan, (str, Path)) else "plan")
     predicted = predicted_memory(chosen, graph, cl, optimizer=pm.optimizer_spec)
-    return reshard(pm, lambda: build_module(model, chosen, example_inputs=batch, loss_fn=loss_fn,
-                                            optimizer=pm.optimizer_spec, device=pm.device,
-                                            tf32=pm.tf32_requested, predicted=predicted))
+    optimizer = pm.optimizer  # the object a user's scheduler holds; reshard retires pm
+    new = reshard(pm, lambda: build_module(model, chosen, example_inputs=batch, loss_fn=loss_fn,
+                                           optimizer=pm.optimizer_spec, device=pm.device,
+                                           tf32=pm.tf32_requested, predicted=predicted))
+    optimizer.adopt(new.optimizer)
+    new.optimizer = optimizer
+    return new
 
 
 def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, *,

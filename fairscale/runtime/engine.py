@@ -33,6 +33,7 @@ from fairscale.runtime.mesh import RankMesh, build_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.program import RankProgram
+from fairscale.runtime.stage_optimizers import StageOptimizers
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
@@ -41,7 +42,6 @@ from passes.ops import comm
 from passes.ops.ep_ops import scale_grad
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
-from passes.ops.groups import AxisGroups
 
 __all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
 
@@ -131,7 +131,7 @@ class ParallelModule:
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
-        self.optimizer = _StageOptimizers(self._optimizers, self.mesh.groups)
+        self.optimizer = StageOptimizers(self._optimizers, self.mesh.groups)
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
@@ -372,7 +372,7 @@ class ParallelModule:
         self.retired = why
         self.modules = {}
         self._optimizers = []
-        self.optimizer = _StageOptimizers([], self.mesh.groups)
+        self.optimizer = StageOptimizers([], self.mesh.groups)
         self.executor = None  # type: ignore[assignment]
 
     def report(self) -> str:
@@ -403,28 +403,6 @@ class ParallelModule:
         """Bytes each collective of this module moved on this rank (ring volumes) since its counter
         (``pm.comm_counter``) was reset."""
         return self.comm_counter.summary()
-
-
-class _StageOptimizers:
-    """The optimizers of this rank's stages, stepped together."""
-
-    def __init__(self, optimizers: list[DataParallelOptimizer], groups: AxisGroups) -> None:
-        self.optimizers = optimizers
-        self._groups = groups
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        with self._groups.active():
-            for o in self.optimizers:
-                o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        with self._groups.active():
-            for o in self.optimizers:
-                o.zero_grad(set_to_none=set_to_none)
 
 
 def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:

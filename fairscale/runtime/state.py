@@ -332,8 +332,9 @@ def load_optimizer_state_dict(gm: torch.fx.GraphModule, optimizer: Any, full: di
         for g, saved in zip(optimizer.param_groups, groups):
             for k, v in saved.items():  # numeric hyperparameters (lr, betas, eps, weight_decay ...)
                 cur = g.get(k)
-                if isinstance(cur, (int, float)) and not isinstance(cur, bool) and isinstance(v, (int, float)):
-                    g[k] = v
+                number = isinstance(v, (int, float)) and not isinstance(v, bool)
+                if number and (k not in g or isinstance(cur, (int, float)) and not isinstance(cur, bool)):
+                    g[k] = v  # absent ones are a scheduler's (initial_lr; OneCycleLR's max_lr, min_lr)
                 elif isinstance(cur, tuple) and isinstance(v, list):
                     g[k] = tuple(v)
 

@@ -1,0 +1,103 @@
+"""``pm.optimizer``: the optimizers of a rank's pipeline stages, seen as one ``torch.optim.Optimizer``.
+
+Each local stage has its own :class:`fairscale.runtime.optim.DataParallelOptimizer` (its slices
+and shards, its data-parallel kind). Training scripts treat ``pm.optimizer`` as one optimizer:
+
+    sched = torch.optim.lr_scheduler.OneCycleLR(pm.optimizer, max_lr=3e-4, total_steps=1000)
+    for batch in loader:
+        pm.train_step(batch)
+        sched.step()
+
+so :class:`StageOptimizers` is a real ``torch.optim.Optimizer`` (schedulers check ``isinstance``),
+whose ``param_groups`` are the stage optimizers' own group dicts: a scheduler that writes
+``group["lr"]`` writes the stage optimizer's value. Step hooks (``register_step_pre_hook``,
+global ones too) run around :meth:`step` as for any optimizer.
+
+It keeps its identity when the closed loop switches the running plan (``ParallelModule.become``
+calls :meth:`adopt`): a scheduler the user attached keeps driving the new plan's optimizers, whose
+groups carry the old ones' hyperparameters (``initial_lr`` included) through the reshard.
+
+Not supported, with an error that says so: ``add_param_group`` (the groups follow the plan's
+layout). ``state_dict()`` is this rank's state, by stage, for this plan only; checkpoints that
+resume under any plan are ``pm.save_checkpoint`` / ``fairscale.load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from fairscale.runtime.optim import DataParallelOptimizer
+from passes.ops.groups import AxisGroups
+
+
+class StageOptimizers(torch.optim.Optimizer):
+    """The optimizers of this rank's stages, stepped together (see the module docstring)."""
+
+    # Optimizer.__init__ is not called: it would build groups of its own from a parameter list,
+    # and these groups belong to the stage optimizers. What it sets up besides is set up here.
+    def __init__(self, optimizers: list[DataParallelOptimizer], groups: AxisGroups) -> None:
+        self.optimizers = optimizers
+        self._groups = groups
+        self.defaults: dict[str, Any] = dict(optimizers[0].optimizer.defaults) if optimizers else {}
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._patch_step_function()  # wraps the class's step with the step hooks, as Optimizer does
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[torch.Tensor, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("pm.optimizer.step(closure) is not supported: a closure would run the whole model once "
+                            "per stage optimizer; call pm.train_step(batch), or backward yourself and then step()")
+        with self._groups.active():
+            for o in self.optimizers:
+                o.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        with self._groups.active():
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TypeError("pm.optimizer.add_param_group is not supported: its groups follow the plan's layout of "
+                        "the model's parameters; give every parameter to the model before fairscale.parallelize")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's optimizer state by local stage, for this plan only (``pm.save_checkpoint``
+        writes one that any plan resumes)."""
+        return {"stages": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        stages = state_dict.get("stages") if isinstance(state_dict, dict) else None
+        if not isinstance(stages, list) or len(stages) != len(self.optimizers):
+            have = len(stages) if isinstance(stages, list) else "no"
+            raise ValueError(f"this state dict has {have} stage entries but this rank runs {len(self.optimizers)} "
+                             "stages: pm.optimizer.state_dict() is for the same plan and rank; use "
+                             "pm.save_checkpoint / fairscale.load_checkpoint to resume under another plan")
+        for o, s in zip(self.optimizers, stages):
+            o.load_state_dict(s)
+
+    def adopt(self, other: StageOptimizers) -> None:
+        """Take over ``other``'s stage optimizers (a switched plan's), keeping this object, its step
+        hooks and any scheduler's hold on it."""
+        self.optimizers = other.optimizers
+        self._groups = other._groups
+        self.defaults = other.defaults
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(type(o.optimizer).__name__ for o in self.optimizers) or "none"
+        return f"StageOptimizers({len(self.optimizers)} stage optimizer(s): {kinds})"
