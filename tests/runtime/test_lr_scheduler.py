@@ -34,13 +34,15 @@ def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedul
     return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=STEPS + 1, pct_start=0.5)
 
 
-def _plan(pp: int, dp: int, microbatches: int = 1) -> Plan:
+def _plan(pp: int, dp: int, microbatches: int = 1, virtual: int = 1) -> Plan:
     case = _case()
     names = [layer.name for layer in captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).layers]
-    half = len(names) // 2
-    stages = [Stage(layers=", ".join(names[:half])), Stage(layers=", ".join(names[half:]))] if pp == 2 else []
+    n = pp * virtual
+    cuts = [len(names) * i // n for i in range(n + 1)]
+    stages = [Stage(layers=", ".join(names[a:b])) for a, b in zip(cuts, cuts[1:])] if pp > 1 else []
+    kind = "interleaved" if virtual > 1 else "1f1b"
     return Plan(mesh=Mesh(pp=pp, dp=dp), stages=stages,
-                schedule=Schedule(kind="1f1b", microbatches=microbatches, global_batch=BATCH))
+                schedule=Schedule(kind=kind, microbatches=microbatches, virtual_stages=virtual, global_batch=BATCH))
 
 
 def _one_process() -> list[float]:
@@ -76,12 +78,15 @@ def _rank(rank: int, world: int, plans: list[Plan]) -> tuple[list[float], list[f
         losses.append(pm.train_step(case.make_batch(step, BATCH)))
         sched.step()
         lrs.append(pm.optimizer.param_groups[0]["lr"])
-    assert {g["lr"] for g in pm.optimizer.param_groups} == {lrs[-1]}  # every stage's group, one lr
+    groups = pm.optimizer.param_groups
+    assert len(groups) == len(pm.optimizer.optimizers) == plans[-1].schedule.virtual_stages
+    assert {g["lr"] for g in groups} == {lrs[-1]}
     return losses, lrs
 
 
 @pytest.mark.parametrize("plans", [
-    pytest.param(lambda: [_plan(2, 2, microbatches=2)], id="pp2xdp2"),
+    # each rank steps two stage optimizers (two virtual stages): one scheduler sets both
+    pytest.param(lambda: [_plan(2, 1, microbatches=2, virtual=2)], id="pp2-interleaved"),
     pytest.param(lambda: [_plan(1, 2), _plan(2, 1, microbatches=2)], id="dp2-switch-pp2"),
 ])
 def test_a_scheduler_on_pm_optimizer_trains_as_one_process(plans) -> None:
