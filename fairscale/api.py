@@ -40,6 +40,7 @@ from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.reshard import reshard
+from fairscale.runtime.startup import broadcast_from_zero
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
 from planner.cluster import Cluster
@@ -302,8 +303,7 @@ def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], pla
 
     checker = checker_for(model, example_inputs, loss_fn=loss_fn)
     verdict = [checker.refusal(plan) if dist.get_rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
+    broadcast_from_zero(verdict, "the plan-time compile check")
     if verdict[0] is not None:
         raise PlanCompileError(verdict[0], source=source)
 
@@ -314,7 +314,7 @@ def _same_on_every_rank(cluster: Cluster) -> Cluster:
     if dist.get_world_size() == 1:
         return cluster
     box = [cluster.to_dict() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    broadcast_from_zero(box, "resolving the cluster (a first calibration measures the machine)")
     return Cluster.from_dict(box[0])
 
 

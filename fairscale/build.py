@@ -36,6 +36,7 @@ from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_e
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
+from fairscale.runtime.startup import rendezvous
 from passes import compile_rank
 from passes.loss_weights import token_counter
 from planner.capture import capture
@@ -70,6 +71,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                          f"= {m.dp * micro} equal microbatches")
     rows = gb // (m.dp * micro)
     graph = capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, annotate=False)
+    rendezvous("capturing the model")  # the collectives below wait for the slowest capture
     if not any(p.is_meta for p in graph.gm.parameters()):
         check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model
     schedule = build_schedule(plan.schedule.kind, pp=m.pp, microbatches=micro,
@@ -77,6 +79,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
     coords = RankMesh(m.pp, m.dp, m.tp, dist.get_rank()).coords()
     stages, modules = compile_rank(graph, plan, stages=schedule.rank_stages(coords[0]), dp_index=coords[1],
                                    tp_index=coords[2], device=rank_device)
+    rendezvous("compiling its part of the plan")  # before the module's first collectives
     return RankProgram(plan=plan, stages=stages, schedule=schedule, modules=modules, coords=coords,
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),

@@ -21,6 +21,7 @@ from torch import nn
 from fairscale import numerics
 from fairscale.build import build_module
 from fairscale.runtime.engine import microbatch_example
+from fairscale.runtime.startup import broadcast_from_zero
 from planner.capture import LossModule
 from planner.graph import META_MODULE, META_PARAM, ModelGraph
 from planner.plan import Plan
@@ -195,8 +196,7 @@ def check_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, 
         ref = reference_step(copy.deepcopy(quiet), batch, loss_fn)
         box[0] = _compare(plan, graph, ref, loss, grads, devices=dist.get_world_size(), rows=_rows(batch),
                           dropout_off=dropout_off)
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+    broadcast_from_zero(box, "the one-process reference step of the check")
     report: CheckReport = box[0]
     if not report.ok:
         raise CheckFailed(report)

@@ -47,6 +47,7 @@ from fairscale.elastic_world import regroup
 from fairscale.runtime.engine import OptimizerSpec
 from fairscale.runtime.launch import init_distributed, under_torchrun
 from fairscale.runtime.run_cli import ENV_DIR, ENV_EVERY, ENV_RESTART
+from fairscale.runtime.startup import broadcast_from_zero
 from planner.plan import Plan
 
 __all__ = ["train", "ElasticResult", "restart_count", "RECORD"]
@@ -184,11 +185,9 @@ def _plan_and_record(model: nn.Module, example: tuple[Any, ...], *, loss_fn: Any
             box = [("ok", plan.to_json(), _read_record(directory, plan.model.fingerprint))]
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then rank 0 raises it
             box = [("error", f"{type(exc).__name__}: {exc}", None)]
-            if launched > 1:
-                dist.broadcast_object_list(box, src=0)
+            broadcast_from_zero(box, "planning the run")
             raise
-    if launched > 1:
-        dist.broadcast_object_list(box, src=0)
+    broadcast_from_zero(box, "planning the run")
     status, text, record = box[0]
     if status != "ok":
         raise RuntimeError(f"global rank 0 could not plan the run, so this rank stops too: {text}")

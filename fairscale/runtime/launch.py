@@ -36,6 +36,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fairscale.runtime.startup import ENV_STARTUP_TIMEOUT
+
 __all__ = ["launch", "RankFailedError", "init_distributed", "under_torchrun"]
 
 
@@ -90,11 +92,12 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: s
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: Sequence[Any],
-               kwargs: dict[str, Any], conn: Any, backend: str | None, timeout_s: float, threads: int) -> None:
+               kwargs: dict[str, Any], conn: Any, backend: str | None, timeout_s: float, threads: int,
+               env: dict[str, str]) -> None:
     _die_with_parent()
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      FAIRSCALE_LAUNCHED="1")
+                      FAIRSCALE_LAUNCHED="1", **env)
     try:
         init_distributed(rank=rank, world_size=world_size, init_method=init_method, backend=backend,
                          timeout_s=timeout_s)
@@ -119,7 +122,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
 
 def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
            backend: str | None = None, timeout_s: float | None = None, collective_timeout_s: float = 120.0,
-           grace_s: float = 5.0, threads_per_rank: int = 1) -> list[Any]:
+           startup_timeout_s: float | None = None, grace_s: float = 5.0, threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``devices`` ranks and return their results.
 
     Args:
@@ -130,6 +133,9 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         timeout_s: wall-clock limit for the whole run; default none (training runs as long as it
             needs; a stuck collective still fails after ``collective_timeout_s``).
         collective_timeout_s: a collective that waits longer than this fails on its rank.
+        startup_timeout_s: how long ranks wait for each other's build-time work (capture, the compile
+            check, a first calibration) before the collectives that need it
+            (:mod:`fairscale.runtime.startup`); default ``FAIRSCALE_STARTUP_TIMEOUT_S``, else 30 minutes.
         grace_s: after the first failure, how long the others get to report before being killed.
         threads_per_rank: intra-op threads per rank.
 
@@ -138,12 +144,26 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
     leaves ``launch``; a launcher killed outright takes its ranks with it (parent-death signal).
     """
     kwargs = dict(kwargs or {})
+    env: dict[str, str] = {}  # what the ranks read (forked ranks, or this process under torchrun)
+    if startup_timeout_s is not None:
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {startup_timeout_s}")
+        env[ENV_STARTUP_TIMEOUT] = repr(float(startup_timeout_s))
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not dist.is_initialized():
             init_distributed(rank=rank, world_size=world, init_method="env://", backend=backend,
                              timeout_s=collective_timeout_s)
-        return [fn(rank, world, *args, **kwargs)]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return [fn(rank, world, *args, **kwargs)]
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
     if torch.cuda.is_initialized():
@@ -161,7 +181,7 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, name=f"fairscale-rank{rank}",
                         args=(fn, rank, devices, init_method, args, kwargs, child_end, backend,
-                              collective_timeout_s, threads_per_rank))
+                              collective_timeout_s, threads_per_rank, env))
         p.start()
         child_end.close()
         procs.append(p)
