@@ -409,9 +409,14 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
     that backward (autograd runs about two kernels per forward op: input and weight gradients).
 
-    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take
-    ``max(FLOPs/(peak·e_mm), bytes/(bw·e_mem))``, the roofline of a matmul whose arithmetic
-    intensity is about the head dimension (Williams et al. 2009); backward twice that.
+    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take their FLOPs at
+    the matmul rate plus their bytes (Q, K, V, the output and the ``heads × s × s`` scores) at
+    the memory rate, ``FLOPs/(peak·e_mm) + bytes/(bw·e_mem)``; backward twice that. Their
+    arithmetic intensity is about the head dimension (64-160 FLOP/byte), at the A100's ridge
+    (~150), so neither side dominates, and with K = head dimension the scores matmul runs only
+    2-5 k-steps per output tile: the store of its s×s tile follows its FLOPs rather than hiding
+    under them, so the two times add (as the kernel classes of :func:`compute_time` do) instead
+    of overlapping (the max of a roofline, Williams et al. 2009, which assumes a long main loop).
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -453,16 +458,15 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             t_x += 3 * all_reduce_time(l_b, tp, bandwidth=bw, latency=lat)
             v_x += 3 * all_reduce_volume(l_b, tp)
         exposed = 0.0 if options.overlap_tp else 1.0
-        fwd = compute_time(f.flops_fwd * micro / div, act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
-                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
-        bwd = compute_time(f.flops_bwd * micro / div, 2 * act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
-                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
-        # unfused attention matmuls run at their own roofline: with a head dimension below the
-        # device's FLOP/byte ridge they wait for the s×s scores, not for the tensor cores
-        bmm_extra = max(0.0, f.bmm_bytes * micro * scale / div / (cluster.hbm_bandwidth * eff.memory)
-                        - f.bmm_flops * micro / div / (peak * eff.matmul)) if f.bmm_flops else 0.0
-        fwd += bmm_extra
-        bwd += 2 * bmm_extra  # the input gradients of both matmuls: twice the FLOPs and the bytes
+        # unfused attention matmuls also move their s×s scores through HBM, after their FLOPs
+        # (backward: the input gradients of both matmuls, twice the FLOPs and the bytes)
+        traffic = act + f.bmm_bytes * micro * scale / div
+        fwd = compute_time(f.flops_fwd * micro / div, traffic, peak_flops=peak,
+                           hbm_bandwidth=cluster.hbm_bandwidth, matmul_efficiency=eff.matmul,
+                           memory_efficiency=eff.memory)
+        bwd = compute_time(f.flops_bwd * micro / div, 2 * traffic, peak_flops=peak,
+                           hbm_bandwidth=cluster.hbm_bandwidth, matmul_efficiency=eff.matmul,
+                           memory_efficiency=eff.memory)
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
