@@ -409,14 +409,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
     that backward (autograd runs about two kernels per forward op: input and weight gradients).
 
-    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take their FLOPs at
-    the matmul rate plus their bytes (Q, K, V, the output and the ``heads × s × s`` scores) at
-    the memory rate, ``FLOPs/(peak·e_mm) + bytes/(bw·e_mem)``; backward twice that. Their
-    arithmetic intensity is about the head dimension (64-160 FLOP/byte), at the A100's ridge
-    (~150), so neither side dominates, and with K = head dimension the scores matmul runs only
-    2-5 k-steps per output tile: the store of its s×s tile follows its FLOPs rather than hiding
-    under them, so the two times add (as the kernel classes of :func:`compute_time` do) instead
-    of overlapping (the max of a roofline, Williams et al. 2009, which assumes a long main loop).
+    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls' bytes (Q, K, V, the
+    output, the ``heads × s × s`` scores) join the memory-bound traffic, on top of their FLOPs.
+    Their intensity is about the head dimension (64-160 FLOP/byte, near the A100's ridge ~150)
+    and the scores matmul's main loop is only the head dimension long (2-5 k-steps per tile), so
+    its s×s store follows its FLOPs instead of hiding under them (a roofline's max would hide it).
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -458,15 +455,13 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             t_x += 3 * all_reduce_time(l_b, tp, bandwidth=bw, latency=lat)
             v_x += 3 * all_reduce_volume(l_b, tp)
         exposed = 0.0 if options.overlap_tp else 1.0
-        # unfused attention matmuls also move their s×s scores through HBM, after their FLOPs
-        # (backward: the input gradients of both matmuls, twice the FLOPs and the bytes)
+        # unfused attention matmuls move their s×s scores through HBM after their FLOPs (backward:
+        # both matmuls' input gradients, twice the FLOPs and the bytes)
         traffic = act + f.bmm_bytes * micro * scale / div
-        fwd = compute_time(f.flops_fwd * micro / div, traffic, peak_flops=peak,
-                           hbm_bandwidth=cluster.hbm_bandwidth, matmul_efficiency=eff.matmul,
-                           memory_efficiency=eff.memory)
-        bwd = compute_time(f.flops_bwd * micro / div, 2 * traffic, peak_flops=peak,
-                           hbm_bandwidth=cluster.hbm_bandwidth, matmul_efficiency=eff.matmul,
-                           memory_efficiency=eff.memory)
+        fwd = compute_time(f.flops_fwd * micro / div, traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
+        bwd = compute_time(f.flops_bwd * micro / div, 2 * traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+                           matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)
