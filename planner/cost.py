@@ -409,9 +409,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Host overhead: each of the layer's ``ops`` costs ``cluster.op_overhead_s`` forward and twice
     that backward (autograd runs about two kernels per forward op: input and weight gradients).
 
-    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls take
-    ``max(FLOPs/(peak·e_mm), bytes/(bw·e_mem))``, the roofline of a matmul whose arithmetic
-    intensity is about the head dimension (Williams et al. 2009); backward twice that.
+    Unfused attention (``LayerFacts.bmm_flops``): its two batched matmuls' bytes (Q, K, V, the
+    output, the ``heads × s × s`` scores) join the memory-bound traffic, on top of their FLOPs.
+    Their intensity is about the head dimension (64-160 FLOP/byte, near the A100's ridge ~150)
+    and the scores matmul's main loop is only the head dimension long (2-5 k-steps per tile), so
+    its s×s store follows its FLOPs instead of hiding under them (a roofline's max would hide it).
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -453,16 +455,13 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             t_x += 3 * all_reduce_time(l_b, tp, bandwidth=bw, latency=lat)
             v_x += 3 * all_reduce_volume(l_b, tp)
         exposed = 0.0 if options.overlap_tp else 1.0
-        fwd = compute_time(f.flops_fwd * micro / div, act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+        # unfused attention matmuls move their s×s scores through HBM after their FLOPs (backward:
+        # both matmuls' input gradients, twice the FLOPs and the bytes)
+        traffic = act + f.bmm_bytes * micro * scale / div
+        fwd = compute_time(f.flops_fwd * micro / div, traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
-        bwd = compute_time(f.flops_bwd * micro / div, 2 * act, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+        bwd = compute_time(f.flops_bwd * micro / div, 2 * traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
-        # unfused attention matmuls run at their own roofline: with a head dimension below the
-        # device's FLOP/byte ridge they wait for the s×s scores, not for the tensor cores
-        bmm_extra = max(0.0, f.bmm_bytes * micro * scale / div / (cluster.hbm_bandwidth * eff.memory)
-                        - f.bmm_flops * micro / div / (peak * eff.matmul)) if f.bmm_flops else 0.0
-        fwd += bmm_extra
-        bwd += 2 * bmm_extra  # the input gradients of both matmuls: twice the FLOPs and the bytes
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
         params = (f.params - f.tp.param_count) + f.tp.param_count / div if sharded else float(f.params)

@@ -50,10 +50,28 @@ def test_layer_cost_without_tp():
     # bf16 halves the fp32-captured activations: 5e8 bytes saved, 5e7 kept under recompute
     assert lc.act == pytest.approx(5e8)
     assert lc.act_recompute == pytest.approx(5e7)
-    assert lc.fwd == pytest.approx(2e12 / (312e12 * 0.62) + 5e8 / (2039e9 * 0.7))  # 10.689 ms
-    assert lc.fwd == pytest.approx(0.0106894, rel=1e-4)
-    assert lc.bwd == pytest.approx(4e12 / (312e12 * 0.62) + 1e9 / (2039e9 * 0.7))
+    assert lc.fwd == pytest.approx(2e12 / (312e12 * 0.70) + 5e8 / (2039e9 * 0.7))  # 9.508 ms
+    assert lc.fwd == pytest.approx(0.0095078, rel=1e-4)
+    assert lc.bwd == pytest.approx(4e12 / (312e12 * 0.70) + 1e9 / (2039e9 * 0.7))
     assert lc.tp_s == 0.0 and lc.params == 1000
+
+
+def test_unfused_attention_matmuls_add_their_score_traffic_to_their_flops():
+    c = Cluster.preset("a100-80gb")
+    # 1e11 of the 2e12 forward FLOPs are the two batched matmuls, which move 4e8 fp32 bytes (2e8 in
+    # bf16) of Q, K, V, output and scores: forward = 2e12 FLOPs at 312e12·0.70 + (5e8 + 2e8) bytes
+    # at 2039e9·0.7; backward twice the matmuls' FLOPs and bytes
+    f = _layer(bmm_flops=1e11, bmm_bytes=4e8)
+    (lc,) = layer_costs([f], c, tp=1, micro=1, compute_dtype="bf16")
+    assert lc.fwd == pytest.approx(2e12 / (312e12 * 0.70) + 7e8 / (2039e9 * 0.7))  # 9.648 ms
+    assert lc.fwd == pytest.approx(0.0096479, rel=1e-4)
+    assert lc.bwd == pytest.approx(4e12 / (312e12 * 0.70) + 1.4e9 / (2039e9 * 0.7))
+    # heads split over tp: the matmuls' FLOPs and bytes divide by tp like the rest of the layer's
+    tp4 = layer_costs([_layer(bmm_flops=1e11, bmm_bytes=4e8, tp=TPInfo(sharded=True, heads=8, kv_heads=8))], c,
+                      tp=4, micro=1, compute_dtype="bf16")[0]
+    plain = layer_costs([_layer(tp=TPInfo(sharded=True, heads=8, kv_heads=8))], c, tp=4, micro=1,
+                        compute_dtype="bf16")[0]
+    assert tp4.fwd - plain.fwd == pytest.approx(2e8 / 4 / (2039e9 * 0.7))
 
 
 def test_layer_cost_with_tp_splits_flops_params_and_activations():
@@ -67,7 +85,7 @@ def test_layer_cost_with_tp_splits_flops_params_and_activations():
     ar = 6 * 5e-6 + 1.5 * 1e8 / 2.4e11
     assert lc.tp_s == pytest.approx(4 * ar)
     assert lc.tp_bytes == pytest.approx(4 * 1.5e8)
-    assert lc.fwd == pytest.approx(4e12 / 4 / (312e12 * 0.62) + 6.25e8 / (2039e9 * 0.7) + 2 * ar)
+    assert lc.fwd == pytest.approx(4e12 / 4 / (312e12 * 0.70) + 6.25e8 / (2039e9 * 0.7) + 2 * ar)
     sp = layer_costs([f], c, tp=4, micro=2, compute_dtype="bf16", sequence_parallel=True)[0]
     assert sp.act == pytest.approx(1e9 / 4) and sp.act_recompute == pytest.approx(1e8 / 4)
     overlapped = layer_costs([f], c, tp=4, micro=2, compute_dtype="bf16", options=CostOptions(overlap_tp=True))[0]

@@ -181,9 +181,8 @@ def test_tp_rules_given_as_data_replace_the_default(small):
 
 def test_megatron_runs_with_their_own_settings_are_predicted_within_10_percent():
     """What benchmarks/planner/megatron_quality.py reports, kept honest: every Table 1 run, costed
-    with the plan it ran, against the step time its published TFLOP/s imply; 1T is the known miss
-    (+10.6%: the one matmul efficiency is low for its 25600-wide GEMMs). The search beats the run's
-    own plan under the same cost model (rows 1 and 5: one of each runtime)."""
+    with the plan it ran, against the step time its published TFLOP/s imply. The search beats the
+    run's own plan under the same cost model (rows 1 and 5: one of each runtime)."""
     from planner.api import plan_for
     from planner.cost_gpt import TABLE1, megatron_plan
 
@@ -199,8 +198,7 @@ def test_megatron_runs_with_their_own_settings_are_predicted_within_10_percent()
             ours = plan_for(g, cluster, global_batch=run.global_batch, tp_rules=default_tp_rules(g), options=opts,
                             constraints={"data_parallel": dtypes})
             assert ours.best.breakdown.step_time_s <= b.step_time_s
-    assert all(abs(e) <= 0.10 for e in errors[:9]), errors
-    assert abs(errors[9]) <= 0.11, errors
+    assert all(abs(e) <= 0.10 for e in errors), errors
 
 
 def test_plan_for_entry_point_and_progress_printer(small):
