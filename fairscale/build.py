@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.eval_mode import eval_modules
 from fairscale.report.text import render_report
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
@@ -84,7 +85,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
                        token_counter=token_counter(graph.gm),
-                       model=weakref.ref(model), predicted_memory=dict(predicted or {}),
+                       model=weakref.ref(model), eval_modules=eval_modules, predicted_memory=dict(predicted or {}),
                        example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 
 

@@ -128,6 +128,7 @@ class ParallelModule:
         """Every stage's boundary specs and tied-weight groups (``passes.program.StagedProgram``)."""
         self.modules = program.modules
         self._token_counter = program.token_counter
+        self._evaluator: PipelineExecutor | None = None
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
@@ -200,6 +201,22 @@ class ParallelModule:
         if measure_memory and self.device.type == "cuda":  # after the step, which allocates the optimizer state
             self._peaks["device_peak"] = float(torch.cuda.max_memory_allocated(self.device))
         return loss
+
+    @_on_mesh
+    def evaluate(self, batch: Sequence[Any]) -> float:
+        """The mean loss of the global ``batch`` with the model in eval mode (dropout off, batch
+        norm on its running statistics), forward only, nothing updated; the same on every rank,
+        as ``model.eval(); loss`` in one process on the weights trained so far. Collective. The
+        batch has the training batch's size. Raises ``EvalModeError`` for a model whose code
+        branches on ``self.training`` (:mod:`fairscale.eval_mode`)."""
+        if self._evaluator is None:
+            program = self.rank_program
+            if program.eval_modules is None:
+                raise RuntimeError("this module was compiled without an eval-mode rewrite; build it with "
+                                   "fairscale.parallelize (or fairscale.build.build_module)")
+            modules = program.eval_modules(program, self.modules)
+            self._evaluator = PipelineExecutor(self.program, self.schedule, modules=modules, device=self.device)
+        return self._evaluator.eval_step(self._local(batch), weights=self._weights(batch))
 
     def _weights(self, batch: Sequence[Any], microbatches: int | None = None) -> list[float] | None:
         """Each of this rank's microbatches' weight in the step's loss when the loss is a token
@@ -374,6 +391,7 @@ class ParallelModule:
         self._optimizers = []
         self.optimizer = StageOptimizers([], self.mesh.groups)
         self.executor = None  # type: ignore[assignment]
+        self._evaluator = None
 
     def report(self) -> str:
         """The plan's text report (stages, memory, predicted time, collectives), as the face that

@@ -207,11 +207,15 @@ class PipelineExecutor:
         return out
 
     @torch.no_grad()
-    def eval_step(self, batch: Sequence[Any]) -> float:
+    def eval_step(self, batch: Sequence[Any], *, weights: Sequence[float] | None = None) -> float:
         """The mean loss of ``batch`` without backward (the forwards of the schedule alone, in
-        microbatch order); same value on every rank, averaged over ``dp_axis`` replicas."""
-        micro = split_microbatches(batch, self.schedule.microbatches, self.program, self.local_stages)
-        self._weights = None
+        microbatch order); same value on every rank, averaged over ``dp_axis`` replicas.
+        ``weights``: each microbatch's weight, as for :meth:`step`."""
+        m = self.schedule.microbatches
+        if weights is not None and len(weights) != m:
+            raise ValueError(f"{len(weights)} microbatch weights for {m} microbatches")
+        micro = split_microbatches(batch, m, self.program, self.local_stages)
+        self._weights = list(weights) if weights is not None else None
         if not self._shaken:
             self._links.handshake()
             self._shaken = True

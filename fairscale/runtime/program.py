@@ -63,6 +63,9 @@ class RankProgram:
     another plan from it)."""
     loss_fn: Callable[..., Any] | None = None
     """The user's loss function, as ``parallelize`` took it."""
+    eval_modules: Callable[[RankProgram, dict[int, torch.fx.GraphModule]], dict[int, torch.fx.GraphModule]] | None = None
+    """The face's rewrite of this rank's stage graphs to eval mode, called as ``f(program, modules)``
+    on ``pm.evaluate``'s first call (``fairscale.eval_mode.eval_modules``); None: not available."""
     predicted_memory: dict[str, float] = field(default_factory=dict)
     """Bytes this rank is predicted to hold at its peak, per :data:`MEMORY_PARTS` category (the
     planner's cost model for this rank's pipeline position); empty when not costed."""

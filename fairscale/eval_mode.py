@@ -1,0 +1,74 @@
+"""``pm.evaluate(batch)``: the loss of a batch in eval mode, under the plan that trains the model.
+
+A training script validates every so often::
+
+    for step in range(steps):
+        pm.train_step(next(train))
+        if step % 100 == 0:
+            print("val", pm.evaluate(next(val)))     # as model.eval(); loss in one process
+
+The rank graphs were compiled from a capture in training mode. :func:`eval_modules` (which
+``fairscale.build`` hands the runtime in ``RankProgram.eval_modules``) rewrites this rank's stage
+graphs to eval mode (:func:`passes.eval_mode.eval_graph`: dropout off, batch norm on
+its running statistics), sharing their parameters, shards and buffers, and runs them forward only
+through the plan's pipeline schedule (``PipelineExecutor.eval_step``: no gradients, no state
+change). Before the first evaluation it proves the rewrite is the model's eval mode: the
+training capture, rewritten, must compute what a capture of the model after ``model.eval()``
+computes (:func:`passes.eval_mode.eval_difference`). A model whose Python code branches on
+``self.training`` fails that with :class:`EvalModeError`, naming the op and source line where the
+two modes part; evaluate such a model in one process.
+
+Costs: the proof captures the model twice (training and eval mode) once per module; each
+evaluation is a forward of the schedule. The batch has the training batch's size (the rank graphs
+are compiled for its microbatch shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from fairscale.runtime.program import RankProgram
+from passes.eval_mode import eval_difference, eval_graph
+from planner.capture import capture
+
+__all__ = ["EvalModeError", "eval_modules"]
+
+
+class EvalModeError(ValueError):
+    """The model's eval mode is not its training graph with eval-mode ops (a Python branch on
+    ``self.training``), so the compiled ranks cannot evaluate it."""
+
+
+def _capture_in_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
+                     training: bool | None) -> torch.fx.GraphModule:
+    """Capture ``model`` with every module in eval mode (``training=False``) or as it is (None);
+    each module's own flag is restored afterwards."""
+    flags = {m: m.training for m in model.modules()}
+    try:
+        if training is False:
+            model.eval()
+        return capture(model, example, loss_fn=loss_fn, annotate=False).gm
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule]) -> dict[int, torch.fx.GraphModule]:
+    """This rank's stages (``modules``, its training graphs) rewritten to eval mode, sharing their
+    tensors; raises :class:`EvalModeError` when the rewrite is not the model's eval mode."""
+    model = program.model()
+    if model is None:
+        raise RuntimeError("pm.evaluate checks the model's eval-mode code against its capture, and the model is "
+                           "gone: keep a reference to the model passed to fairscale.parallelize while training")
+    example, loss_fn = program.example_inputs, program.loss_fn
+    reason = eval_difference(_capture_in_mode(model, example, loss_fn, None),
+                             _capture_in_mode(model, example, loss_fn, False))
+    if reason is not None:
+        raise EvalModeError(f"pm.evaluate cannot run {type(model).__name__} in eval mode from its training graph: "
+                            f"{reason}. Its Python code takes another path when self.training is False; evaluate "
+                            "it in one process (model.eval() on the state from pm.state_dict()), or make the "
+                            "branch depend on an argument instead of the module's mode")
+    return {s: eval_graph(gm) for s, gm in modules.items()}
