@@ -48,7 +48,7 @@ import fairscale
 from fairscale.api import captured, parallelize, search
 from fairscale.closed_loop import measure, predicted_terms, rank_summary
 from fairscale.runtime.mesh import RankMesh
-from fairscale.runtime.calibrate import calibrate_cpu, load_calibration, machine_description, save_calibration
+from fairscale.runtime.calibrate import CALIBRATION_VERSION, calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
 from passes import insert_recompute
 from passes.ops.flight import RECORDER
@@ -204,6 +204,17 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
     return out
 
 
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two rankings: (concordant - discordant) pairs over all pairs; ties count 0.
+    Example: [1, 2, 3] against [1, 3, 2]: (2 - 1) / 3 = 0.33."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum((a[i] - a[j]) * (b[i] - b[j]) < 0
+                                                                            for i, j in pairs)
+    return score / len(pairs)
+
+
 def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
     """Per plan and term, predicted against measured milliseconds per step (``fairscale.closed_loop``'s
     Measurement: slowest rank, median step), and the ranks' CPU seconds per step over the cores."""
@@ -311,7 +322,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dim, args.layers, args.seq, args.vocab, args.steps, args.warmup = 32, 8, 16, 64, 1, 0
         args.plans = args.plans or "1x8x1 ddp,2x2x2 1f1b,searched"
 
-    if args.calibrate or not args.cluster.exists():
+    stale = args.cluster.exists() and json.loads(args.cluster.read_text()).get("version", 1) != CALIBRATION_VERSION
+    if stale:
+        print(f"{args.cluster} was measured by an older calibration (fewer terms): measuring again")
+    if args.calibrate or not args.cluster.exists() or stale:
         cal = calibrate_cpu(args.ranks)
         print(cal.table())
         if not args.tiny:
@@ -339,6 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sys.exit(f"unknown plan {name!r}; the grid has {', '.join(GRID)} and {SEARCHED}")
     predicted = {name: predict(plan, graph, cluster, args.batch) for name, plan in plans.items()}
     cfg = {"model": model_cfg, "batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    load = os.getloadavg()
     t0 = time.perf_counter()
     ranks = fairscale.launch(run_plans, devices=args.ranks, args=(cfg, plans, cluster), timeout_s=3600)
     wall = time.perf_counter() - t0
@@ -408,8 +423,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"searched plan {chosen['mesh']} {chosen['schedule']} {chosen['dp_kind']}: "
                   f"{chosen['meas_step_s']:.3f} s; chosen / best hand-picked = {ratio:.3f} (goal <= 1.05)")
             summary.update(chosen_s=chosen["meas_step_s"], ratio=ratio)
-        errs = [abs(_err(r["pred_step_s"], r["meas_step_s"])) for r in rows if "error" not in r]
-        print(f"step-time error: median {statistics.median(errs):.0f}%, max {max(errs):.0f}%")
+        ok = [r for r in rows if "error" not in r]
+        errs = [abs(_err(r["pred_step_s"], r["meas_step_s"])) for r in ok]
+        tau = kendall_tau([r["pred_step_s"] for r in ok], [r["meas_step_s"] for r in ok])
+        print(f"step-time error: median {statistics.median(errs):.0f}%, max {max(errs):.0f}%; Kendall tau of the "
+              f"rankings {tau:.2f} (goals: 10%, 25%, 0.8); load average {load[0]:.1f} before the run, "
+              f"{os.getloadavg()[0]:.1f} after, {os.cpu_count()} cores")
+        cores = cluster.shared_cores or os.cpu_count() or 1
+        cpu = [sum(r["terms"]["cpu_s"]) / cores for r in ok]
+        tau_cpu = kendall_tau([r["pred_step_s"] for r in ok], cpu)
+        print(f"against the ranks' CPU seconds over the cores (what other users' load does not stretch): "
+              f"Kendall tau {tau_cpu:.2f}; predicted / CPU-bound ratio per plan: "
+              + ", ".join(f"{r['plan']} {r['pred_step_s'] / c:.2f}" for r, c in zip(ok, cpu)))
+        summary.update(median_err=statistics.median(errs), max_err=max(errs), tau=tau, tau_cpu=tau_cpu)
     result = {"config": {**cfg, "ranks": args.ranks}, "cluster": cluster.to_dict(), "machine": machine_description(),
               "rows": rows, "summary": summary, "plans": {k: p.to_dict() for k, p in plans.items()}}
     if args.out:
