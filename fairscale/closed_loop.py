@@ -64,6 +64,7 @@ from planner.plan import Plan
 from planner.search import Breakdown, cost_plan
 
 __all__ = ["ClosedLoop", "Measurement", "Fit", "ClosedLoopReport", "refit", "measure", "predicted_terms",
+           "StepRecorder", "rank_summary", "term_table",
            "DEFAULT_STEPS", "SWITCH_GAIN"]
 
 DEFAULT_STEPS = 5
@@ -73,6 +74,8 @@ SWITCH_GAIN = 0.10
 refitted model's own error could reverse the order, and a switch costs a recompile."""
 _TIME_OF: dict[str, Callable[..., float]] = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,
                                              "reduce_scatter": reduce_scatter_time, "all_to_all": all_to_all_time}
+_LABELS = {"tp": "tensor-parallel collectives", "dp": "data-parallel collectives", "ep": "expert all-to-all",
+           "p2p": "pipeline send/receive + bubble"}
 _AXIS_TERM = {"tp": "tp", "dp": "dp", "ep": "ep", "ep_rep": "dp", "pp": "p2p"}
 
 
@@ -125,12 +128,54 @@ def predicted_terms(b: Breakdown, plan: Plan) -> dict[str, Any]:
                        "p2p": b.p2p_s + b.bubble * b.pipeline_s}}
 
 
-def _rank_summary(steps: list[dict[str, Any]], calls: list[tuple[str, str, int, int, float]]) -> dict[str, Any]:
+def rank_summary(steps: list[dict[str, Any]], calls: list[tuple[str, str, int, int, float]]) -> dict[str, Any]:
     """One rank's timings, reduced to what the other ranks need."""
     points: dict[tuple[str, str, int, int], list[float]] = {}
     for op, axis, nbytes, size, secs in calls:
         points.setdefault((op, axis, size, nbytes), []).append(secs)
     return {"steps": steps, "points": {k: statistics.median(v) for k, v in points.items()}}
+
+
+class StepRecorder:
+    """One rank's per-term timings of chosen ``train_step`` calls, for :func:`measure` outside the
+    closed loop (the demo, the end-to-end benchmark): ``start()`` before a step, ``stop(pm)`` after."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.calls: list[tuple[str, str, int, int, float]] = []
+
+    def start(self) -> None:
+        RECORDER.timings = []
+
+    def stop(self, pm: ParallelModule) -> None:
+        RECORDER.timings = None
+        self.calls += pm.last_waits
+        waits: dict[str, float] = {}
+        for _, axis, _, _, secs in pm.last_waits:
+            waits[axis] = waits.get(axis, 0.0) + secs
+        self.records.append({**pm.last_timing, "waits": waits})
+
+    def summary(self) -> dict[str, Any]:
+        """What :func:`measure` takes from this rank (picklable)."""
+        return rank_summary(self.records, self.calls)
+
+
+def term_table(predicted: dict[str, Any], measured: Measurement) -> str:
+    """Predicted (:func:`predicted_terms`) against measured seconds per step, term by term."""
+    rows = [("step", predicted["step_s"], measured.step_s)]
+    rows += [(f"compute, pipeline rank {i}", p, m)
+             for i, (p, m) in enumerate(zip(predicted["stage_compute_s"], measured.stage_compute_s))]
+    for term, label in _LABELS.items():
+        p, m = predicted["comm_s"].get(term, 0.0), measured.comm_s.get(term, 0.0)
+        if p or m:
+            rows.append((label, p, m))
+    rows.append(("optimizer step", predicted["optimizer_s"], measured.optimizer_s))
+    width = max(len(r[0]) for r in rows)
+    out = [f"{'ms per step':<{width}} {'predicted':>10} {'measured':>10} {'error':>7}"]
+    for label, p, m in rows:
+        err = f"{(p - m) / m * 100:+.0f}%" if m > 0 else ""
+        out.append(f"{label:<{width}} {p * 1e3:>10.1f} {m * 1e3:>10.1f} {err:>7}")
+    return "\n".join(out)
 
 
 def measure(ranks: list[dict[str, Any]], mesh: RankMesh) -> Measurement:
@@ -229,9 +274,7 @@ class ClosedLoopReport:
         for i, (p, r, m) in enumerate(zip(self.predicted["stage_compute_s"], self.refit_predicted["stage_compute_s"],
                                           self.measured.stage_compute_s)):
             rows.append((f"compute, pipeline rank {i}", p, r, m))
-        labels = {"tp": "tensor-parallel collectives", "dp": "data-parallel collectives", "ep": "expert all-to-all",
-                  "p2p": "pipeline send/receive + bubble"}
-        for term, label in labels.items():
+        for term, label in _LABELS.items():
             p, r, m = (self.predicted["comm_s"].get(term, 0.0), self.refit_predicted["comm_s"].get(term, 0.0),
                        self.measured.comm_s.get(term, 0.0))
             if p or m:
@@ -299,7 +342,7 @@ class ClosedLoop:
     def finish(self, pm: ParallelModule) -> ClosedLoopReport:
         """Share the timings, refit, re-plan, and switch ``pm`` if it pays. Collective."""
         summaries: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(summaries, _rank_summary(self.records, self.calls))
+        dist.all_gather_object(summaries, rank_summary(self.records, self.calls))
         measured = measure(summaries, pm.mesh)
         plan = pm.plan
         before = cost_plan(plan, self.graph, self.cluster)

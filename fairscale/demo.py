@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import statistics
 import time
@@ -25,11 +26,14 @@ from typing import Sequence
 import torch
 
 from fairscale.api import captured, parallelize, search
+from fairscale.closed_loop import StepRecorder, measure, predicted_terms, term_table
 from fairscale.report.build import html_report, text_report
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.launch import launch
+from fairscale.runtime.mesh import RankMesh
 from fairscale.testing.models import GPT, GPTConfig, lm_loss
 from fairscale.testing.reference import train_reference, Case
+from planner.search import cost_plan
 
 __all__ = ["main"]
 
@@ -67,13 +71,18 @@ def _train(rank: int, world: int, case: Case, plan, steps: int, batch: int) -> t
     pm = parallelize(case.model, example_inputs=case.make_batch(0, batch), loss_fn=case.loss_fn, plan=plan,
                      optimizer=functools.partial(torch.optim.Adam, lr=LR))
     losses, times, started = [], [], time.perf_counter()
+    terms = StepRecorder()  # per-term timings of every step after the first (collective waits, optimizer)
     for step in range(steps):
+        if step:
+            terms.start()
         t0 = time.perf_counter()
         losses.append(pm.train_step(case.make_batch(step, batch)))  # returns after the step's collectives
         times.append(time.perf_counter() - t0)
+        if step:
+            terms.stop(pm)
         if rank == 0:
             _progress(step + 1, steps, losses[-1], started)
-    return losses, times
+    return losses, times, terms.summary()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,8 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"training on {args.devices} gloo ranks:")
     t0 = time.perf_counter()
-    losses, times = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), backend="gloo",
-                           timeout_s=600)[0]
+    ranks = launch(_train, devices=args.devices, args=(case, plan, args.steps, args.batch), backend="gloo",
+                   timeout_s=600)
+    losses, times, _ = ranks[0]
     parallel_s = time.perf_counter() - t0
     print(f"  {args.steps} steps in {parallel_s:.1f} s (process start and compile included)")
     measured = statistics.median(times[1:] or times)  # the first step pays one-time allocations
@@ -127,7 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     error = (predicted - measured) / measured
     print(f"  step time: predicted {predicted * 1e3:.1f} ms ({cpu.name}), measured {measured * 1e3:.1f} ms "
           f"(median after the first step): {error:+.0%} ({'within' if abs(error) <= 0.25 else 'OUTSIDE'} "
-          "the ±25% goal)\n")
+          f"the ±25% goal; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    if args.steps > 1:
+        by_term = measure([r[2] for r in ranks], RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, 0))
+        print(_indent(term_table(predicted_terms(cost_plan(plan, graph, cpu, validate=False), plan), by_term)))
+        print("  (slowest rank, median over the steps after the first: compute = step - waits - optimizer; on "
+              "ranks that share cores a wait lends the core to the others)\n")
 
     print("the same model and batches in one process:")
     t0 = time.perf_counter()

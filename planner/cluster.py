@@ -116,6 +116,10 @@ class Cluster:
     """Host seconds per executed graph op in forward (dispatch, autograd bookkeeping) that the
     device does not hide; backward pays twice as many. 0 for GPUs, whose kernels queue ahead of
     the host; tens of microseconds for CPU ranks sharing cores (``fairscale.runtime.calibrate``)."""
+    optimizer_tensor_s: float = 0.0
+    """Host seconds per parameter tensor an optimizer step updates (Adam runs about a dozen small
+    ops per tensor, each paying dispatch): what a step of many small tensors costs beyond its
+    bytes. 0 for GPUs (hidden behind the kernels); measured for CPU ranks by calibration."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -133,8 +137,9 @@ class Cluster:
                             f"full), got {self.last_node_devices}")
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
-        if self.op_overhead_s < 0:
-            problems.append(f"op_overhead_s must be >= 0 (got {self.op_overhead_s})")
+        for key in ("op_overhead_s", "optimizer_tensor_s"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))
 

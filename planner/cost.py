@@ -161,6 +161,8 @@ class LayerFacts:
     (``planner.cost_memory.selective_output_bytes``)."""
     ops: int = 0
     """Graph ops the layer executes per forward (each pays ``Cluster.op_overhead_s``)."""
+    param_tensors: int = 0
+    """Parameter tensors the layer owns (an optimizer step pays ``Cluster.optimizer_tensor_s`` per tensor)."""
     expert_params: int = 0
     """Parameter elements of MoE expert weights the layer owns (split over ep under expert parallelism)."""
     expert_rows: float = 0.0
@@ -250,6 +252,7 @@ class _GraphTables:
     tied: dict[str, tuple[tuple[int, int], ...]]
     selective: dict[str, int]
     ops: dict[str, int]
+    tensors: dict[str, int]
     experts: dict[str, tuple[int, float, float, float]]
     """Layer name -> (expert parameter elements, rows bytes, forward FLOPs, backward FLOPs)."""
 
@@ -310,7 +313,8 @@ def _tables(graph: ModelGraph) -> _GraphTables:
                                            if k in graph.param_shapes),
                                        float(sum(e.dispatch_bytes + e.combine_bytes for e in mine)),
                                        *flops.get(layer.name, (0.0, 0.0)))
-    tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied,
+    tensors = {layer.name: sum(1 for i in first_user.values() if i == layer.index) for layer in graph.layers}
+    tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied, tensors=tensors,
                           selective=selective_output_bytes(graph), ops=ops, experts=experts)
     if len(_TABLES) > 8:
         _TABLES.clear()
@@ -337,6 +341,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               output=layer.output_bytes / batch, params=layer.param_count, tied=t.tied[layer.name],
                               tp=info, attention=layer.attention is not None,
                               selective=t.selective.get(layer.name, 0) / batch, ops=t.ops[layer.name],
+                              param_tensors=t.tensors[layer.name],
                               expert_params=e_params, expert_rows=e_rows / batch,
                               expert_flops_fwd=e_fwd / batch, expert_flops_bwd=e_bwd / batch,
                               bmm_flops=bmm.get(layer.name, (0, 0))[0] / batch,

@@ -17,3 +17,5 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "matches within 1e-5" in out and html.is_file()
     assert "step time: predicted " in out and "(cpu)" in out  # the tests plan with the default CPU figures
     assert "costed for CPU ranks with default rates, not measured here" in out
+    # and the error term by term (fairscale.closed_loop.term_table): both pipeline ranks, the optimizer
+    assert "compute, pipeline rank 1" in out and "optimizer step" in out and "predicted" in out

@@ -29,8 +29,11 @@ measured step time to the best hand-picked one (goal <= 1.05). ``--out`` writes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import os
+import resource
 import statistics
 import sys
 import time
@@ -43,9 +46,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fairscale
 from fairscale.api import captured, parallelize, search
-from fairscale.runtime.calibrate import calibrate_cpu, load_calibration, machine_description, save_calibration
+from fairscale.closed_loop import measure, predicted_terms, rank_summary
+from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.calibrate import CALIBRATION_VERSION, calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
 from passes import insert_recompute
+from passes.ops.flight import RECORDER
 from passes.tp.patterns import propose_tp_rules
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -162,22 +168,129 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
             continue
         for step in range(cfg["warmup"]):
             pm.train_step(case.make_batch(step, cfg["batch"]))
-        times = []
+        times, records, calls = [], [], []
+        cpu_in = _CpuIn(pm)
         for step in range(cfg["steps"]):
             b = case.make_batch(100 + step, cfg["batch"])
             dist.barrier()
+            RECORDER.timings = []
+            cpu_in.reset()
+            cpu0 = _cpu_s()
             start = time.perf_counter()
             loss = pm.train_step(b)
+            cpu = _cpu_s() - cpu0
             dist.barrier()
             times.append(time.perf_counter() - start)
+            RECORDER.timings = None
+            calls += pm.last_waits
+            waits: dict[str, float] = {}
+            for _, axis, _, _, secs in pm.last_waits:
+                waits[axis] = waits.get(axis, 0.0) + secs
+            records.append({**pm.last_timing, "waits": waits, "cpu": cpu, "calls": len(pm.last_waits),
+                            "cpu_wait": cpu_in.wait, "cpu_opt": cpu_in.opt})
+        cpu_in.close()
         exclude = set(_storages([p for s in pm.local_stages for p in pm.modules[s].parameters()]))
         exclude |= set(_storages([t for s in pm.local_stages for t in pm.modules[s].buffers()]))
         with PeakSavedBytes(exclude) as meter:
             pm.train_step(case.make_batch(999, cfg["batch"]))
         out[name] = {"step_s": statistics.median(times), "times": times, "loss": loss,
+                     "summary": rank_summary(records, calls),
+                     "cpu_s": statistics.median(r["cpu"] for r in records),
+                     "cpu_wait_s": statistics.median(r["cpu_wait"] for r in records),
+                     "cpu_opt_s": statistics.median(r["cpu_opt"] for r in records),
+                     "calls": statistics.median(r["calls"] for r in records),
                      "pp_index": pm.mesh.pp_index, "activations": meter.peak, **state_bytes(pm)}
         del pm
     return out
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two rankings: (concordant - discordant) pairs over all pairs; ties count 0.
+    Example: [1, 2, 3] against [1, 3, 2]: (2 - 1) / 3 = 0.33."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum((a[i] - a[j]) * (b[i] - b[j]) < 0
+                                                                            for i, j in pairs)
+    return score / len(pairs)
+
+
+def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
+    """Per plan and term, predicted against measured milliseconds per step (``fairscale.closed_loop``'s
+    Measurement: slowest rank, median step), and the ranks' CPU seconds per step over the cores."""
+    cores = cluster.shared_cores or os.cpu_count() or 1
+    print(f"\nper term, ms per step, predicted/measured (compute: slowest pipeline rank; waits: slowest rank); "
+          f"cpu: all ranks' CPU seconds per step / {cores} cores")
+    head = (f"{'plan':18s} {'step':>11s} {'compute':>11s} {'tp':>11s} {'dp':>11s} {'p2p+bubble':>11s} "
+            f"{'optimizer':>11s} {'cpu/cores':>9s} {'calls':>5s}")
+    print(head)
+    for row in rows:
+        if "error" in row:
+            continue
+        p, m = row["terms"]["pred"], row["terms"]["meas"]
+
+        def pair(a: float, b: float) -> str:
+            return f"{a * 1e3:5.0f}/{b * 1e3:<5.0f}"
+        cpu = sum(row["terms"]["cpu_s"]) / cores
+        print(f"{row['plan']:18s} {pair(p['step_s'], m['step_s'])} "
+              f"{pair(max(p['stage_compute_s']), max(m['stage_compute_s']))} "
+              + " ".join(pair(p['comm_s'].get(t, 0.0), m['comm_s'].get(t, 0.0)) for t in ("tp", "dp", "p2p"))
+              + f" {pair(p['optimizer_s'], m['optimizer_s'])} {cpu * 1e3:9.0f} {max(row['terms']['calls']):5.0f}")
+    print(f"\nCPU per term: the ranks' CPU seconds per step over the {cores} cores (what a CPU-bound step "
+          f"takes), predicted (mean over ranks of the model's busy terms) / measured, ms")
+    print(f"{'plan':18s} {'compute':>11s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} {'wall':>6s}")
+    for row in rows:
+        if "error" in row:
+            continue
+        p, t = row["terms"]["pred"], row["terms"]
+        comp = statistics.mean(p["stage_compute_s"])
+        comm = sum(p["comm_s"].get(k, 0.0) for k in ("tp", "dp", "ep"))
+        cw, co = sum(t["cpu_wait_s"]) / cores, sum(t["cpu_opt_s"]) / cores
+        total = sum(t["cpu_s"]) / cores
+
+        def pair(a: float, b: float) -> str:
+            return f"{a * 1e3:5.0f}/{b * 1e3:<5.0f}"
+        print(f"{row['plan']:18s} {pair(comp, total - cw - co)} {pair(comm, cw)} {pair(p['optimizer_s'], co)} "
+              f"{pair(p['step_s'], total)} {t['meas']['step_s'] * 1e3:6.0f}")
+
+
+class _CpuIn:
+    """CPU seconds of this process (every thread) spent inside the flight recorder's waits
+    (collectives and point-to-point) and inside the optimizer step, per step: a measurement hook
+    of the benchmark (the runtime is unchanged)."""
+
+    def __init__(self, pm: Any) -> None:
+        self.wait = self.opt = 0.0
+        self._pm, self._wait, self._step = pm, RECORDER.wait, pm.optimizer.step
+
+        def wait(entry: Any, fn: Any) -> Any:
+            c = _cpu_s()
+            try:
+                return self._wait(entry, fn)
+            finally:
+                self.wait += _cpu_s() - c
+
+        def step(*a: Any, **k: Any) -> Any:  # its waits (ZeRO's all-gather) count as waits
+            c, w = _cpu_s(), self.wait
+            try:
+                return self._step(*a, **k)
+            finally:
+                self.opt += _cpu_s() - c - (self.wait - w)
+        RECORDER.wait = wait  # type: ignore[method-assign]
+        pm.optimizer.step = step
+
+    def reset(self) -> None:
+        self.wait = self.opt = 0.0
+
+    def close(self) -> None:
+        del RECORDER.wait  # the class's method again
+        del self._pm.optimizer.step
+
+
+def _cpu_s() -> float:
+    """CPU seconds this process has used, every thread (gloo's included), user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def predict(plan: Plan, graph: ModelGraph, cluster: Cluster, global_batch: int) -> Breakdown:
@@ -209,7 +322,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dim, args.layers, args.seq, args.vocab, args.steps, args.warmup = 32, 8, 16, 64, 1, 0
         args.plans = args.plans or "1x8x1 ddp,2x2x2 1f1b,searched"
 
-    if args.calibrate or not args.cluster.exists():
+    stale = args.cluster.exists() and json.loads(args.cluster.read_text()).get("version", 1) != CALIBRATION_VERSION
+    if stale:
+        print(f"{args.cluster} was measured by an older calibration (fewer terms): measuring again")
+    if args.calibrate or not args.cluster.exists() or stale:
         cal = calibrate_cpu(args.ranks)
         print(cal.table())
         if not args.tiny:
@@ -237,6 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sys.exit(f"unknown plan {name!r}; the grid has {', '.join(GRID)} and {SEARCHED}")
     predicted = {name: predict(plan, graph, cluster, args.batch) for name, plan in plans.items()}
     cfg = {"model": model_cfg, "batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    load = os.getloadavg()
     t0 = time.perf_counter()
     ranks = fairscale.launch(run_plans, devices=args.ranks, args=(cfg, plans, cluster), timeout_s=3600)
     wall = time.perf_counter() - t0
@@ -262,7 +379,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mem_err.append({"stage": s, "pred_states": pred_states, "meas_states": meas["states"],
                             "pred_act": parts["activations"], "meas_act": meas["activations"],
                             "pred_buffers": parts["buffers"]})
-        rows.append({"plan": name, "mesh": f"{plan.mesh.pp}x{plan.mesh.dp}x{plan.mesh.tp}",
+        mesh = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, 0)
+        terms = {"pred": predicted_terms(b, plan), "meas": dataclasses.asdict(measure([r[name]["summary"] for r in ranks], mesh)),
+                 "cpu_s": [r[name]["cpu_s"] for r in ranks], "calls": [r[name]["calls"] for r in ranks],
+                 "cpu_wait_s": [r[name]["cpu_wait_s"] for r in ranks], "cpu_opt_s": [r[name]["cpu_opt_s"] for r in ranks]}
+        rows.append({"plan": name, "mesh": f"{plan.mesh.pp}x{plan.mesh.dp}x{plan.mesh.tp}", "terms": terms,
                      "schedule": f"{plan.schedule.kind} m={plan.schedule.microbatches}",
                      "dp_kind": plan.data_parallel.kind, "recompute": plan.recompute,
                      "pred_step_s": b.step_time_s, "meas_step_s": meas_step, "memory": mem_err,
@@ -287,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{row['pred_step_s']:8.3f} {row['meas_step_s']:8.3f} {_err(row['pred_step_s'], row['meas_step_s']):+5.0f}%   "
               f"{worst['pred_states'] / mib:9.2f} /{worst['meas_states'] / mib:8.2f} ({_err(worst['pred_states'], worst['meas_states']):+4.0f}%)   "
               f"{worst['pred_act'] / mib:8.2f} /{worst['meas_act'] / mib:8.2f} ({_err(worst['pred_act'], worst['meas_act']):+4.0f}%)")
+    print_terms(rows, cluster)
     summary: dict[str, Any] = {}
     hand = [r for r in rows if r["plan"] != SEARCHED and "error" not in r]
     chosen = next((r for r in rows if r["plan"] == SEARCHED and "error" not in r), None)
@@ -301,8 +423,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"searched plan {chosen['mesh']} {chosen['schedule']} {chosen['dp_kind']}: "
                   f"{chosen['meas_step_s']:.3f} s; chosen / best hand-picked = {ratio:.3f} (goal <= 1.05)")
             summary.update(chosen_s=chosen["meas_step_s"], ratio=ratio)
-        errs = [abs(_err(r["pred_step_s"], r["meas_step_s"])) for r in rows if "error" not in r]
-        print(f"step-time error: median {statistics.median(errs):.0f}%, max {max(errs):.0f}%")
+        ok = [r for r in rows if "error" not in r]
+        errs = [abs(_err(r["pred_step_s"], r["meas_step_s"])) for r in ok]
+        tau = kendall_tau([r["pred_step_s"] for r in ok], [r["meas_step_s"] for r in ok])
+        print(f"step-time error: median {statistics.median(errs):.0f}%, max {max(errs):.0f}%; Kendall tau of the "
+              f"rankings {tau:.2f} (goals: 10%, 25%, 0.8); load average {load[0]:.1f} before the run, "
+              f"{os.getloadavg()[0]:.1f} after, {os.cpu_count()} cores")
+        cores = cluster.shared_cores or os.cpu_count() or 1
+        cpu = [sum(r["terms"]["cpu_s"]) / cores for r in ok]
+        tau_cpu = kendall_tau([r["pred_step_s"] for r in ok], cpu)
+        print(f"against the ranks' CPU seconds over the cores (what other users' load does not stretch): "
+              f"Kendall tau {tau_cpu:.2f}; predicted / CPU-bound ratio per plan: "
+              + ", ".join(f"{r['plan']} {r['pred_step_s'] / c:.2f}" for r, c in zip(ok, cpu)))
+        summary.update(median_err=statistics.median(errs), max_err=max(errs), tau=tau, tau_cpu=tau_cpu)
     result = {"config": {**cfg, "ranks": args.ranks}, "cluster": cluster.to_dict(), "machine": machine_description(),
               "rows": rows, "summary": summary, "plans": {k: p.to_dict() for k, p in plans.items()}}
     if args.out:

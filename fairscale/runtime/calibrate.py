@@ -14,9 +14,13 @@ Everything is measured with all ranks busy at once, since that is what a rank se
   intra-op thread (what ``fairscale.launch`` gives each rank); the median over shapes of the
   slowest rank. It becomes ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX run them
   no faster).
-* **host overhead per op**: every rank runs a chain of tiny ops forward and backward; it becomes
-  ``op_overhead_s`` (on CPU ranks the dispatcher and autograd cost as much as the arithmetic of
-  a small model).
+* **host overhead per op**: every rank runs a tiny GPT (width 8) forward and backward, divided by
+  3× the ops the planner counts in its capture; it becomes ``op_overhead_s`` (on CPU ranks the
+  dispatcher and autograd cost as much as the arithmetic of a small model). A chain of tiny
+  elementwise ops, timed before, gave 6× less per op than a transformer's op mix (linear,
+  layer norm, attention, their backward), so small models were predicted several times too fast.
+* **optimizer per tensor**: every rank times ``torch.optim.Adam`` steps over 1 and 64 tiny
+  tensors; the fitted slope is ``optimizer_tensor_s`` (Adam's dozen ops per tensor, each paying dispatch).
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
@@ -50,15 +54,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fairscale.testing.models import build
 from planner.cluster import Cluster, Efficiency, host_memory_bytes
 
-__all__ = ["Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
-           "fit_alpha_beta"]
+__all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
+           "fit_alpha_beta", "fit_slope", "per_op_overhead"]
 
+CALIBRATION_VERSION = 2
+"""What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
+the op overhead on a transformer's ops (a cache written before is measured again)."""
 _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
-_CHAIN_OPS = 200
+_OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
+"""The tiny GPT whose forward and backward time the host overhead per op."""
+_OPT_TENSORS = 64
 _SUSTAIN_S = 0.2
 
 
@@ -76,6 +86,8 @@ class Calibration:
     """Bytes/s one rank streams while all do (``add``: 12 bytes per element)."""
     op_overhead_s: float = 0.0
     """Host seconds per tiny op (forward + 2× backward, per forward-op unit) while all ranks run."""
+    optimizer_tensor_s: float = 0.0
+    """Host seconds per parameter tensor of an Adam step while all ranks run."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -87,6 +99,7 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
                 "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
+                "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
 
@@ -96,6 +109,7 @@ class Calibration:
                    matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
                    memory_bandwidth=float(data["memory_bandwidth"]),
                    op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+                   optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
                    fits=data["fits"], machine=data.get("machine", {}))
 
@@ -106,6 +120,7 @@ class Calibration:
             lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
+        lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
         for name, fit in self.fits.items():
             lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
@@ -181,7 +196,25 @@ def _slowest(value: float, *, largest: bool) -> float:
     return float(t.item())
 
 
-def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
+def per_op_overhead(seconds: float, *, ops: int, flops: float, flops_per_s: float) -> float:
+    """Host seconds per counted op of a forward+backward that took ``seconds``, ran ``ops`` ops
+    (the planner's count: one forward, two backward each) and ``flops`` FLOPs at ``flops_per_s``.
+    Example: 3.7 ms for 49 ops and 1 MFLOP at 10 GFLOP/s: (3.7 - 0.1) ms / 147 = 24.5 us."""
+    return max(0.0, seconds - flops / flops_per_s) / (3 * ops)
+
+
+def op_model_counts() -> tuple[int, float]:
+    """(ops the planner counts, forward+backward FLOPs) of the tiny GPT the op overhead is timed on."""
+    from planner.capture import capture
+    from planner.cost import layer_facts
+
+    case = build("gpt", **_OP_MODEL)
+    batch = case.make_batch(0, 1)
+    facts = layer_facts(capture(case.model, batch, loss_fn=case.loss_fn), {})
+    return sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts)
+
+
+def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float]) -> dict[str, Any]:
     torch.manual_seed(rank)
     out: dict[str, Any] = {"matmul": {}, "coll": {}}
     for m, k, n in _MATMUL_SHAPES:
@@ -189,18 +222,19 @@ def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
         torch.mm(a, b)
         t = _sustained(lambda: torch.mm(a, b), repeat=repeat)
         out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _slowest(t, largest=True)
-    # host overhead per op: a chain of tiny ops forward and backward, where no arithmetic counts;
-    # the cost model charges an op once forward and twice backward, so divide by 3 per op
-    w = torch.randn(16, requires_grad=True)
+    # host overhead per op: a tiny GPT forward and backward (the op mix of the models the cost
+    # model counts ops of, where no arithmetic counts); the cost model charges an op once forward
+    # and twice backward, so divide by 3 per op the planner counts in it (``op_model``)
+    case = build("gpt", **_OP_MODEL)
+    tokens, labels = case.make_batch(0, 1)
 
-    def chain() -> None:
-        h = w
-        for _ in range(_CHAIN_OPS // 2):
-            h = torch.tanh(h * 1.01)
-        h.sum().backward()
-    chain()
-    t = _sustained(chain, repeat=repeat)
-    out["op_overhead"] = _slowest(t, largest=True) / (3 * _CHAIN_OPS)
+    def fwd_bwd() -> None:
+        case.loss_fn(case.model(tokens), labels).backward()
+    fwd_bwd()
+    t = _slowest(_sustained(fwd_bwd, repeat=repeat), largest=True)
+    out["op_overhead"] = per_op_overhead(t, ops=op_model[0], flops=op_model[1],
+                                         flops_per_s=statistics.median(out["matmul"].values()))
+    out["optimizer_tensor"] = _optimizer_tensor_s(repeat)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
     t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat)
@@ -234,6 +268,32 @@ def _measure(rank: int, world: int, repeat: int) -> dict[str, Any]:
     return out
 
 
+def _optimizer_tensor_s(repeat: int) -> float:
+    """Host seconds per parameter tensor of an Adam step over tiny tensors (no arithmetic counts):
+    the slope of :func:`fit_slope` over steps of 1 and ``_OPT_TENSORS`` tensors, slowest rank."""
+    points = []
+    for n in (1, _OPT_TENSORS):
+        params = [torch.zeros(16, requires_grad=True) for _ in range(n)]
+        for p in params:
+            p.grad = torch.ones(16)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        opt.step()
+        points.append((float(n), _slowest(_sustained(opt.step, repeat=repeat), largest=True)))
+    return fit_slope(points)[0]
+
+
+def fit_slope(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line ``t = slope·n + intercept`` through ``(n, t)`` points; the slope is clamped
+    at 0. Example: (1, 3e-4), (16, 1.05e-3), (64, 3.45e-3) give slope 5e-5, intercept 2.5e-4."""
+    k = len(points)
+    mx = sum(n for n, _ in points) / k
+    my = sum(t for _, t in points) / k
+    sxx = sum((n - mx) ** 2 for n, _ in points)
+    slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx > 0 else 0.0
+    slope = max(0.0, slope)
+    return slope, my - slope * mx
+
+
 def _all_gather(out: torch.Tensor, shard: torch.Tensor) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, shard)
@@ -250,7 +310,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
         raise ValueError(f"calibrate_cpu needs at least 2 ranks to measure collectives, got {ranks}")
     from fairscale.runtime.launch import launch
 
-    res = launch(_measure, devices=ranks, args=(repeat,), backend="gloo")[0]
+    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts()), backend="gloo")[0]
     coll: dict[str, dict[int, float]] = res["coll"]
     p = ranks
     shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
@@ -278,10 +338,11 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=link["bandwidth"], intra_latency=link["latency_s"],
         op_overhead_s=float(res["op_overhead"]), shared_cores=os.cpu_count() or 1,
+        optimizer_tensor_s=float(res["optimizer_tensor"]),
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
-                       op_overhead_s=float(res["op_overhead"]),
+                       op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collectives=coll, fits=fits, machine=machine_description())
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fairscale.runtime.calibrate import Calibration, calibrate_cpu, machine_description, save_calibration
+from fairscale.runtime.calibrate import CALIBRATION_VERSION, Calibration, calibrate_cpu, machine_description, save_calibration
 from planner.cluster import Cluster
 
 __all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "machine_fingerprint", "REPEAT"]
@@ -53,6 +53,8 @@ def cache_path(ranks: int) -> Path:
 def _read(path: Path) -> Cluster | None:
     try:
         data = json.loads(path.read_text())
+        if data.get("version", 1) != CALIBRATION_VERSION:
+            return None  # measured fewer terms than the cost model now uses
         return Calibration.from_dict(data).cluster
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, or written by another version: measure again

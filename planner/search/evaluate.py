@@ -14,10 +14,10 @@ next step makes it wait for its first input). Data-parallel terms come from
 from __future__ import annotations
 
 from planner.cost import LayerCost
-from planner.cost_memory import model_state_bytes
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import pipeline_time, stage_placement
 from planner.search.config import Breakdown, Config, Context
-from planner.search.dp_cost import optimizer_time, rank_dp_comm
+from planner.search.dp_cost import optimizer_tensors, optimizer_time, rank_dp_comm
 from planner.search.expert_cost import expert_comm, expert_matmul_extra, expert_params
 from planner.search.memory import choose_recompute, rank_memory_parts, units_on
 from planner.search.ranks import (drain_idle, rank_layers, rank_params, rank_stages, replicated_params, stage_send,
@@ -72,7 +72,10 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         state = model_state_bytes(params - experts, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=opts.optimizer) \
             + model_state_bytes(own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype, optimizer=opts.optimizer)
-        opt_s = optimizer_time(ctx, cfg, state)
+        n_opt = optimizer_tensors(cfg, tensors=sum(ctx.facts[i].param_tensors for i in layers), units=len(units),
+                                  sharded_bytes=(params - experts - whole) * DTYPE_BYTES[cfg.reduce_dtype],
+                                  whole=whole > 0)
+        opt_s = optimizer_time(ctx, cfg, state, n_opt)
         host = max(host, state) if cfg.offload else host
         sync = max(0.0, dp.sync_s - drain_idle(cfg, stage_b, rank))
         gather = max(0.0, dp.gather_s - warmup_idle(cfg, stage_f, rank))
