@@ -21,6 +21,7 @@ from fairscale.testing.corpus_styles_gpt import NanoConfig, NanoGPT, tokens
 from fairscale.testing.corpus_styles_nets import ResNetMini
 from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from test_token_mean import BATCH as N, _batch, _case  # a TinyLM with uneven -100 labels
 
 BATCH, STEPS = 4, 2
 GPT_BATCH = tokens(96, 16)
@@ -93,6 +94,22 @@ def test_evaluate_is_one_process_eval_mode_on_the_trained_state(name: str) -> No
         want = float(out[1] if isinstance(out, tuple) else out)
     assert first == again, (first, again)
     assert abs(first - want) <= 1e-10 * abs(want), (first, want)
+
+
+def _token_mean_rank(rank: int, world: int) -> float:
+    case = _case()
+    plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=2))
+    pm = fairscale.parallelize(case.model, example_inputs=_batch(0, N), plan=plan)
+    return pm.evaluate(_batch(5, N))
+
+
+def test_a_token_mean_is_weighted_by_each_pieces_labels() -> None:
+    """-100 labels spread unevenly over dp slices and microbatches: the pieces are weighted by
+    their share of the labels, as in train_step (passes.loss_weights)."""
+    got = fairscale.launch(_token_mean_rank, devices=2)[0]
+    with torch.no_grad():
+        want = float(_case().model(*_batch(5, N)))
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
 class Jittery(nn.Module):
