@@ -202,10 +202,11 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         for key in group:
             aliases[key] = list(group)
     placeholders = [node for node in nodes if node.op == "placeholder"]
+    buffers = {name for name, _ in gm.named_buffers()}
     for s in range(n):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
-        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, sends=s < n - 1,
+        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, buffers, sends=s < n - 1,
                           share=share_weights)
         st.layers = [name for name, i in layer_stage.items() if i == s]
         assert st.gm is not None
@@ -328,7 +329,7 @@ def _stage_value(value: Any, *, share: bool) -> Any:
 
 def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
                  send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-                 pure: dict[torch.fx.Node, bool], *, sends: bool, share: bool) -> StageGraph:
+                 pure: dict[torch.fx.Node, bool], buffers: set[str], *, sends: bool, share: bool) -> StageGraph:
     body = sorted(keep, key=position.__getitem__)
     reads = {i for node in body for i in node.all_input_nodes}
     graph = torch.fx.Graph()
@@ -349,7 +350,6 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
             copied.meta = copy.copy(v.meta)
             env[v] = copied
     root = nn.Module()
-    buffers = {name for name, _ in gm.named_buffers()}
     layout = ParamLayout()
     by_tensor: dict[int, torch.fx.Node] = {}
     for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
@@ -381,12 +381,19 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
 
 def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],
               local: list[set[torch.fx.Node]]) -> None:
-    names = [{n.name for n in st.gm.graph.nodes} if st.gm is not None else set() for st in stages]
+    holders: dict[str, list[int]] = {}  # node name -> stages whose graph holds it (placeholders, get_attrs)
+    for s, st in enumerate(stages):
+        for name in {n.name for n in st.gm.graph.nodes} if st.gm is not None else ():
+            holders.setdefault(name, []).append(s)
+    kept: dict[torch.fx.Node, list[int]] = {}
+    for s, keep in enumerate(local):
+        for node in keep:
+            kept.setdefault(node, []).append(s)
     for node in nodes:
         if node in owner:
             node.meta[META_STAGE] = owner[node]
-        copies = [s for s, keep in enumerate(local) if node in keep]
+        copies = kept.get(node, [])
         if node.op in ("placeholder", "get_attr"):
-            copies = [s for s, ns in enumerate(names) if node.name in ns]
+            copies = holders.get(node.name, [])
         if copies:
             node.meta[META_STAGES] = copies
