@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from planner.graph import ModelGraph
 
 __all__ = ["TPRules", "Style", "STYLES", "TP_STYLES", "MODULE_KINDS", "module_kind", "split_dim", "dim_name",
-           "shard_problem", "own_param_shapes", "module_shard_problem"]
+           "shard_problem", "own_param_shapes", "module_shard_problem",
+           "param_shapes_by_module"]
 
 MODULE_KINDS = ("linear", "conv1d", "embedding", "experts")
 
@@ -149,18 +150,30 @@ def shard_problem(style: str, module: str, cls: str, own_shapes: Mapping[str, tu
     return None
 
 
-def own_param_shapes(graph: ModelGraph, module: str) -> dict[str, tuple[int, ...]]:
-    """The shapes of ``module``'s own parameters by leaf name; a tied alias (``lm_head.weight`` of
-    a weight tied to the embedding) takes the shape of its group."""
-    prefix = module + "." if module else ""
+def param_shapes_by_module(graph: ModelGraph) -> dict[str, dict[str, tuple[int, ...]]]:
+    """:func:`own_param_shapes` of every module that owns a parameter, built in one pass (for
+    callers asking about many modules)."""
     shapes = dict(graph.param_shapes)
     for group in graph.tied:
         known = next((shapes[k] for k in group if k in shapes), None)
         if known is not None:
             shapes.update({k: known for k in group if k not in shapes})
-    return {k[len(prefix):]: s for k, s in shapes.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        module, _, leaf = key.rpartition(".")
+        out.setdefault(module, {})[leaf] = shape
+    return out
 
 
-def module_shard_problem(graph: ModelGraph, module: str, style: str, tp: int) -> str | None:
-    """:func:`shard_problem` for a module of a captured model."""
-    return shard_problem(style, module, graph.modules.get(module, "?"), own_param_shapes(graph, module), tp)
+def own_param_shapes(graph: ModelGraph, module: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``module``'s own parameters by leaf name; a tied alias (``lm_head.weight`` of
+    a weight tied to the embedding) takes the shape of its group."""
+    return dict(param_shapes_by_module(graph).get(module, {}))
+
+
+def module_shard_problem(graph: ModelGraph, module: str, style: str, tp: int, *,
+                         by_module: dict[str, dict[str, tuple[int, ...]]] | None = None) -> str | None:
+    """:func:`shard_problem` for a module of a captured model (``by_module``: what
+    :func:`param_shapes_by_module` returns for ``graph``, when the caller asks about many modules)."""
+    shapes = (by_module if by_module is not None else param_shapes_by_module(graph)).get(module, {})
+    return shard_problem(style, module, graph.modules.get(module, "?"), dict(shapes), tp)

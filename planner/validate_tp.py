@@ -10,7 +10,8 @@ from planner.graph import META_PARAM, ModelGraph
 from planner.messages import json_path_key
 from planner.plan import Plan
 from planner.selectors import Selector, format_layers
-from planner.tp_styles import STYLES, TP_STYLES, module_kind, module_shard_problem, own_param_shapes, split_dim
+from planner.tp_styles import (STYLES, TP_STYLES, module_kind, module_shard_problem, own_param_shapes,
+                               param_shapes_by_module, split_dim)
 from planner.validate_fields import check_choice, check_conflicts, check_matches, module_names, parse_field
 
 __all__ = ["check_tensor_parallel", "check_experts", "heads_problems", "tied_layout"]
@@ -23,6 +24,7 @@ def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[s
         problems.append(f"tensor_parallel.rules: empty, but mesh.tp is {tp}, so the {tp} tp ranks would all "
                         "compute the same thing; add rules or set mesh.tp to 1")
     parsed: list[tuple[str, Selector, str]] = []
+    by_module: dict[str, dict[str, tuple[int, ...]]] | None = None
     for key, style in rules.items():
         path = json_path_key("tensor_parallel.rules", key)
         known = check_choice(path, style, TP_STYLES, "tensor-parallel style", problems)
@@ -34,7 +36,9 @@ def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[s
         if known:
             parsed.append((key, sel, style))
             if tp >= 1:
-                bad = [p for p in (module_shard_problem(graph, m, style, tp) for m in sel.select(modules)) if p]
+                by_module = by_module or param_shapes_by_module(graph)
+                bad = [p for p in (module_shard_problem(graph, m, style, tp, by_module=by_module)
+                                   for m in sel.select(modules)) if p]
                 if bad:
                     more = f" (and {len(bad) - 1} more module{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
                     problems.append(f"{path}: {bad[0]}{more}")

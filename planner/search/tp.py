@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from planner.graph import ModelGraph
-from planner.tp_styles import STYLES, module_shard_problem
+from planner.tp_styles import STYLES, module_shard_problem, param_shapes_by_module
 
 __all__ = ["default_tp_rules", "tp_degrees_allowed", "tp_allowed", "tp_refusal"]
 
@@ -85,12 +85,13 @@ def tp_allowed(graph: ModelGraph, tp_rules: dict[str, str], tp: int) -> bool:
     parsed = [(text, parse_selector(text), style) for text, style in tp_rules.items()]
     if heads_problems(graph, parsed, tp):
         return False
+    by_module = param_shapes_by_module(graph)
     for sel_text, style in tp_rules.items():
         if style not in STYLES:
             return False
         sel = parse_selector(sel_text)
         for mod in sel.select(graph.modules):
-            if module_shard_problem(graph, mod, style, tp) is not None:
+            if module_shard_problem(graph, mod, style, tp, by_module=by_module) is not None:
                 return False
     return True
 
@@ -115,9 +116,10 @@ def tp_refusal(graph: ModelGraph, tp_rules: dict[str, str], tp: int, *, devices:
     heads = heads_problems(graph, parsed, tp)
     if heads:
         return heads[0].removeprefix("mesh.tp: ")
+    by_module = param_shapes_by_module(graph)
     for text, _, style in parsed:
         for mod in parse_selector(text).select(graph.modules):
-            problem = module_shard_problem(graph, mod, style, tp)
+            problem = module_shard_problem(graph, mod, style, tp, by_module=by_module)
             if problem:
                 return f"rule {text!r}: {problem} (its op{_site(graph, mod)}). {_REMEDY}"
     return reason or "the tensor-parallel rules do not apply at this degree"
