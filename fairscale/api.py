@@ -139,7 +139,7 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
     graph = captured(model, example_inputs, loss_fn=loss_fn)
     return search_graph(graph, resolve_cluster(devices, cluster), global_batch=global_batch, constraints=constraints,
                         dtype=dtype, top_k=top_k, progress=progress,
-                        compiles=checker_for(model, example_inputs, loss_fn=loss_fn))
+                        compiles=checker_for(model, example_inputs, loss_fn=loss_fn, graph=graph))
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan:
@@ -208,9 +208,10 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
     cl = _same_on_every_rank(resolve_cluster(devices, cluster, device=rank_device))
     if plan is None:  # every launched rank takes part: no plan that leaves devices idle
-        chosen = search_graph(captured(model, example_inputs, loss_fn=loss_fn), cl, global_batch=global_batch,
-                              constraints=constraints, dtype=dtype, use_all_devices=True,
-                              compiles=checker_for(model, example_inputs, loss_fn=loss_fn)).plan
+        graph = captured(model, example_inputs, loss_fn=loss_fn)
+        chosen = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
+                              use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn,
+                                                                         graph=graph)).plan
         # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
         # loss scaling, which plan files are refused for in validation and searched plans here
         refused = [p for name in ("param_dtype", "reduce_dtype")

@@ -33,12 +33,18 @@ run once; then one stage of each class of stages the per-stage passes treat alik
 (``passes.stage_classes``: a GPT's middle stages are one class). A model on ``meta`` (planned,
 not run) is traced with ``torch.fx`` and brought to ATen op by op (``passes.tp.normalize``); a
 real model is captured with ``torch.export``, as its ranks will capture it. Captures are cached
-per microbatch shape and verdicts per plan, in this process and in ranks forked from it.
+per microbatch shape and verdicts per plan, in this process and in ranks forked from it. For a
+model on ``meta`` the search's own capture is the check's at the batch's shape (``adopt``: the
+same fx trace, brought to ATen on a copy), and splits are shared: plans whose stages hold the same
+layers (``passes.split_key``; e.g. the winner and runners-up that differ in dp, microbatches or
+the data-parallel kind) compile from one split, which the passes never change (a real model's
+splits hold copies of its weights, so they are not kept).
 Measured: ``benchmarks/planner/compile_check.py`` (its README has the table).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -53,7 +59,7 @@ import torch.fx
 from torch import nn
 
 from fairscale.runtime.engine import microbatch_example
-from passes import compile_rank, split_program
+from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
 from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
@@ -129,15 +135,21 @@ except ImportError:  # pragma: no cover - torch moved them; compile on real tens
     FakeTensorMode = None  # type: ignore[assignment,misc]
 
 
-def graph_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
+def graph_refusal(graph: ModelGraph, plan: Plan, *,
+                  splits: dict[tuple[Any, ...], StagedProgram] | None = None) -> Refusal | None:
     """Compile ``plan`` on ``graph`` (captured at the microbatch shape) for every class of
     equivalent stages (``passes.stage_classes``: one stage stands for the stages the passes treat
-    alike) and each of :func:`rank_index_sets`; the first failure, or None."""
+    alike) and each of :func:`rank_index_sets`; the first failure, or None. ``splits``: programs
+    already split from ``graph``, by ``passes.split_key`` (plans that differ only in what the
+    split does not read, such as dp or the microbatches, share one), filled in here."""
     on_meta = any(p.is_meta for p in graph.gm.parameters())
-    try:
-        program = split_program(graph, plan)
+    key = split_key(graph, plan) if splits is not None else None
+    try:  # the passes never change a program they are given (compile_rank), so sharing one is safe
+        program = splits[key] if splits is not None and key in splits else split_program(graph, plan)
     except Exception as exc:  # noqa: BLE001 - every failure of the passes is a refusal
         return _refusal(exc, plan, "every rank")
+    if splits is not None and key is not None:
+        splits[key] = program
     stages = [members[0] for members in stage_classes(program, plan)]
     for dp_index, tp_index in rank_index_sets(plan, on_meta=on_meta):
         where = f"dp rank {dp_index} of {plan.mesh.dp}, tp rank {tp_index} of {plan.mesh.tp}"
@@ -182,6 +194,8 @@ class CompileChecker:
         self.loss_fn = loss_fn
         self._graphs: dict[tuple[Any, ...], ModelGraph | Refusal] = {}
         self._verdicts: dict[str, Refusal | None] = {}
+        self._splits: dict[int, dict[tuple[Any, ...], StagedProgram]] = {}  # id(graph) -> its programs
+        self._planned: ModelGraph | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -205,8 +219,22 @@ class CompileChecker:
         key = _plan_key(plan)
         if key not in self._verdicts:
             graph = self.graph_for(plan)
-            self._verdicts[key] = graph if isinstance(graph, Refusal) else graph_refusal(graph, plan)
+            if isinstance(graph, Refusal):
+                self._verdicts[key] = graph
+            else:  # a model on meta: its programs hold no weights, so they are kept for the next plans
+                splits = self._splits.setdefault(id(graph), {}) if _on_meta(graph) else None
+                self._verdicts[key] = graph_refusal(graph, plan, splits=splits)
         return self._verdicts[key]
+
+    def adopt(self, graph: ModelGraph) -> None:
+        """Take ``graph``, the capture the search planned from this checker's model, batch and loss,
+        as the check's capture at the batch's own shape where it is the capture :meth:`graph_for`
+        would make there: a model on ``meta`` traced by ``torch.fx`` and annotated (it is brought to
+        ATen on a copy; ``graph`` is left as it is). Otherwise nothing changes."""
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in self.example_inputs]
+        if (_on_meta(graph) and graph.tracer == "fx" and "annotate_runs" in graph.extra
+                and graph.extra.get("input_shapes") == shapes and _shape_key(self.example_inputs) not in self._graphs):
+            self._planned = graph
 
     def graph_for(self, plan: Plan) -> ModelGraph | Refusal:
         """The capture a rank of ``plan`` compiles (its microbatch shape), or why there is none."""
@@ -218,9 +246,15 @@ class CompileChecker:
                                   f"microbatches({plan.schedule.microbatches}) = {split} equal microbatches",
                            hint="choose schedule.microbatches and mesh.dp whose product divides the global batch")
         example = microbatch_example(self.example_inputs, gb // split)
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example)
+        key = _shape_key(example)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(example)
+            planned = self._planned if key == _shape_key(self.example_inputs) else None
+            if planned is not None:  # what _capture would trace, traced already (adopt)
+                graph = copy.copy(planned)
+                graph.extra, graph.gm = dict(planned.extra), to_aten(planned.gm)
+                self._graphs[key], self._planned = graph, None
+            else:
+                self._graphs[key] = self._capture(example)
         return self._graphs[key]
 
     def _capture(self, example: tuple[Any, ...]) -> ModelGraph | Refusal:
@@ -250,10 +284,11 @@ _CHECKERS: dict[tuple[Any, ...], CompileChecker] = {}
 
 
 def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> CompileChecker:
+                loss_fn: Callable[..., torch.Tensor] | None = None, graph: ModelGraph | None = None) -> CompileChecker:
     """The cached :class:`CompileChecker` of this model, batch shapes and loss (shared by the
     search, ``parallelize`` and ranks forked after either ran). An entry lives as long as its
-    model, so a new model at a freed one's address never meets the old verdicts."""
+    model, so a new model at a freed one's address never meets the old verdicts. ``graph``: the
+    capture of the same model, batch and loss that the caller plans with (:meth:`CompileChecker.adopt`)."""
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
     key = (id(model), shapes, id(loss_fn))
     found = _CHECKERS.get(key)
@@ -261,6 +296,8 @@ def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
         found = _CHECKERS[key] = CompileChecker(model, example_inputs, loss_fn=loss_fn)
         found._strong = None
         weakref.finalize(model, _CHECKERS.pop, key, None)
+    if graph is not None:
+        found.adopt(graph)
     return found
 
 
@@ -284,6 +321,14 @@ def _plan_key(plan: Plan) -> str:
     for volatile in ("predicted", "model", "cluster"):
         data.pop(volatile, None)
     return json.dumps(data, sort_keys=True, default=str)
+
+
+def _shape_key(batch: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
+
+
+def _on_meta(graph: ModelGraph) -> bool:
+    return any(p.is_meta for p in graph.gm.parameters())
 
 
 def _batch_rows(batch: Sequence[Any]) -> int:

@@ -23,23 +23,23 @@ while FSDP's gathers of parameters stay outside it and are never repeated by rec
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.fx
 
-from passes.dp.batch_norm import batch_norm_pass
+from passes.dp.batch_norm import batch_norm_pass, has_batch_norm
 from passes.ep.shard_experts import shard_experts_pass
 from passes.insert_recompute import insert_recompute_pass
 from passes.dp.shard_data_parallel import shard_data_parallel_pass
 from passes.tp.shard_tensor_parallel import shard_tensor_parallel_pass
 from passes.program import StagedProgram
-from passes.split_stages import split_stages_pass
+from passes.split_stages import resolve_stages, split_stages_pass
 from passes.verify import verify_pass
 from planner.graph import ModelGraph
-from planner.plan import Plan
+from planner.plan import Plan, PlanError
 
-__all__ = ["compile_rank", "split_program", "batch_norm_pass", "split_stages_pass", "shard_tensor_parallel_pass",
+__all__ = ["compile_rank", "split_program", "split_key", "has_batch_norm", "batch_norm_pass", "split_stages_pass", "shard_tensor_parallel_pass",
            "insert_recompute_pass", "shard_data_parallel_pass", "shard_experts_pass", "verify_pass", "StagedProgram"]
 
 
@@ -86,6 +86,23 @@ def split_program(graph: ModelGraph, plan: Plan, *, share_weights: bool = False)
     gm = batch_norm_pass(graph.gm, plan)
     verify_pass(gm, where="after capture")
     return split_stages_pass(gm, plan, graph=graph, share_weights=share_weights)
+
+
+def split_key(graph: ModelGraph, plan: Plan) -> tuple[Any, ...] | None:
+    """Everything :func:`split_program` (``share_weights`` aside) reads from ``plan``: two plans with
+    the same key on the same graph split into the same stages, so their programs are one (what the
+    plan-time compile check shares between the plans it checks). It reads ``batch_norm`` (and, when
+    ``graph`` has batch norm, ``mesh.dp`` and ``schedule.microbatches``) and the layers of each
+    stage as ``stages``, ``mesh.pp`` and ``schedule.virtual_stages`` resolve them. None when they do
+    not resolve: the split raises, from that plan's own fields."""
+    try:
+        layers = resolve_stages(plan, graph)
+    except PlanError:
+        return None
+    norm: tuple[Any, ...] = (plan.batch_norm,)
+    if has_batch_norm(graph.gm):
+        norm += (plan.mesh.dp, plan.schedule.microbatches)
+    return norm, tuple(tuple(names) for names in layers)
 
 
 def _has_experts(gm: torch.fx.GraphModule) -> bool:

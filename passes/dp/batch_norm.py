@@ -53,7 +53,7 @@ from planner.graph import META_MODULE, META_PARAM
 from planner.modpath import fetch_attr
 from planner.plan import BATCH_NORM_MODES, Plan, PlanError
 
-__all__ = ["batch_norm_pass", "BatchNormInfo", "META_BATCH_NORM", "batch_norm_info"]
+__all__ = ["batch_norm_pass", "BatchNormInfo", "META_BATCH_NORM", "batch_norm_info", "has_batch_norm"]
 
 META_BATCH_NORM = "fs_batch_norm"
 """gm.meta key holding :class:`BatchNormInfo`."""
@@ -85,9 +85,7 @@ def batch_norm_pass(gm: torch.fx.GraphModule, plan: Plan, *, axis: str = "dp") -
     if mode not in BATCH_NORM_MODES:
         raise PlanError([f'batch_norm: unknown mode "{mode}"; (allowed: {", ".join(BATCH_NORM_MODES)})'])
     ops = find_batch_stat_ops(gm)
-    leaves = [n for n in gm.graph.nodes if n.op == "call_module"
-              and isinstance(gm.get_submodule(str(n.target)), _NORM_MODULES)]
-    if not ops and not leaves:
+    if not ops and not _norm_leaves(gm):
         return gm
     split = plan.mesh.dp > 1 or plan.schedule.microbatches > 1
     if mode == "sync":
@@ -113,6 +111,17 @@ def batch_norm_pass(gm: torch.fx.GraphModule, plan: Plan, *, axis: str = "dp") -
     result = rebuild(out, out.graph, owned, layout)
     result.meta[META_BATCH_NORM] = BatchNormInfo(mode=mode, axis=axis, ops=[op for op in ops if op.supported])
     return result
+
+
+def has_batch_norm(gm: torch.fx.GraphModule) -> bool:
+    """Whether :func:`batch_norm_pass` rewrites ``gm`` (a batch-statistic op or a norm module);
+    when not, the pass reads nothing of the plan but ``plan.batch_norm`` and returns ``gm``."""
+    return bool(find_batch_stat_ops(gm)) or bool(_norm_leaves(gm))
+
+
+def _norm_leaves(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module"
+            and isinstance(gm.get_submodule(str(n.target)), _NORM_MODULES)]
 
 
 def batch_norm_info(gm: torch.nn.Module) -> BatchNormInfo | None:
