@@ -95,7 +95,8 @@ def tp_rules_of(graph: ModelGraph) -> Callable[[int], dict[str, str]]:
 def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,
                  constraints: dict[str, Any] | Plan | None = None, dtype: str | None = None, top_k: int = 3,
                  progress: Callable[[int, int, float | None], None] | None = None,
-                 use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
+                 use_all_devices: bool = False, compiles: Compiles | None = None,
+                 check_runners_up: bool = True) -> SearchResult:
     """Search a captured graph through ``planner.api.plan_for`` with the face's tensor-parallel
     rules (:func:`tp_rules_of`) and, given ``compiles`` (``fairscale.compile_check.checker_for``),
     the plan-time compile check; what :func:`search`, :func:`parallelize` and ``fairscale plan``
@@ -103,11 +104,11 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
     gb = global_batch or graph.batch_size
     ckey = json.dumps(constraints.to_dict() if isinstance(constraints, Plan) else constraints, sort_keys=True)
     key = (graph.fingerprint, id(graph), json.dumps(cluster.to_dict(), sort_keys=True), gb, ckey, dtype, top_k,
-           use_all_devices, compiles is not None)
+           use_all_devices, compiles is not None, check_runners_up)
     if key not in _SEARCHES:
         _SEARCHES[key] = plan_for(graph, cluster, global_batch=gb, constraints=constraints, tp_rules=tp_rules_of(graph),
                                   dtype=dtype, top_k=top_k, progress=progress, use_all_devices=use_all_devices,
-                                  compiles=compiles)
+                                  compiles=compiles, check_runners_up=check_runners_up)
     return _SEARCHES[key]
 
 
@@ -115,7 +116,8 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
            cluster: Cluster | str | None = None, global_batch: int | None = None,
            loss_fn: Callable[..., torch.Tensor] | None = None, constraints: dict[str, Any] | Plan | None = None,
            dtype: str | None = None, top_k: int = 3,
-           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+           progress: Callable[[int, int, float | None], None] | None = None,
+           check_runners_up: bool = True) -> SearchResult:
     """Capture ``model`` and search plans for the cluster; returns the best plan and runners-up.
 
     Every plan returned compiles: the search runs the plan-time compilation check
@@ -131,6 +133,8 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
         constraints: fields to fix, in the plan's JSON shape, e.g. ``{"mesh": {"tp": 2}}``.
         dtype: compute dtype, ``bf16``, ``fp16``, ``fp32`` or ``auto`` (default): mixed precision
             (bf16, fp16 where bf16 is unsupported) on GPUs, fp32 on CPU ranks.
+        check_runners_up: compile-check the runners-up too (default); False checks only the
+            winner (the runners-up are costed, marked unchecked): what :func:`plan` does.
 
     A plan may leave devices idle when that is faster (a batch that does not split over them);
     ``result.plan.predicted.notes`` says how many and why.
@@ -139,11 +143,14 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
     graph = captured(model, example_inputs, loss_fn=loss_fn)
     return search_graph(graph, resolve_cluster(devices, cluster), global_batch=global_batch, constraints=constraints,
                         dtype=dtype, top_k=top_k, progress=progress,
-                        compiles=checker_for(model, example_inputs, loss_fn=loss_fn, graph=graph))
+                        compiles=checker_for(model, example_inputs, loss_fn=loss_fn, graph=graph),
+                        check_runners_up=check_runners_up)
 
 
 def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan:
-    """The best plan for ``model``; arguments as :func:`search`."""
+    """The best plan for ``model``; arguments as :func:`search`. Only the winner is compile-checked
+    (``check_runners_up=False``): the runners-up are not returned."""
+    kwargs.setdefault("check_runners_up", False)
     return search(model, example_inputs, **kwargs).plan
 
 
@@ -211,7 +218,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         graph = captured(model, example_inputs, loss_fn=loss_fn)
         chosen = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
                               use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn,
-                                                                         graph=graph)).plan
+                                                                         graph=graph),
+                              check_runners_up=False).plan
         # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
         # loss scaling, which plan files are refused for in validation and searched plans here
         refused = [p for name in ("param_dtype", "reduce_dtype")
@@ -240,7 +248,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
 
         def replan(refit: Cluster) -> Plan:
             return search_graph(graph, refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
-                                use_all_devices=True, compiles=checker).plan
+                                use_all_devices=True, compiles=checker, check_runners_up=False).plan
 
         ClosedLoop(steps, graph=graph, cluster=cl, replan=replan,
                    switch=lambda old, new, refit: switch_plan(old, new, cluster=refit)).attach(pm)

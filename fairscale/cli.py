@@ -191,7 +191,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     loaded, graph = _capture_loaded(args.factory, out)
     # the same search, rules and cache as fairscale.search / fairscale.plan, and the compile check
     result = search_graph(graph, cluster, global_batch=global_batch, constraints=constraints, dtype=args.dtype,
-                          compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn, graph=graph))
+                          compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn, graph=graph),
+                          check_runners_up=False)  # the winner is what it writes; as fairscale.plan
     plan = copy.deepcopy(result.plan)
     out(result.table())
     plan.model.factory = args.factory

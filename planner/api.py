@@ -85,7 +85,7 @@ def plan_for(graph: ModelGraph, cluster: ClusterSpec = None, *, devices: int | N
              tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None, dtype: str | None = None,
              top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
              options: CostOptions | None = None, use_all_devices: bool = False,
-             compiles: Compiles | None = None) -> SearchResult:
+             compiles: Compiles | None = None, check_runners_up: bool = True) -> SearchResult:
     """Search the best plan for a captured model on a cluster.
 
     Args:
@@ -99,10 +99,12 @@ def plan_for(graph: ModelGraph, cluster: ClusterSpec = None, *, devices: int | N
             plan may leave devices idle when that is faster, and its notes say why.
         compiles: the plan-time compile check (``planner.search.Compiles``, the face's
             ``fairscale.compile_check.checker_for``); the search moves on from plans it refuses.
+        check_runners_up: with ``compiles``, check the runners-up too, not only the winner.
     """
     return search(graph, resolve_cluster(cluster, devices=devices), global_batch=global_batch or graph.batch_size,
                   constraints=constraints, top_k=top_k, progress=progress, tp_rules=tp_rules, options=options,
-                  dtype=dtype, use_all_devices=use_all_devices, compiles=compiles)
+                  dtype=dtype, use_all_devices=use_all_devices, compiles=compiles,
+                  check_runners_up=check_runners_up)
 
 
 def progress_printer(stream: TextIO | None = None, *, every_s: float = 0.5) -> Callable[[int, int, float | None], None]:

@@ -52,7 +52,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
            top_k: int = 3, progress: Callable[[int, int, float | None], None] | None = None,
            tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
            options: CostOptions | None = None, dtype: str | None = None,
-           use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
+           use_all_devices: bool = False, compiles: Compiles | None = None,
+           check_runners_up: bool = True) -> SearchResult:
     """Best plan for ``graph`` on ``cluster`` at ``global_batch`` samples per step, plus ``top_k``
     runners-up (one per mesh shape).
 
@@ -70,6 +71,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
         use_all_devices: every plan uses every device (what a launched world needs); otherwise a
             plan may leave devices idle when the batch does not split over them, and says why.
         compiles: the compile check (module docstring); without it plans are costed, not compiled.
+        check_runners_up: with ``compiles``, check the runners-up too (else only the winner, and
+            the runners-up come back costed, ``Candidate.checked`` False).
 
     Raises:
         NoFeasiblePlan: nothing fits; the message gives the smallest shortfall and what would help.
@@ -78,7 +81,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraint
     """
     return run_search(graph, cluster, global_batch=global_batch, constraints=constraints, top_k=top_k,
                       progress=progress, tp_rules=tp_rules, options=options, dtype=dtype,
-                      use_all_devices=use_all_devices, compiles=compiles)
+                      use_all_devices=use_all_devices, compiles=compiles, check_runners_up=check_runners_up)
 
 
 def cost_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,

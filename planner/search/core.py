@@ -168,7 +168,8 @@ def fixed_selective(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
 def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
                top_k: int = 3, progress: Progress | None = None, tp_rules: TPRules | None = None,
                options: CostOptions | None = None, dtype: str | None = None,
-               use_all_devices: bool = False, compiles: Compiles | None = None) -> SearchResult:
+               use_all_devices: bool = False, compiles: Compiles | None = None,
+               check_runners_up: bool = True) -> SearchResult:
     start = time.perf_counter()
     fixed = parse_constraints(constraints)  # type: ignore[arg-type]
     if fixed.global_batch is not None and fixed.global_batch != global_batch:
@@ -217,9 +218,19 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                for _, _, b in ranked]
         return SearchResult(best=out[0], runners_up=out[1:], considered=len(cands), evaluated=found.evaluated,
                             elapsed_s=time.perf_counter() - start)
-    accepted, refused, extra_costed = _check_compiles(ctx, cands, found, top_k, cuts, rec, sel, plan_of, compiles)
+    accepted, refused, extra_costed = _check_compiles(ctx, cands, found, top_k if check_runners_up else 0, cuts,
+                                                      rec, sel, plan_of, compiles)
     if not accepted:
         raise NoCompilablePlan(refused)
+    if not check_runners_up:  # the next-best meshes, costed but not compiled
+        gone = {(c.breakdown.config.pp, c.breakdown.config.dp, c.breakdown.config.tp)  # type: ignore[union-attr]
+                for c in accepted + refused}
+        for _, _, b in sorted(found.best.values(), key=lambda v: (v[0], v[1])):
+            assert b.config is not None
+            if len(accepted) == top_k + 1:
+                break
+            if (b.config.pp, b.config.dp, b.config.tp) not in gone:
+                accepted.append(Candidate(plan=plan_of(b), breakdown=b, checked=False))
     win = accepted[0].breakdown
     for c in accepted[1:]:
         c.reason = loss_reason(c.breakdown, win)

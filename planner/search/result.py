@@ -30,6 +30,10 @@ class Candidate:
     refused: str = ""
     """Why the compile check refused the plan (``search(compiles=...)``); empty when it compiled
     or was not checked."""
+    checked: bool = True
+    """False for a runner-up the compile check skipped (``search(check_runners_up=False)``, what
+    ``fairscale.plan``, ``parallelize`` and ``fairscale plan`` ask: they use the winner only, and
+    any plan is checked again before it runs)."""
 
     def summary(self) -> str:
         b, c = self.breakdown, self.breakdown.config
@@ -73,7 +77,8 @@ class SearchResult:
     def table(self) -> str:
         lines = [f"best:  {self.best.summary()}"]
         for i, c in enumerate(self.runners_up, 1):
-            lines.append(f"#{i + 1}:    {c.summary()}\n       lost: {c.reason}")
+            unchecked = "" if c.checked else " (compile check not run)"
+            lines.append(f"#{i + 1}:    {c.summary()}{unchecked}\n       lost: {c.reason}")
         for c in self.refused:
             why = c.refused.replace("\n", "\n       ")
             lines.append(f"refused: {c.summary()}\n       {why}")

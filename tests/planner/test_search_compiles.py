@@ -76,3 +76,26 @@ def test_nothing_compiles_raises_with_every_reason() -> None:
 def test_a_constrained_search_whose_only_mesh_is_refused_says_why() -> None:
     with pytest.raises(NoCompilablePlan, match="pp=2 dp=4 tp=2.*the reason"):
         run(lambda plan: "the reason", constraints={"mesh": {"pp": 2, "dp": 4, "tp": 2}})
+
+
+@pytest.mark.parametrize("refuse_winner", [False, True], ids=["winner-compiles", "winner-refused"])
+def test_checking_only_the_winner_gives_the_same_plan_with_fewer_checks(refuse_winner: bool) -> None:
+    """``check_runners_up=False`` (fairscale.plan, parallelize, ``fairscale plan``): the same
+    winner as checking every plan, one check when it compiles, and the runners-up costed but
+    marked unchecked, none of them a refused mesh."""
+    bad = mesh(run().plan) if refuse_winner else None
+    seen: list[tuple[int, int, int]] = []
+
+    def compiles(plan: Plan) -> str | None:
+        seen.append(mesh(plan))
+        return "refused for the test" if mesh(plan) == bad else None
+
+    full = run(compiles)
+    seen.clear()
+    quick = run(compiles, check_runners_up=False)
+    assert mesh(quick.plan) == mesh(full.plan)
+    assert seen == ([bad] if refuse_winner else []) + [mesh(quick.plan)]
+    assert quick.best.checked and quick.runners_up and not any(c.checked for c in quick.runners_up)
+    assert [mesh(c.plan) for c in quick.runners_up] == [mesh(c.plan) for c in full.runners_up][:len(quick.runners_up)]
+    assert bad not in [mesh(c.plan) for c in quick.runners_up]
+    assert "(compile check not run)" in quick.table()
