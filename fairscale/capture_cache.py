@@ -5,7 +5,8 @@ A rank's ``compile_program`` (``fairscale.build``) and the plan-time compile che
 microbatch has on one rank, not annotated. Both take it from :func:`rank_capture`, so a rank forked
 after its parent checked the plan (``fairscale.launch``; the corpus runner; a test fixture) finds
 the parent's capture instead of exporting the model again: the export was most of a rank's start
-(the corpus default tier: 80 rank captures, 263 CPU-seconds of its 200 wall-seconds on 2 cores).
+(the corpus default tier made 80 rank exports; without them it takes half its CPU time, 200 -> 101
+CPU-seconds on a 2-core machine).
 
 The capture holds no copy of the weights: its module holds the model's own parameter and buffer
 tensors (``torch.export``'s module re-registers them), so the cache never serves stale values, and
@@ -15,7 +16,8 @@ Never a stale graph: the key is the model's identity, the batch's shapes and dty
 function's identity, and :func:`model_state`, everything of a live model that a capture bakes into
 its graph and that can change while the model lives: which modules and tensors it holds, their
 training flags, shapes, dtypes, devices and ``requires_grad``, the modules' hooks, and the plain
-settings of each module and of the config objects it holds (a dropout's ``p``, ``use_cache``).
+settings of each module and of the config objects it holds (a dropout's ``p``, ``use_cache``, which
+function an attribute holds).
 A change to any of them captures again. What no key can see (a forward that reads a global, or a
 loss closure whose captured variables change) is the user's to keep fixed while training, as for
 any capture.
@@ -64,7 +66,9 @@ def _settings(obj: Any, seen: dict[int, tuple[Any, ...]], depth: int = 0) -> tup
             items.append((name, _tensor(value)))
         elif isinstance(value, (tuple, list, frozenset)) and all(isinstance(v, _PLAIN) for v in value):
             items.append((name, type(value), tuple(value)))
-        elif depth == 0 and hasattr(value, "__dict__") and not callable(value):
+        elif callable(value):  # a function held as a setting (an activation): which one
+            items.append((name, "callable", id(value)))
+        elif depth == 0 and hasattr(value, "__dict__"):
             items.append((name, _settings(value, seen, depth + 1)))
     seen[id(obj)] = out = tuple(items)
     return out

@@ -23,9 +23,10 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(8, 16)
         self.drop = nn.Dropout(0.0)
         self.fc2 = nn.Linear(16, 4)
+        self.act = torch.relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+        return self.fc2(self.drop(self.act(self.fc1(x))))
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ def test_the_same_model_and_shapes_give_the_same_capture_sharing_the_weights() -
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "loss", "eval", "dropout p", "new submodule", "to float64",
-                                    "frozen", "hook", "config flag"])
+                                    "frozen", "hook", "config flag", "function"])
 def test_anything_that_changes_the_graph_captures_again(change: str) -> None:
     model = Net()
     model.config = type("Config", (), {})()
@@ -81,10 +82,14 @@ def test_anything_that_changes_the_graph_captures_again(change: str) -> None:
         model.fc1.register_forward_hook(lambda mod, args, out: out * 2)
     elif change == "config flag":
         model.config.use_cache = False
+    elif change == "function":
+        model.act = torch.tanh
     after = rank_capture(model, batch, loss_fn=loss)
     assert after is not before
     if change == "dropout p":  # the new capture has the new graph, not merely a new object
         assert _dropout_p(before) == [0.0] and _dropout_p(after) == [0.5]
+    if change == "function":
+        assert any("tanh" in str(n.target) for n in after.gm.graph.nodes)
     if change == "hook":
         assert len([n for n in after.gm.graph.nodes if "mul" in str(n.target)]) > \
                len([n for n in before.gm.graph.nodes if "mul" in str(n.target)])
