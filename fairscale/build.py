@@ -6,12 +6,15 @@ which on this rank
 1. chooses the device (``fairscale.runtime.device``: ``cuda:LOCAL_RANK`` under NCCL, else CPU) and
    makes it current before anything touches CUDA;
 2. captures the model at the shape one microbatch has on one rank (global batch / (dp ×
-   microbatches)), because exported graphs are shape-specialized;
+   microbatches)), because exported graphs are shape-specialized: ``fairscale.capture_cache``'s
+   capture, which the plan-time compile check made already where it ran in this process or in
+   the parent this rank was forked from (the key sees any change to the model's structure or
+   settings, so it is never stale);
 3. checks that every rank holds the same initial weights (one checksum all-reduce);
 4. runs the pass pipeline for this rank's stages (``passes.compile_rank``), which builds the rank's
    slices and shards directly on the device, one parameter at a time, and keeps no reference to
-   the capture: once this function returns, the capture is garbage and the rank holds one copy of
-   its share of the weights (the user's model is the user's);
+   the capture's tensors: the rank holds one copy of its share of the weights (the capture holds
+   the user's model's own tensors, no copy, and is dropped with the model);
 5. renders the plan's report and the planner's memory prediction for this rank into the program.
 
 :func:`build_module` wraps the result in a :class:`fairscale.runtime.engine.ParallelModule`: what
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.capture_cache import rank_capture
 from fairscale.eval_mode import eval_modules
 from fairscale.report.text import render_report
 from fairscale.runtime.device import resolve_device, use_device
@@ -40,7 +44,6 @@ from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from fairscale.runtime.startup import rendezvous
 from passes import compile_rank
 from passes.loss_weights import token_counter
-from planner.capture import capture
 from planner.cluster import Cluster
 from planner.cost import CostOptions
 from planner.graph import ModelGraph
@@ -71,7 +74,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
         raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
                          f"= {m.dp * micro} equal microbatches")
     rows = gb // (m.dp * micro)
-    graph = capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, annotate=False)
+    graph = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn)
     rendezvous("capturing the model")  # the collectives below wait for the slowest capture
     if not any(p.is_meta for p in graph.gm.parameters()):
         check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model

@@ -58,6 +58,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fairscale.capture_cache import model_state, rank_capture
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
@@ -266,7 +267,7 @@ class CompileChecker:
         on_meta = any(p.is_meta for p in self.model.parameters())
         try:
             if not on_meta:
-                return capture(self.model, example, loss_fn=self.loss_fn, annotate=False)
+                return rank_capture(self.model, example, loss_fn=self.loss_fn)  # what the ranks compile
             try:
                 graph = capture(self.model, example, loss_fn=self.loss_fn, tracer="fx")
             except CaptureError:  # what torch.fx cannot trace, torch.export may
@@ -290,7 +291,7 @@ def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
     model, so a new model at a freed one's address never meets the old verdicts. ``graph``: the
     capture of the same model, batch and loss that the caller plans with (:meth:`CompileChecker.adopt`)."""
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
-    key = (id(model), shapes, id(loss_fn))
+    key = (id(model), shapes, id(loss_fn), model_state(model))  # a changed model is checked anew
     found = _CHECKERS.get(key)
     if found is None or found._model() is not model:
         found = _CHECKERS[key] = CompileChecker(model, example_inputs, loss_fn=loss_fn)

@@ -15,12 +15,14 @@ would pick; the planner's own choice is covered by ``test_planner_choice_trains_
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
 
 import fairscale
 from fairscale.api import captured, parallelize, search
+from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.tp.patterns import propose_tp_rules
@@ -71,10 +73,10 @@ def _plan(graph, config) -> Plan:
                 recompute=dict(recompute))
 
 
-def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> dict[str, Trajectory]:
+def _train_all(rank: int, world: int, cases: dict[torch.dtype, Any], plans: dict[str, Plan]) -> dict[str, Trajectory]:
     out = {}
     for name, plan in plans.items():
-        case = _build(family, torch.float32 if name == FP32 else torch.float64)
+        case = cases[torch.float32 if name == FP32 else torch.float64]
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.Adam, lr=LR))
         losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(STEPS)]
@@ -85,12 +87,18 @@ def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> di
 @pytest.fixture(scope="module", params=["gpt", "llama"])
 def family_runs(request):
     family = request.param
-    case = _build(family, torch.float64)
+    cases = {dtype: _build(family, dtype) for dtype in (torch.float32, torch.float64)}
+    case = cases[torch.float64]
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     plans = {name: _plan(graph, cfg) for name, cfg in CONFIGS.items()}
+    # checked here, before the launch, as after fairscale.search: the ranks inherit the models and
+    # the check's captures (parallelize never changes a model, so one model serves every plan)
+    for name, plan in plans.items():
+        mine = cases[torch.float32 if name == FP32 else torch.float64]
+        checker_for(mine.model, mine.make_batch(0, BATCH), loss_fn=mine.loss_fn).check(plan)
     references = {dtype: train_reference(lambda: _build(family, dtype), steps=STEPS, global_batch=BATCH, lr=LR)
                   for dtype in (torch.float32, torch.float64)}
-    results = fairscale.launch(_train_all, devices=8, args=(family, plans), timeout_s=900)
+    results = fairscale.launch(_train_all, devices=8, args=(cases, plans), timeout_s=900)
     return family, references, results
 
 

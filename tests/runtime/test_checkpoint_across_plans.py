@@ -11,6 +11,7 @@ import torch
 
 import fairscale
 from fairscale.api import captured
+from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.tp.patterns import propose_tp_rules
@@ -25,20 +26,30 @@ def _case():
     return case
 
 
+@functools.lru_cache(maxsize=None)
+def _shared():
+    """One model for every plan, built in the test process: the ranks inherit it and the plan-time
+    compile check's captures (``_plan`` checks each plan, as ``fairscale.search`` does before a
+    launch); ``parallelize`` never changes the model, so every run starts from its weights."""
+    return _case()
+
+
 def _plan(pp: int, dp: int, tp: int, kind: str) -> Plan:
-    case = _case()
+    case = _shared()
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     names = [layer.name for layer in graph.layers]
     per = len(names) // pp
     stages = [Stage(layers=", ".join(names[i * per:(i + 1) * per if i < pp - 1 else None])) for i in range(pp)]
-    return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=Schedule(kind="1f1b", microbatches=BATCH // dp, global_batch=BATCH),
+    plan = Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=Schedule(kind="1f1b", microbatches=BATCH // dp, global_batch=BATCH),
                 stages=stages if pp > 1 else [],
                 tensor_parallel=TensorParallel(rules=propose_tp_rules(graph.gm, tp=tp).rules if tp > 1 else {}),
                 data_parallel=DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""))
+    checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
+    return plan
 
 
 def _run(rank: int, world: int, plan: Plan, steps: range, path: str, mode: str) -> Trajectory:
-    case = _case()
+    case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                                optimizer=functools.partial(torch.optim.Adam, lr=LR))
     if mode == "resume":
@@ -68,7 +79,7 @@ def test_resume_under_another_plan_continues_exactly(saved, mesh):
 def _crash_while_saving(rank: int, world: int, plan: Plan, path: str) -> None:
     from fairscale.runtime import engine_checkpoint
 
-    case = _case()
+    case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                                optimizer=functools.partial(torch.optim.Adam, lr=LR))
     pm.train_step(case.make_batch(0, BATCH))

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 import fairscale
 from device_guard import DeviceGuard
 from fairscale.api import captured, parallelize
+from fairscale.compile_check import checker_for
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.tp.patterns import propose_tp_rules
@@ -103,10 +104,11 @@ def _plan(graph: Any, config: tuple) -> Plan:
                 data_parallel=DataParallel(kind=dp_kind, units=units, **extra))
 
 
-def _run(rank: int, world: int, plans: dict[str, tuple[str, Plan]], ckpt: str) -> dict[str, Any]:
+def _run(rank: int, world: int, cases: dict[str, Case], plans: dict[str, tuple[str, Plan]], ckpt: str,
+         ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (family, plan) in plans.items():
-        case = FAMILIES[family]()  # the user's code (model and data) runs outside the guard
+        case = cases[family]  # the user's code (model and data) runs outside the guard
         batches = [case.make_batch(step, BATCH) for step in range(STEPS)]
         guard = DeviceGuard()
         with guard:
@@ -133,12 +135,17 @@ def _run(rank: int, world: int, plans: dict[str, tuple[str, Plan]], ckpt: str) -
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
+    # The models are built and the plans checked here, before the launch, as after fairscale.search:
+    # the ranks inherit the models and the check's captures (parallelize never changes a model, so
+    # one model serves every plan) and compile and run every plan under the guard.
     cases = {f: FAMILIES[f]() for f in FAMILIES}
     graphs = {f: captured(c.model, c.make_batch(0, BATCH), loss_fn=c.loss_fn) for f, c in cases.items()}
     plans = {name: (cfg[0], _plan(graphs[cfg[0]], cfg)) for name, cfg in PLANS.items()}
+    for family, plan in plans.values():
+        checker_for(cases[family].model, cases[family].make_batch(0, BATCH), loss_fn=cases[family].loss_fn).check(plan)
     refs = {f: train_reference(FAMILIES[f], steps=STEPS, global_batch=BATCH, lr=LR) for f in FAMILIES}
     ckpt = str(tmp_path_factory.mktemp("guard") / "ckpt")
-    results = fairscale.launch(_run, devices=8, args=(plans, ckpt), timeout_s=1200)
+    results = fairscale.launch(_run, devices=8, args=(cases, plans, ckpt), timeout_s=1200)
     return refs, results
 
 

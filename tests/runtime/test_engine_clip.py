@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 import fairscale
 from fairscale.api import captured, parallelize
+from fairscale.compile_check import checker_for
 from fairscale.runtime.optim import DataParallelOptimizer, reduce_grad_norm
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
@@ -142,10 +144,9 @@ def _parts_with_ep_axis(rank: int) -> dict[str, dict[tuple[str, ...], float]]:
         comm.set_group("dp", before[1])
 
 
-def _train_all(rank: int, world: int, family: str, plans: dict[str, Plan]) -> dict[str, object]:
+def _train_all(rank: int, world: int, family: str, case: Any, plans: dict[str, Plan]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, plan in plans.items():
-        case = _build(family)
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM))
         traj = Trajectory()
@@ -187,9 +188,12 @@ def runs():
             case = _build(family)
             graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
             plans = {name: _plan(graph, CONFIGS[name]) for name in FAMILY_CONFIGS[family]}
+            for plan in plans.values():  # as after fairscale.search: the ranks inherit the model and the check's captures
+                checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
             reference = train_reference(lambda: _build(family), steps=STEPS, global_batch=BATCH, clip_norm=CLIP,
                                         optimizer=_sgd)
-            cache[family] = reference, fairscale.launch(_train_all, devices=8, args=(family, plans), timeout_s=900)
+            cache[family] = reference, fairscale.launch(_train_all, devices=8, args=(family, case, plans),
+                                                        timeout_s=900)
         return cache[family]
 
     return get

@@ -27,6 +27,7 @@ import torch
 
 import fairscale
 from fairscale.api import captured, parallelize
+from fairscale.compile_check import checker_for
 from fairscale.testing.models import Case, build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.ops import comm
@@ -80,10 +81,9 @@ def _plan(graph: Any, config: tuple) -> Plan:
                 recompute=dict(recompute))
 
 
-def _train_all(rank: int, world: int, plans: dict[str, Plan]) -> dict[str, Any]:
+def _train_all(rank: int, world: int, case: Case, plans: dict[str, Plan]) -> dict[str, Any]:
     out = {}
     for name, plan in plans.items():
-        case = make_case()
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.Adam, lr=LR))
         comm.COUNTER.reset()
@@ -115,8 +115,11 @@ def _run(configs: dict[str, tuple]) -> tuple[Trajectory, list[list[torch.Tensor]
     plans = {name: _plan(graph, cfg) for name, cfg in configs.items()}
     for plan in plans.values():
         validate_plan(plan, graph, devices=8)
+        # checked here, before the launch, as after fairscale.search: the ranks inherit the model and
+        # the check's captures (parallelize never changes a model, so one model serves every plan)
+        checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
     ref, routing = _routed_reference()
-    results = fairscale.launch(_train_all, devices=8, args=(plans,), timeout_s=900)
+    results = fairscale.launch(_train_all, devices=8, args=(case, plans), timeout_s=900)
     return ref, routing, results
 
 
@@ -224,8 +227,7 @@ def test_errors_name_the_problem() -> None:
         DataParallelRunner.build(graph, Plan(mesh=Mesh(dp=2, ep=2)))
 
 
-def _save_or_resume(rank: int, world: int, path: str, plan: Plan, save: bool) -> Any:
-    case = make_case()
+def _save_or_resume(rank: int, world: int, case: Case, path: str, plan: Plan, save: bool) -> Any:
     pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                      optimizer=functools.partial(torch.optim.Adam, lr=LR))
     if save:
@@ -243,8 +245,11 @@ def test_checkpoint_resumes_across_expert_layouts(tmp_path) -> None:
     split = Plan(mesh=Mesh(dp=4, ep=4), schedule=Schedule(global_batch=BATCH), data_parallel=DataParallel(kind="zero2"))
     whole = Plan(mesh=Mesh(dp=2), schedule=Schedule(global_batch=BATCH))
     path = str(tmp_path / "ckpt")
-    first = fairscale.launch(_save_or_resume, devices=4, args=(path, split, True))[0]
-    rest, params = fairscale.launch(_save_or_resume, devices=2, args=(path, whole, False))[0]
+    case = make_case()  # one model, built and checked here: both launches inherit it and the check's captures
+    for plan in (split, whole):
+        checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
+    first = fairscale.launch(_save_or_resume, devices=4, args=(case, path, split, True))[0]
+    rest, params = fairscale.launch(_save_or_resume, devices=2, args=(case, path, whole, False))[0]
     ref = train_reference(make_case, steps=4, global_batch=BATCH, lr=LR)
     compare(ref, Trajectory(losses=first + rest, params=params))
 

@@ -10,6 +10,7 @@ import torch
 
 import fairscale
 from fairscale.api import captured
+from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.tp.patterns import propose_tp_rules
@@ -24,21 +25,32 @@ def _case():
     return case
 
 
+@functools.lru_cache(maxsize=None)
+def _shared():
+    """One model for every plan, built in the test process: the ranks inherit it and the plan-time
+    compile check's captures (``_plan`` checks each plan, as ``fairscale.search`` does before a
+    launch); ``parallelize`` and ``switch_plan`` never change the model, so every run starts from
+    its weights."""
+    return _case()
+
+
 def _plan(pp: int, dp: int, tp: int, kind: str = "ddp", microbatches: int = 1, schedule: str = "1f1b") -> Plan:
-    case = _case()
+    case = _shared()
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     names = [layer.name for layer in graph.layers]
     per = len(names) // pp
     stages = [Stage(layers=", ".join(names[i * per:(i + 1) * per if i < pp - 1 else None])) for i in range(pp)]
-    return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp),
+    plan = Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp),
                 schedule=Schedule(kind=schedule, microbatches=microbatches, global_batch=BATCH),
                 stages=stages if pp > 1 else [],
                 tensor_parallel=TensorParallel(rules=propose_tp_rules(graph.gm, tp=tp).rules if tp > 1 else {}),
                 data_parallel=DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""))
+    checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
+    return plan
 
 
 def _chain(rank: int, world: int, plans: list[Plan]) -> Trajectory:
-    case = _case()
+    case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                plan=plans[0], optimizer=functools.partial(torch.optim.Adam, lr=LR))
     losses: list[float] = []
@@ -69,7 +81,7 @@ def test_switch_plan_continues_exactly(chain):
 
 
 def _refused(rank: int, world: int, first: Plan, second: Plan) -> str:
-    case = _case()
+    case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                plan=first)
     try:
