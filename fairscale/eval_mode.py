@@ -18,8 +18,8 @@ computes (:func:`passes.eval_mode.eval_difference`). A model whose Python code b
 ``self.training`` fails that with :class:`EvalModeError`, naming the op and source line where the
 two modes part; evaluate such a model in one process.
 
-Costs: the proof captures the model twice (training and eval mode) once per module; each
-evaluation is a forward of the schedule. The batch has the training batch's size (the rank graphs
+Costs: the proof captures the model once more, in eval mode (the training capture is the rank's
+own, cached), once per module; each evaluation is a forward of the schedule. The batch has the training batch's size (the rank graphs
 are compiled for its microbatch shape).
 """
 
@@ -30,9 +30,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fairscale.capture_cache import rank_capture
+from fairscale.runtime.engine import microbatch_example
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph
-from planner.capture import capture
 
 __all__ = ["EvalModeError", "eval_modules"]
 
@@ -44,13 +45,14 @@ class EvalModeError(ValueError):
 
 def _capture_in_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
                      training: bool | None) -> torch.fx.GraphModule:
-    """Capture ``model`` with every module in eval mode (``training=False``) or as it is (None);
-    each module's own flag is restored afterwards."""
+    """The rank's capture of ``model`` (:func:`fairscale.capture_cache.rank_capture`: the one its
+    stages were compiled from, for ``None``) with every module in eval mode (``training=False``)
+    or as it is (None); each module's own flag is restored afterwards."""
     flags = {m: m.training for m in model.modules()}
     try:
         if training is False:
             model.eval()
-        return capture(model, example, loss_fn=loss_fn, annotate=False).gm
+        return rank_capture(model, example, loss_fn=loss_fn).gm
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -63,7 +65,7 @@ def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule])
     if model is None:
         raise RuntimeError("pm.evaluate checks the model's eval-mode code against its capture, and the model is "
                            "gone: keep a reference to the model passed to fairscale.parallelize while training")
-    example, loss_fn = program.example_inputs, program.loss_fn
+    example, loss_fn = microbatch_example(program.example_inputs, program.microbatch_rows), program.loss_fn
     reason = eval_difference(_capture_in_mode(model, example, loss_fn, None),
                              _capture_in_mode(model, example, loss_fn, False))
     if reason is not None:
