@@ -248,6 +248,10 @@ def refit(cluster: Cluster, predicted: dict[str, Any], measured: Measurement) ->
                        f"fitted, α kept")
         links[link] = (alpha, beta)
         changes[f"{link}_latency"], changes[f"{link}_bandwidth"] = alpha, beta / eff
+        if inside and cluster.collective_call_s and latency > 0:
+            # the calibrated per-call costs by group size follow the refitted latency in proportion
+            changes["collective_call_s"] = {op: {g: t * alpha / latency for g, t in calls.items()}
+                                            for op, calls in cluster.collective_call_s.items()}
     if not links:
         how.append("collectives: none measured, α and β kept")
     name = cluster.name if cluster.name.endswith("+refit") else cluster.name + "+refit"

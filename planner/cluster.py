@@ -120,6 +120,10 @@ class Cluster:
     """Host seconds per parameter tensor an optimizer step updates (Adam runs about a dozen small
     ops per tensor, each paying dispatch): what a step of many small tensors costs beyond its
     bytes. 0 for GPUs (hidden behind the kernels); measured for CPU ranks by calibration."""
+    collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    """``all_reduce`` / ``all_gather`` -> group size -> host seconds one small call costs a rank
+    (CPU ranks: calibration's CPU time per call times the ranks per core, every rank in a group at
+    once). Empty for GPUs: the link latency is used. ``planner.cost_host.tp_link`` reads it."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -140,6 +144,10 @@ class Cluster:
         for key in ("op_overhead_s", "optimizer_tensor_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
+        bad = {op: calls for op, calls in self.collective_call_s.items()
+               if any(g < 2 or t < 0 for g, t in calls.items())}
+        if bad:
+            problems.append(f"collective_call_s needs group sizes >= 2 and seconds >= 0 (got {bad})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))
 
@@ -252,6 +260,8 @@ class Cluster:
             raise ValueError(f"cannot read cluster: unknown keys {unknown}, missing keys {missing}")
         eff = data.pop("efficiency", None)
         data["peak_flops"] = {str(k): float(v) for k, v in data["peak_flops"].items()}
+        data["collective_call_s"] = {str(op): {int(g): float(t) for g, t in calls.items()}
+                                     for op, calls in data.get("collective_call_s", {}).items()}
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 

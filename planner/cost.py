@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
+from planner.cost_host import tp_link
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
@@ -423,7 +424,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
     peak = cluster.flops(compute_dtype)
-    bw, lat = cluster.link(tp)
+    bw, lat = tp_link(cluster, tp, sequence_parallel=sequence_parallel)  # per-call host cost on CPU ranks
     bw *= eff.network
     out: list[LayerCost] = []
     for f in facts:

@@ -3,6 +3,7 @@ continue exactly as a fresh run of the new plan from the same state."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -104,6 +105,11 @@ def test_refit_recovers_the_machine_it_measured():
     assert one.intra_latency == cluster.intra_latency
     assert one.intra_bandwidth * one.efficiency.network == pytest.approx(1e8, rel=1e-6)
     assert "bandwidth-bound messages of one size" in "\n".join(fit.how)
+    # calibrated per-call costs by group size follow the refitted latency in proportion
+    called = dataclasses.replace(cluster, collective_call_s={"all_reduce": {2: 1e-3, 4: 3e-3}})
+    got, _ = refit(called, predicted, _measured(predicted, slower=1.0, alpha=2 * cluster.intra_latency, beta=2e8,
+                                                sizes=[2**16, 2**18, 2**20, 2**22]))
+    assert got.collective_call_s["all_reduce"] == pytest.approx({2: 2e-3, 4: 6e-3}, rel=1e-6)
 
 
 def test_calibrate_argument():

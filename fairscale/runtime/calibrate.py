@@ -8,7 +8,10 @@ Usage::
     save_calibration(cal, "benchmarks/end_to_end/cpu_cluster.json")
     cluster = load_calibration("benchmarks/end_to_end/cpu_cluster.json")   # a planner.cluster.Cluster
 
-Everything is measured with all ranks busy at once, since that is what a rank sees in training:
+Everything is measured with all ranks busy at once, since that is what a rank sees in training,
+and in CPU time (every thread of the rank's process) times the ranks per core: on a machine whose
+cores the ranks share, that is the rank's wall time when the machine is otherwise quiet, and other
+users' load does not change it (wall time under load gave coefficients that followed the load):
 
 * **matmul FLOP/s**: every rank multiplies fp32 matrices of transformer-like shapes with one
   intra-op thread (what ``fairscale.launch`` gives each rank); the median over shapes of the
@@ -21,6 +24,9 @@ Everything is measured with all ranks busy at once, since that is what a rank se
   layer norm, attention, their backward), so small models were predicted several times too fast.
 * **optimizer per tensor**: every rank times ``torch.optim.Adam`` steps over 1 and 64 tiny
   tensors; the fitted slope is ``optimizer_tensor_s`` (Adam's dozen ops per tensor, each paying dispatch).
+* **collective calls by group size**: a 1 KiB all-reduce and all-gather with every rank in a
+  group of 2, 4, ... ranks at once; the cost per call is ``collective_call_s`` (gloo's host work
+  per call, which sequence parallelism pays twice per reduction: ``planner.cost_host``).
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
@@ -60,16 +66,23 @@ from planner.cluster import Cluster, Efficiency, host_memory_bytes
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta", "fit_slope", "per_op_overhead"]
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
-the op overhead on a transformer's ops (a cache written before is measured again)."""
+the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
+(load-independent) and the host cost per collective call by group size (a cache written before is
+measured again)."""
 _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
 """The tiny GPT whose forward and backward time the host overhead per op."""
 _OPT_TENSORS = 64
-_SUSTAIN_S = 0.2
+_SUSTAIN_S = 0.05
+_CALL_ELEMENTS = 256
+"""fp32 elements (1 KiB) of the small collective whose CPU per call is measured by group size."""
+_SHARE = [1.0]
+"""Ranks per core in this calibration's ranks (set by :func:`_measure`): CPU seconds × this is a
+rank's wall seconds when all ranks compute on a quiet machine."""
 
 
 @dataclass(kw_only=True)
@@ -88,6 +101,8 @@ class Calibration:
     """Host seconds per tiny op (forward + 2× backward, per forward-op unit) while all ranks run."""
     optimizer_tensor_s: float = 0.0
     """Host seconds per parameter tensor of an Adam step while all ranks run."""
+    collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    """all_reduce / all_gather -> group size -> seconds per small call (``Cluster.collective_call_s``)."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -100,6 +115,7 @@ class Calibration:
         return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
                 "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
                 "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
+                "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
 
@@ -110,6 +126,8 @@ class Calibration:
                    memory_bandwidth=float(data["memory_bandwidth"]),
                    op_overhead_s=float(data.get("op_overhead_s", 0.0)),
                    optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
+                   collective_call_s={k: {int(g): float(t) for g, t in v.items()}
+                                      for k, v in data.get("collective_call_s", {}).items()},
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
                    fits=data["fits"], machine=data.get("machine", {}))
 
@@ -121,6 +139,8 @@ class Calibration:
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
         lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
+        for op, calls in self.collective_call_s.items():
+            lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
         for name, fit in self.fits.items():
             lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
@@ -170,24 +190,36 @@ def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, flo
 
 def _time(fn: Any, *, repeat: int, inner: int = 1) -> float:
     """Median seconds of one ``fn()``, over ``repeat`` runs of ``inner`` back-to-back calls,
-    ranks aligned by a barrier before each run."""
+    ranks aligned by a barrier before each run, in this rank's CPU time (every thread of the
+    process, user + system) times the ranks per core (:data:`_SHARE`).
+
+    CPU time is what other users' load does not stretch: with ``ranks`` ranks on fewer cores, a
+    rank gets ``cores / ranks`` of a core while all compute, so a quiet machine runs the work in
+    CPU time × ranks per core of wall time, whatever the load was while it was measured (wall time
+    under load gave coefficients that followed the load, e.g. the optimizer's 3× too high)."""
     times = []
     for _ in range(repeat):
         dist.barrier()
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(inner):
             fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
+        times.append((time.process_time() - start) / inner)
+    return statistics.median(times) * _SHARE[0]
 
 
 def _sustained(fn: Any, *, repeat: int, seconds: float = _SUSTAIN_S) -> float:
-    """Like :func:`_time`, with enough back-to-back calls that a run lasts about ``seconds`` on the
-    slowest rank: ranks sharing cores then really run at once (a single call is shorter than a
-    scheduler time slice, so it would see a core to itself)."""
-    one = _time(fn, repeat=1)
-    inner = max(1, int(_slowest(seconds / max(one, 1e-9), largest=False)))
+    """Like :func:`_time`, with enough back-to-back calls that a run takes about ``seconds`` of
+    CPU on the busiest rank (a single short call is below the CPU clock's useful resolution)."""
+    one = _time(fn, repeat=1) / _SHARE[0]
+    inner = max(1, int(_slowest(seconds / _SHARE[0] / max(one, 1e-9), largest=False)))
     return _time(fn, repeat=repeat, inner=inner)
+
+
+def _mean(value: float) -> float:
+    """Mean over the ranks: the node's CPU work per rank (what the ranks' shared cores must run)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
 
 
 def _slowest(value: float, *, largest: bool) -> float:
@@ -214,14 +246,15 @@ def op_model_counts() -> tuple[int, float]:
     return sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts)
 
 
-def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float]) -> dict[str, Any]:
+def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float], cores: int) -> dict[str, Any]:
     torch.manual_seed(rank)
-    out: dict[str, Any] = {"matmul": {}, "coll": {}}
+    _SHARE[0] = max(1.0, world / cores)
+    out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat)}
     for m, k, n in _MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
         t = _sustained(lambda: torch.mm(a, b), repeat=repeat)
-        out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _slowest(t, largest=True)
+        out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _mean(t)
     # host overhead per op: a tiny GPT forward and backward (the op mix of the models the cost
     # model counts ops of, where no arithmetic counts); the cost model charges an op once forward
     # and twice backward, so divide by 3 per op the planner counts in it (``op_model``)
@@ -231,14 +264,14 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float]) ->
     def fwd_bwd() -> None:
         case.loss_fn(case.model(tokens), labels).backward()
     fwd_bwd()
-    t = _slowest(_sustained(fwd_bwd, repeat=repeat), largest=True)
+    t = _mean(_sustained(fwd_bwd, repeat=repeat))
     out["op_overhead"] = per_op_overhead(t, ops=op_model[0], flops=op_model[1],
                                          flops_per_s=statistics.median(out["matmul"].values()))
     out["optimizer_tensor"] = _optimizer_tensor_s(repeat)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
     t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat)
-    out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _slowest(t, largest=True)
+    out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _mean(t)
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -264,7 +297,27 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float]) ->
                 dist.send(full, peer)
         times["p2p"] = _time(pingpong, repeat=repeat) / 2
         for name, t in times.items():
-            out["coll"].setdefault(name, {})[elems * 4] = _slowest(t, largest=True)
+            out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
+    return out
+
+
+def _call_costs(rank: int, world: int, repeat: int) -> dict[str, dict[int, float]]:
+    """CPU seconds × ranks per core of one small (1 KiB) all-reduce and all-gather call, per group
+    size: every rank in a group of ``g`` consecutive ranks, all groups calling at once (as the
+    tensor-parallel groups of a plan do), mean over the ranks."""
+    out: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
+    sizes = sorted({g for g in (2, 4, world) if g <= world and world % g == 0})
+    for g in sizes:
+        # every rank takes part in creating every group (torch.distributed's rule)
+        groups = [dist.new_group(list(range(k * g, (k + 1) * g))) if g < world else None for k in range(world // g)]
+        mine = groups[rank // g]
+        x = torch.ones(_CALL_ELEMENTS)
+        full = torch.empty(_CALL_ELEMENTS * g)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        dist.all_reduce(x, group=mine)  # warm-up: the first call sets up the group's buffers
+        fn(full, x, group=mine)
+        out["all_reduce"][g] = _mean(_sustained(lambda: dist.all_reduce(x, group=mine), repeat=repeat))
+        out["all_gather"][g] = _mean(_sustained(lambda: fn(full, x, group=mine), repeat=repeat))
     return out
 
 
@@ -278,7 +331,7 @@ def _optimizer_tensor_s(repeat: int) -> float:
             p.grad = torch.ones(16)
         opt = torch.optim.Adam(params, lr=1e-3)
         opt.step()
-        points.append((float(n), _slowest(_sustained(opt.step, repeat=repeat), largest=True)))
+        points.append((float(n), _mean(_sustained(opt.step, repeat=repeat))))
     return fit_slope(points)[0]
 
 
@@ -304,13 +357,14 @@ def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
     fn(out, full)
 
 
-def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = None) -> Calibration:
+def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = None) -> Calibration:
     """Measure ``ranks`` concurrent gloo ranks on this machine and fit a :class:`Cluster` to them."""
     if ranks < 2:
         raise ValueError(f"calibrate_cpu needs at least 2 ranks to measure collectives, got {ranks}")
     from fairscale.runtime.launch import launch
 
-    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts()), backend="gloo")[0]
+    cores = os.cpu_count() or 1
+    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), cores), backend="gloo")[0]
     coll: dict[str, dict[int, float]] = res["coll"]
     p = ranks
     shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
@@ -337,12 +391,13 @@ def calibrate_cpu(ranks: int, *, repeat: int = 5, memory_bytes: int | None = Non
         device=f"cpu ({ranks} gloo ranks, 1 thread each)",
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=link["bandwidth"], intra_latency=link["latency_s"],
-        op_overhead_s=float(res["op_overhead"]), shared_cores=os.cpu_count() or 1,
+        op_overhead_s=float(res["op_overhead"]), shared_cores=cores, collective_call_s=res["calls"],
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
+                       collective_call_s=res["calls"],
                        collectives=coll, fits=fits, machine=machine_description())
 
 

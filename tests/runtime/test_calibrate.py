@@ -31,6 +31,9 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert c.intra_bandwidth > 0 and c.intra_latency >= 0
     assert c.op_overhead_s > 0 and c.optimizer_tensor_s >= 0 and cal.optimizer_tensor_s == c.optimizer_tensor_s
     assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
+    # the host cost per small call, by group size (2 ranks: one group of 2)
+    assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
+    assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
     assert "GFLOP/s" in cal.table()
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)

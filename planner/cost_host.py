@@ -1,0 +1,65 @@
+"""Host (CPU) cost of a collective call, by group size: what CPU ranks pay per call beyond the bytes.
+
+Usage::
+
+    from planner.cost_host import call_seconds, tp_link
+    call_seconds({2: 1e-3, 8: 8e-3}, 4)          # 3.0e-3: linear in the group's other ranks (g - 1)
+    bw, hop = tp_link(cluster, tp=2, sequence_parallel=True)
+
+On CPU gloo ranks a collective call costs host work (the call's setup, a TCP round per ring step,
+waking the rank's threads) that grows with the group and that ranks sharing cores pay out of the
+same cores as compute. Calibration (``fairscale.runtime.calibrate``) measures it per call, in CPU
+seconds per rank times the ranks per core, for a small all-reduce and all-gather with every rank
+in a group of ``g`` at once (``Cluster.collective_call_s``). Without measurements (GPUs) the
+cluster's link latency is used unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from planner.cluster import Cluster
+
+__all__ = ["call_seconds", "tp_link"]
+
+
+def call_seconds(calls: Mapping[int, float], group: int) -> float:
+    """Seconds one call costs a rank in a group of ``group`` ranks, from ``calls`` (measured group
+    size -> seconds): linear in ``group - 1`` (the peers a ring call steps through) between the
+    measured sizes, proportional to ``group - 1`` beyond the largest, the smallest's below it.
+
+    Example: calls {2: 1 ms, 8: 8 ms}: group 4 -> 1 + (8 - 1)·(3 - 1)/(7 - 1) = 3.33 ms;
+    group 16 -> 8 ms · 15/7 = 17.1 ms; group 1 -> 0 (no call).
+    """
+    if group <= 1 or not calls:
+        return 0.0
+    sizes = sorted(calls)
+    if group <= sizes[0]:
+        return calls[sizes[0]]
+    if group >= sizes[-1]:
+        return calls[sizes[-1]] * (group - 1) / (sizes[-1] - 1)
+    lo = max(g for g in sizes if g <= group)
+    hi = min(g for g in sizes if g >= group)
+    if hi == lo:
+        return calls[lo]
+    w = (group - lo) / (hi - lo)
+    return calls[lo] + w * (calls[hi] - calls[lo])
+
+
+def tp_link(cluster: Cluster, tp: int, *, sequence_parallel: bool = False) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency per ring step s) for a tensor-parallel group of ``tp`` ranks.
+
+    The cost model charges a tensor-parallel reduction as a ring all-reduce, ``2(tp-1)`` steps of
+    the latency. With measured per-call costs (``cluster.collective_call_s``) the latency is set
+    so that those steps sum to what the reduction's calls cost: one all-reduce call, or under
+    sequence parallelism an all-gather and a reduce-scatter (two calls, each costed as an
+    all-gather call of the group). Example: tp 2, all-reduce call 1.2 ms, all-gather call 1 ms:
+    latency 0.6 ms per step without sequence parallelism, 1 ms with it (2 calls of 1 ms over 2 steps).
+    """
+    bw, lat = cluster.link(tp)
+    calls = cluster.collective_call_s
+    kind = "all_gather" if sequence_parallel else "all_reduce"
+    if tp <= 1 or not calls.get(kind):
+        return bw, lat
+    per_reduction = call_seconds(calls[kind], tp) * (2 if sequence_parallel else 1)
+    return bw, per_reduction / (2 * (tp - 1))

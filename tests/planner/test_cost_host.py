@@ -1,0 +1,79 @@
+"""The host cost of a collective call by group size (Cluster.collective_call_s, planner.cost_host):
+interpolated by hand, charged per tensor-parallel reduction (twice under sequence parallelism), and
+measured by calibration in CPU time × ranks per core (what waiting and other users' load do not change)."""
+
+import dataclasses
+import time
+
+import pytest
+
+from planner.cluster import Cluster
+from planner.cost import layer_costs, layer_facts
+from planner.cost_gpt import gpt_graph
+from planner.cost_host import call_seconds, tp_link
+
+
+def test_call_seconds_by_group_size_by_hand():
+    calls = {2: 1e-3, 8: 8e-3}
+    assert call_seconds(calls, 2) == pytest.approx(1e-3)
+    assert call_seconds(calls, 4) == pytest.approx(1e-3 + 7e-3 * 2 / 6)  # linear between 2 and 8
+    assert call_seconds(calls, 16) == pytest.approx(8e-3 * 15 / 7)  # proportional to the peers beyond 8
+    assert call_seconds(calls, 1) == 0.0 and call_seconds({}, 4) == 0.0
+    assert call_seconds({4: 2e-3}, 2) == pytest.approx(2e-3)  # the smallest measured below it
+
+
+def _cpu(calls: dict[str, dict[int, float]]) -> Cluster:
+    # a link so fast that only the per-call cost is left
+    return dataclasses.replace(Cluster.cpu(8), intra_bandwidth=1e30, intra_latency=5e-3, collective_call_s=calls)
+
+
+def test_tp_link_spreads_a_reductions_calls_over_its_ring_steps():
+    c = _cpu({"all_reduce": {2: 1.2e-3, 8: 8.4e-3}, "all_gather": {2: 1e-3, 8: 7e-3}})
+    assert tp_link(c, 2)[1] == pytest.approx(0.6e-3)  # one all-reduce call over 2 steps
+    assert tp_link(c, 2, sequence_parallel=True)[1] == pytest.approx(1e-3)  # all-gather + reduce-scatter
+    assert tp_link(c, 8)[1] == pytest.approx(8.4e-3 / 14)
+    # no measured calls (GPUs): the link's latency
+    assert tp_link(Cluster.preset("a100-80gb"), 8) == Cluster.preset("a100-80gb").link(8)
+    assert tp_link(_cpu({}), 2)[1] == 5e-3
+    with pytest.raises(ValueError, match="collective_call_s needs group sizes >= 2"):
+        _cpu({"all_reduce": {1: 1e-3}})
+    assert Cluster.from_dict(c.to_dict()) == c
+    assert Cluster.from_dict({**c.to_dict(), "collective_call_s": {"all_reduce": {"2": 1.2e-3}}}) \
+        .collective_call_s == {"all_reduce": {2: 1.2e-3}}
+
+
+def test_each_tensor_parallel_reduction_pays_one_call_or_two_under_sequence_parallelism():
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    rules = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+             "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    facts = layer_facts(g, rules)
+    c = _cpu({"all_reduce": {2: 1e-3}, "all_gather": {2: 2e-3}})
+    blocks = [i for i, f in enumerate(facts) if f.tp.sharded and not f.tp.gather_bytes and not f.tp.loss_tokens]
+    assert len(blocks) == 2
+    for sp, per_call in ((False, 1e-3), (True, 2 * 2e-3)):
+        costs = layer_costs(facts, c, tp=2, micro=1, compute_dtype="fp32", sequence_parallel=sp)
+        for i in blocks:
+            calls = facts[i].tp.allreduce_fwd + facts[i].tp.allreduce_bwd  # 2 + 2 in a Megatron block
+            assert costs[i].tp_s == pytest.approx(calls * per_call)
+
+
+def _cpu_time_in_ranks(rank: int, world: int) -> tuple[float, float]:
+    from fairscale.runtime import calibrate as cal
+
+    cal._SHARE[0] = 4.0  # as 8 ranks on 2 cores
+
+    def spin() -> None:
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+    return cal._time(lambda: time.sleep(0.02), repeat=3), cal._time(spin, repeat=3)
+
+
+def test_calibration_times_cpu_work_times_ranks_per_core_and_not_waits():
+    from fairscale.runtime.launch import launch
+
+    # synthetic: sleeping 20 ms costs no CPU (a wait lends the core); 20 ms of CPU is 80 ms of a
+    # rank's wall time when 4 ranks share each core, whatever else runs on the machine
+    for sleep_s, spin_s in launch(_cpu_time_in_ranks, devices=2, backend="gloo"):
+        assert sleep_s < 4 * 2e-3
+        assert spin_s == pytest.approx(4 * 0.02, rel=0.05)
