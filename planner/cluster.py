@@ -120,6 +120,10 @@ class Cluster:
     """Host seconds per parameter tensor an optimizer step updates (Adam runs about a dozen small
     ops per tensor, each paying dispatch): what a step of many small tensors costs beyond its
     bytes. 0 for GPUs (hidden behind the kernels); measured for CPU ranks by calibration."""
+    recompute_op_s: float = 0.0
+    """Host seconds per graph op that full recomputation of a layer adds (its forward run again under
+    checkpointing, with the saved-tensor hooks of both runs); 0: one forward's ``op_overhead_s`` per
+    op. Measured for CPU ranks by calibration (``planner.cost_host.recompute_host_s``)."""
     collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
     """``all_reduce`` / ``all_gather`` -> group size -> host seconds one small call costs a rank
     (CPU ranks: calibration's CPU time per call times the ranks per core, every rank in a group at
@@ -141,7 +145,7 @@ class Cluster:
                             f"full), got {self.last_node_devices}")
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
-        for key in ("op_overhead_s", "optimizer_tensor_s"):
+        for key in ("op_overhead_s", "optimizer_tensor_s", "recompute_op_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         bad = {op: calls for op, calls in self.collective_call_s.items()

@@ -27,6 +27,10 @@ users' load does not change it (wall time under load gave coefficients that foll
 * **collective calls by group size**: a 1 KiB all-reduce and all-gather with every rank in a
   group of 2, 4, ... ranks at once; the cost per call is ``collective_call_s`` (gloo's host work
   per call, which sequence parallelism pays twice per reduction: ``planner.cost_host``).
+* **full recompute per op**: the tiny GPT again with every block under the runtime's
+  non-reentrant checkpointing (``passes.ops.recompute_ops.recompute_call``); the extra time over
+  the blocks' ops is ``recompute_op_s`` (the forward run again, and checkpointing's saved-tensor
+  hooks in both runs).
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -61,7 +66,9 @@ import torch
 import torch.distributed as dist
 
 from fairscale.testing.models import build
+from passes.ops.recompute_ops import recompute_call
 from planner.cluster import Cluster, Efficiency, host_memory_bytes
+from planner.cost_host import per_recomputed_op
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta", "fit_slope", "per_op_overhead"]
@@ -69,8 +76,8 @@ __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibrat
 CALIBRATION_VERSION = 3
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
-(load-independent) and the host cost per collective call by group size (a cache written before is
-measured again)."""
+(load-independent), the host cost per collective call by group size and full recompute's host cost
+per op (a cache written before is measured again)."""
 _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
@@ -101,6 +108,8 @@ class Calibration:
     """Host seconds per tiny op (forward + 2× backward, per forward-op unit) while all ranks run."""
     optimizer_tensor_s: float = 0.0
     """Host seconds per parameter tensor of an Adam step while all ranks run."""
+    recompute_op_s: float = 0.0
+    """Host seconds per op of a fully recomputed block (``Cluster.recompute_op_s``)."""
     collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
     """all_reduce / all_gather -> group size -> seconds per small call (``Cluster.collective_call_s``)."""
     collectives: dict[str, dict[int, float]]
@@ -115,6 +124,7 @@ class Calibration:
         return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
                 "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
                 "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
+                "recompute_op_s": self.recompute_op_s,
                 "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
@@ -126,6 +136,7 @@ class Calibration:
                    memory_bandwidth=float(data["memory_bandwidth"]),
                    op_overhead_s=float(data.get("op_overhead_s", 0.0)),
                    optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
+                   recompute_op_s=float(data.get("recompute_op_s", 0.0)),
                    collective_call_s={k: {int(g): float(t) for g, t in v.items()}
                                       for k, v in data.get("collective_call_s", {}).items()},
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
@@ -139,6 +150,7 @@ class Calibration:
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
         lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
+        lines.append(f"  recompute, per op     : {self.recompute_op_s * 1e6:8.1f} us (fully recomputed block)")
         for op, calls in self.collective_call_s.items():
             lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
         for name, fit in self.fits.items():
@@ -235,18 +247,20 @@ def per_op_overhead(seconds: float, *, ops: int, flops: float, flops_per_s: floa
     return max(0.0, seconds - flops / flops_per_s) / (3 * ops)
 
 
-def op_model_counts() -> tuple[int, float]:
-    """(ops the planner counts, forward+backward FLOPs) of the tiny GPT the op overhead is timed on."""
+def op_model_counts() -> tuple[int, float, int]:
+    """(ops the planner counts, forward+backward FLOPs, ops of its blocks) of the tiny GPT the op
+    overhead and the recompute overhead are timed on."""
     from planner.capture import capture
     from planner.cost import layer_facts
 
     case = build("gpt", **_OP_MODEL)
     batch = case.make_batch(0, 1)
     facts = layer_facts(capture(case.model, batch, loss_fn=case.loss_fn), {})
-    return sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts)
+    blocks = sum(f.ops for f in facts if f.name.startswith("layers."))
+    return sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts), blocks
 
 
-def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float], cores: int) -> dict[str, Any]:
+def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], cores: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     _SHARE[0] = max(1.0, world / cores)
     out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat)}
@@ -267,6 +281,13 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float], co
     t = _mean(_sustained(fwd_bwd, repeat=repeat))
     out["op_overhead"] = per_op_overhead(t, ops=op_model[0], flops=op_model[1],
                                          flops_per_s=statistics.median(out["matmul"].values()))
+    # full recompute: the same forward and backward with every block under the runtime's own
+    # non-reentrant checkpointing; the extra host time per op of the recomputed blocks
+    for block in case.model.layers:
+        block.forward = functools.partial(recompute_call, block.forward, "full")
+    fwd_bwd()
+    ckpt = _mean(_sustained(fwd_bwd, repeat=repeat))
+    out["recompute_op"] = per_recomputed_op(t, ckpt, ops=op_model[2])
     out["optimizer_tensor"] = _optimizer_tensor_s(repeat)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
@@ -392,12 +413,13 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=link["bandwidth"], intra_latency=link["latency_s"],
         op_overhead_s=float(res["op_overhead"]), shared_cores=cores, collective_call_s=res["calls"],
+        recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
-                       collective_call_s=res["calls"],
+                       collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
                        collectives=coll, fits=fits, machine=machine_description())
 
 

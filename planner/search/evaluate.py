@@ -14,6 +14,7 @@ next step makes it wait for its first input). Data-parallel terms come from
 from __future__ import annotations
 
 from planner.cost import LayerCost
+from planner.cost_host import recompute_host_s
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import pipeline_time, stage_placement
 from planner.search.config import Breakdown, Config, Context
@@ -36,7 +37,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     opts = ctx.options
     chunks = list(zip(cfg.cuts, cfg.cuts[1:]))
     stage_f = [sum(costs[i].fwd for i in range(a, b)) for a, b in chunks]
-    stage_b = [sum(costs[i].bwd + _recompute_s(costs, i, rec, sel) for i in range(a, b)) for a, b in chunks]
+    stage_b = [sum(costs[i].bwd + _recompute_s(ctx, costs, i, rec, sel) for i in range(a, b)) for a, b in chunks]
     where = stage_placement(cfg.kind, cfg.pp, cfg.v)
     times, mems, comm, parts, tails = [], [], [], [], []
     host = 0.0
@@ -46,7 +47,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         layers = rank_layers(cfg, rank)
         compute = sum(costs[i].fwd + costs[i].bwd - costs[i].tp_s for i in layers)
         t = sum(costs[i].fwd + costs[i].bwd for i in layers)
-        t_rec = sum(_recompute_s(costs, i, rec, sel) for i in layers)
+        t_rec = sum(_recompute_s(ctx, costs, i, rec, sel) for i in layers)
         tp_bytes = sum(costs[i].tp_bytes + (costs[i].tp_bytes_recompute if i in rec or i in sel else 0.0)
                        for i in layers)
         # pipeline sends: each chunk boundary sends activations forward and gradients backward
@@ -124,10 +125,11 @@ def shared_core_pipeline_time(kind: str, times: list[float], m: int, *, v: int =
     return max(chain, m * sum(times) / len(times))
 
 
-def _recompute_s(costs: list[LayerCost], i: int, rec: frozenset[int], sel: frozenset[int]) -> float:
-    """Seconds layer i spends recomputing per microbatch: its whole forward (full) or its cheap ops (selective)."""
+def _recompute_s(ctx: Context, costs: list[LayerCost], i: int, rec: frozenset[int], sel: frozenset[int]) -> float:
+    """Seconds layer i spends recomputing per microbatch: its whole forward and checkpointing's host
+    cost per op (full), or its cheap ops (selective)."""
     if i in rec:
-        return costs[i].fwd
+        return costs[i].fwd + recompute_host_s(ctx.cluster, ctx.facts[i].ops)
     if i in sel:
         return costs[i].rec_selective
     return 0.0

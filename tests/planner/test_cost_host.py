@@ -77,3 +77,28 @@ def test_calibration_times_cpu_work_times_ranks_per_core_and_not_waits():
     for sleep_s, spin_s in launch(_cpu_time_in_ranks, devices=2, backend="gloo"):
         assert sleep_s < 4 * 2e-3
         assert spin_s == pytest.approx(4 * 0.02, rel=0.05)
+
+
+def test_full_recompute_pays_the_measured_host_cost_per_op_beyond_a_forward():
+    from planner.cost_host import per_recomputed_op, recompute_host_s
+    from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
+    from planner.search import cost_plan
+
+    # hand example: 80 us per recomputed op against 30 us per forward op, 20 ops: 1 ms beyond the forward
+    c = dataclasses.replace(Cluster.cpu(8), op_overhead_s=30e-6, recompute_op_s=80e-6)
+    assert recompute_host_s(c, 20) == pytest.approx(1e-3)
+    assert recompute_host_s(dataclasses.replace(c, recompute_op_s=0.0), 20) == 0.0  # a second forward only
+    # synthetic fit: 4 ms plain, 6 ms with 40 ops checkpointed: 50 us per op; noise below plain: 0
+    assert per_recomputed_op(4e-3, 6e-3, ops=40) == pytest.approx(50e-6)
+    assert per_recomputed_op(4e-3, 3.9e-3, ops=40) == 0.0
+    # in a plan: every block recomputed, one microbatch, one rank's stage: the step grows by the ops'
+    # extra host cost once per microbatch
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    ops = sum(f.ops for f in layer_facts(g, {}) if f.name.startswith("layers."))
+    plan = Plan(mesh=Mesh(pp=1, dp=1, tp=1), stages=[Stage(layers="*")], schedule=Schedule(kind="1f1b", microbatches=1),
+                data_parallel=DataParallel(kind="ddp"), recompute={"layers.*": "full"})
+    base = dataclasses.replace(c, recompute_op_s=0.0, devices_per_node=1, shared_cores=0)
+    a, b = (cost_plan(plan, g, x, validate=False, global_batch=4) for x in (base, dataclasses.replace(base, recompute_op_s=80e-6)))
+    assert b.step_time_s - a.step_time_s == pytest.approx(ops * 50e-6)
+    with pytest.raises(ValueError, match="recompute_op_s must be >= 0"):
+        dataclasses.replace(c, recompute_op_s=-1.0)

@@ -30,6 +30,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert c.peak_flops["fp32"] > 1e8 and c.hbm_bandwidth > 1e8
     assert c.intra_bandwidth > 0 and c.intra_latency >= 0
     assert c.op_overhead_s > 0 and c.optimizer_tensor_s >= 0 and cal.optimizer_tensor_s == c.optimizer_tensor_s
+    assert c.recompute_op_s >= 0 and cal.recompute_op_s == c.recompute_op_s
     assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
     # the host cost per small call, by group size (2 ranks: one group of 2)
     assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
@@ -49,5 +50,5 @@ def test_op_overhead_divides_a_transformers_time_by_the_ops_the_planner_counts()
     # synthetic: 3.7 ms for 49 ops (one forward, two backward each) and 1 MFLOP at 10 GFLOP/s
     assert per_op_overhead(3.7e-3, ops=49, flops=1e6, flops_per_s=1e10) == pytest.approx(3.6e-3 / 147)
     assert per_op_overhead(1e-5, ops=49, flops=1e6, flops_per_s=1e10) == 0.0  # all arithmetic: none left
-    ops, flops = op_model_counts()  # the tiny GPT it is timed on: the planner's own count of its capture
-    assert ops > 20 and flops > 0
+    ops, flops, blocks = op_model_counts()  # the tiny GPT it is timed on: the planner's own count of its capture
+    assert ops > 20 and flops > 0 and 0 < blocks < ops  # its blocks are what the recompute timing checkpoints
