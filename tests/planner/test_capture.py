@@ -3,8 +3,6 @@ blocks, tied parameters and attention shapes are what a planner needs."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -237,20 +235,16 @@ def test_meta_model_costs_nothing_and_gives_the_facts_of_the_real_one(captured):
             == [(x.name, x.flops_fwd, x.flops_bwd, x.saved_bytes, x.output_bytes, x.param_count) for x in graph.layers]
 
 
-def test_capture_is_fast_for_tiny_models():
-    """The runtime re-captures per microbatch shape. CPU time of this process, not wall clock: the
-    test machine is shared, and wall time there measures the neighbours."""
+def test_the_runtimes_capture_skips_the_annotation():
+    """The runtime re-captures per microbatch shape without annotating (its speed is a benchmark,
+    ``benchmarks/capture/bench_capture.py``, not a timed test): same layers, no FLOP facts."""
     case = build("gpt")
     batch = case.make_batch(0, B)
-    capture(case.model, batch, loss_fn=case.loss_fn, annotate=False)  # warm: first export imports a lot
-    start = time.process_time()
     graph = capture(case.model, batch, loss_fn=case.loss_fn, annotate=False)
-    assert time.process_time() - start < 1.0
-    start = time.process_time()
-    capture(case.model, batch, loss_fn=case.loss_fn)
-    assert time.process_time() - start < 1.0
-    assert [layer.name for layer in graph.layers] == LAYERS["gpt"]
+    annotated = capture(case.model, batch, loss_fn=case.loss_fn)
+    assert [layer.name for layer in graph.layers] == [layer.name for layer in annotated.layers] == LAYERS["gpt"]
     assert all(layer.flops_fwd == 0 for layer in graph.layers)
+    assert any(layer.flops_fwd > 0 for layer in annotated.layers)
 
 
 def test_bad_tracer_options_say_what_is_allowed():
