@@ -34,7 +34,7 @@ from torch import nn
 
 from fairscale.arguments import check_all
 from fairscale.build import build_module, predicted_memory
-from fairscale.capture_cache import model_state
+from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
 from fairscale.compile_check import checker_for
 from fairscale.runtime.calibration_cache import cpu_cluster
@@ -66,8 +66,7 @@ def captured(model: nn.Module, example_inputs: Sequence[Any], *,
     The captured graph shares the model's parameters (no copy, and never stale weights); an entry
     lives as long as its model, so the cache neither keeps a dropped model's weights alive nor
     gives a new model at a freed one's address the old capture."""
-    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
-    key = (id(model), shapes, id(loss_fn), model_state(model))  # a changed model is captured anew
+    key = model_key(model, example_inputs, loss_fn)  # a changed model is captured anew
     if key not in _CAPTURES:
         _CAPTURES[key] = capture(model, tuple(example_inputs), loss_fn=loss_fn)
         weakref.finalize(model, _CAPTURES.pop, key, None)

@@ -34,7 +34,7 @@ from torch import nn
 from planner.capture import capture
 from planner.graph import ModelGraph
 
-__all__ = ["rank_capture", "model_state", "batch_key"]
+__all__ = ["rank_capture", "model_state", "batch_key", "model_key"]
 
 _CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -43,6 +43,13 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 def batch_key(batch: Sequence[Any]) -> tuple[Any, ...]:
     """Shapes and dtypes of the batch's tensors, ``repr`` of anything else."""
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
+
+
+def model_key(model: nn.Module, batch: Sequence[Any], loss_fn: Callable[..., Any] | None) -> tuple[Any, ...]:
+    """The key of everything cached per model, batch shapes and loss (this module's captures,
+    ``fairscale.api.captured``, ``fairscale.compile_check.checker_for``): the model's identity and
+    :func:`model_state`, :func:`batch_key`, the loss function's identity."""
+    return id(model), batch_key(batch), id(loss_fn), model_state(model)
 
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
@@ -91,7 +98,7 @@ def rank_capture(model: nn.Module, example: Sequence[Any], *,
     """``planner.capture.capture(model, example, loss_fn=loss_fn, annotate=False)``: the graph a
     rank compiles at the microbatch shape ``example`` has, cached (module docstring). Raises
     ``CaptureError`` as the capture does (a failure is not cached)."""
-    key = (id(model), batch_key(example), id(loss_fn), model_state(model))
+    key = model_key(model, example, loss_fn)
     found = _CAPTURES.get(key)
     if found is None:
         found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False)

@@ -58,7 +58,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fairscale.capture_cache import model_state, rank_capture
+from fairscale.capture_cache import batch_key, model_key, rank_capture
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
@@ -143,7 +143,7 @@ def graph_refusal(graph: ModelGraph, plan: Plan, *,
     alike) and each of :func:`rank_index_sets`; the first failure, or None. ``splits``: programs
     already split from ``graph``, by ``passes.split_key`` (plans that differ only in what the
     split does not read, such as dp or the microbatches, share one), filled in here."""
-    on_meta = any(p.is_meta for p in graph.gm.parameters())
+    on_meta = _on_meta(graph)
     key = split_key(graph, plan) if splits is not None else None
     try:  # the passes never change a program they are given (compile_rank), so sharing one is safe
         program = splits[key] if splits is not None and key in splits else split_program(graph, plan)
@@ -234,7 +234,7 @@ class CompileChecker:
         ATen on a copy; ``graph`` is left as it is). Otherwise nothing changes."""
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in self.example_inputs]
         if (_on_meta(graph) and graph.tracer == "fx" and "annotate_runs" in graph.extra
-                and graph.extra.get("input_shapes") == shapes and _shape_key(self.example_inputs) not in self._graphs):
+                and graph.extra.get("input_shapes") == shapes and batch_key(self.example_inputs) not in self._graphs):
             self._planned = graph
 
     def graph_for(self, plan: Plan) -> ModelGraph | Refusal:
@@ -247,9 +247,9 @@ class CompileChecker:
                                   f"microbatches({plan.schedule.microbatches}) = {split} equal microbatches",
                            hint="choose schedule.microbatches and mesh.dp whose product divides the global batch")
         example = microbatch_example(self.example_inputs, gb // split)
-        key = _shape_key(example)
+        key = batch_key(example)
         if key not in self._graphs:
-            planned = self._planned if key == _shape_key(self.example_inputs) else None
+            planned = self._planned if key == batch_key(self.example_inputs) else None
             if planned is not None:  # what _capture would trace, traced already (adopt)
                 graph = copy.copy(planned)
                 graph.extra, graph.gm = dict(planned.extra), to_aten(planned.gm)
@@ -290,8 +290,7 @@ def checker_for(model: nn.Module, example_inputs: Sequence[Any], *,
     search, ``parallelize`` and ranks forked after either ran). An entry lives as long as its
     model, so a new model at a freed one's address never meets the old verdicts. ``graph``: the
     capture of the same model, batch and loss that the caller plans with (:meth:`CompileChecker.adopt`)."""
-    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
-    key = (id(model), shapes, id(loss_fn), model_state(model))  # a changed model is checked anew
+    key = model_key(model, example_inputs, loss_fn)  # a changed model is checked anew
     found = _CHECKERS.get(key)
     if found is None or found._model() is not model:
         found = _CHECKERS[key] = CompileChecker(model, example_inputs, loss_fn=loss_fn)
@@ -322,10 +321,6 @@ def _plan_key(plan: Plan) -> str:
     for volatile in ("predicted", "model", "cluster"):
         data.pop(volatile, None)
     return json.dumps(data, sort_keys=True, default=str)
-
-
-def _shape_key(batch: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in batch)
 
 
 def _on_meta(graph: ModelGraph) -> bool:
