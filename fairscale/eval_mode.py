@@ -19,8 +19,8 @@ computes (:func:`passes.eval_mode.eval_difference`). A model whose Python code b
 two modes part; evaluate such a model in one process.
 
 Costs: the proof captures the model once more, in eval mode (the training capture is the rank's
-own, cached), once per module; each evaluation is a forward of the schedule. The batch has the training batch's size (the rank graphs
-are compiled for its microbatch shape).
+own, cached), once per module; each evaluation is a forward of the schedule. The batch has the
+training batch's size (the rank graphs are compiled for its microbatch shape).
 """
 
 from __future__ import annotations
@@ -43,15 +43,13 @@ class EvalModeError(ValueError):
     ``self.training``), so the compiled ranks cannot evaluate it."""
 
 
-def _capture_in_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
-                     training: bool | None) -> torch.fx.GraphModule:
-    """The rank's capture of ``model`` (:func:`fairscale.capture_cache.rank_capture`: the one its
-    stages were compiled from, for ``None``) with every module in eval mode (``training=False``)
-    or as it is (None); each module's own flag is restored afterwards."""
+def _capture_in_eval_mode(model: nn.Module, example: Sequence[Any],
+                          loss_fn: Callable[..., torch.Tensor] | None) -> torch.fx.GraphModule:
+    """:func:`fairscale.capture_cache.rank_capture` of ``model`` with every module in eval mode;
+    each module's own flag is restored afterwards."""
     flags = {m: m.training for m in model.modules()}
     try:
-        if training is False:
-            model.eval()
+        model.eval()
         return rank_capture(model, example, loss_fn=loss_fn).gm
     finally:
         for m, flag in flags.items():
@@ -66,8 +64,8 @@ def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule])
         raise RuntimeError("pm.evaluate checks the model's eval-mode code against its capture, and the model is "
                            "gone: keep a reference to the model passed to fairscale.parallelize while training")
     example, loss_fn = microbatch_example(program.example_inputs, program.microbatch_rows), program.loss_fn
-    reason = eval_difference(_capture_in_mode(model, example, loss_fn, None),
-                             _capture_in_mode(model, example, loss_fn, False))
+    reason = eval_difference(rank_capture(model, example, loss_fn=loss_fn).gm,  # the one the stages came from
+                             _capture_in_eval_mode(model, example, loss_fn))
     if reason is not None:
         raise EvalModeError(f"pm.evaluate cannot run {type(model).__name__} in eval mode from its training graph: "
                             f"{reason}. Its Python code takes another path when self.training is False; evaluate "

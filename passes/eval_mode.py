@@ -34,6 +34,7 @@ import torch.fx
 
 from passes.graph_utils import clone_graph_module
 from passes.ops import bn_ops, tp_ops
+from passes.tp.rewrite import source_of
 
 __all__ = ["EVAL_RULES", "eval_graph", "eval_difference"]
 
@@ -154,15 +155,15 @@ def eval_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return out
 
 
-def _signature(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
-    """The graph's computation in order, with values named by position (node names differ between
-    captures): what two captures of one model in one mode agree on."""
+def _signature(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
+    """The graph's computation in order, each node with its call, values named by position (node
+    names differ between captures): what two captures of one model in one mode agree on."""
     index: dict[torch.fx.Node, int] = {}
 
     def norm(a: Any) -> Any:
         return torch.fx.node.map_arg(a, lambda n: ("%", index[n]))
 
-    out: list[tuple[Any, ...]] = []
+    out: list[tuple[torch.fx.Node, tuple[Any, ...]]] = []
     for node in gm.graph.nodes:
         if node.target in _LAYOUT_ONLY:  # the value of its input: a kernel's output layout may differ by mode
             index[node] = index[node.args[0]]
@@ -170,7 +171,7 @@ def _signature(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
         index[node] = len(out)
         target = node.target if node.op in ("call_function", "call_method", "get_attr", "call_module") else None
         args, kwargs = _with_defaults(node)
-        out.append((node.op, str(target), norm(args), norm(kwargs)))
+        out.append((node, (node.op, str(target), norm(args), norm(kwargs))))
     return out
 
 
@@ -199,27 +200,16 @@ def eval_difference(train: torch.fx.GraphModule, evaluated: torch.fx.GraphModule
     """None when ``train`` (a capture in training mode), rewritten by :func:`eval_graph`, computes
     what ``evaluated`` (a capture of the same model in eval mode) does; else where they part: the
     model's Python code takes another path in eval mode (``if self.training: ...``)."""
-    ga, gb = eval_graph(train), eval_graph(evaluated)
-    a, b = _signature(ga), _signature(gb)
-    nodes_a, nodes_b = _compared(ga), _compared(gb)
-    for i, (x, y) in enumerate(zip(a, b)):
+    a, b = _signature(eval_graph(train)), _signature(eval_graph(evaluated))
+    for (node_a, x), (node_b, y) in zip(a, b):
         if x != y:
-            return f"in training mode it runs {_describe(nodes_a[i])}, in eval mode {_describe(nodes_b[i])}"
+            return f"in training mode it runs {_describe(node_a)}, in eval mode {_describe(node_b)}"
     if len(a) != len(b):
-        longer, nodes = (nodes_a, "training") if len(a) > len(b) else (nodes_b, "eval")
-        return f"only in {nodes} mode it runs {_describe(longer[min(len(a), len(b))])}"
+        longer, mode = (a, "training") if len(a) > len(b) else (b, "eval")
+        return f"only in {mode} mode it runs {_describe(longer[min(len(a), len(b))][0])}"
     return None
 
 
-def _compared(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes :func:`_signature` lists, in its order."""
-    return [n for n in gm.graph.nodes if n.target not in _LAYOUT_ONLY]
-
-
 def _describe(node: torch.fx.Node) -> str:
-    where = ""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    if lines:
-        where = f" ({lines[-1]})"
-    return f"{node.op} {getattr(node.target, '__name__', node.target)}{where}"
+    """The op and the user's source line that made it (``passes.tp.rewrite.source_of``)."""
+    return f"{node.op} {getattr(node.target, '__name__', node.target)}{source_of(node)}"

@@ -97,7 +97,6 @@ def rendezvous(what: str, *, timeout_s: float | None = None) -> None:
                   f"to finish {what}", file=sys.stderr, flush=True)
 
 
-
 def broadcast_from_zero(box: list[Any], what: str) -> None:
     """``dist.broadcast_object_list(box, src=0)`` after global rank 0 finished ``what`` (its slow
     work whose result ``box`` carries). Every rank waits for every other under the startup deadline
