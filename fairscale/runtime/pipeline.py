@@ -211,14 +211,7 @@ class PipelineExecutor:
         """The mean loss of ``batch`` without backward (the forwards of the schedule alone, in
         microbatch order); same value on every rank, averaged over ``dp_axis`` replicas.
         ``weights``: each microbatch's weight, as for :meth:`step`."""
-        m = self.schedule.microbatches
-        if weights is not None and len(weights) != m:
-            raise ValueError(f"{len(weights)} microbatch weights for {m} microbatches")
-        micro = split_microbatches(batch, m, self.program, self.local_stages)
-        self._weights = list(weights) if weights is not None else None
-        if not self._shaken:
-            self._links.handshake()
-            self._shaken = True
+        micro = self._microbatches(batch, weights)
         self._run(self._eval_batched, micro, "eval", evaluation=True)
         return self._finish("eval")
 
@@ -230,14 +223,7 @@ class PipelineExecutor:
         ``weights``: each microbatch's weight in this replica's loss (default ``1 / microbatches``
         each); the step's loss is ``sum(weights[i] * loss_i)`` averaged over dp. A token-mean loss
         whose microbatches count different numbers of labels needs them (``passes.loss_weights``)."""
-        m = self.schedule.microbatches
-        if weights is not None and len(weights) != m:
-            raise ValueError(f"{len(weights)} microbatch weights for {m} microbatches")
-        self._weights = list(weights) if weights is not None else None
-        micro = split_microbatches(batch, m, self.program, self.local_stages)
-        if not self._shaken:
-            self._links.handshake()
-            self._shaken = True
+        micro = self._microbatches(batch, weights)
         self.trace = StepTrace(start=time.perf_counter())
         where = f"step {self._step_count}"
         self._step_count += 1
@@ -247,6 +233,20 @@ class PipelineExecutor:
         out = self._finish(where)
         self.trace.end = time.perf_counter()
         return out
+
+    def _microbatches(self, batch: Sequence[Any], weights: Sequence[float] | None) -> list[tuple[Any, ...]]:
+        """What :meth:`step` and :meth:`eval_step` start with: ``batch`` cut into the schedule's
+        microbatches, their ``weights`` kept for the loss, and the neighbours' boundary handshake
+        on the first call."""
+        m = self.schedule.microbatches
+        if weights is not None and len(weights) != m:
+            raise ValueError(f"{len(weights)} microbatch weights for {m} microbatches")
+        self._weights = list(weights) if weights is not None else None
+        micro = split_microbatches(batch, m, self.program, self.local_stages)
+        if not self._shaken:
+            self._links.handshake()
+            self._shaken = True
+        return micro
 
     def _run(self, program: Sequence[Action | CommBatch], micro: list[tuple[Any, ...]], where: str, *,
              evaluation: bool) -> None:
