@@ -197,8 +197,8 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                         source="search")
     if not found.best:
         raise no_feasible_plan(ctx, graph, fixed, found.mem_fail, found.closest, cuts, rec, sel)
-    ranked = sorted(found.best.values(), key=lambda v: (v[0], v[1]))[: top_k + 1]
-    win = ranked[0][2]
+    ranked = [b for _, b in _ranked(found.best)][: top_k + 1]
+    win = ranked[0]
     full = _best_on_all_devices(ctx, found, cuts, rec, sel) if win.devices < cluster.devices else None
     if full is None and win.devices < cluster.devices:  # perhaps only pipelines shorter than their stages fill them
         more, _ = enumerate_configs(graph, ctx, fixed, rules, cuts, short_pipelines=True)
@@ -215,7 +215,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
 
     if compiles is None:
         out = [Candidate(plan=plan_of(b), breakdown=b, reason="" if b is win else loss_reason(b, win))
-               for _, _, b in ranked]
+               for b in ranked]
         return SearchResult(best=out[0], runners_up=out[1:], considered=len(cands), evaluated=found.evaluated,
                             elapsed_s=time.perf_counter() - start)
     accepted, refused, extra_costed = _check_compiles(ctx, cands, found, top_k if check_runners_up else 0, cuts,
@@ -223,13 +223,11 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     if not accepted:
         raise NoCompilablePlan(refused)
     if not check_runners_up:  # the next-best meshes, costed but not compiled
-        gone = {(c.breakdown.config.pp, c.breakdown.config.dp, c.breakdown.config.tp)  # type: ignore[union-attr]
-                for c in accepted + refused}
-        for _, _, b in sorted(found.best.values(), key=lambda v: (v[0], v[1])):
-            assert b.config is not None
+        gone = {_mesh(c.breakdown) for c in accepted + refused}
+        for mesh, b in _ranked(found.best):
             if len(accepted) == top_k + 1:
                 break
-            if (b.config.pp, b.config.dp, b.config.tp) not in gone:
+            if mesh not in gone:
                 accepted.append(Candidate(plan=plan_of(b), breakdown=b, checked=False))
     win = accepted[0].breakdown
     for c in accepted[1:]:
@@ -349,6 +347,18 @@ def _idle_reason(ctx: Context, b: Breakdown, full: Breakdown | None) -> str:
             f"m={c.microbatches}) is {loss_reason(full, b)}")
 
 
+def _ranked(best: dict[tuple[int, int, int], tuple[float, tuple[object, ...], Breakdown]]) \
+        -> list[tuple[tuple[int, int, int], Breakdown]]:
+    """``_Found.best``'s meshes and their best plans, fastest first (ties in the search's order)."""
+    return [(mesh, b) for mesh, (_, _, b) in sorted(best.items(), key=lambda kv: (kv[1][0], kv[1][1]))]
+
+
+def _mesh(b: Breakdown) -> tuple[int, int, int]:
+    """The (pp, dp, tp) mesh of a costed plan: its key in ``_Found.best``."""
+    assert b.config is not None
+    return b.config.pp, b.config.dp, b.config.tp
+
+
 def _check_compiles(ctx: Context, cands: list[Config], found: _Found, top_k: int, cuts: tuple[int, ...] | None,
                     rec: frozenset[int] | None, sel: frozenset[int], plan_of: Callable[[Breakdown], Plan],
                     compiles: Compiles) -> tuple[list[Candidate], list[Candidate], int]:
@@ -368,9 +378,7 @@ def _check_compiles(ctx: Context, cands: list[Config], found: _Found, top_k: int
     evaluated = 0
     best = found.best
     while True:
-        for _, _, b in sorted(best.values(), key=lambda v: (v[0], v[1])):
-            assert b.config is not None
-            mesh = (b.config.pp, b.config.dp, b.config.tp)
+        for mesh, b in _ranked(best):
             if mesh in skip or any(c.breakdown is b for c in accepted):
                 continue
             plan = plan_of(b)
