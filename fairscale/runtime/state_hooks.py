@@ -28,9 +28,13 @@ def has_state_dict_hooks(model: nn.Module) -> bool:
 
 def apply_state_dict_hooks(model: nn.Module, gathered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as it would be with ``gathered`` (user parameter and buffer names ->
-    tensors) as its tensors: the hooks' keys and values. ``gathered`` itself when no hook is set."""
+    tensors) as its tensors: the hooks' keys and values, and no non-persistent buffer (Hugging
+    Face BERT's ``position_ids``), which ``state_dict()`` leaves out and ``load_state_dict``
+    refuses. Without hooks, ``gathered`` less those buffers."""
     if not has_state_dict_hooks(model):
-        return gathered
+        skip = {f"{path}.{name}" if path else name for path, m in model.named_modules(remove_duplicate=False)
+                for name in m._non_persistent_buffers_set}
+        return {k: v for k, v in gathered.items() if k not in skip} if skip else gathered
     with _swapped(model, gathered):
         out = model.state_dict()
     missing = {k: v for k, v in gathered.items() if k not in out and not _is_own(model, k)}

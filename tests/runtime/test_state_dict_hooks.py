@@ -70,3 +70,33 @@ def test_state_dict_runs_the_models_hooks() -> None:
     fresh = Net()
     fresh.load_state_dict(trained)  # the model's own loader takes what pm saved
     assert torch.equal(fresh.attn.qkv.weight[:16], trained["attn.q.weight"])
+
+
+class WithPositions(nn.Module):
+    """A non-persistent buffer, as Hugging Face BERT registers ``position_ids``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(6).float(), persistent=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.positions[:, None]).mean(1)
+
+
+def _positions_rank(rank: int, world: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = WithPositions()
+    batch = (torch.randn(4, 6, 16), torch.randint(0, 4, (4,)))
+    pm = fairscale.parallelize(model, example_inputs=batch, loss_fn=F.cross_entropy,
+                               constraints={"mesh": {"dp": 2}})
+    pm.train_step(batch)
+    return sorted(model.state_dict()), pm.state_dict()
+
+
+def test_state_dict_leaves_out_non_persistent_buffers_as_the_model_does() -> None:
+    """Before: pm.state_dict() held them, and ``model.load_state_dict`` refused the result
+    ("Unexpected key(s)": found on Hugging Face BERT with its default config)."""
+    keys, trained = fairscale.launch(_positions_rank, devices=2)[0]
+    assert sorted(trained) == keys == ["head.bias", "head.weight"]
+    WithPositions().load_state_dict(trained)  # strict
