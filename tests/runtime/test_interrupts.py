@@ -25,8 +25,10 @@ SCRIPT = textwrap.dedent("""
     import fairscale
 
     def forever(rank, world, pids):
-        with open(os.path.join(pids, str(rank)), "w") as f:
+        path = os.path.join(pids, str(rank))
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # the test never sees a created but empty file
         while True:
             time.sleep(0.05)
 
@@ -36,11 +38,18 @@ SCRIPT = textwrap.dedent("""
 
 RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+    path = os.path.join(sys.argv[1], os.environ["RANK"])
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # the test never sees a created but empty file
     while True:
         time.sleep(0.05)
 """)
+
+
+def _written(pids: Path) -> list[Path]:
+    """The ranks' pid files written so far (each appears whole: written aside, then renamed)."""
+    return [p for p in pids.iterdir() if p.suffix != ".tmp"]
 
 
 def _alive(pid: int) -> bool:
@@ -69,10 +78,10 @@ def test_a_signal_to_the_launcher_alone_stops_every_rank(tmp_path: Path, sig: si
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own group: the signal goes to the launcher alone
     deadline = time.monotonic() + 60
-    while len(list(pids.iterdir())) < 3:
+    while len(_written(pids)) < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
         time.sleep(0.05)
-    ranks = [int(p.read_text()) for p in pids.iterdir()]
+    ranks = [int(p.read_text()) for p in _written(pids)]
     sent = time.monotonic()
     proc.send_signal(sig)
     proc.wait(timeout=30)  # its own exit (interpreter teardown) is slow on a loaded machine
