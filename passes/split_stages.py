@@ -49,6 +49,7 @@ from torch import nn
 from passes.tp.functionalize import is_inplace
 from passes.layout import META_LAYOUT, ParamLayout
 from passes.program import StagedProgram, StageGraph, ValueSpec
+from planner.fx_module import graph_module
 from planner.graph import META_LAYER, META_PARAM, ModelGraph
 from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
@@ -369,7 +370,7 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], rec
     graph.output(tuple(env[v] for v in send))
     graph.eliminate_dead_code()  # e.g. a rotary table computed here but only recomputed by later stages
     graph.lint()
-    stage_gm = torch.fx.GraphModule(root, graph, class_name=f"Stage{s}")
+    stage_gm = graph_module(root, graph, class_name=f"Stage{s}")
     used = {str(node.target) for node in graph.nodes if node.op == "get_attr"}
     layout.keys = {t: k for t, k in layout.keys.items() if t in used}
     stage_gm.meta[META_LAYOUT] = layout

@@ -28,6 +28,8 @@ import torch.fx
 from torch.fx.proxy import ParameterProxy
 from torch import nn
 
+from planner.fx_module import graph_module
+
 __all__ = ["export_trace", "fx_trace", "failure_site", "failure_owner", "fx_supports", "Failure", "META_FX_LEAVES"]
 
 META_FX_LEAVES = "fs_fx_leaves"
@@ -157,7 +159,7 @@ def fx_trace(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_in
                 leaves = leaves + (type(failed),)
                 continue
             raise
-        gm = torch.fx.GraphModule(tracer.root, graph, root.__class__.__name__)
+        gm = graph_module(tracer.root, graph, root.__class__.__name__)
         gm.meta[META_FX_LEAVES] = [t.__qualname__ for t in leaves]
         return gm
     raise RuntimeError(f"torch.fx kept failing inside torch.nn modules; leaves tried: {leaves}")

@@ -27,12 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.fx
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
 from fairscale.runtime import watchdog
 from fairscale.runtime.device import collective_device
@@ -113,6 +109,9 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, optimizer: Any = None,
                     mesh: DeviceMesh | None = None) -> Path:
     """Save parameters (and optimizer state) of this rank's graph to the directory ``path``. Collective."""
+    import torch.distributed.checkpoint as dcp  # (imported here, not at the top: ~1 s that planning never needs)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = Path(path)
     mesh = mesh or dp_mesh()
     tmp = path.with_name(path.name + ".tmp")
@@ -138,6 +137,10 @@ def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, o
 def load_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, optimizer: Any = None,
                     mesh: DeviceMesh | None = None) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` at any dp size into this rank's graph. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.tensor import DTensor, Shard
+
     where = checkpoint_path(path)
     mesh = mesh or dp_mesh()
     reader = dcp.FileSystemReader(str(where))

@@ -30,8 +30,6 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from fairscale.runtime.checkpoint import checkpoint_path, commit_checkpoint
 from fairscale.runtime.mesh import RankMesh
@@ -110,6 +108,8 @@ def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: Ra
          tied: list[list[str]]) -> Path:
     """Save model and optimizer state of a rank's ``stages`` in the user's keys to the directory
     ``path`` (``tied``: groups of keys naming one tensor). Collective."""
+    import torch.distributed.checkpoint as dcp  # (imported here, not at the top: ~1 s that planning never needs)
+
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
@@ -127,6 +127,9 @@ def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: Ra
 
 def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:
     """Load a checkpoint written by :func:`save` under any plan into a rank's ``stages``. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     reader = dcp.FileSystemReader(str(checkpoint_path(path)))
     meta = reader.read_metadata().state_dict_metadata
     template: dict[str, Any] = {}

@@ -25,18 +25,21 @@ covers dp only (a tp > 1 checkpoint needs 2-D placements; the engine's checkpoin
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from passes.ops import comm
 from planner.modpath import fetch_attr as resolve  # the one dotted-path reader
 from passes.layout import INSIDE_DP, ParamLayout, find_layout
 from passes.dp.info import DataParallelInfo, find_dp_info
+
+if TYPE_CHECKING:  # DTensor (and torch.distributed.checkpoint, in the savers) are imported where used:
+    # they cost about a second at import, and planning (fairscale plan, fairscale.plan) never uses them
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["full_state_dict", "full_grads", "local_grads", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",
            "local_tensors", "param_layout", "tied_aliases", "held_keys", "gather_tensor_shard",
@@ -202,6 +205,8 @@ def held_keys(gm: torch.fx.GraphModule) -> list[str]:
 
 def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """This rank's ``torch.chunk`` piece of ``full`` along dim 0, as a DTensor Shard(0) on ``mesh``."""
+    from torch.distributed.tensor import DTensor, Shard
+
     return DTensor.from_local(_chunk0(full, mesh), mesh, [Shard(0)], run_check=False,
                               shape=full.shape, stride=full.contiguous().stride())
 
@@ -228,6 +233,8 @@ def sharded_state_dict(gm: torch.fx.GraphModule, mesh: DeviceMesh, *, optimizer:
 @torch.no_grad()
 def load_sharded_state_dict(gm: torch.fx.GraphModule, state: dict[str, Any], *, optimizer: Any = None) -> None:
     """Inverse of :func:`sharded_state_dict` (DTensors may come from another dp size)."""
+    from torch.distributed.tensor import DTensor
+
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
     load_full_state_dict(gm, {k: v for k, v in full.items() if not k.startswith("optim.")})
     if optimizer is not None:

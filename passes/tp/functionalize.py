@@ -25,6 +25,8 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from planner.fx_module import graph_module
+
 __all__ = ["functionalize_inplace", "functional_of", "is_inplace"]
 
 aten = torch.ops.aten
@@ -106,6 +108,6 @@ def functionalize_inplace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if not changed:
         return gm
     graph.lint()
-    out = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = graph_module(gm, graph, class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,7 @@ import torch.fx
 from torch.fx import Node
 
 from passes.split_stages import META_STAGE, META_STAGES
+from planner.fx_module import graph_module
 from planner.graph import META_LAYER, META_MODULE, META_PARAM
 
 __all__ = ["needs_normalizing", "to_aten"]
@@ -88,9 +90,26 @@ def needs_normalizing(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+_DONE: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[int, int, torch.fx.GraphModule]] = \
+    weakref.WeakKeyDictionary()
+
+
 def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` with its torch-level nodes retraced to ATen (see the module docstring); ``gm``
-    itself when it has none. Parameters are shared with ``gm``; ``gm.meta`` is copied."""
+    itself when it has none. Parameters are shared with ``gm``; ``gm.meta`` is copied.
+
+    The copy is made once per graph and shared (the TP detector and the planner's compile check
+    both bring the search's capture to ATen): callers must not change it, as no pass does."""
+    done = _DONE.get(gm)
+    if done is not None and done[:2] == (id(gm.graph), len(gm.graph.nodes)):
+        return done[2]
+    out = _to_aten(gm)
+    if out is not gm:  # (a value holding its own key would never be collected)
+        _DONE[gm] = (id(gm.graph), len(gm.graph.nodes), out)
+    return out
+
+
+def _to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if not needs_normalizing(gm):
         return gm
     graph = torch.fx.Graph()
@@ -109,7 +128,7 @@ def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     _linear_from_transposed_weights(graph)
     _drop_dead_shape_math(graph)
     graph.lint()
-    out_gm = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out_gm = graph_module(gm, graph, class_name=type(gm).__name__)
     out_gm.meta = dict(gm.meta)
     return out_gm
 

@@ -101,8 +101,11 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
     try:
         gm = _prepared(gm)
         styles = _detect(gm, out)
-        if verify and tp > 1:
+        if verify and tp > 1 and not _accepted_at_multiple(gm, styles, tp, sequence_parallel):
+            proposed = dict(styles)
             _verify(gm, styles, tp, sequence_parallel, out)
+            if styles == proposed:
+                _ACCEPTED.setdefault(gm, {}).setdefault(_styles_key(styles, sequence_parallel), set()).add(tp)
         if _drop_inapplicable(gm, styles, out) and verify and tp > 1:
             _verify(gm, styles, tp, sequence_parallel, out)  # what is left, without the dropped partners
         paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
@@ -120,6 +123,28 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
 
 
 _PREPARED: weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule] = weakref.WeakKeyDictionary()
+
+
+_ACCEPTED: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[tuple[Any, ...], set[int]]] = \
+    weakref.WeakKeyDictionary()
+"""Prepared graph -> (proposal, sequence parallel) -> the tp degrees at which the pass accepted the
+whole proposal (nothing dropped)."""
+
+
+def _styles_key(styles: dict[str, str], sp: bool) -> tuple[Any, ...]:
+    return (sp, tuple(sorted(styles.items())))
+
+
+def _accepted_at_multiple(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool) -> bool:
+    """Whether the pass accepted this whole proposal at a multiple T of ``tp``, which the detector
+    then takes for ``tp`` without running the pass again (the search asks for the largest degree
+    first, so a 128-block model is rewritten once instead of once per degree). The rewrite depends
+    on the degree through which dims divide by it, and what divides by T divides by ``tp``; a dim
+    that divides by ``tp`` but not by T can lead the pass another way, so this is a shortcut for
+    proposing, not a proof: the plan the search chooses is compiled at its own degree before it is
+    returned (and again before it runs), and a refusal there rules its mesh out."""
+    done = _ACCEPTED.get(gm, {}).get(_styles_key(styles, sp), set())
+    return any(t % tp == 0 for t in done)
 
 
 def _prepared(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -47,8 +47,9 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
     c = ctx.cluster
     N, L, B = c.devices, len(ctx.facts), ctx.global_batch
     notes: list[str] = []
-    allowed_tp = [t for t in range(1, min(c.devices_per_node, N) + 1)
-                  if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t)]
+    # largest degree first: a detector that checked its rules at T may reuse that check at T's divisors
+    allowed_tp = sorted(t for t in range(min(c.devices_per_node, N), 0, -1)
+                        if N % t == 0 and c.devices_per_node % t == 0 and tp_allowed(graph, rules(t), t))
     if fixed.tp is not None and fixed.tp not in allowed_tp:
         why = tp_refusal(graph, rules(fixed.tp), fixed.tp, devices=N, per_node=c.devices_per_node)
         raise PlanError([f"mesh.tp: tp={fixed.tp} is not possible here; allowed degrees are {allowed_tp} ({why})"],

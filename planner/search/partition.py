@@ -173,44 +173,56 @@ def partition_dp(seg: SegFn, n_layers: int, stages: int) -> tuple[float, tuple[i
     return best[S][L], tuple(reversed(cuts))
 
 
-def _greedy(seg: SegFn, L: int, S: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
+def _greedy(seg: SegFn, L: int, S: int, limit: float) -> tuple[float, tuple[int, ...] | None]:
+    """Each stage in turn takes as many layers as fit under ``limit``. Returns (the worst segment,
+    the cuts) when that places all ``L`` layers on ``S`` stages; else (the least segment time above
+    ``limit`` met on the way, None): the greedy packs the same way, and fails, under every limit
+    below it (segment times grow with the segment), so the optimum is at least that."""
+    cap = min(limit, _BIG)
     cuts = [0]
-    worst = 0.0
+    worst, above = 0.0, INF
     s = 0
     for k in range(S):
         lo, hi = s + 1, L - (S - k - 1)
-        if lo > hi or not seg(s, lo, k) <= min(limit, _BIG):
-            return None
+        if lo > hi:
+            return above, None
+        first = seg(s, lo, k)
+        if not first <= cap:
+            return min(above, first), None
+        top = hi
         while lo < hi:  # largest e in [lo, hi] with seg(s, e, k) <= limit (and finite)
             mid = (lo + hi + 1) // 2
-            if seg(s, mid, k) <= min(limit, _BIG):
+            if seg(s, mid, k) <= cap:
                 lo = mid
             else:
                 hi = mid - 1
         worst = max(worst, seg(s, lo, k))
+        if lo < top:  # one more layer would have exceeded the limit
+            above = min(above, seg(s, lo + 1, k))
         cuts.append(lo)
         s = lo
-    return (worst, tuple(cuts)) if s == L else None
+    return (worst, tuple(cuts)) if s == L else (above, None)
 
 
 def partition_fast(seg: SegFn, n_layers: int, stages: int, *, lower: float = 0.0,
                    rel_tol: float = 1e-4) -> tuple[float, tuple[int, ...]]:
     """Min-max partition by bisection on the bottleneck with a greedy check; the bottleneck is
-    within ``rel_tol`` of the optimum. ``lower`` is any lower bound (e.g. total time / stages)."""
+    within ``rel_tol`` of the optimum. ``lower`` is any lower bound (e.g. total time / stages). A
+    failed check raises the lower bound to the least segment time that could change the greedy's
+    packing, so the bisection mostly ends on the optimum itself in a few steps."""
     if stages > n_layers:
         return INF, ()
-    found = _greedy(seg, n_layers, stages, INF)
-    if found is None:
+    hi, cuts = _greedy(seg, n_layers, stages, INF)
+    if cuts is None:
         return INF, ()
-    hi, cuts = found
     lo = lower
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
-        got = _greedy(seg, n_layers, stages, mid)
-        if got is None:
-            lo = mid
+        got, found = _greedy(seg, n_layers, stages, mid)
+        if found is None:
+            lo = max(mid, min(got, hi))
         else:
-            hi, cuts = got
+            hi, cuts = got, found
     return hi, cuts
 
 
