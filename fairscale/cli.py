@@ -41,6 +41,7 @@ from torch import nn
 
 from planner.api import resolve_cluster
 from planner.capture import CaptureError, capture
+from planner.gc_budget import fewer_collections
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
@@ -470,6 +471,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``fairscale`` command line; return the exit code."""
+    with fewer_collections():  # the user's factory builds the model in here too (planner.gc_budget)
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse's usage errors (2) and --help (0), as a return value

@@ -25,6 +25,7 @@ from typing import Any, Callable, TextIO
 
 from planner.cluster import Cluster
 from planner.cost import CostOptions
+from planner.gc_budget import fewer_collections
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.search import Compiles, SearchResult, search
@@ -80,6 +81,7 @@ def resolve_cluster(cluster: ClusterSpec = None, *, devices: int | None = None) 
     return cluster.with_devices(devices)
 
 
+@fewer_collections()
 def plan_for(graph: ModelGraph, cluster: ClusterSpec = None, *, devices: int | None = None,
              global_batch: int | None = None, constraints: dict[str, Any] | Plan | None = None,
              tp_rules: dict[str, str] | Callable[[int], dict[str, str]] | None = None, dtype: str | None = None,

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from planner.annotate import AnnotateError, annotate_graph
 from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
+from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph
 from planner.replicate import replica_map
 from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
@@ -147,6 +148,7 @@ def _strip(path: str) -> str:
     return path[len(_PREFIX):] if path.startswith(_PREFIX) else path
 
 
+@fewer_collections()
 def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
             annotate: bool = True, tracer: Tracer = "auto", leaf_modules: Sequence[type] = (),
             concrete_args: dict[str, Any] | None = None, replicate: bool = True) -> ModelGraph:

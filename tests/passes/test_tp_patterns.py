@@ -79,3 +79,32 @@ def test_indivisible_sizes_are_noted_not_proposed() -> None:
     proposal = propose_tp_rules(g.gm, tp=3)
     assert proposal.rules == {}
     assert any("does not divide by tp=3" in n for n in proposal.notes)
+
+
+def test_a_proposal_accepted_at_a_degree_is_not_rewritten_again_at_its_divisors(monkeypatch) -> None:
+    """The search asks for the largest degree first: a proposal the pass took whole at tp=4 is
+    taken at tp=2 without a second rewrite; one it cut down at tp=4 (GQA's 2 KV heads) is checked
+    again at tp=2, where it is kept whole."""
+    import passes.tp.shard_tensor_parallel as stp
+    from fairscale.testing.models import build
+
+    calls: list[int] = []
+    real = stp.check_tensor_parallel
+
+    def counting(gm, plan, *, tp_size, **kw):
+        calls.append(tp_size)
+        return real(gm, plan, tp_size=tp_size, **kw)
+
+    def fresh(family: str) -> torch.fx.GraphModule:  # a capture of its own: what was checked is kept per graph
+        case = build(family)
+        return capture(case.model, case.make_batch(0, 2), loss_fn=case.loss_fn).gm
+
+    monkeypatch.setattr(stp, "check_tensor_parallel", counting)
+    gpt2 = fresh("gpt2")
+    at4, at2 = propose_tp_rules(gpt2, tp=4), propose_tp_rules(gpt2, tp=2)
+    assert calls == [4] and at4.rules == at2.rules and at2.notes == [] and at2.rules
+    calls.clear()
+    llama = fresh("llama")
+    cut, whole = propose_tp_rules(llama, tp=4), propose_tp_rules(llama, tp=2)
+    assert calls[0] == 4 and calls[-1] == 2  # cut down at 4, so checked again at 2
+    assert len(whole.rules) > len(cut.rules) and whole.notes == []
