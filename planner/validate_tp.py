@@ -5,8 +5,9 @@ and experts split over tp and ep at once. Called by ``planner.validate.validate_
 from __future__ import annotations
 
 import re
+import weakref
 
-from planner.graph import META_PARAM, ModelGraph
+from planner.graph import META_PARAM, Layer, ModelGraph
 from planner.messages import json_path_key
 from planner.plan import Plan
 from planner.selectors import Selector, format_layers
@@ -132,19 +133,34 @@ def _check_heads(plan: Plan, graph: ModelGraph, parsed: list[tuple[str, Selector
     problems.extend(heads_problems(graph, parsed, plan.mesh.tp))
 
 
+_ATTENTION_MODULES: dict[int, list[tuple[Layer, list[str]]]] = {}  # id(graph) -> while the graph lives
+
+
+def _attention_modules(graph: ModelGraph) -> list[tuple[Layer, list[str]]]:
+    """Each layer with attention, and the modules whose sharding splits its heads: those inside its
+    attention module (an MLP-only rule splits no heads), or inside the layer when no module is
+    named like one. Per graph (the search asks at every tp degree)."""
+    if id(graph) not in _ATTENTION_MODULES:
+        found = []
+        for layer in graph.layers:
+            if not layer.attention:
+                continue
+            inside = [m for m in graph.modules if m == layer.name or m.startswith(layer.name + ".")]
+            roots = [m for m in inside if _ATTENTION.search(graph.modules[m])]
+            if roots:
+                inside = [m for m in inside if any(m == r or m.startswith(r + ".") for r in roots)]
+            found.append((layer, inside))
+        _ATTENTION_MODULES[id(graph)] = found
+        weakref.finalize(graph, _ATTENTION_MODULES.pop, id(graph), None)
+    return _ATTENTION_MODULES[id(graph)]
+
+
 def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], tp: int) -> list[str]:
     """Attention layers whose heads the rules split although tp does not divide their heads and
     kv heads (an MLP-only rule splits no heads)."""
     bad: dict[tuple[int, int], list[str]] = {}
-    for layer in graph.layers:
+    for layer, inside in _attention_modules(graph):
         att = layer.attention
-        if not att:
-            continue
-        inside = [m for m in graph.modules if m == layer.name or m.startswith(layer.name + ".")]
-        # Only sharding inside the attention module splits heads (an MLP-only rule does not).
-        roots = [m for m in inside if _ATTENTION.search(graph.modules[m])]
-        if roots:
-            inside = [m for m in inside if any(m == r or m.startswith(r + ".") for r in roots)]
         if not any(style != "replicate" and sel.select(inside) for _, sel, style in parsed):
             continue
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))

@@ -10,6 +10,7 @@ random configurations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from planner.cost import LayerCost
@@ -50,7 +51,19 @@ class Totals:
         return self._buffers[key]
 
 
-def fluid_bottleneck(tot: Totals, flights: list[float], per_param: float, cap: float) -> float:
+@functools.lru_cache(maxsize=4096)
+def flight_groups(kind: str, pp: int, m: int, v: int) -> tuple[tuple[float, int], ...]:
+    """The pipeline ranks' microbatches in flight, grouped: (count rounded down to a power of two,
+    ranks) (see :func:`fluid_bottleneck`). Per schedule shape; 384 ranks deep on a 3072-GPU mesh."""
+    groups: dict[float, int] = {}
+    for r in range(pp):
+        f = in_flight(kind, pp, m, r, v=v)
+        key = float(2 ** int(math.log2(f))) if f >= 1 else f
+        groups[key] = groups.get(key, 0) + 1
+    return tuple(groups.items())
+
+
+def fluid_bottleneck(tot: Totals, groups: tuple[tuple[float, int], ...], per_param: float, cap: float) -> float:
     """Lower estimate of the slowest rank's microbatch time when memory forces recompute.
 
     Relaxation: rank r takes a fraction x_r of the model (fractions, not whole layers; the model
@@ -58,15 +71,11 @@ def fluid_bottleneck(tot: Totals, flights: list[float], per_param: float, cap: f
     f_r microbatches in flight) and must free the excess by recomputing at ``rho`` seconds per
     byte: ``t_r = x_r·T + rho·max(0, x_r·(s·P + f_r·A) - cap)/f_r``, at most everything. The
     smallest t with Σ_r x_r(t) >= 1 bounds the bottleneck from below for uniform layers. Ranks are
-    grouped by in-flight count (rounded down to a power of two, which only loosens the bound).
-    Returns inf when even full recompute cannot fit the model."""
-    groups: dict[float, int] = {}
-    for f in flights:
-        key = float(2 ** int(math.log2(f))) if f >= 1 else f
-        groups[key] = groups.get(key, 0) + 1
+    grouped by in-flight count (rounded down to a power of two, which only loosens the bound):
+    ``groups`` is :func:`flight_groups`. Returns inf when even full recompute cannot fit the model."""
     T, P, A, A_min, rho = tot.time, tot.params, tot.act, tot.min_act, tot.rho
     rows = []
-    for f, n in groups.items():
+    for f, n in groups:
         full = per_param * P + f * A_min
         x_max = cap / full if full > 0 else math.inf
         mem = per_param * P + f * A
@@ -84,7 +93,7 @@ def fluid_bottleneck(tot: Totals, flights: list[float], per_param: float, cap: f
             total += n * min(x, x_max)
         return total
 
-    lo, hi = T / len(flights), T + tot.rec_time
+    lo, hi = T / sum(n for _, n in groups), T + tot.rec_time
     if share(hi) < 1.0:
         return math.inf
     for _ in range(30):
@@ -155,8 +164,8 @@ def bounds(ctx: Context, cfg: Config, tot: Totals) -> tuple[float, float]:
         floor = unit * (gathered + DTYPE_BYTES[cfg.reduce_dtype] + per_param + extra)
         fixed_bytes = 0.0
     mem_lb = max((per_param + extra) * params + tot.min_act / pp + fixed_bytes, floor)
-    flights = [in_flight(cfg.kind, pp, m, r, v=v) for r in range(pp)]
-    t = max(tot.max_layer, fluid_bottleneck(tot, flights, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
+    groups = flight_groups(cfg.kind, pp, m, v)
+    t = max(tot.max_layer, fluid_bottleneck(tot, groups, per_param + extra, ctx.cap * _FLUID_SLACK - fixed_bytes))
     if math.isinf(t):
         return t, max(mem_lb, ctx.cap * 1.0000001)
     mean = tot.time / pp
