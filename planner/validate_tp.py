@@ -160,7 +160,7 @@ def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], t
     kv heads (an MLP-only rule splits no heads)."""
     bad: dict[tuple[int, int], list[str]] = {}
     for layer, inside in _attention_modules(graph):
-        att = layer.attention
+        att = layer.attention or {}
         if not any(style != "replicate" and sel.select(inside) for _, sel, style in parsed):
             continue
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))

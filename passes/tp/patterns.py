@@ -31,7 +31,6 @@ node.meta keys read: ``val``, ``fs_module``, ``fs_param``. Nothing is written.
 from __future__ import annotations
 
 import operator
-import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,8 @@ from torch.fx import Node
 
 from passes.tp.functionalize import functionalize_inplace
 from passes.tp.normalize import to_aten
+from passes.tp.representative import generalize as _generalize
+from passes.tp.representative import representative
 from passes.tp.rewrite import TPShardError, args_of, source_of
 from passes.tp.rules import ELEMENTWISE, VIEWS
 from planner.graph import META_MODULE, META_PARAM
@@ -390,13 +391,17 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
     """Drop rules the pass rejects at this tp (one block family at a time), noting why."""
     from passes.tp.shard_tensor_parallel import check_tensor_parallel
 
-    paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
+    paths = _paths(gm)
+    small = _representative(gm)
     for _ in range(len(styles) + 1):
         if not styles:
             return
-        plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=_group(styles, paths), sequence_parallel=sp))
+        rules = _group(styles, paths)
+        plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
+        kept = _paths(small)  # a rule naming only dropped copies (not generalized): check the whole graph
+        whole = any(parse_selector(text).unmatched(kept) for text in rules)
         try:
-            check_tensor_parallel(gm, plan, tp_size=tp)
+            check_tensor_parallel(gm if whole else small, plan, tp_size=tp)
             return
         except Exception as exc:  # noqa: BLE001 - whatever the pass refuses, the rules responsible are dropped
             node = getattr(exc, "node", None)
@@ -422,8 +427,21 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
         styles.clear()
 
 
-def _generalize(path: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+def _paths(gm: torch.fx.GraphModule) -> set[str]:
+    return {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
+
+
+_SMALL: weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule] = weakref.WeakKeyDictionary()
+
+
+def _representative(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph the proposals are checked on: ``passes.tp.representative`` (per prepared graph)."""
+    if gm not in _SMALL:
+        small = representative(gm)
+        if small is not gm:  # (a value holding its own key would never be collected)
+            _SMALL[gm] = small
+        return small
+    return _SMALL[gm]
 
 
 def _group(styles: dict[str, str], paths: set[str] | None = None) -> dict[str, str]:
