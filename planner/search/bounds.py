@@ -45,7 +45,9 @@ class Totals:
         self._buffers: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
     def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float, float]:
-        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp, cfg.units, cfg.microbatches > 1)
+        # what fsdp_buffer_terms reads: the dp degree only as "more than one"
+        key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp > 1, cfg.offload, cfg.units, cfg.microbatches > 1,
+               cfg.param_dtype, cfg.reduce_dtype)
         if key not in self._buffers:
             self._buffers[key] = fsdp_buffer_terms(ctx, cfg, self._costs)
         return self._buffers[key]
