@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+import functools
+import weakref
+from typing import Callable, Iterable
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["clone_graph_module", "local_fake"]
+__all__ = ["clone_graph_module", "local_fake", "per_graph"]
 
 
 def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -19,6 +21,28 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     out.meta = copy.copy(gm.meta)
     return out
+
+
+def per_graph(fn: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) \
+        -> Callable[[torch.fx.GraphModule], torch.fx.GraphModule]:
+    """``fn`` (a pass that returns a new GraphModule, or its input unchanged) computed once per
+    GraphModule and kept while that lives; again when the module's graph has been replaced or has
+    gained or lost nodes. A result that is the input itself is not kept (a value holding its own
+    weak key would never be collected); ``fn`` then runs again, which for such passes is one scan.
+    Callers share the result and must not change it."""
+    done: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[int, int, torch.fx.GraphModule]] = \
+        weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        found = done.get(gm)
+        if found is not None and found[:2] == (id(gm.graph), len(gm.graph.nodes)):
+            return found[2]
+        out = fn(gm)
+        if out is not gm:
+            done[gm] = (id(gm.graph), len(gm.graph.nodes), out)
+        return out
+    return cached
 
 
 def local_fake(v: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:

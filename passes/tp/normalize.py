@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import copy
 import operator
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx
 from torch.fx import Node
 
+from passes.graph_utils import per_graph
 from passes.split_stages import META_STAGE, META_STAGES
 from planner.fx_module import graph_module
 from planner.graph import META_LAYER, META_MODULE, META_PARAM
@@ -90,26 +90,14 @@ def needs_normalizing(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-_DONE: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[int, int, torch.fx.GraphModule]] = \
-    weakref.WeakKeyDictionary()
-
-
+@per_graph
 def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` with its torch-level nodes retraced to ATen (see the module docstring); ``gm``
     itself when it has none. Parameters are shared with ``gm``; ``gm.meta`` is copied.
 
-    The copy is made once per graph and shared (the TP detector and the planner's compile check
-    both bring the search's capture to ATen): callers must not change it, as no pass does."""
-    done = _DONE.get(gm)
-    if done is not None and done[:2] == (id(gm.graph), len(gm.graph.nodes)):
-        return done[2]
-    out = _to_aten(gm)
-    if out is not gm:  # (a value holding its own key would never be collected)
-        _DONE[gm] = (id(gm.graph), len(gm.graph.nodes), out)
-    return out
-
-
-def _to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    The copy is made once per graph and shared (``passes.graph_utils.per_graph``: the TP detector
+    and the planner's compile check both bring the search's capture to ATen): callers must not
+    change it, as no pass does."""
     if not needs_normalizing(gm):
         return gm
     graph = torch.fx.Graph()

@@ -39,6 +39,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from passes.graph_utils import per_graph
 from passes.tp.functionalize import functionalize_inplace
 from passes.tp.normalize import to_aten
 from passes.tp.representative import generalize as _generalize
@@ -109,9 +110,8 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
                 _ACCEPTED.setdefault(gm, {}).setdefault(_styles_key(styles, sequence_parallel), set()).add(tp)
         if _drop_inapplicable(gm, styles, out) and verify and tp > 1:
             _verify(gm, styles, tp, sequence_parallel, out)  # what is left, without the dropped partners
-        paths = {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
         out.modules = dict(styles)
-        out.rules = TPRules(_group(styles, paths), reason=out.reason())
+        out.rules = TPRules(_group(styles, _paths(gm)), reason=out.reason())
     except Exception as exc:  # noqa: BLE001 - the detector must never take the search down
         node = getattr(exc, "node", None)
         why = (f"the tensor-parallel detector could not analyse this model ({type(exc).__name__}: {exc}"
@@ -121,9 +121,6 @@ def propose_tp_rules(gm: torch.fx.GraphModule, *, tp: int, sequence_parallel: bo
         out.rules = TPRules(reason=out.reason())
         out.notes.append(f"tensor parallelism dropped entirely: {why}")
     return out
-
-
-_PREPARED: weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule] = weakref.WeakKeyDictionary()
 
 
 _ACCEPTED: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict[tuple[Any, ...], set[int]]] = \
@@ -148,12 +145,11 @@ def _accepted_at_multiple(gm: torch.fx.GraphModule, styles: dict[str, str], tp: 
     return any(t % tp == 0 for t in done)
 
 
+@per_graph
 def _prepared(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` in ATen form with its safe in-place ops functional, as the pass sees it (cached per
+    """``gm`` in ATen form with its safe in-place ops functional, as the pass sees it (once per
     captured graph: the search asks for every tp degree)."""
-    if gm not in _PREPARED:
-        _PREPARED[gm] = functionalize_inplace(to_aten(gm))
-    return _PREPARED[gm]
+    return functionalize_inplace(to_aten(gm))
 
 
 def _detect(gm: torch.fx.GraphModule, out: TPProposal) -> dict[str, str]:
@@ -393,12 +389,13 @@ def _verify(gm: torch.fx.GraphModule, styles: dict[str, str], tp: int, sp: bool,
 
     paths = _paths(gm)
     small = _representative(gm)
+    kept = _paths(small)
     for _ in range(len(styles) + 1):
         if not styles:
             return
         rules = _group(styles, paths)
         plan = Plan(mesh=Mesh(tp=tp), tensor_parallel=TensorParallel(rules=rules, sequence_parallel=sp))
-        kept = _paths(small)  # a rule naming only dropped copies (not generalized): check the whole graph
+        # a rule naming only dropped copies (not generalized): check the whole graph
         whole = any(parse_selector(text).unmatched(kept) for text in rules)
         try:
             check_tensor_parallel(gm if whole else small, plan, tp_size=tp)
@@ -431,17 +428,10 @@ def _paths(gm: torch.fx.GraphModule) -> set[str]:
     return {n.meta.get(META_MODULE, "") for n in gm.graph.nodes if n.op == "call_function"}
 
 
-_SMALL: weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule] = weakref.WeakKeyDictionary()
-
-
+@per_graph
 def _representative(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The graph the proposals are checked on: ``passes.tp.representative`` (per prepared graph)."""
-    if gm not in _SMALL:
-        small = representative(gm)
-        if small is not gm:  # (a value holding its own key would never be collected)
-            _SMALL[gm] = small
-        return small
-    return _SMALL[gm]
+    return representative(gm)
 
 
 def _group(styles: dict[str, str], paths: set[str] | None = None) -> dict[str, str]:

@@ -41,12 +41,10 @@ def test_proposals_checked_on_the_small_graph_equal_those_checked_on_the_whole(n
     assert len(small.graph.nodes) < len(patterns._prepared(gm).graph.nodes)  # something repeats: it shrank
     fast = {tp: patterns.propose_tp_rules(gm, tp=tp) for tp in (8, 4, 2)}
     patterns._ACCEPTED.clear()
-    monkeypatch.setattr(patterns, "representative", lambda g: g)
-    patterns._SMALL.clear()
+    monkeypatch.setattr(patterns, "_representative", lambda g: g)  # check on the whole graph
     for tp in (8, 4, 2):
         whole = patterns.propose_tp_rules(gm, tp=tp)
         assert (fast[tp].rules, fast[tp].refused, fast[tp].notes) == (whole.rules, whole.refused, whole.notes), tp
-    patterns._SMALL.clear()
 
 
 def test_the_copies_are_dropped_and_a_layer_that_differs_is_kept() -> None:

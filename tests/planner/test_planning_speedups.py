@@ -65,3 +65,28 @@ def test_to_aten_is_made_once_per_graph_and_again_after_the_graph_changes() -> N
         return sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
     again = to_aten(graph.gm)
     assert again is not first and clones(again) == clones(first) + 1
+
+
+def test_per_graph_keeps_a_result_while_its_graph_lives_and_never_keeps_the_graph_alive() -> None:
+    import weakref
+
+    from passes.graph_utils import per_graph
+
+    calls: list[int] = []
+
+    @per_graph
+    def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        calls.append(1)
+        return torch.fx.GraphModule(gm, gm.graph)
+
+    @per_graph
+    def unchanged(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return gm  # as the TP detector's preparation returns an ATen graph without in-place ops
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert copy_of(gm) is copy_of(gm) and len(calls) == 1
+    assert unchanged(gm) is gm
+    alive = weakref.ref(gm)
+    del gm
+    gc.collect()
+    assert alive() is None, "a cached result kept its graph alive"
