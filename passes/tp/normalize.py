@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -103,7 +104,7 @@ def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     env: dict[Node, Node] = {}
-    cache: dict[Any, torch.fx.GraphModule | None] = {}
+    cache: dict[Any, _Template | None] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             out = graph.output(torch.fx.node.map_arg(node.args[0], env.__getitem__), type_expr=node.type)
@@ -122,7 +123,7 @@ def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _retrace(graph: torch.fx.Graph, node: Node, env: dict[Node, Node],
-             cache: dict[Any, torch.fx.GraphModule | None]) -> Node | None:
+             cache: dict[Any, _Template | None]) -> Node | None:
     val = node.meta.get("val")
     if node.op == "call_function" and _is_aten(node.target):
         return None
@@ -153,7 +154,7 @@ def _retrace(graph: torch.fx.Graph, node: Node, env: dict[Node, Node],
     except TypeError:
         return None
     if key not in cache:
-        cache[key] = _trace_one(node.op, node.target, args, kwargs, specs)
+        cache[key] = _template(_trace_one(node.op, node.target, args, kwargs, specs))
     template = cache[key]
     if template is None:
         return None
@@ -197,10 +198,23 @@ def _trace_one(op: str, target: Any, args: Any, kwargs: Any,
         return None
 
 
-def _splice(graph: torch.fx.Graph, template: torch.fx.GraphModule, inputs: list[Node], like: Node) -> Node | None:
-    """Copy ``template``'s nodes into ``graph`` on ``inputs``; the node standing for ``like``'s value."""
-    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
-    out_node = next(n for n in template.graph.nodes if n.op == "output")
+@dataclass(frozen=True)
+class _Template:
+    """A retraced op, ready to copy: its placeholders, the nodes its result needs in order, and
+    the node standing for its value."""
+
+    placeholders: list[Node]
+    body: list[Node]
+    result: Node
+
+
+def _template(gm: torch.fx.GraphModule | None) -> _Template | None:
+    """What :func:`_splice` copies of a traced op, or None when it cannot stand for the node (several
+    outputs that are not one op's getitems in order, or a constant it would read)."""
+    if gm is None:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
     result = out_node.args[0]
     if isinstance(result, (tuple, list)):
         # several outputs must be the getitems of one op (split, chunk) in order: that op stands for them
@@ -208,7 +222,7 @@ def _splice(graph: torch.fx.Graph, template: torch.fx.GraphModule, inputs: list[
         if len(srcs) != 1 or [r.args[1] for r in result] != list(range(len(result))):
             return None
         (result,) = srcs
-    if not isinstance(result, Node) or any(n.op == "get_attr" for n in template.graph.nodes):
+    if not isinstance(result, Node) or any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
     needed: set[Node] = set()
     stack = [result]
@@ -217,15 +231,19 @@ def _splice(graph: torch.fx.Graph, template: torch.fx.GraphModule, inputs: list[
         if n not in needed:
             needed.add(n)
             stack.extend(n.all_input_nodes)
-    env: dict[Node, Node] = dict(zip(placeholders, inputs))
-    for n in template.graph.nodes:
-        if n not in needed or n.op == "placeholder":
-            continue
-        new = graph.node_copy(n, lambda a: env[a])
-        new.meta = {k: v for k, v in n.meta.items() if k == "val"}
-        new.meta.update({k: like.meta[k] for k in _KEEP_META if k in like.meta})
+    body = [n for n in gm.graph.nodes if n in needed and n.op != "placeholder"]
+    return _Template(placeholders=placeholders, body=body, result=result)
+
+
+def _splice(graph: torch.fx.Graph, template: _Template, inputs: list[Node], like: Node) -> Node:
+    """Copy ``template``'s nodes into ``graph`` on ``inputs``; the node standing for ``like``'s value."""
+    env: dict[Node, Node] = dict(zip(template.placeholders, inputs))
+    keep = {k: like.meta[k] for k in _KEEP_META if k in like.meta}
+    for n in template.body:
+        new = graph.node_copy(n, env.__getitem__)
+        new.meta = {"val": n.meta["val"], **keep} if "val" in n.meta else dict(keep)
         env[n] = new
-    return env[result]  # an input itself when the op returned it unchanged (x.float() of a float x)
+    return env[template.result]  # an input itself when the op returned it unchanged (x.float() of a float x)
 
 
 def _linear_from_transposed_weights(graph: torch.fx.Graph) -> None:
