@@ -8,7 +8,7 @@ groups. A leaf: the runtime imports it, never the pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -39,9 +39,6 @@ class StageGraph:
 
     index: int
     """Stage index (stage s runs on pipeline rank s % pp)."""
-    gm: torch.fx.GraphModule | None
-    """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``); None once
-    released (:meth:`StagedProgram.release`: a compiled rank keeps only its own stages' rank graphs)."""
     layers: list[str]
     """Layer names the stage holds, in execution order."""
     batch_inputs: list[int]
@@ -55,6 +52,24 @@ class StageGraph:
 
     keys: dict[str, str] = field(default_factory=dict)
     """attr -> user state_dict key of the stage's parameters and buffers (kept when ``gm`` is released)."""
+    builder: Callable[[], torch.fx.GraphModule] | None = field(default=None, repr=False, compare=False)
+    """Builds the stage graph the first time :attr:`gm` is read (the split builds only the stages used)."""
+    blueprint: Any = field(default=None, repr=False, compare=False)
+    """What the split read the stage off the capture as (``passes.stage_blueprint.Blueprint``)."""
+    _gm: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def gm(self) -> torch.fx.GraphModule | None:
+        """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``), built
+        on first use; None once released (:meth:`StagedProgram.release`: a compiled rank keeps only
+        its own stages' rank graphs)."""
+        if self._gm is None and self.builder is not None:
+            self._gm, self.builder = self.builder(), None
+        return self._gm
+
+    @gm.setter
+    def gm(self, value: torch.fx.GraphModule | None) -> None:
+        self._gm, self.builder, self.blueprint = value, None, None
 
     def param_keys(self) -> dict[str, str]:
         """attr -> user state_dict key of the stage's parameters and buffers."""

@@ -38,6 +38,8 @@ boundary values travel).
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,7 @@ from torch import nn
 from passes.tp.functionalize import is_inplace
 from passes.layout import META_LAYOUT, ParamLayout
 from passes.program import StagedProgram, StageGraph, ValueSpec
+from passes.stage_blueprint import Blueprint, blueprint
 from planner.fx_module import graph_module
 from planner.graph import META_LAYER, META_PARAM, ModelGraph
 from planner.modpath import fetch_attr, install_attr
@@ -196,26 +199,34 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         for v in values:
             _check_sendable(v, owner[v])
 
-    stages: list[StageGraph] = []
-    holders: dict[str, list[int]] = {}
     aliases: dict[str, list[str]] = {}
     for group in graph.tied:
         for key in group:
             aliases[key] = list(group)
     placeholders = [node for node in nodes if node.op == "placeholder"]
     buffers = {name for name, _ in gm.named_buffers()}
+    stages: list[StageGraph] = []
+    holders: dict[str, list[int]] = {}
+    plans: list[Blueprint] = []
     for s in range(n):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
-        st = _build_stage(gm, s, local[s], recv, send, placeholders, position, pure, buffers, sends=s < n - 1,
-                          share=share_weights)
-        st.layers = [name for name, i in layer_stage.items() if i == s]
-        assert st.gm is not None
-        trainable = {a for a, p in st.gm.named_parameters() if p.requires_grad}
-        for key in {aliases.get(k, [k])[0] for a, k in st.param_keys().items() if a in trainable}:
+        bp = blueprint(gm, local[s], recv, send, placeholders, position)
+        build = functools.partial(_build_stage, gm, s, bp, pure, buffers, sends=s < n - 1, share=share_weights)
+        stages.append(StageGraph(index=s, builder=build, blueprint=bp, keys=_param_keys(gm, bp),
+                                 layers=[name for name, i in layer_stage.items() if i == s],
+                                 batch_inputs=[idx for idx, _ in bp.batch],
+                                 batch_specs=[_spec(ph, pure) for _, ph in bp.batch],
+                                 inputs=[_spec(v, pure) for v in bp.recv], outputs=[_spec(v, pure) for v in bp.send]))
+        for key in {aliases.get(k, [k])[0] for k in _trainable_keys(gm, bp)}:
             holders.setdefault(key, []).append(s)
-        stages.append(st)
-    _annotate(nodes, owner, stages, local)
+        plans.append(bp)
+    # Built when first used: with the capture's own tensors (share_weights) or on meta, a later build
+    # is the same build; a copy of real weights is taken now, as they are now.
+    if not share_weights and not all(t.is_meta for t in itertools.chain(gm.parameters(), gm.buffers())):
+        for st in stages:
+            assert st.gm is not None
+    _annotate(nodes, owner, plans, local)
     shared = {k: v for k, v in holders.items() if len(v) > 1}
     microbatch = stages[0].batch_specs[0].shape[0] if stages[0].batch_specs and stages[0].batch_specs[0].shape else 1
     return StagedProgram(stages=stages, shared=shared, aliases=aliases, microbatch=microbatch)
@@ -328,64 +339,62 @@ def _stage_value(value: Any, *, share: bool) -> Any:
     return copy.deepcopy(value)
 
 
-def _build_stage(gm: torch.fx.GraphModule, s: int, keep: set[torch.fx.Node], recv: list[torch.fx.Node],
-                 send: list[torch.fx.Node], placeholders: list[torch.fx.Node], position: dict[torch.fx.Node, int],
-                 pure: dict[torch.fx.Node, bool], buffers: set[str], *, sends: bool, share: bool) -> StageGraph:
-    body = sorted(keep, key=position.__getitem__)
-    reads = {i for node in body for i in node.all_input_nodes}
+def _build_stage(gm: torch.fx.GraphModule, s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
+                 buffers: set[str], *, sends: bool, share: bool) -> torch.fx.GraphModule:
+    """The GraphModule of stage ``s``: a copy of ``bp``'s nodes (``passes.stage_blueprint``)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    batch_inputs, batch_specs = [], []
-    for idx, ph in enumerate(placeholders):
-        if ph in reads:
-            env[ph] = graph.node_copy(ph, lambda x: env[x])
-            batch_inputs.append(idx)
-            batch_specs.append(_spec(ph, pure))
-    for v in recv:
+    for _, ph in bp.batch:
+        env[ph] = graph.node_copy(ph, lambda x: env[x])
+    for v in bp.recv:
         new = graph.placeholder(v.name)
         new.meta = copy.copy(v.meta)
         env[v] = new
-    for v in recv:  # a received activation is a leaf here: autograd refuses in-place ops on it
-        if any(u in keep and is_inplace(u.target) and u.args and u.args[0] is v for u in v.users):
+    body = set(bp.body)
+    for v in bp.recv:  # a received activation is a leaf here: autograd refuses in-place ops on it
+        if any(u in body and is_inplace(u.target) and u.args and u.args[0] is v for u in v.users):
             copied = graph.call_function(torch.ops.aten.clone.default, (env[v],))
             copied.meta = copy.copy(v.meta)
             env[v] = copied
     root = nn.Module()
-    layout = ParamLayout()
-    by_tensor: dict[int, torch.fx.Node] = {}
-    for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
-        value = fetch_attr(gm, str(node.target))
-        if isinstance(value, torch.Tensor) and id(value) in by_tensor:
-            env[node] = by_tensor[id(value)]  # two attribute names, one tensor: keep one copy
-            continue
-        install_attr(root, str(node.target), _stage_value(value, share=share), buffer=str(node.target) in buffers)
+    for node in bp.attrs:
+        target = str(node.target)
+        install_attr(root, target, _stage_value(fetch_attr(gm, target), share=share), buffer=target in buffers)
         env[node] = graph.node_copy(node, lambda x: env[x])
-        if isinstance(value, torch.Tensor):
-            by_tensor[id(value)] = env[node]
-            if META_PARAM in node.meta:
-                layout.keys[str(node.target)] = node.meta[META_PARAM]
-    for node in body:
+    for node, kept in bp.alias.items():
+        if kept is not node and kept in env:  # two attribute names, one tensor: one copy
+            env[node] = env[kept]
+    for node in bp.body:
         env[node] = graph.node_copy(node, lambda x: env[x])
         env[node].meta[META_STAGE] = s
-    graph.output(tuple(env[v] for v in send))
-    graph.eliminate_dead_code()  # e.g. a rotary table computed here but only recomputed by later stages
-    graph.lint()
+    graph.output(tuple(env[v] for v in bp.send))
+    if graph.eliminate_dead_code():  # the blueprint left the dead code out already
+        raise AssertionError(f"stage {s}: the blueprint kept nodes the graph's dead-code elimination removes "
+                             "(passes.stage_blueprint and torch.fx disagree); please report this")
     stage_gm = graph_module(root, graph, class_name=f"Stage{s}")
-    used = {str(node.target) for node in graph.nodes if node.op == "get_attr"}
-    layout.keys = {t: k for t, k in layout.keys.items() if t in used}
-    stage_gm.meta[META_LAYOUT] = layout
-    stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in recv), sends=sends)
-    return StageGraph(index=s, gm=stage_gm, keys=dict(layout.keys), layers=[], batch_inputs=batch_inputs,
-                      batch_specs=batch_specs, inputs=[_spec(v, pure) for v in recv],
-                      outputs=[_spec(v, pure) for v in send])
+    stage_gm.meta[META_LAYOUT] = ParamLayout(keys=_param_keys(gm, bp))
+    stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in bp.recv), sends=sends)
+    return stage_gm
 
 
-def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stages: list[StageGraph],
+def _param_keys(gm: torch.fx.GraphModule, bp: Blueprint) -> dict[str, str]:
+    """attr -> user state_dict key of the tensors the stage holds (``gm.meta["fs_layout"]``)."""
+    return {str(n.target): n.meta[META_PARAM] for n in bp.attrs
+            if META_PARAM in n.meta and isinstance(fetch_attr(gm, str(n.target)), torch.Tensor)}
+
+
+def _trainable_keys(gm: torch.fx.GraphModule, bp: Blueprint) -> list[str]:
+    """User keys of the trainable parameters the stage holds."""
+    keys = _param_keys(gm, bp)
+    return [k for t, k in keys.items() if isinstance(p := fetch_attr(gm, t), nn.Parameter) and p.requires_grad]
+
+
+def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], plans: list[Blueprint],
               local: list[set[torch.fx.Node]]) -> None:
-    holders: dict[str, list[int]] = {}  # node name -> stages whose graph holds it (placeholders, get_attrs)
-    for s, st in enumerate(stages):
-        for name in {n.name for n in st.gm.graph.nodes} if st.gm is not None else ():
-            holders.setdefault(name, []).append(s)
+    holders: dict[torch.fx.Node, list[int]] = {}  # placeholder or get_attr -> stages whose graph holds it
+    for s, bp in enumerate(plans):
+        for node in [ph for _, ph in bp.batch] + bp.attrs:
+            holders.setdefault(node, []).append(s)
     kept: dict[torch.fx.Node, list[int]] = {}
     for s, keep in enumerate(local):
         for node in keep:
@@ -395,6 +404,6 @@ def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], stage
             node.meta[META_STAGE] = owner[node]
         copies = kept.get(node, [])
         if node.op in ("placeholder", "get_attr"):
-            copies = holders.get(node.name, [])
+            copies = holders.get(node, [])
         if copies:
             node.meta[META_STAGES] = copies

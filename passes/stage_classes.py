@@ -27,7 +27,7 @@ graphs with the same op sequence.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -35,26 +35,31 @@ from torch.fx import Node
 
 from passes.insert_recompute import layers_to_recompute
 from passes.program import StagedProgram
+from passes.stage_blueprint import Blueprint
 from planner.graph import META_LAYER, META_MODULE, META_PARAM
 from planner.plan import Plan
 from planner.selectors import Selector, parse_selector
 
-__all__ = ["stage_classes", "stage_key"]
+__all__ = ["stage_classes", "stage_key", "blueprint_key"]
 
 
 def stage_classes(program: StagedProgram, plan: Plan) -> list[list[int]]:
     """Stage indices grouped by :func:`stage_key`, each group in stage order, groups in order of
-    their first stage."""
+    their first stage. A stage is keyed by its blueprint while it has one (:func:`blueprint_key`),
+    so classifying builds no stage graph."""
     rules = [(parse_selector(text), style) for text, style in plan.tensor_parallel.rules.items()]
     units = parse_selector(plan.data_parallel.units) if plan.data_parallel.units else None
     layers = [name for st in program.stages for name in st.layers]
     recompute = layers_to_recompute(plan, layers)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for st in program.stages:
-        if st.gm is None:
+        shared = set(program.shared_keys(st.index))
+        if st.blueprint is not None:
+            key = blueprint_key(st.blueprint, rules=rules, recompute=recompute, units=units, shared=shared)
+        elif st.gm is None:
             raise ValueError(f"stage {st.index} of this program was released; classify a fresh split (split_program)")
-        key = stage_key(st.gm, rules=rules, recompute=recompute, units=units,
-                        shared=set(program.shared_keys(st.index)))
+        else:
+            key = stage_key(st.gm, rules=rules, recompute=recompute, units=units, shared=shared)
         groups.setdefault(key, []).append(st.index)
     return list(groups.values())
 
@@ -62,24 +67,47 @@ def stage_classes(program: StagedProgram, plan: Plan) -> list[list[int]]:
 def stage_key(gm: torch.fx.GraphModule, *, rules: list[tuple[Selector, str]], recompute: dict[str, str],
               units: Selector | None, shared: set[str]) -> tuple[Any, ...]:
     """Everything the per-stage passes read from ``gm`` and the plan, without names (module docstring)."""
+    nodes = list(gm.graph.nodes)
+    return _key(nodes, lambda n: n, lambda n: n.op, lambda t: _attr(gm, t), gm,
+                rules=rules, recompute=recompute, units=units, shared=shared)
+
+
+def blueprint_key(bp: Blueprint, *, rules: list[tuple[Selector, str]], recompute: dict[str, str],
+                  units: Selector | None, shared: set[str]) -> tuple[Any, ...]:
+    """:func:`stage_key` of the stage graph ``bp`` describes, read off the graph it was split from
+    without building it. The build is a function of what this key records (names
+    aside), so two stages with one blueprint key build graphs with one :func:`stage_key`."""
+    received = set(bp.recv)
+    nodes = bp.nodes()
+    key = _key(nodes, bp.ref, lambda n: "placeholder" if n in received else n.op, lambda t: _attr(bp.source, t), bp.source,
+               rules=rules, recompute=recompute, units=units, shared=shared)
+    position = {n: i for i, n in enumerate(nodes)}
+    return key + (("output", tuple(position[bp.ref(v)] for v in bp.send)), tuple(i for i, _ in bp.batch))
+
+
+def _key(nodes: list[Node], ref: Callable[[Node], Node], op_of: Callable[[Node], str], attr: Callable[[str], Any],
+         gm: torch.fx.GraphModule, *, rules: list[tuple[Selector, str]], recompute: dict[str, str],
+         units: Selector | None, shared: set[str]) -> tuple[Any, ...]:
     position: dict[Node, int] = {}
     first_alias: dict[int, int] = {}
-    keys = sorted({str(n.meta[META_PARAM]) for n in gm.graph.nodes if META_PARAM in n.meta})
+    keys = sorted({str(n.meta[META_PARAM]) for n in nodes if META_PARAM in n.meta})
     key_rank = {k: i for i, k in enumerate(keys)}
     out: list[tuple[Any, ...]] = []
-    for i, node in enumerate(gm.graph.nodes):
+    for i, node in enumerate(nodes):
         position[node] = i
-        args = _shape_of_args(node.args, position)
-        kwargs = _shape_of_args(dict(node.kwargs), position)
+        op = op_of(node)
+        placeholder = op == "placeholder"  # a received value: what it was computed from is not in the stage
+        args = () if placeholder else _shape_of_args(node.args, position, ref)
+        kwargs = () if placeholder else _shape_of_args(dict(node.kwargs), position, ref)
         param = node.meta.get(META_PARAM)
-        item: tuple[Any, ...] = (node.op, args, kwargs, _value(node.meta.get("val")),
+        item: tuple[Any, ...] = (op, args, kwargs, _value(node.meta.get("val")),
                                  key_rank.get(str(param), -1) if param is not None else -1)
-        if node.op == "get_attr":
-            t = _attr(gm, str(node.target))
+        if op == "get_attr":
+            t = attr(str(node.target))
             alias = first_alias.setdefault(id(t), i)
-            item += (_value(t), bool(getattr(t, "requires_grad", False)), alias,
+            item += (_value(t), bool(getattr(t, "requires_grad", False)), isinstance(t, torch.nn.Parameter), alias,
                      str(param) in shared if param is not None else False)
-        elif node.op in ("call_function", "call_module", "call_method"):  # what a rule or recompute may touch
+        elif op in ("call_function", "call_module", "call_method"):  # what a rule or recompute may touch
             module = str(node.meta.get(META_MODULE, "") or "")
             style = next((s for sel, s in rules if module and sel.matches(module)), None)
             item += (_target(gm, node), style, recompute.get(str(node.meta.get(META_LAYER, ""))),
@@ -94,13 +122,13 @@ def _target(gm: torch.fx.GraphModule, node: Node) -> str:
     return str(node.target)
 
 
-def _shape_of_args(a: Any, position: dict[Node, int]) -> Any:
+def _shape_of_args(a: Any, position: dict[Node, int], ref: Callable[[Node], Node]) -> Any:
     if isinstance(a, Node):
-        return ("node", position[a])
+        return ("node", position[ref(a)])
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_shape_of_args(x, position) for x in a))
+        return (type(a).__name__, tuple(_shape_of_args(x, position, ref) for x in a))
     if isinstance(a, dict):
-        return ("dict", tuple((k, _shape_of_args(v, position)) for k, v in a.items()))
+        return ("dict", tuple((k, _shape_of_args(v, position, ref)) for k, v in a.items()))
     return repr(a)
 
 
