@@ -213,12 +213,12 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         send = boundaries[s] if s < n - 1 else [loss]
         bp = blueprint(gm, local[s], recv, send, placeholders, position)
         build = functools.partial(_build_stage, gm, s, bp, pure, buffers, sends=s < n - 1, share=share_weights)
-        stages.append(StageGraph(index=s, builder=build, blueprint=bp, keys=_param_keys(gm, bp),
+        stages.append(StageGraph(index=s, builder=build, blueprint=bp, keys=_param_keys(bp),
                                  layers=[name for name, i in layer_stage.items() if i == s],
                                  batch_inputs=[idx for idx, _ in bp.batch],
                                  batch_specs=[_spec(ph, pure) for _, ph in bp.batch],
                                  inputs=[_spec(v, pure) for v in bp.recv], outputs=[_spec(v, pure) for v in bp.send]))
-        for key in {aliases.get(k, [k])[0] for k in _trainable_keys(gm, bp)}:
+        for key in {aliases.get(k, [k])[0] for k in _trainable_keys(bp)}:
             holders.setdefault(key, []).append(s)
         plans.append(bp)
     # Built when first used: with the capture's own tensors (share_weights) or on meta, a later build
@@ -359,7 +359,7 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, bp: Blueprint, pure: dict[tor
     root = nn.Module()
     for node in bp.attrs:
         target = str(node.target)
-        install_attr(root, target, _stage_value(fetch_attr(gm, target), share=share), buffer=target in buffers)
+        install_attr(root, target, _stage_value(bp.values[node], share=share), buffer=target in buffers)
         env[node] = graph.node_copy(node, lambda x: env[x])
     for node, kept in bp.alias.items():
         if kept is not node and kept in env:  # two attribute names, one tensor: one copy
@@ -372,21 +372,21 @@ def _build_stage(gm: torch.fx.GraphModule, s: int, bp: Blueprint, pure: dict[tor
         raise AssertionError(f"stage {s}: the blueprint kept nodes the graph's dead-code elimination removes "
                              "(passes.stage_blueprint and torch.fx disagree); please report this")
     stage_gm = graph_module(root, graph, class_name=f"Stage{s}")
-    stage_gm.meta[META_LAYOUT] = ParamLayout(keys=_param_keys(gm, bp))
+    stage_gm.meta[META_LAYOUT] = ParamLayout(keys=_param_keys(bp))
     stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in bp.recv), sends=sends)
     return stage_gm
 
 
-def _param_keys(gm: torch.fx.GraphModule, bp: Blueprint) -> dict[str, str]:
+def _param_keys(bp: Blueprint) -> dict[str, str]:
     """attr -> user state_dict key of the tensors the stage holds (``gm.meta["fs_layout"]``)."""
     return {str(n.target): n.meta[META_PARAM] for n in bp.attrs
-            if META_PARAM in n.meta and isinstance(fetch_attr(gm, str(n.target)), torch.Tensor)}
+            if META_PARAM in n.meta and isinstance(bp.values[n], torch.Tensor)}
 
 
-def _trainable_keys(gm: torch.fx.GraphModule, bp: Blueprint) -> list[str]:
+def _trainable_keys(bp: Blueprint) -> list[str]:
     """User keys of the trainable parameters the stage holds."""
-    keys = _param_keys(gm, bp)
-    return [k for t, k in keys.items() if isinstance(p := fetch_attr(gm, t), nn.Parameter) and p.requires_grad]
+    return [n.meta[META_PARAM] for n in bp.attrs if META_PARAM in n.meta
+            and isinstance(p := bp.values[n], nn.Parameter) and p.requires_grad]
 
 
 def _annotate(nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, int], plans: list[Blueprint],

@@ -50,6 +50,8 @@ class Blueprint:
     send: list[Node]
     alias: dict[Node, Node] = field(default_factory=dict)
     """get_attr node -> the kept get_attr of the same tensor (itself for a kept one)."""
+    values: dict[Node, Any] = field(default_factory=dict)
+    """get_attr node -> the object it reads in ``source``."""
 
     def ref(self, node: Node) -> Node:
         """The node of the stage graph that stands for ``node`` (an alias: its kept get_attr)."""
@@ -67,9 +69,10 @@ def blueprint(gm: torch.fx.GraphModule, keep: set[Node], recv: list[Node], send:
     reads = {i for node in body for i in node.all_input_nodes}
     batch = [(idx, ph) for idx, ph in enumerate(placeholders) if ph in reads]
     alias: dict[Node, Node] = {}
+    values: dict[Node, Any] = {}
     first: dict[int, Node] = {}
     for node in sorted((i for i in reads if i.op == "get_attr"), key=position.__getitem__):
-        value: Any = fetch_attr(gm, str(node.target))
+        values[node] = value = fetch_attr(gm, str(node.target))
         alias[node] = first.setdefault(id(value), node) if isinstance(value, torch.Tensor) else node
     live: set[Node] = set()
     stack = [alias.get(v, v) for v in send] + [n for n in body if n.is_impure()]
@@ -81,4 +84,4 @@ def blueprint(gm: torch.fx.GraphModule, keep: set[Node], recv: list[Node], send:
         stack.extend(alias.get(i, i) for i in node.all_input_nodes)
     attrs = [n for n, kept in alias.items() if kept is n and n in live]
     return Blueprint(source=gm, batch=batch, recv=list(recv), attrs=attrs, body=[n for n in body if n in live],
-                     send=list(send), alias=alias)
+                     send=list(send), alias=alias, values=values)

@@ -68,7 +68,7 @@ def stage_key(gm: torch.fx.GraphModule, *, rules: list[tuple[Selector, str]], re
               units: Selector | None, shared: set[str]) -> tuple[Any, ...]:
     """Everything the per-stage passes read from ``gm`` and the plan, without names (module docstring)."""
     nodes = list(gm.graph.nodes)
-    return _key(nodes, lambda n: n, lambda n: n.op, lambda t: _attr(gm, t), gm,
+    return _key(nodes, lambda n: n, lambda n: n.op, lambda n: _attr(gm, str(n.target)), gm,
                 rules=rules, recompute=recompute, units=units, shared=shared)
 
 
@@ -79,13 +79,13 @@ def blueprint_key(bp: Blueprint, *, rules: list[tuple[Selector, str]], recompute
     aside), so two stages with one blueprint key build graphs with one :func:`stage_key`."""
     received = set(bp.recv)
     nodes = bp.nodes()
-    key = _key(nodes, bp.ref, lambda n: "placeholder" if n in received else n.op, lambda t: _attr(bp.source, t), bp.source,
+    key = _key(nodes, bp.ref, lambda n: "placeholder" if n in received else n.op, bp.values.__getitem__, bp.source,
                rules=rules, recompute=recompute, units=units, shared=shared)
     position = {n: i for i, n in enumerate(nodes)}
     return key + (("output", tuple(position[bp.ref(v)] for v in bp.send)), tuple(i for i, _ in bp.batch))
 
 
-def _key(nodes: list[Node], ref: Callable[[Node], Node], op_of: Callable[[Node], str], attr: Callable[[str], Any],
+def _key(nodes: list[Node], ref: Callable[[Node], Node], op_of: Callable[[Node], str], attr: Callable[[Node], Any],
          gm: torch.fx.GraphModule, *, rules: list[tuple[Selector, str]], recompute: dict[str, str],
          units: Selector | None, shared: set[str]) -> tuple[Any, ...]:
     position: dict[Node, int] = {}
@@ -103,7 +103,7 @@ def _key(nodes: list[Node], ref: Callable[[Node], Node], op_of: Callable[[Node],
         item: tuple[Any, ...] = (op, args, kwargs, _value(node.meta.get("val")),
                                  key_rank.get(str(param), -1) if param is not None else -1)
         if op == "get_attr":
-            t = attr(str(node.target))
+            t = attr(node)
             alias = first_alias.setdefault(id(t), i)
             item += (_value(t), bool(getattr(t, "requires_grad", False)), isinstance(t, torch.nn.Parameter), alias,
                      str(param) in shared if param is not None else False)

@@ -59,8 +59,12 @@ class Pattern:
     """The pattern as written (whitespace stripped)."""
     regex: re.Pattern[str]
     """Compiled matcher over ``"." + path`` (see ``_compile``)."""
+    literal: bool = False
+    """No wildcard and no group: it matches the module path equal to it and those ending in ``.`` + it."""
 
     def matches(self, path: str) -> bool:
+        if self.literal:  # what the regex says, without building "." + path (a 128-stage plan matches 17k times)
+            return path.endswith(self.text) and (len(path) == len(self.text) or path[-len(self.text) - 1] == ".")
         return self.regex.fullmatch("." + path) is not None
 
     def absent_numbers(self, paths: Sequence[str]) -> list[tuple[str, list[int], str]]:
@@ -139,7 +143,7 @@ def parse_selector(text: str) -> Selector:
         pat = raw.strip()
         if not pat:
             raise SelectorError(f"{_q(text)} has an empty pattern (two commas in a row, or a comma at an end)")
-        patterns.append(Pattern(text=pat, regex=_compile(pat)))
+        patterns.append(Pattern(text=pat, regex=_compile(pat), literal=not _SPECIAL & set(pat)))
     return Selector(text=text, patterns=tuple(patterns))
 
 

@@ -134,3 +134,15 @@ def test_suggest_fixes_misspelled_words_only_when_the_fix_matches() -> None:
     assert suggest("layers.*.self_atn.q_prj", LLAMA) == "layers.*.self_attn.q_proj"
     assert suggest("layers.[20-30]", LLAMA) is None  # spelled right; nothing to fix
     assert suggest("zzz", LLAMA) is None
+
+
+def test_a_literal_pattern_matches_exactly_what_its_regex_matches() -> None:
+    """Patterns with no wildcard or group are matched by string comparison (the fast path)."""
+    paths = ["layers.1", "model.layers.1", "xlayers.1", "layers.12", "layers.1.attn", "a.b.layers.1", "1", "s.1",
+             "model.layers.11", "layers", "model.layerslayers", "h.0.attn.c_attn", "attn", "c_attn.attn"]
+    for text in ["layers.1", "1", "attn", "b.layers.1", "layers", "c_attn", "h.0.attn.c_attn", "model.layers.11"]:
+        (pattern,) = parse_selector(text).patterns
+        assert pattern.literal
+        for path in paths:
+            assert pattern.matches(path) == (pattern.regex.fullmatch("." + path) is not None), (text, path)
+    assert not any(p.literal for p in parse_selector("layers.*, layers.[0-3], *_proj, h?").patterns)
