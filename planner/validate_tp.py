@@ -161,10 +161,10 @@ def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], t
     bad: dict[tuple[int, int], list[str]] = {}
     for layer, inside in _attention_modules(graph):
         att = layer.attention or {}
-        if not any(style != "replicate" and sel.select(inside) for _, sel, style in parsed):
-            continue
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))
-        if heads % tp or kv % tp:
+        if not (heads % tp or kv % tp):  # whole heads on every rank, whatever the rules split
+            continue
+        if any(style != "replicate" and any(sel.matches(m) for m in inside) for _, sel, style in parsed):
             bad.setdefault((heads, kv), []).append(layer.name)
     return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers(layers)} "
             f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}); each tp rank "
