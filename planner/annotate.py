@@ -91,6 +91,11 @@ class _State:
     """Shapes and dtypes of each node's tensor inputs: a replica's must equal its template's."""
 
 
+def _leaves(value: Any) -> list[Any]:
+    """``tree_flatten(value)[0]``, without pytree for a tensor (a leaf), as most values are."""
+    return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]
+
+
 def _input_specs(flat: list[Any]) -> tuple[Any, ...]:
     return tuple((tuple(x.shape), x.dtype) for x in flat if isinstance(x, torch.Tensor))
 
@@ -152,7 +157,7 @@ class _Annotator:
         def sub(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
                 value = self.s.env[a.name]
-                flat, _ = tree_flatten(value)
+                flat = _leaves(value)
                 prov.extend((a.name, j) for j, x in enumerate(flat) if isinstance(x, torch.Tensor))
                 return value
             if isinstance(a, (tuple, list)):
@@ -357,7 +362,7 @@ class _Annotator:
             value = self._rebuild(facts, flat)
         s.env[node.name] = value
         s.facts[node.name] = facts
-        out_flat = tree_flatten(value)[0]
+        out_flat = _leaves(value)
         saved_bytes = 0
         for kind, index, nbytes in facts.saved:
             if kind == "tmp":
@@ -380,7 +385,7 @@ class _Annotator:
         layer = node.meta.get(META_LAYER)
         if any(u.meta.get(META_LAYER) != layer for u in node.users):
             value = self._rebuild(facts, flat)
-            out_flat = tree_flatten(value)[0]
+            out_flat = _leaves(value)
             for kind, index, _ in facts.saved:  # saved here: no later node may count them again
                 if kind != "tmp":
                     s.counted.add(self._skey(flat[index] if kind == "in" else out_flat[index]))
