@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -38,57 +37,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.annotate_errors import AnnotateError, dynamic_shape, example_values, explain
+from planner.annotate_state import AnnotateStats, _OpFacts, _Record, _State
 from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
-
-
-@dataclass
-class AnnotateStats:
-    """Counters for reports: how much work the cache saved."""
-
-    nodes: int = 0
-    """Nodes interpreted."""
-    runs: int = 0
-    """Isolated forward runs (cache misses)."""
-    backward_runs: int = 0
-    """Isolated backward runs (cache misses)."""
-
-
-@dataclass
-class _OpFacts:
-    """Cached result of one isolated forward run."""
-
-    flops: int
-    saved: list[tuple[str, int, int]]
-    """(``in``/``out``/``tmp``, flat index, storage bytes) of each saved tensor."""
-    outs: Any
-    """Output pytree with tensors replaced by (shape, stride, offset, dtype, requires_grad, alias)."""
-
-
-@dataclass
-class _Record:
-    """Autograd state of a node's isolated forward, kept for its isolated backward."""
-
-    leaves: list[torch.Tensor | None]
-    outs: list[Any]
-
-
-@dataclass
-class _State:
-    """Per-run tables, keyed by node name (or storage key for ``counted``/``params``/``alias``)."""
-
-    env: dict[str, Any] = field(default_factory=dict)
-    prov: dict[str, list[tuple[str, int] | None]] = field(default_factory=dict)
-    keys: dict[str, Any] = field(default_factory=dict)
-    records: dict[str, _Record] = field(default_factory=dict)
-    facts: dict[str, _OpFacts] = field(default_factory=dict)
-    counted: set[int] = field(default_factory=set)
-    params: set[int] = field(default_factory=set)
-    alias: dict[int, int] = field(default_factory=dict)
-    inputs: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Shapes and dtypes of each node's tensor inputs: a replica's must equal its template's."""
 
 
 def _leaves(value: Any) -> list[Any]:
