@@ -11,7 +11,9 @@ planning one model on one cluster would pay them), the CPU seconds of this proce
 and how many tensor-parallel rules the detector proposed at tp = 8 (0: TP not searched).
 
 ``--cli`` then times ``python -m fairscale plan benchmarks/planner/factories.py:gpt_1t --cluster
-a100-80gb --devices 3072`` in a fresh process (interpreter start and imports included).
+a100-80gb --devices 3072`` in a fresh process (interpreter start and imports included), ``--runs``
+times (default 5; this machine's speed varies by ±10-15% from run to run), and says whether
+fairscale's bytecode was compiled (the README's install does it).
 ``--analytic`` replaces build + capture by ``planner.cost_gpt.gpt_graph`` and the name-based rules
 (search time only); ``--tiny`` runs one small setting to check the script works.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -91,16 +94,34 @@ def run_api(models: dict[str, tuple[int, int, int, int]], gpus: tuple[int, ...],
                   f"{n_rules:>8} {costed:>11}  {what}")
 
 
-def run_cli() -> None:
+def _bytecode_cached() -> bool:
+    """Whether fairscale's modules have compiled bytecode to load (the README's install writes it);
+    without it a fresh process compiles them first, about 2 s on the development machine."""
+    import importlib.util
+
+    import fairscale.api
+
+    src = Path(fairscale.api.__file__)
+    pyc = Path(importlib.util.cache_from_source(str(src)))
+    return pyc.exists() and pyc.stat().st_mtime >= src.stat().st_mtime
+
+
+def run_cli(runs: int) -> None:
     cmd = [sys.executable, "-m", "fairscale", "plan", f"{HERE / 'factories.py'}:gpt_1t", "--cluster", "a100-80gb",
            "--devices", "3072"]
-    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    took = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    walls, cpus, plans = [], [], set()
+    for _ in range(runs):
+        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        walls.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        plans.add(out.stdout)
     lines = [line for line in out.stderr.splitlines() if line.startswith(("captured", "best:"))]
-    print(f"fairscale plan (1T on 3072 A100, fresh process): {took:.2f} s wall, {cpu:.2f} CPU-s")
+    print(f"fairscale plan (1T on 3072 A100, fresh process, bytecode {'cached' if _bytecode_cached() else 'NOT cached'}):"
+          f" median {statistics.median(walls):.2f} s wall over {runs} runs "
+          f"({', '.join(f'{w:.2f}' for w in walls)}; CPU-s {', '.join(f'{c:.2f}' for c in cpus)}); "
+          f"{'the same plan JSON every run' if len(plans) == 1 else f'{len(plans)} DIFFERENT plans'}")
     for line in lines:
         print("  " + line)
     # the command and the API plan the same thing (tests/test_cli.py checks the plans are equal)
@@ -115,11 +136,12 @@ def main() -> None:
     ap.add_argument("--analytic", action="store_true", help="skip build + capture; analytic GPT facts")
     ap.add_argument("--tiny", action="store_true", help="one small setting, to check the script runs")
     ap.add_argument("--cli", action="store_true", help="also time the fairscale plan command for 1T on 3072")
+    ap.add_argument("--runs", type=int, default=5, help="how many times --cli runs the command (default 5)")
     args = ap.parse_args()
     models = {"tiny": (4, 256, 8, 64)} if args.tiny else MODELS
     run_api(models, (16,) if args.tiny else GPUS, args.analytic)
     if args.cli:
-        run_cli()
+        run_cli(args.runs)
 
 
 if __name__ == "__main__":
