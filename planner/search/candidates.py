@@ -68,6 +68,10 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
     rows = min_rows(stats)
     out: list[Config] = []
     for tp in ([fixed.tp] if fixed.tp else allowed_tp):
+        if fixed.ep and fixed.ep > 1 and "expert" in rules(tp).values():
+            notes.append(f"tp={tp}: its rules split the experts over tp, so they cannot also be split over "
+                         f"ep={fixed.ep}")
+            continue
         for pp in divisors(N // tp):
             dp = _data_parallel(N // (tp * pp), B, fixed.dp, idle)
             if (fixed.pp and pp != fixed.pp) or pp > L:
@@ -122,12 +126,14 @@ def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed,
     """Expert-parallel degrees to try: 1, and for MoE models (``counts``: each MoE layer's experts)
     every divisor of dp that divides every layer's expert count (not when the tp rules already
     split the experts)."""
+    if fixed.ep is not None and fixed.ep > 1 and not counts:
+        raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
+                         "mesh.ep"], source="constraints")
+    if "expert" in rules.values():  # the tp rules split the experts already (planner.validate_tp refuses both)
+        return [1] if fixed.ep in (None, 1) else []
     if fixed.ep is not None:
-        if fixed.ep > 1 and not counts:
-            raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
-                             "mesh.ep"], source="constraints")
         return [fixed.ep] if dp % fixed.ep == 0 and all(c % fixed.ep == 0 for c in counts) else []
-    if not counts or "expert" in rules.values():
+    if not counts:
         return [1]
     return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
 

@@ -108,3 +108,21 @@ def test_expert_matmuls_read_their_weights_and_wait_for_the_busiest_rank(graph) 
     # so where reading the weights dominates and the all-to-alls are cheap, the search splits the experts
     best = search(graph, slow_hbm, global_batch=BATCH, constraints={"mesh": {"dp": 4}}).best.plan
     assert best.mesh.ep > 1
+
+
+def test_a_fixed_ep_never_comes_with_tp_rules_that_split_the_experts_too(graph) -> None:
+    """The graph-based detector splits the experts over tp ("expert"); a plan may not split them over
+    ep as well (planner.validate_tp). With mesh.ep fixed the search once returned exactly that
+    (tp=2, ep=4 and the "expert" rule on Qwen1.5-MoE), a plan its own validation refuses."""
+    from fairscale.api import search_graph, tp_rules_of
+
+    assert "expert" in tp_rules_of(graph)(2).values()
+    for constraints in ({"mesh": {"ep": 2}}, {"mesh": {"dp": 2, "ep": 2}}):
+        found = search_graph(graph, CLUSTER, global_batch=BATCH, constraints=constraints)
+        for candidate in [found.best, *found.runners_up]:
+            plan = candidate.plan
+            assert plan.mesh.ep == 2 and "expert" not in plan.tensor_parallel.rules.values(), plan.mesh
+            validate_plan(plan, graph, devices=plan.mesh.pp * plan.mesh.dp * plan.mesh.tp)
+    with pytest.raises(PlanError, match="tp=2: its rules split the experts over tp, so they cannot also be split "
+                                        "over ep=2"):
+        search_graph(graph, CLUSTER, global_batch=BATCH, constraints={"mesh": {"tp": 2, "ep": 2}})
