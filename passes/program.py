@@ -58,13 +58,17 @@ class StageGraph:
     """What the split read the stage off the capture as (``passes.stage_blueprint.Blueprint``)."""
     _gm: torch.fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
+    def build(self) -> None:
+        """Build the stage graph now (nothing if it is built or released)."""
+        if self._gm is None and self.builder is not None:
+            self._gm, self.builder = self.builder(), None
+
     @property
     def gm(self) -> torch.fx.GraphModule | None:
         """``gm(*batch inputs, *received) -> tuple of sent values`` (last stage: ``(loss,)``), built
         on first use; None once released (:meth:`StagedProgram.release`: a compiled rank keeps only
         its own stages' rank graphs)."""
-        if self._gm is None and self.builder is not None:
-            self._gm, self.builder = self.builder(), None
+        self.build()
         return self._gm
 
     @gm.setter

@@ -138,7 +138,9 @@ def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
 
 def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph,
                       share_weights: bool = False) -> StagedProgram:
-    """Cut ``gm`` (the captured loss graph) into ``pp × virtual_stages`` stage GraphModules.
+    """Cut ``gm`` (the captured loss graph) into ``pp × virtual_stages`` stage GraphModules, each
+    built when its ``gm`` is first read (``passes.stage_blueprint``; built at once when the stages
+    copy real weights, so that they copy them as they are now).
 
     Usage::
 
@@ -225,7 +227,7 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
     # is the same build; a copy of real weights is taken now, as they are now.
     if not share_weights and not all(t.is_meta for t in itertools.chain(gm.parameters(), gm.buffers())):
         for st in stages:
-            assert st.gm is not None
+            st.build()
     _annotate(nodes, owner, plans, local)
     shared = {k: v for k, v in holders.items() if len(v) > 1}
     microbatch = stages[0].batch_specs[0].shape[0] if stages[0].batch_specs and stages[0].batch_specs[0].shape else 1
