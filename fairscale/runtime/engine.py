@@ -26,6 +26,7 @@ from torch import nn
 
 from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
+from fairscale.runtime.clip_guard import guard_clip_grad_norm
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
@@ -98,6 +99,7 @@ class ParallelModule:
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
         self.rank_program = program
+        guard_clip_grad_norm(self)  # torch.nn.utils.clip_grad_norm_(pm.parameters()) clips by the global norm
         """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
         self.optimizer_spec = optimizer
         """The optimizer as ``parallelize`` took it (``fairscale.switch_plan`` builds the next module with it)."""

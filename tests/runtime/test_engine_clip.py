@@ -48,6 +48,8 @@ CONFIGS = {
     "2x2x2-gpipe-zero2-sp": (2, 2, 2, 1, "gpipe", 2, "zero2", True),
     "2x2x2-interleaved-zero1": (2, 2, 2, 1, "interleaved", 2, "zero1", False),
     "1x4x2-manual-zero2": (1, 4, 2, 1, "1f1b", 1, "zero2", False),  # loss.backward(); pm.clip_grad_norm_(CLIP)
+    # the same loop with torch.nn.utils.clip_grad_norm_(pm.parameters(), CLIP) (fairscale.runtime.clip_guard)
+    "1x4x2-manual-torch-zero2": (1, 4, 2, 1, "1f1b", 1, "zero2", False),
     "2x2x2-ep2-1f1b-zero2-sp": (2, 2, 2, 2, "1f1b", 2, "zero2", True),  # experts split over dp pairs
 }
 
@@ -155,7 +157,11 @@ def _train_all(rank: int, world: int, family: str, case: Any, plans: dict[str, P
             if "manual" in name:  # the plain PyTorch loop (pp = 1): this rank's dp slice, then the global mean
                 loss = pm(*batch)
                 loss.backward()
-                traj.grad_norms.append(float(pm.clip_grad_norm_(CLIP)))
+                if "torch" in name:  # what a PyTorch script writes: the global norm, not this rank's pieces'
+                    norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), CLIP)
+                else:
+                    norm = pm.clip_grad_norm_(CLIP)
+                traj.grad_norms.append(float(norm))
                 pm.optimizer.step()
                 pm.optimizer.zero_grad()
                 mean = loss.detach().reshape(1).clone()
@@ -166,6 +172,16 @@ def _train_all(rank: int, world: int, family: str, case: Any, plans: dict[str, P
                 traj.grad_norms.append(pm.last_grad_norm)
         traj.params = pm.state_dict()
         out[name] = traj
+        if "torch" in name:  # a part of the rank's pieces is refused, saying what to call
+            mine = list(pm.parameters())  # ZeRO may hold one flat bucket: then no proper subset exists
+            out["pieces"] = len(mine)
+            for wrong in ([*mine, torch.zeros(1, requires_grad=True)], mine[:1] if len(mine) > 1 else None):
+                if wrong is None:
+                    continue
+                try:
+                    torch.nn.utils.clip_grad_norm_(wrong, CLIP)
+                except RuntimeError as e:
+                    out.setdefault("refusals", []).append(str(e))
         if name == next(iter(plans)):
             out["shared"] = dict(pm.program.shared)
             try:
@@ -218,6 +234,24 @@ def test_tied_weight_is_held_by_both_stages(runs, family):
     _, results = runs(family)
     expected = {"wte.weight": [0, 1]} if family == "gpt" else {}
     assert all(r["shared"] == expected for r in results)
+
+
+def test_torch_clip_on_a_ranks_pieces_is_refused(runs):
+    """Given part of pm.parameters() (or them and another tensor), torch.nn.utils.clip_grad_norm_
+    raises instead of clipping by the norm of this rank's pieces."""
+    _, results = runs("gpt")
+    for r in results:
+        assert len(r["refusals"]) == (2 if r["pieces"] > 1 else 1)
+        assert all("Clip the whole model with pm.clip_grad_norm_(max_norm)" in e for e in r["refusals"])
+        assert "some of a ParallelModule's parameters and other tensors" in r["refusals"][0]
+        assert all("and other tensors" not in e for e in r["refusals"][1:])
+    # a tensor of no ParallelModule still goes to torch's own function
+    from fairscale.runtime.clip_guard import clip_grad_norm_
+
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.full((3,), 4.0)
+    assert float(clip_grad_norm_([w], 1.0)) == pytest.approx(48 ** 0.5)
+    assert float(w.grad.norm()) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_clip_norm_must_be_positive(runs):

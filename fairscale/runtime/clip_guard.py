@@ -1,0 +1,64 @@
+"""``torch.nn.utils.clip_grad_norm_`` on a ParallelModule's parameters clips by the GLOBAL norm.
+
+A rank holds slices and shards of the model (tp, ep, ZeRO/FSDP, pipeline stages), so torch's
+function, given ``pm.parameters()``, would clip with the norm of this rank's pieces: a different
+coefficient on every rank, a silent difference from one process. Once a ParallelModule exists,
+``torch.nn.utils.clip_grad_norm_`` (the attribute, looked up when called) is this module's
+:func:`clip_grad_norm_`:
+
+* given exactly a live ParallelModule's parameters, it is ``pm.clip_grad_norm_(max_norm,
+  norm_type)``: the norm of the whole model, every element once, the same on every rank
+  (collective: every rank calls it, as every rank runs the same script);
+* given some of them, or some mixed with other tensors, it raises and says what to call instead;
+* anything else goes to torch's own function unchanged.
+
+A name bound before the first ParallelModule (``from torch.nn.utils import clip_grad_norm_`` at
+the top of a script) is torch's own function and is not covered: ``pm.clip_grad_norm_`` (or
+``train_step(batch, clip_norm=...)``) is the documented way.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Iterable
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+__all__ = ["guard_clip_grad_norm", "clip_grad_norm_"]
+
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_TORCH = torch.nn.utils.clip_grad.clip_grad_norm_
+
+
+def guard_clip_grad_norm(pm: Any) -> None:
+    """Route torch's ``clip_grad_norm_`` for ``pm``'s parameters to ``pm.clip_grad_norm_``."""
+    _LIVE.add(pm)
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+@functools.wraps(_TORCH)
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    given = {id(p) for p in params}
+    for pm in list(_LIVE):
+        own = {id(p) for p in pm.parameters()}
+        if not own & given:
+            continue
+        if own != given:
+            raise RuntimeError(
+                "torch.nn.utils.clip_grad_norm_ was given some of a ParallelModule's parameters"
+                + (" and other tensors" if given - own else "") + ": this rank holds only slices and shards, so "
+                "their norm is not the model's. Clip the whole model with pm.clip_grad_norm_(max_norm) (or "
+                "pm.train_step(batch, clip_norm=max_norm)); it computes the global norm")
+        if error_if_nonfinite:
+            raise NotImplementedError(
+                "torch.nn.utils.clip_grad_norm_(pm.parameters(), ..., error_if_nonfinite=True) is not supported "
+                "on a ParallelModule: call pm.clip_grad_norm_(max_norm) and check that the norm it returns "
+                "(the same on every rank) is finite")
+        return pm.clip_grad_norm_(max_norm, norm_type)  # foreach only chooses torch's kernels: no effect here
+    return _TORCH(params, max_norm, norm_type, error_if_nonfinite, foreach)
