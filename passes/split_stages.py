@@ -214,7 +214,7 @@ def split_stages_pass(gm: torch.fx.GraphModule, plan: Plan, *, graph: ModelGraph
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < n - 1 else [loss]
         bp = blueprint(gm, local[s], recv, send, placeholders, position)
-        build = functools.partial(_build_stage, gm, s, bp, pure, buffers, sends=s < n - 1, share=share_weights)
+        build = functools.partial(_build_stage, s, bp, pure, buffers, sends=s < n - 1, share=share_weights)
         stages.append(StageGraph(index=s, builder=build, blueprint=bp, keys=_param_keys(bp),
                                  layers=[name for name, i in layer_stage.items() if i == s],
                                  batch_inputs=[idx for idx, _ in bp.batch],
@@ -341,7 +341,7 @@ def _stage_value(value: Any, *, share: bool) -> Any:
     return copy.deepcopy(value)
 
 
-def _build_stage(gm: torch.fx.GraphModule, s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
+def _build_stage(s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
                  buffers: set[str], *, sends: bool, share: bool) -> torch.fx.GraphModule:
     """The GraphModule of stage ``s``: a copy of ``bp``'s nodes (``passes.stage_blueprint``)."""
     graph = torch.fx.Graph()

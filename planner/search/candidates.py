@@ -126,14 +126,12 @@ def _expert_degrees(graph: ModelGraph, counts: list[int], dp: int, fixed: Fixed,
     """Expert-parallel degrees to try: 1, and for MoE models (``counts``: each MoE layer's experts)
     every divisor of dp that divides every layer's expert count (not when the tp rules already
     split the experts)."""
-    if fixed.ep is not None and fixed.ep > 1 and not counts:
-        raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
-                         "mesh.ep"], source="constraints")
-    if "expert" in rules.values():  # the tp rules split the experts already (planner.validate_tp refuses both)
-        return [1] if fixed.ep in (None, 1) else []
-    if fixed.ep is not None:
+    if fixed.ep is not None:  # enumerate_configs skips the tp degrees whose rules split experts when ep > 1
+        if fixed.ep > 1 and not counts:
+            raise PlanError([f"mesh.ep: {fixed.ep}, but {graph.model_class} has no mixture-of-experts layer; drop "
+                             "mesh.ep"], source="constraints")
         return [fixed.ep] if dp % fixed.ep == 0 and all(c % fixed.ep == 0 for c in counts) else []
-    if not counts:
+    if not counts or "expert" in rules.values():  # the tp rules split the experts: planner.validate_tp refuses ep too
         return [1]
     return [e for e in divisors(dp) if all(c % e == 0 for c in counts)]
 
