@@ -7,7 +7,7 @@ coefficient on every rank, a silent difference from one process. Once a Parallel
 :func:`clip_grad_norm_`:
 
 * given exactly a live ParallelModule's parameters, it is ``pm.clip_grad_norm_(max_norm,
-  norm_type)``: the norm of the whole model, every element once, the same on every rank
+  norm_type, error_if_nonfinite=...)``: the norm of the whole model, every element once, the same on every rank
   (collective: every rank calls it, as every rank runs the same script);
 * given some of them, or some mixed with other tensors, it raises and says what to call instead;
 * anything else goes to torch's own function unchanged.
@@ -55,10 +55,6 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                 + (" and other tensors" if given - own else "") + ": this rank holds only slices and shards, so "
                 "their norm is not the model's. Clip the whole model with pm.clip_grad_norm_(max_norm) (or "
                 "pm.train_step(batch, clip_norm=max_norm)); it computes the global norm")
-        if error_if_nonfinite:
-            raise NotImplementedError(
-                "torch.nn.utils.clip_grad_norm_(pm.parameters(), ..., error_if_nonfinite=True) is not supported "
-                "on a ParallelModule: call pm.clip_grad_norm_(max_norm) and check that the norm it returns "
-                "(the same on every rank) is finite")
-        return pm.clip_grad_norm_(max_norm, norm_type)  # foreach only chooses torch's kernels: no effect here
+        # foreach only chooses torch's kernels: nothing to pass on
+        return pm.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
     return _TORCH(params, max_norm, norm_type, error_if_nonfinite, foreach)

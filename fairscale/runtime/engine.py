@@ -98,8 +98,8 @@ class ParallelModule:
         if not dist.is_initialized():
             raise RuntimeError("a ParallelModule runs on launched ranks: call fairscale.parallelize inside "
                                "fairscale.launch(fn, devices=N), `python -m fairscale run`, or torchrun")
-        self.rank_program = program
         guard_clip_grad_norm(self)  # torch.nn.utils.clip_grad_norm_(pm.parameters()) clips by the global norm
+        self.rank_program = program
         """What the face compiled for this rank (:class:`fairscale.runtime.program.RankProgram`)."""
         self.optimizer_spec = optimizer
         """The optimizer as ``parallelize`` took it (``fairscale.switch_plan`` builds the next module with it)."""
@@ -250,7 +250,8 @@ class ParallelModule:
 
     @_on_mesh
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale this rank's gradients so the norm over the FULL model's gradients is at most
         ``max_norm``; return the norm before clipping (the same on every rank). Collective.
 
@@ -260,12 +261,17 @@ class ParallelModule:
         or dp ranks) count once, and a weight tied across stages counts only on its first stage
         (the pipeline has already given every copy the summed gradient). Use it in the manual loop
         (``loss.backward(); pm.clip_grad_norm_(1.0); pm.optimizer.step()``); ``train_step``
-        calls it for ``clip_norm``.
+        calls it for ``clip_norm``. ``error_if_nonfinite``: raise, on every rank, before scaling
+        anything when the norm is inf or nan, as torch's does.
         """
         parts = merge_grad_norm_parts(
             (opt.grad_norm_parts(norm_type, skip_keys=self._tied_copies(s))
              for s, opt in zip(self.local_stages, self._optimizers)), norm_type)
         total = reduce_grad_norm(parts, norm_type, reduce_axes=("pp",))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same total on every rank
+            raise RuntimeError(f"The total norm of order {norm_type} for the ParallelModule's gradients is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the "
+                               "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = clip_coefficient(total, max_norm)
         for opt in self._optimizers:
             opt.scale_grads_(coef)

@@ -182,6 +182,18 @@ def _train_all(rank: int, world: int, family: str, case: Any, plans: dict[str, P
                     torch.nn.utils.clip_grad_norm_(wrong, CLIP)
                 except RuntimeError as e:
                     out.setdefault("refusals", []).append(str(e))
+            # error_if_nonfinite: an inf on one rank's piece makes every rank raise, before any scaling
+            pm(*case.make_batch(0, BATCH)).backward()
+            if rank == 0:  # every gradient this rank holds: whichever piece of it the rank counts
+                for p in mine:
+                    p.grad.fill_(float("inf"))
+            before = [p.grad.clone() for p in mine]
+            try:
+                torch.nn.utils.clip_grad_norm_(pm.parameters(), CLIP, error_if_nonfinite=True)
+            except RuntimeError as e:
+                out["nonfinite"] = str(e)
+            out["unscaled"] = all(torch.equal(a, p.grad) for a, p in zip(before, mine))
+            pm.optimizer.zero_grad()
         if name == next(iter(plans)):
             out["shared"] = dict(pm.program.shared)
             try:
@@ -245,6 +257,7 @@ def test_torch_clip_on_a_ranks_pieces_is_refused(runs):
         assert all("Clip the whole model with pm.clip_grad_norm_(max_norm)" in e for e in r["refusals"])
         assert "some of a ParallelModule's parameters and other tensors" in r["refusals"][0]
         assert all("and other tensors" not in e for e in r["refusals"][1:])
+        assert "non-finite, so it cannot be clipped" in r["nonfinite"] and r["unscaled"]
     # a tensor of no ParallelModule still goes to torch's own function
     from fairscale.runtime.clip_guard import clip_grad_norm_
 
