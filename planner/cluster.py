@@ -141,6 +141,11 @@ class Cluster:
     dp_tensor_host_s: float = 0.0
     """Host seconds per parameter tensor per step that data parallelism adds (gradient hooks,
     copies into and out of the buckets). 0 for GPUs; measured for CPU ranks by calibration."""
+    tp_op_host_s: float = 0.0
+    """Host seconds per tensor-parallel collective op of a microbatch outside its wait: the
+    runtime's op around the gloo call (its autograd function, the copies around the call, the
+    gloo threads' work before the wait). Charged with the layer's compute
+    (``planner.cost_host.tp_op_calls``). 0 for GPUs; measured for CPU ranks by calibration."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -159,7 +164,7 @@ class Cluster:
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
         for key in ("op_overhead_s", "optimizer_tensor_s", "recompute_op_s", "step_host_s", "microbatch_host_s",
-                    "dp_tensor_host_s"):
+                    "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         bad = {op: calls for op, calls in self.collective_call_s.items()

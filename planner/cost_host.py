@@ -26,7 +26,7 @@ from typing import Mapping
 from planner.cluster import Cluster
 
 __all__ = ["call_seconds", "tp_link", "recompute_host_s", "per_recomputed_op", "runtime_host_s", "fit_runtime_host",
-           "RuntimeHostRun"]
+           "RuntimeHostRun", "tp_op_calls"]
 
 
 def call_seconds(calls: Mapping[int, float], group: int) -> float:
@@ -101,6 +101,14 @@ def runtime_host_s(cluster: Cluster, *, chunks: int, dp: int, tensors: int) -> t
     return per_step, chunks * cluster.microbatch_host_s
 
 
+def tp_op_calls(*, allreduce_fwd: int, allreduce_bwd: int, gathers: bool, loss_tokens: bool) -> tuple[int, int]:
+    """(forward, backward) tensor-parallel collective ops of a split layer per microbatch, as
+    ``planner.cost.layer_costs`` charges their calls: its all-reduces each way, one all-gather of a
+    ``colwise_gather`` output, three all-reduces of a vocabulary-parallel loss.
+    Example: a Megatron block (2 forward, 2 backward): (2, 2); a vocabulary-parallel head: (3, 0)."""
+    return allreduce_fwd + (1 if gathers else 0) + (3 if loss_tokens else 0), allreduce_bwd
+
+
 @dataclass(frozen=True)
 class RuntimeHostRun:
     """One calibration run of real ``train_step`` calls: the plan's microbatches per step, its
@@ -112,18 +120,22 @@ class RuntimeHostRun:
     dp: int
     tensors: int
     extra_s: float
+    tp_ops: int = 0
+    """Tensor-parallel collective ops per step (:func:`tp_op_calls` × microbatches); 0 without tp."""
 
 
-def fit_runtime_host(runs: list[RuntimeHostRun]) -> tuple[float, float, float]:
-    """(``step_host_s``, ``microbatch_host_s``, ``dp_tensor_host_s``) from runs of one stage chunk
-    per rank: the runs without data parallelism fix the step and microbatch costs (least-squares
-    line over their microbatch counts, which must differ), the runs with it the per-tensor cost
-    (mean of what they spend beyond those two). Coefficients are clamped at 0.
+def fit_runtime_host(runs: list[RuntimeHostRun]) -> tuple[float, float, float, float]:
+    """(``step_host_s``, ``microbatch_host_s``, ``dp_tensor_host_s``, ``tp_op_host_s``) from runs
+    of one stage chunk per rank: the runs with neither data nor tensor parallelism fix the step and
+    microbatch costs (least-squares line over their microbatch counts, which must differ), the
+    runs with data parallelism the per-tensor cost and those with tensor parallelism the per-op
+    cost (mean of what they spend beyond the step and microbatch costs). Clamped at 0.
 
-    Example: extra 8 ms at m = 2 and 26 ms at m = 8 without dp, 15 ms at m = 1 with dp and 100
-    tensors: 3 ms per microbatch, 2 ms per step, (15 - 2 - 3) / 100 = 100 us per tensor.
+    Example: extra 8 ms at m = 2 and 26 ms at m = 8 alone, 15 ms at m = 1 with dp and 100
+    tensors, 9 ms at m = 1 with 8 tp ops: 3 ms per microbatch, 2 ms per step,
+    (15 - 2 - 3) / 100 = 100 us per tensor, (9 - 2 - 3) / 8 = 500 us per tp op.
     """
-    plain = [(r.microbatches, r.extra_s) for r in runs if r.dp == 1]
+    plain = [(r.microbatches, r.extra_s) for r in runs if r.dp == 1 and not r.tp_ops]
     if len({m for m, _ in plain}) < 2:
         raise ValueError("fit_runtime_host needs runs without data parallelism at two or more microbatch counts, "
                          f"got {runs}")
@@ -133,5 +145,8 @@ def fit_runtime_host(runs: list[RuntimeHostRun]) -> tuple[float, float, float]:
     slope = sum((m - mx) * (t - my) for m, t in plain) / sum((m - mx) ** 2 for m, _ in plain)
     micro = max(0.0, slope)
     step = max(0.0, my - micro * mx)
-    dp = [(r.extra_s - step - micro * r.microbatches) / r.tensors for r in runs if r.dp > 1 and r.tensors > 0]
-    return step, micro, max(0.0, sum(dp) / len(dp)) if dp else 0.0
+    dp = [(r.extra_s - step - micro * r.microbatches) / r.tensors for r in runs
+          if r.dp > 1 and not r.tp_ops and r.tensors > 0]
+    tp = [(r.extra_s - step - micro * r.microbatches) / r.tp_ops for r in runs if r.dp == 1 and r.tp_ops]
+    return (step, micro, max(0.0, sum(dp) / len(dp)) if dp else 0.0,
+            max(0.0, sum(tp) / len(tp)) if tp else 0.0)

@@ -135,8 +135,10 @@ class Calibration:
     """The runtime's host seconds per microbatch per stage chunk (``Cluster.microbatch_host_s``)."""
     dp_tensor_host_s: float = 0.0
     """Data parallelism's host seconds per parameter tensor per step (``Cluster.dp_tensor_host_s``)."""
+    tp_op_host_s: float = 0.0
+    """Host seconds per tensor-parallel collective op outside its wait (``Cluster.tp_op_host_s``)."""
     runtime_measured: bool = False
-    """Whether the three runtime host terms were measured (else they are 0: not measured)."""
+    """Whether the four runtime host terms were measured (else they are 0: not measured)."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -152,6 +154,7 @@ class Calibration:
                 "recompute_op_s": self.recompute_op_s, "block_flops": self.block_flops,
                 "step_host_s": self.step_host_s, "microbatch_host_s": self.microbatch_host_s,
                 "dp_tensor_host_s": self.dp_tensor_host_s, "runtime_measured": self.runtime_measured,
+                "tp_op_host_s": self.tp_op_host_s,
                 "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
@@ -168,6 +171,7 @@ class Calibration:
                    microbatch_host_s=float(data.get("microbatch_host_s", 0.0)),
                    dp_tensor_host_s=float(data.get("dp_tensor_host_s", 0.0)),
                    runtime_measured=bool(data.get("runtime_measured", False)),
+                   tp_op_host_s=float(data.get("tp_op_host_s", 0.0)),
                    collective_call_s={k: {int(g): float(t) for g, t in v.items()}
                                       for k, v in data.get("collective_call_s", {}).items()},
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
@@ -185,7 +189,8 @@ class Calibration:
         lines.append(f"  recompute, per op     : {self.recompute_op_s * 1e6:8.1f} us (fully recomputed block)")
         lines.append(f"  runtime host          : {self.step_host_s * 1e3:8.2f} ms per step, "
                      f"{self.microbatch_host_s * 1e3:.2f} ms per microbatch per chunk, "
-                     f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor" if self.runtime_measured
+                     f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor, "
+                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op" if self.runtime_measured
                      else "  runtime host          : not measured (0; calibrate_cpu(runtime_host=...))")
         for op, calls in self.collective_call_s.items():
             lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
@@ -397,8 +402,8 @@ def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
     fn(out, full)
 
 
-RuntimeHostProbe = Callable[..., tuple[float, float, float]]
-"""``probe(share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s)``:
+RuntimeHostProbe = Callable[..., tuple[float, float, float, float]]
+"""``probe(share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s, tp_op_host_s)``:
 ``fairscale.calibrate_host.measure_runtime_host`` (it builds modules, so the face hands it in)."""
 
 
@@ -415,8 +420,8 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), block_model_counts(), cores),
                  backend="gloo")[0]
     share = max(1.0, ranks / cores)
-    step_host, micro_host, tensor_host = runtime_host(share=share, repeat=repeat + 2) if runtime_host is not None \
-        else (0.0, 0.0, 0.0)
+    step_host, micro_host, tensor_host, tp_op_host = runtime_host(share=share, repeat=repeat + 2) \
+        if runtime_host is not None else (0.0, 0.0, 0.0, 0.0)
     coll: dict[str, dict[int, float]] = res["coll"]
     p = ranks
     shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
@@ -446,14 +451,14 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         op_overhead_s=float(res["op_overhead"]), shared_cores=cores, collective_call_s=res["calls"],
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
-        step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host,
+        step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
                        block_flops=flops, step_host_s=step_host, microbatch_host_s=micro_host,
-                       dp_tensor_host_s=tensor_host, runtime_measured=runtime_host is not None, collectives=coll, fits=fits, machine=machine_description())
+                       dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=runtime_host is not None, collectives=coll, fits=fits, machine=machine_description())
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:

@@ -113,12 +113,14 @@ def test_runtime_host_terms_by_hand():
     assert runtime_host_s(Cluster.preset("a100-80gb"), chunks=1, dp=8, tensors=100) == (0.0, 0.0)  # GPUs: hidden
     # synthetic fit: 8 ms at m = 2 and 26 ms at m = 8 without dp (3 ms per microbatch, 2 ms per step);
     # 15 ms at m = 1 with dp over 100 tensors: (15 - 2 - 3) / 100 = 100 us per tensor
-    runs = [RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 26e-3), RuntimeHostRun(1, 2, 100, 15e-3)]
-    assert fit_runtime_host(runs) == pytest.approx((2e-3, 3e-3, 1e-4))
+    # 9 ms at m = 1 with 8 tensor-parallel ops: (9 - 2 - 3) / 8 = 500 us per op
+    runs = [RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 26e-3), RuntimeHostRun(1, 2, 100, 15e-3),
+            RuntimeHostRun(1, 1, 10, 9e-3, tp_ops=8)]
+    assert fit_runtime_host(runs) == pytest.approx((2e-3, 3e-3, 1e-4, 5e-4))
     # noise that makes more microbatches cheaper clamps the slope at 0 (the step cost is then their
     # mean, 5 ms) and a dp run below the line gives 0 per tensor, never a negative cost
     assert fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 2e-3),
-                             RuntimeHostRun(1, 2, 10, 0.0)]) == (pytest.approx(5e-3), 0.0, 0.0)
+                             RuntimeHostRun(1, 2, 10, 0.0)]) == (pytest.approx(5e-3), 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="two or more microbatch counts"):
         fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(1, 2, 10, 8e-3)])
     with pytest.raises(ValueError, match="microbatch_host_s must be >= 0"):
@@ -150,3 +152,26 @@ def test_a_plan_pays_the_runtime_host_terms_per_step_microbatch_and_dp_tensor():
     wide = dataclasses.replace(host, devices_per_node=2)
     d = cost_plan(plan(2, 1), g, wide, validate=False, global_batch=8)
     assert d.host_s == pytest.approx(2e-3 + 3e-3 + tensors * 40e-6)
+
+
+def test_each_tensor_parallel_op_pays_the_runtimes_host_cost_with_the_layers_compute():
+    from planner.cost_host import tp_op_calls
+
+    assert tp_op_calls(allreduce_fwd=2, allreduce_bwd=2, gathers=False, loss_tokens=False) == (2, 2)
+    assert tp_op_calls(allreduce_fwd=0, allreduce_bwd=1, gathers=False, loss_tokens=True) == (3, 1)
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    rules = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+             "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    facts = layer_facts(g, rules)
+    c = _cpu({"all_reduce": {2: 1e-3}})
+    a, b = (layer_costs(facts, x, tp=2, micro=1, compute_dtype="fp32")
+            for x in (c, dataclasses.replace(c, tp_op_host_s=400e-6)))
+    for f, ca, cb in zip(facts, a, b):
+        n = (f.tp.allreduce_fwd, f.tp.allreduce_bwd) if f.tp.sharded else (0, 0)
+        assert (cb.fwd - ca.fwd, cb.bwd - ca.bwd) == pytest.approx((n[0] * 400e-6, n[1] * 400e-6))
+        assert cb.tp_s == ca.tp_s  # compute, not the collectives' wait: measured outside the waits
+    assert sum(cb.fwd - ca.fwd for ca, cb in zip(a, b)) == pytest.approx(2 * 2 * 400e-6)  # 2 blocks × 2 forward
+    # tp 1: nothing split, nothing charged
+    assert [x.fwd for x in layer_costs(facts, dataclasses.replace(c, tp_op_host_s=1.0), tp=1, micro=1,
+                                       compute_dtype="fp32")] == [x.fwd for x in layer_costs(facts, c, tp=1, micro=1,
+                                                                                             compute_dtype="fp32")]

@@ -39,9 +39,10 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
     # the planning rate is the transformer block's; the runtime's host terms were measured on real steps
     assert cal.block_flops == c.peak_flops["fp32"] > 1e8 and cal.matmul_flops
-    assert c.step_host_s + c.microbatch_host_s > 0 and c.dp_tensor_host_s >= 0
+    assert c.step_host_s + c.microbatch_host_s > 0 and c.dp_tensor_host_s >= 0 and c.tp_op_host_s >= 0
     assert (cal.step_host_s, cal.microbatch_host_s, cal.dp_tensor_host_s) == \
         (c.step_host_s, c.microbatch_host_s, c.dp_tensor_host_s)
+    assert cal.tp_op_host_s == c.tp_op_host_s and "tensor-parallel op" in cal.table()
     assert cal.runtime_measured and "ms per microbatch" in cal.table() and "transformer block" in cal.table()
     # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
     assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
