@@ -286,9 +286,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dim, args.layers, args.seq, args.vocab, args.steps, args.warmup = 32, 8, 16, 64, 1, 0
         args.plans = args.plans or "1x8x1 ddp,2x2x2 1f1b,searched"
 
-    stale = args.cluster.exists() and json.loads(args.cluster.read_text()).get("version", 1) != CALIBRATION_VERSION
+    stored = json.loads(args.cluster.read_text()) if args.cluster.exists() else {}
+    stale = bool(stored) and (stored.get("version", 1) != CALIBRATION_VERSION or not stored.get("runtime_measured"))
     if stale:
-        print(f"{args.cluster} was measured by an older calibration (fewer terms): measuring again")
+        print(f"{args.cluster} was measured by an older calibration or without the runtime's host terms: "
+              "measuring again")
     if args.calibrate or not args.cluster.exists() or stale:
         cal = calibrate_cpu(args.ranks, runtime_host=measure_runtime_host)
         print(cal.table())
