@@ -4,7 +4,7 @@ data-parallel tensor costs of ``planner.cost_host.runtime_host_s``.
 Usage::
 
     from fairscale.calibrate_host import measure_runtime_host
-    step_s, micro_s, tensor_s = measure_runtime_host(share=4.0, repeat=3)
+    step_s, micro_s, tensor_s, tp_op_s = measure_runtime_host(share=4.0, repeat=3)
     cal = fairscale.runtime.calibrate.calibrate_cpu(8, runtime_host=measure_runtime_host)
 
 It builds modules (``fairscale.build``), so it lives with the face and calibration takes it as
@@ -61,6 +61,10 @@ HOST_MODEL = {"dim": 8, "layers": 4, "heads": 2, "seq": 4, "vocab": 16}
 """The tiny GPT whose real training steps time the runtime's host work (its arithmetic is nil)."""
 HOST_BATCH = 8
 """Global batch of every calibration plan (one capture serves all three)."""
+MIN_STEPS = 12
+"""Timed steps per plan at least: a step of the tiny GPT is 10-80 ms of CPU, and with 5 steps two
+calibrations 10 minutes apart differed by up to 4× per term on a shared 2-core machine; the
+builds, not the steps, are most of the time."""
 HOST_PLANS = ((2, 1, 1, 2), (2, 1, 1, 8), (1, 2, 1, 1), (1, 1, 2, 1))
 """(pp, dp, tp, microbatches) of the calibration plans: 1F1B over 2 stages at 2 and 8 microbatches,
 DDP over 2, tensor parallelism over 2 (the TP pass's own proposed rules)."""
@@ -89,7 +93,7 @@ def _rank(rank: int, world: int, case: Any, plans: list[Plan], repeat: int) -> l
             pm.train_step(case.make_batch(step, HOST_BATCH))
         meter = CpuIn(pm)
         steps = []
-        for step in range(repeat + 2):
+        for step in range(max(repeat, MIN_STEPS)):
             b = case.make_batch(10 + step, HOST_BATCH)
             dist.barrier()
             meter.reset()
@@ -105,7 +109,7 @@ def _rank(rank: int, world: int, case: Any, plans: list[Plan], repeat: int) -> l
             case.loss_fn(case.model(tokens), labels).backward()
         fwd_bwd()
         plain = []
-        for _ in range(repeat + 2):
+        for _ in range(max(repeat, MIN_STEPS)):
             dist.barrier()
             start = cpu_s()
             for _ in range(m):
