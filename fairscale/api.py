@@ -34,6 +34,7 @@ from torch import nn
 
 from fairscale.arguments import check_all
 from fairscale.build import build_module, predicted_memory
+from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
 from fairscale.compile_check import checker_for
@@ -82,7 +83,8 @@ def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = 
     if devices is None and dist.is_initialized():
         devices = dist.get_world_size()
     if cluster is None and ((device is not None and device.type == "cpu") or torch.cuda.device_count() == 0):
-        return cpu_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")))  # measured once, cached
+        return cpu_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")),  # measured once, cached
+                           runtime_host=measure_runtime_host)
     return _resolve_cluster(cluster, devices=devices)
 
 

@@ -54,6 +54,7 @@ from fairscale.api import search_graph  # noqa: E402 - the face's one search, sh
 from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
 from fairscale.runtime.calibration_cache import calibrate_and_cache, cpu_cluster  # noqa: E402
+from fairscale.calibrate_host import measure_runtime_host  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
 
 CAPTURE_BATCH = 2
@@ -164,7 +165,7 @@ def _cluster(args: argparse.Namespace, *, devices_mean_cpu: bool = True) -> Clus
     if args.cluster is None and (args.devices is None or not devices_mean_cpu):
         return None
     if args.cluster is None and torch.cuda.device_count() == 0:  # CPU ranks: this machine, measured once
-        return cpu_cluster(args.devices)
+        return cpu_cluster(args.devices, runtime_host=measure_runtime_host)
     spec = args.cluster if args.nodes is None else f"{args.cluster}:{args.nodes}"
     try:
         return resolve_cluster(spec, devices=args.devices)
@@ -254,7 +255,7 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.devices < 2:
         raise UsageError(f"--devices must be at least 2 (collectives need two ranks), got {args.devices}")
-    calibrate_and_cache(args.devices, out=sys.stdout)
+    calibrate_and_cache(args.devices, out=sys.stdout, runtime_host=measure_runtime_host)
     return 0
 
 
@@ -384,7 +385,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine's CPU ranks for the cost model (cached)",
                        description="Measure matmul, memory, per-op overhead and gloo collectives with N ranks "
-                                   "(about 10 s) and replace the cached calibration CPU plans use.")
+                                   "(about 20 s) and replace the cached calibration CPU plans use.")
     p.add_argument("--devices", type=int, metavar="N", required=True, help="number of CPU ranks (at least 2)")
     p.set_defaults(run=_cmd_calibrate)
 

@@ -115,7 +115,8 @@ def _ring_terms(op: str, size: int, nbytes: int) -> tuple[float, float]:
 
 
 def predicted_terms(b: Breakdown, plan: Plan) -> dict[str, Any]:
-    """The cost model's figures for the terms :class:`Measurement` has (seconds per step)."""
+    """The cost model's figures for the terms :class:`Measurement` has (seconds per step); the
+    compute of a pipeline rank includes the runtime's host work (``host_s``, also given alone)."""
     m, pp = plan.schedule.microbatches, plan.mesh.pp
     stages = [0.0] * pp
     for k, (f, bw) in enumerate(zip(b.stage_f_s, b.stage_b_s)):
@@ -123,7 +124,10 @@ def predicted_terms(b: Breakdown, plan: Plan) -> dict[str, Any]:
     if not b.stage_f_s:
         stages = [b.compute_s + b.recompute_s + b.tp_comm_s]
     stages = [max(0.0, s - b.tp_comm_s) for s in stages]  # stage times include exposed tp collectives
-    return {"step_s": b.step_time_s, "optimizer_s": b.optimizer_s, "stage_compute_s": stages,
+    # the runtime's host work is measured inside compute (step - waits - optimizer): add it to every
+    # pipeline rank (it is the slowest rank's; ranks differ only by their dp tensors)
+    stages = [s + b.host_s for s in stages]
+    return {"step_s": b.step_time_s, "optimizer_s": b.optimizer_s, "stage_compute_s": stages, "host_s": b.host_s,
             "comm_s": {"tp": b.tp_comm_s, "dp": b.dp_comm_s, "ep": b.ep_comm_s,
                        "p2p": b.p2p_s + b.bubble * b.pipeline_s}}
 
@@ -162,7 +166,7 @@ class StepRecorder:
 
 def term_table(predicted: dict[str, Any], measured: Measurement) -> str:
     """Predicted (:func:`predicted_terms`) against measured seconds per step, term by term."""
-    rows = [("step", predicted["step_s"], measured.step_s)]
+    rows: list[tuple[str, float, float | None]] = [("step", predicted["step_s"], measured.step_s)]
     rows += [(f"compute, pipeline rank {i}", p, m)
              for i, (p, m) in enumerate(zip(predicted["stage_compute_s"], measured.stage_compute_s))]
     for term, label in _LABELS.items():
@@ -170,9 +174,14 @@ def term_table(predicted: dict[str, Any], measured: Measurement) -> str:
         if p or m:
             rows.append((label, p, m))
     rows.append(("optimizer step", predicted["optimizer_s"], measured.optimizer_s))
+    if predicted.get("host_s"):  # inside compute when measured: predicted alone
+        rows.append(("  of compute: runtime host", predicted["host_s"], None))
     width = max(len(r[0]) for r in rows)
     out = [f"{'ms per step':<{width}} {'predicted':>10} {'measured':>10} {'error':>7}"]
     for label, p, m in rows:
+        if m is None:
+            out.append(f"{label:<{width}} {p * 1e3:>10.1f} {'(in compute)':>10}")
+            continue
         err = f"{(p - m) / m * 100:+.0f}%" if m > 0 else ""
         out.append(f"{label:<{width}} {p * 1e3:>10.1f} {m * 1e3:>10.1f} {err:>7}")
     return "\n".join(out)

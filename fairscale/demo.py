@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from fairscale.api import captured, parallelize, search
+from fairscale.calibrate_host import measure_runtime_host
 from fairscale.closed_loop import StepRecorder, measure, predicted_terms, term_table
 from fairscale.report.build import html_report, text_report
 from fairscale.runtime.calibration_cache import cpu_cluster
@@ -105,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     # CPU ranks on any machine (a GPU box too): the plan, the report and the launch all say so
-    cpu = cpu_cluster(args.devices)  # this machine's measured rates (measured on first use, then cached)
+    # this machine's measured rates (measured on first use, then cached)
+    cpu = cpu_cluster(args.devices, runtime_host=measure_runtime_host)
     free = search(case.model, batch, devices=args.devices, loss_fn=case.loss_fn, cluster=cpu)
     print(f"planner: searched in {time.perf_counter() - t0:.2f} s (capture included). Its ranking:")
     print(_indent(free.table()))

@@ -128,6 +128,24 @@ class Cluster:
     """``all_reduce`` / ``all_gather`` -> group size -> host seconds one small call costs a rank
     (CPU ranks: calibration's CPU time per call times the ranks per core, every rank in a group at
     once). Empty for GPUs: the link latency is used. ``planner.cost_host.tp_link`` reads it."""
+    step_host_s: float = 0.0
+    """Host seconds the runtime spends per training step on every rank outside the graph's ops,
+    the collectives and the optimizer's arithmetic: ``train_step``'s own machinery (gradients
+    zeroed, the batch cut, the loss gathered, the optimizer wrapper). 0 for GPUs (hidden behind
+    the kernels); measured for CPU ranks by calibration on real ``train_step`` calls
+    (``planner.cost_host.runtime_host_s``)."""
+    microbatch_host_s: float = 0.0
+    """Host seconds per microbatch per stage chunk a rank runs: the pipeline engine's forward and
+    backward actions (the stage call, the loss, posting sends and receives). 0 for GPUs; measured
+    for CPU ranks by calibration."""
+    dp_tensor_host_s: float = 0.0
+    """Host seconds per parameter tensor per step that data parallelism adds (gradient hooks,
+    copies into and out of the buckets). 0 for GPUs; measured for CPU ranks by calibration."""
+    tp_op_host_s: float = 0.0
+    """Host seconds per tensor-parallel collective op of a microbatch outside its wait: the
+    runtime's op around the gloo call (its autograd function, the copies around the call, the
+    gloo threads' work before the wait). Charged with the layer's compute
+    (``planner.cost_host.tp_op_calls``). 0 for GPUs; measured for CPU ranks by calibration."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -145,7 +163,8 @@ class Cluster:
                             f"full), got {self.last_node_devices}")
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
-        for key in ("op_overhead_s", "optimizer_tensor_s", "recompute_op_s"):
+        for key in ("op_overhead_s", "optimizer_tensor_s", "recompute_op_s", "step_host_s", "microbatch_host_s",
+                    "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         bad = {op: calls for op, calls in self.collective_call_s.items()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
-from planner.cost_host import tp_link
+from planner.cost_host import tp_link, tp_op_calls
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
@@ -475,6 +475,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         # host overhead per op: not hidden on CPU ranks (0 on GPUs); backward runs ~2 ops per forward op
         fwd += f.ops * cluster.op_overhead_s
         bwd += 2 * f.ops * cluster.op_overhead_s
+        if sharded:  # the runtime's tensor-parallel ops around their calls (CPU ranks; 0 on GPUs)
+            ops_f, ops_b = tp_op_calls(allreduce_fwd=n_fwd, allreduce_bwd=n_bwd, gathers=bool(f.tp.gather_bytes),
+                                       loss_tokens=bool(f.tp.loss_tokens))
+            fwd += ops_f * cluster.tp_op_host_s
+            bwd += ops_b * cluster.tp_op_host_s
         rec_sel = compute_time(0.0, max(0.0, act - sel_out), peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                                matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         rec_sel += f.ops * cluster.op_overhead_s

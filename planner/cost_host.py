@@ -6,6 +6,10 @@ Usage::
     call_seconds({2: 1e-3, 8: 8e-3}, 4)          # 3.0e-3: linear in the group's other ranks (g - 1)
     bw, hop = tp_link(cluster, tp=2, sequence_parallel=True)
 
+The runtime's own host work per step, per microbatch and per data-parallel tensor
+(:func:`runtime_host_s`, fitted by :func:`fit_runtime_host` to real ``train_step`` calls) is
+here too: on CPU ranks it is a term of its own next to the graph's ops.
+
 On CPU gloo ranks a collective call costs host work (the call's setup, a TCP round per ring step,
 waking the rank's threads) that grows with the group and that ranks sharing cores pay out of the
 same cores as compute. Calibration (``fairscale.runtime.calibrate``) measures it per call, in CPU
@@ -16,11 +20,13 @@ cluster's link latency is used unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 from planner.cluster import Cluster
 
-__all__ = ["call_seconds", "tp_link", "recompute_host_s", "per_recomputed_op"]
+__all__ = ["call_seconds", "tp_link", "recompute_host_s", "per_recomputed_op", "runtime_host_s", "fit_runtime_host",
+           "RuntimeHostRun", "tp_op_calls"]
 
 
 def call_seconds(calls: Mapping[int, float], group: int) -> float:
@@ -78,3 +84,69 @@ def per_recomputed_op(plain_s: float, checkpointed_s: float, *, ops: int) -> flo
     (``plain_s``) and with ``ops`` of its ops in fully recomputed regions (``checkpointed_s``).
     Example: 4.0 ms plain, 6.0 ms checkpointed, 40 ops recomputed: 50 us per op."""
     return max(0.0, checkpointed_s - plain_s) / ops if ops > 0 else 0.0
+
+
+def runtime_host_s(cluster: Cluster, *, chunks: int, dp: int, tensors: int) -> tuple[float, float]:
+    """(seconds per step, seconds per microbatch) of the runtime's own host work on one rank that
+    runs ``chunks`` stage chunks (1, or v under an interleaved schedule) of a plan with ``dp``
+    data-parallel replicas, holding ``tensors`` parameter tensors.
+
+    Per step: ``step_host_s`` (``train_step``'s machinery) plus, when ``dp > 1``,
+    ``tensors · dp_tensor_host_s`` (gradient hooks and bucket copies); per microbatch:
+    ``chunks · microbatch_host_s`` (the engine's forward and backward action of each chunk).
+    Example: step 2 ms, microbatch 3 ms, 40 us per tensor; 2 chunks, dp 4, 100 tensors:
+    (2 + 4 ms, 6 ms).
+    """
+    per_step = cluster.step_host_s + (tensors * cluster.dp_tensor_host_s if dp > 1 else 0.0)
+    return per_step, chunks * cluster.microbatch_host_s
+
+
+def tp_op_calls(*, allreduce_fwd: int, allreduce_bwd: int, gathers: bool, loss_tokens: bool) -> tuple[int, int]:
+    """(forward, backward) tensor-parallel collective ops of a split layer per microbatch, as
+    ``planner.cost.layer_costs`` charges their calls: its all-reduces each way, one all-gather of a
+    ``colwise_gather`` output, three all-reduces of a vocabulary-parallel loss.
+    Example: a Megatron block (2 forward, 2 backward): (2, 2); a vocabulary-parallel head: (3, 0)."""
+    return allreduce_fwd + (1 if gathers else 0) + (3 if loss_tokens else 0), allreduce_bwd
+
+
+@dataclass(frozen=True)
+class RuntimeHostRun:
+    """One calibration run of real ``train_step`` calls: the plan's microbatches per step, its
+    data-parallel size and parameter tensors per rank, and the extra host seconds per step
+    measured (a rank's step less its waits, its optimizer step and the graph's forward+backward
+    run plainly on the same rows)."""
+
+    microbatches: int
+    dp: int
+    tensors: int
+    extra_s: float
+    tp_ops: int = 0
+    """Tensor-parallel collective ops per step (:func:`tp_op_calls` × microbatches); 0 without tp."""
+
+
+def fit_runtime_host(runs: list[RuntimeHostRun]) -> tuple[float, float, float, float]:
+    """(``step_host_s``, ``microbatch_host_s``, ``dp_tensor_host_s``, ``tp_op_host_s``) from runs
+    of one stage chunk per rank: the runs with neither data nor tensor parallelism fix the step and
+    microbatch costs (least-squares line over their microbatch counts, which must differ), the
+    runs with data parallelism the per-tensor cost and those with tensor parallelism the per-op
+    cost (mean of what they spend beyond the step and microbatch costs). Clamped at 0.
+
+    Example: extra 8 ms at m = 2 and 26 ms at m = 8 alone, 15 ms at m = 1 with dp and 100
+    tensors, 9 ms at m = 1 with 8 tp ops: 3 ms per microbatch, 2 ms per step,
+    (15 - 2 - 3) / 100 = 100 us per tensor, (9 - 2 - 3) / 8 = 500 us per tp op.
+    """
+    plain = [(r.microbatches, r.extra_s) for r in runs if r.dp == 1 and not r.tp_ops]
+    if len({m for m, _ in plain}) < 2:
+        raise ValueError("fit_runtime_host needs runs without data parallelism at two or more microbatch counts, "
+                         f"got {runs}")
+    k = len(plain)
+    mx = sum(m for m, _ in plain) / k
+    my = sum(t for _, t in plain) / k
+    slope = sum((m - mx) * (t - my) for m, t in plain) / sum((m - mx) ** 2 for m, _ in plain)
+    micro = max(0.0, slope)
+    step = max(0.0, my - micro * mx)
+    dp = [(r.extra_s - step - micro * r.microbatches) / r.tensors for r in runs
+          if r.dp > 1 and not r.tp_ops and r.tensors > 0]
+    tp = [(r.extra_s - step - micro * r.microbatches) / r.tp_ops for r in runs if r.dp == 1 and r.tp_ops]
+    return (step, micro, max(0.0, sum(dp) / len(dp)) if dp else 0.0,
+            max(0.0, sum(tp) / len(tp)) if tp else 0.0)

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -48,6 +47,8 @@ import fairscale
 from fairscale.api import captured, parallelize, search
 from fairscale.closed_loop import measure, predicted_terms, rank_summary
 from fairscale.runtime.mesh import RankMesh
+from fairscale.calibrate_host import measure_runtime_host
+from fairscale.runtime.cpu_meter import CpuIn, cpu_s
 from fairscale.runtime.calibrate import CALIBRATION_VERSION, calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
 from passes import insert_recompute
@@ -169,16 +170,16 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
         for step in range(cfg["warmup"]):
             pm.train_step(case.make_batch(step, cfg["batch"]))
         times, records, calls = [], [], []
-        cpu_in = _CpuIn(pm)
+        cpu_in = CpuIn(pm)
         for step in range(cfg["steps"]):
             b = case.make_batch(100 + step, cfg["batch"])
             dist.barrier()
             RECORDER.timings = []
             cpu_in.reset()
-            cpu0 = _cpu_s()
+            cpu0 = cpu_s()
             start = time.perf_counter()
             loss = pm.train_step(b)
-            cpu = _cpu_s() - cpu0
+            cpu = cpu_s() - cpu0
             dist.barrier()
             times.append(time.perf_counter() - start)
             RECORDER.timings = None
@@ -219,10 +220,10 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
     """Per plan and term, predicted against measured milliseconds per step (``fairscale.closed_loop``'s
     Measurement: slowest rank, median step), and the ranks' CPU seconds per step over the cores."""
     cores = cluster.shared_cores or os.cpu_count() or 1
-    print(f"\nper term, ms per step, predicted/measured (compute: slowest pipeline rank; waits: slowest rank); "
-          f"cpu: all ranks' CPU seconds per step / {cores} cores")
+    print(f"\nper term, ms per step, predicted/measured (compute: slowest pipeline rank, with the runtime's host "
+          f"work, predicted alone under host; waits: slowest rank); cpu: all ranks' CPU seconds per step / {cores} cores")
     head = (f"{'plan':18s} {'step':>11s} {'compute':>11s} {'tp':>11s} {'dp':>11s} {'p2p+bubble':>11s} "
-            f"{'optimizer':>11s} {'cpu/cores':>9s} {'calls':>5s}")
+            f"{'optimizer':>11s} {'host':>5s} {'cpu/cores':>9s} {'calls':>5s}")
     print(head)
     for row in rows:
         if "error" in row:
@@ -235,10 +236,11 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
         print(f"{row['plan']:18s} {pair(p['step_s'], m['step_s'])} "
               f"{pair(max(p['stage_compute_s']), max(m['stage_compute_s']))} "
               + " ".join(pair(p['comm_s'].get(t, 0.0), m['comm_s'].get(t, 0.0)) for t in ("tp", "dp", "p2p"))
-              + f" {pair(p['optimizer_s'], m['optimizer_s'])} {cpu * 1e3:9.0f} {max(row['terms']['calls']):5.0f}")
+              + f" {pair(p['optimizer_s'], m['optimizer_s'])} {p.get('host_s', 0.0) * 1e3:5.0f} {cpu * 1e3:9.0f} "
+              f"{max(row['terms']['calls']):5.0f}")
     print(f"\nCPU per term: the ranks' CPU seconds per step over the {cores} cores (what a CPU-bound step "
           f"takes), predicted (mean over ranks of the model's busy terms) / measured, ms")
-    print(f"{'plan':18s} {'compute':>11s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} {'wall':>6s}")
+    print(f"{'plan':18s} {'compute':>11s} {'(host)':>6s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} {'wall':>6s}")
     for row in rows:
         if "error" in row:
             continue
@@ -250,47 +252,9 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
 
         def pair(a: float, b: float) -> str:
             return f"{a * 1e3:5.0f}/{b * 1e3:<5.0f}"
-        print(f"{row['plan']:18s} {pair(comp, total - cw - co)} {pair(comm, cw)} {pair(p['optimizer_s'], co)} "
+        print(f"{row['plan']:18s} {pair(comp, total - cw - co)} {p.get('host_s', 0.0) * 1e3:6.0f} {pair(comm, cw)} "
+              f"{pair(p['optimizer_s'], co)} "
               f"{pair(p['step_s'], total)} {t['meas']['step_s'] * 1e3:6.0f}")
-
-
-class _CpuIn:
-    """CPU seconds of this process (every thread) spent inside the flight recorder's waits
-    (collectives and point-to-point) and inside the optimizer step, per step: a measurement hook
-    of the benchmark (the runtime is unchanged)."""
-
-    def __init__(self, pm: Any) -> None:
-        self.wait = self.opt = 0.0
-        self._pm, self._wait, self._step = pm, RECORDER.wait, pm.optimizer.step
-
-        def wait(entry: Any, fn: Any) -> Any:
-            c = _cpu_s()
-            try:
-                return self._wait(entry, fn)
-            finally:
-                self.wait += _cpu_s() - c
-
-        def step(*a: Any, **k: Any) -> Any:  # its waits (ZeRO's all-gather) count as waits
-            c, w = _cpu_s(), self.wait
-            try:
-                return self._step(*a, **k)
-            finally:
-                self.opt += _cpu_s() - c - (self.wait - w)
-        RECORDER.wait = wait  # type: ignore[method-assign]
-        pm.optimizer.step = step
-
-    def reset(self) -> None:
-        self.wait = self.opt = 0.0
-
-    def close(self) -> None:
-        del RECORDER.wait  # the class's method again
-        del self._pm.optimizer.step
-
-
-def _cpu_s() -> float:
-    """CPU seconds this process has used, every thread (gloo's included), user and system."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def predict(plan: Plan, graph: ModelGraph, cluster: Cluster, global_batch: int) -> Breakdown:
@@ -322,11 +286,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dim, args.layers, args.seq, args.vocab, args.steps, args.warmup = 32, 8, 16, 64, 1, 0
         args.plans = args.plans or "1x8x1 ddp,2x2x2 1f1b,searched"
 
-    stale = args.cluster.exists() and json.loads(args.cluster.read_text()).get("version", 1) != CALIBRATION_VERSION
+    stored = json.loads(args.cluster.read_text()) if args.cluster.exists() else {}
+    stale = bool(stored) and (stored.get("version", 1) != CALIBRATION_VERSION or not stored.get("runtime_measured"))
     if stale:
-        print(f"{args.cluster} was measured by an older calibration (fewer terms): measuring again")
+        print(f"{args.cluster} was measured by an older calibration or without the runtime's host terms: "
+              "measuring again")
     if args.calibrate or not args.cluster.exists() or stale:
-        cal = calibrate_cpu(args.ranks)
+        cal = calibrate_cpu(args.ranks, runtime_host=measure_runtime_host)
         print(cal.table())
         if not args.tiny:
             save_calibration(cal, args.cluster)

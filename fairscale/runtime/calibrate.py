@@ -14,9 +14,19 @@ cores the ranks share, that is the rank's wall time when the machine is otherwis
 users' load does not change it (wall time under load gave coefficients that followed the load):
 
 * **matmul FLOP/s**: every rank multiplies fp32 matrices of transformer-like shapes with one
-  intra-op thread (what ``fairscale.launch`` gives each rank); the median over shapes of the
-  slowest rank. It becomes ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX run them
-  no faster).
+  intra-op thread (what ``fairscale.launch`` gives each rank); reported, and used to take the
+  FLOPs out of the op-overhead timing.
+* **transformer block FLOP/s** (since version 4): every rank runs a GPT of width 128 (head
+  dimension 16, 128 tokens, 2 sequences) forward and backward; its FLOPs over what is left of its
+  time once its counted ops' host overhead and its memory traffic are taken out
+  (:func:`block_flops_rate`) become ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX
+  run them no faster). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
+  and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
+  the GEMMs' rate under-predicted compute by about that much.
+* **the runtime's host work** (since version 4; :mod:`fairscale.runtime.calibrate_runtime`): two
+  ranks time real ``train_step`` calls of a tiny GPT under three plans; what a step costs beyond
+  its graph's ops, waits and optimizer becomes ``step_host_s``, ``microbatch_host_s`` and
+  ``dp_tensor_host_s`` (``planner.cost_host.runtime_host_s``).
 * **host overhead per op**: every rank runs a tiny GPT (width 8) forward and backward, divided by
   3× the ops the planner counts in its capture; it becomes ``op_overhead_s`` (on CPU ranks the
   dispatcher and autograd cost as much as the arithmetic of a small model). A chain of tiny
@@ -60,7 +70,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -68,16 +78,19 @@ import torch.distributed as dist
 from fairscale.testing.models import build
 from passes.ops.recompute_ops import recompute_call
 from planner.cluster import Cluster, Efficiency, host_memory_bytes
+from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_slope, per_op_overhead
 from planner.cost_host import per_recomputed_op
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
-           "fit_alpha_beta", "fit_slope", "per_op_overhead"]
+           "fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
 
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
-per op (a cache written before is measured again)."""
+per op; 4 plans with a transformer block's FLOP rate instead of the large GEMMs' and measures the
+runtime's host work per step, per microbatch and per data-parallel tensor on real ``train_step``
+calls (a cache written before is measured again)."""
 _MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
@@ -87,9 +100,11 @@ _OPT_TENSORS = 64
 _SUSTAIN_S = 0.05
 _CALL_ELEMENTS = 256
 """fp32 elements (1 KiB) of the small collective whose CPU per call is measured by group size."""
-_SHARE = [1.0]
-"""Ranks per core in this calibration's ranks (set by :func:`_measure`): CPU seconds × this is a
-rank's wall seconds when all ranks compute on a quiet machine."""
+_BLOCK_MODEL = {"dim": 128, "layers": 2, "heads": 8, "seq": 128, "vocab": 256}
+_BLOCK_ROWS = 2
+"""The GPT whose forward and backward, ``_BLOCK_ROWS`` sequences per rank, times the FLOP rate of a
+transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the scale of a CPU
+rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
 
 
 @dataclass(kw_only=True)
@@ -112,6 +127,18 @@ class Calibration:
     """Host seconds per op of a fully recomputed block (``Cluster.recompute_op_s``)."""
     collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
     """all_reduce / all_gather -> group size -> seconds per small call (``Cluster.collective_call_s``)."""
+    block_flops: float = 0.0
+    """FLOP/s of a transformer block's arithmetic with every rank at once (the cluster's peak)."""
+    step_host_s: float = 0.0
+    """The runtime's host seconds per step (``Cluster.step_host_s``)."""
+    microbatch_host_s: float = 0.0
+    """The runtime's host seconds per microbatch per stage chunk (``Cluster.microbatch_host_s``)."""
+    dp_tensor_host_s: float = 0.0
+    """Data parallelism's host seconds per parameter tensor per step (``Cluster.dp_tensor_host_s``)."""
+    tp_op_host_s: float = 0.0
+    """Host seconds per tensor-parallel collective op outside its wait (``Cluster.tp_op_host_s``)."""
+    runtime_measured: bool = False
+    """Whether the four runtime host terms were measured (else they are 0: not measured)."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -124,7 +151,10 @@ class Calibration:
         return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
                 "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
                 "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
-                "recompute_op_s": self.recompute_op_s,
+                "recompute_op_s": self.recompute_op_s, "block_flops": self.block_flops,
+                "step_host_s": self.step_host_s, "microbatch_host_s": self.microbatch_host_s,
+                "dp_tensor_host_s": self.dp_tensor_host_s, "runtime_measured": self.runtime_measured,
+                "tp_op_host_s": self.tp_op_host_s,
                 "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
@@ -137,6 +167,11 @@ class Calibration:
                    op_overhead_s=float(data.get("op_overhead_s", 0.0)),
                    optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
                    recompute_op_s=float(data.get("recompute_op_s", 0.0)),
+                   block_flops=float(data.get("block_flops", 0.0)), step_host_s=float(data.get("step_host_s", 0.0)),
+                   microbatch_host_s=float(data.get("microbatch_host_s", 0.0)),
+                   dp_tensor_host_s=float(data.get("dp_tensor_host_s", 0.0)),
+                   runtime_measured=bool(data.get("runtime_measured", False)),
+                   tp_op_host_s=float(data.get("tp_op_host_s", 0.0)),
                    collective_call_s={k: {int(g): float(t) for g, t in v.items()}
                                       for k, v in data.get("collective_call_s", {}).items()},
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
@@ -147,10 +182,16 @@ class Calibration:
                  f"({self.machine.get('cores', '?')} cores)"]
         for shape, f in self.matmul_flops.items():
             lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
+        lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate)")
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
         lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
         lines.append(f"  recompute, per op     : {self.recompute_op_s * 1e6:8.1f} us (fully recomputed block)")
+        lines.append(f"  runtime host          : {self.step_host_s * 1e3:8.2f} ms per step, "
+                     f"{self.microbatch_host_s * 1e3:.2f} ms per microbatch per chunk, "
+                     f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor, "
+                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op" if self.runtime_measured
+                     else "  runtime host          : not measured (0; calibrate_cpu(runtime_host=...))")
         for op, calls in self.collective_call_s.items():
             lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
         for name, fit in self.fits.items():
@@ -176,34 +217,10 @@ def machine_description() -> dict[str, Any]:
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
-    """Fit ``t = a·x_lat + x_bytes / beta`` to ``(x_lat, x_bytes, t)`` points, minimizing the
-    relative error ``Σ((pred - t)/t)²`` (so small messages weigh as much as large ones).
-
-    Returns ``(alpha seconds, beta bytes/s, max relative error)``. Negative coefficients are
-    clamped (alpha to 0, beta to a huge rate) and the other refitted alone.
-    Example: points (1, 0, 1e-4), (1, 1e6, 1.1e-3) give alpha = 1e-4 s, beta = 1e9 B/s.
-    """
-    rows = [(xl / t, xb / t) for xl, xb, t in points]
-    s11 = sum(a * a for a, _ in rows)
-    s12 = sum(a * b for a, b in rows)
-    s22 = sum(b * b for _, b in rows)
-    y1 = sum(a for a, _ in rows)
-    y2 = sum(b for _, b in rows)
-    det = s11 * s22 - s12 * s12
-    alpha, inv_beta = ((y1 * s22 - y2 * s12) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, -1.0)
-    if alpha < 0:
-        alpha, inv_beta = 0.0, (y2 / s22 if s22 > 0 else 0.0)
-    if inv_beta <= 0:
-        alpha, inv_beta = (y1 / s11 if s11 > 0 else 0.0), 1e-15
-    err = max(abs(alpha * xl + xb * inv_beta - t) / t for xl, xb, t in points)
-    return alpha, 1.0 / inv_beta, err
-
-
-def _time(fn: Any, *, repeat: int, inner: int = 1) -> float:
+def _time(fn: Any, *, repeat: int, share: float, inner: int = 1) -> float:
     """Median seconds of one ``fn()``, over ``repeat`` runs of ``inner`` back-to-back calls,
     ranks aligned by a barrier before each run, in this rank's CPU time (every thread of the
-    process, user + system) times the ranks per core (:data:`_SHARE`).
+    process, user + system) times ``share``, the ranks per core.
 
     CPU time is what other users' load does not stretch: with ``ranks`` ranks on fewer cores, a
     rank gets ``cores / ranks`` of a core while all compute, so a quiet machine runs the work in
@@ -216,15 +233,15 @@ def _time(fn: Any, *, repeat: int, inner: int = 1) -> float:
         for _ in range(inner):
             fn()
         times.append((time.process_time() - start) / inner)
-    return statistics.median(times) * _SHARE[0]
+    return statistics.median(times) * share
 
 
-def _sustained(fn: Any, *, repeat: int, seconds: float = _SUSTAIN_S) -> float:
+def _sustained(fn: Any, *, repeat: int, share: float, seconds: float = _SUSTAIN_S) -> float:
     """Like :func:`_time`, with enough back-to-back calls that a run takes about ``seconds`` of
     CPU on the busiest rank (a single short call is below the CPU clock's useful resolution)."""
-    one = _time(fn, repeat=1) / _SHARE[0]
-    inner = max(1, int(_slowest(seconds / _SHARE[0] / max(one, 1e-9), largest=False)))
-    return _time(fn, repeat=repeat, inner=inner)
+    one = _time(fn, repeat=1, share=1.0)
+    inner = max(1, int(_slowest(seconds / max(one, 1e-9), largest=False)))
+    return _time(fn, repeat=repeat, share=share, inner=inner)
 
 
 def _mean(value: float) -> float:
@@ -240,34 +257,41 @@ def _slowest(value: float, *, largest: bool) -> float:
     return float(t.item())
 
 
-def per_op_overhead(seconds: float, *, ops: int, flops: float, flops_per_s: float) -> float:
-    """Host seconds per counted op of a forward+backward that took ``seconds``, ran ``ops`` ops
-    (the planner's count: one forward, two backward each) and ``flops`` FLOPs at ``flops_per_s``.
-    Example: 3.7 ms for 49 ops and 1 MFLOP at 10 GFLOP/s: (3.7 - 0.1) ms / 147 = 24.5 us."""
-    return max(0.0, seconds - flops / flops_per_s) / (3 * ops)
-
-
 def op_model_counts() -> tuple[int, float, int]:
     """(ops the planner counts, forward+backward FLOPs, ops of its blocks) of the tiny GPT the op
     overhead and the recompute overhead are timed on."""
-    from planner.capture import capture
-    from planner.cost import layer_facts
-
-    case = build("gpt", **_OP_MODEL)
-    batch = case.make_batch(0, 1)
-    facts = layer_facts(capture(case.model, batch, loss_fn=case.loss_fn), {})
+    facts = _facts(_OP_MODEL)
     blocks = sum(f.ops for f in facts if f.name.startswith("layers."))
     return sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts), blocks
 
 
-def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], cores: int) -> dict[str, Any]:
+def block_model_counts() -> tuple[int, float, float]:
+    """(ops the planner counts, forward+backward FLOPs per sequence, memory traffic bytes per
+    sequence) of the GPT the block FLOP rate is timed on; the traffic is what
+    ``planner.cost.layer_costs`` charges at tp 1 (saved bytes and attention matmul bytes, once
+    forward and twice backward)."""
+    facts = _facts(_BLOCK_MODEL)
+    return (sum(f.ops for f in facts), sum(f.flops_fwd + f.flops_bwd for f in facts),
+            sum(3 * (f.saved + f.bmm_bytes) for f in facts))
+
+
+def _facts(config: dict[str, int]) -> list[Any]:
+    from planner.capture import capture
+    from planner.cost import layer_facts
+
+    case = build("gpt", **config)
+    return layer_facts(capture(case.model, case.make_batch(0, 1), loss_fn=case.loss_fn), {})
+
+
+def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
+             cores: int) -> dict[str, Any]:
     torch.manual_seed(rank)
-    _SHARE[0] = max(1.0, world / cores)
-    out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat)}
+    share = max(1.0, world / cores)
+    out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat, share)}
     for m, k, n in _MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
-        t = _sustained(lambda: torch.mm(a, b), repeat=repeat)
+        t = _sustained(lambda: torch.mm(a, b), repeat=repeat, share=share)
         out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _mean(t)
     # host overhead per op: a tiny GPT forward and backward (the op mix of the models the cost
     # model counts ops of, where no arithmetic counts); the cost model charges an op once forward
@@ -278,7 +302,7 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int
     def fwd_bwd() -> None:
         case.loss_fn(case.model(tokens), labels).backward()
     fwd_bwd()
-    t = _mean(_sustained(fwd_bwd, repeat=repeat))
+    t = _mean(_sustained(fwd_bwd, repeat=repeat, share=share))
     out["op_overhead"] = per_op_overhead(t, ops=op_model[0], flops=op_model[1],
                                          flops_per_s=statistics.median(out["matmul"].values()))
     # full recompute: the same forward and backward with every block under the runtime's own
@@ -286,13 +310,25 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int
     for block in case.model.layers:
         block.forward = functools.partial(recompute_call, block.forward, "full")
     fwd_bwd()
-    ckpt = _mean(_sustained(fwd_bwd, repeat=repeat))
+    ckpt = _mean(_sustained(fwd_bwd, repeat=repeat, share=share))
     out["recompute_op"] = per_recomputed_op(t, ckpt, ops=op_model[2])
-    out["optimizer_tensor"] = _optimizer_tensor_s(repeat)
+    out["optimizer_tensor"] = _optimizer_tensor_s(repeat, share)
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
-    t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat)
+    t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat, share=share)
     out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _mean(t)
+    # a transformer block's arithmetic at a CPU rank's scale, every rank at once: the FLOP rate
+    # left once its counted ops' host overhead and its memory traffic are taken out
+    big = build("gpt", **_BLOCK_MODEL)
+    tokens, labels = big.make_batch(0, _BLOCK_ROWS)
+
+    def block_step() -> None:
+        big.loss_fn(big.model(tokens), labels).backward()
+    block_step()
+    t = _mean(_sustained(block_step, repeat=repeat, share=share))
+    ops, flops, traffic = block_model
+    out["block_flops"] = block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
+                                          traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -301,9 +337,9 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int
         _all_gather(full, shard)
         _reduce_scatter(shard, full)
         times = {
-            "all_reduce": _time(lambda: dist.all_reduce(full), repeat=repeat),
-            "all_gather": _time(lambda: _all_gather(full, shard), repeat=repeat),
-            "reduce_scatter": _time(lambda: _reduce_scatter(shard, full), repeat=repeat),
+            "all_reduce": _time(lambda: dist.all_reduce(full), repeat=repeat, share=share),
+            "all_gather": _time(lambda: _all_gather(full, shard), repeat=repeat, share=share),
+            "reduce_scatter": _time(lambda: _reduce_scatter(shard, full), repeat=repeat, share=share),
         }
         peer = rank ^ 1  # pairs (0,1), (2,3), ...: every rank sends and receives at once
 
@@ -316,13 +352,13 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int
             else:
                 dist.recv(full, peer)
                 dist.send(full, peer)
-        times["p2p"] = _time(pingpong, repeat=repeat) / 2
+        times["p2p"] = _time(pingpong, repeat=repeat, share=share) / 2
         for name, t in times.items():
             out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
     return out
 
 
-def _call_costs(rank: int, world: int, repeat: int) -> dict[str, dict[int, float]]:
+def _call_costs(rank: int, world: int, repeat: int, share: float) -> dict[str, dict[int, float]]:
     """CPU seconds × ranks per core of one small (1 KiB) all-reduce and all-gather call, per group
     size: every rank in a group of ``g`` consecutive ranks, all groups calling at once (as the
     tensor-parallel groups of a plan do), mean over the ranks."""
@@ -337,12 +373,12 @@ def _call_costs(rank: int, world: int, repeat: int) -> dict[str, dict[int, float
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         dist.all_reduce(x, group=mine)  # warm-up: the first call sets up the group's buffers
         fn(full, x, group=mine)
-        out["all_reduce"][g] = _mean(_sustained(lambda: dist.all_reduce(x, group=mine), repeat=repeat))
-        out["all_gather"][g] = _mean(_sustained(lambda: fn(full, x, group=mine), repeat=repeat))
+        out["all_reduce"][g] = _mean(_sustained(lambda: dist.all_reduce(x, group=mine), repeat=repeat, share=share))
+        out["all_gather"][g] = _mean(_sustained(lambda: fn(full, x, group=mine), repeat=repeat, share=share))
     return out
 
 
-def _optimizer_tensor_s(repeat: int) -> float:
+def _optimizer_tensor_s(repeat: int, share: float) -> float:
     """Host seconds per parameter tensor of an Adam step over tiny tensors (no arithmetic counts):
     the slope of :func:`fit_slope` over steps of 1 and ``_OPT_TENSORS`` tensors, slowest rank."""
     points = []
@@ -352,20 +388,8 @@ def _optimizer_tensor_s(repeat: int) -> float:
             p.grad = torch.ones(16)
         opt = torch.optim.Adam(params, lr=1e-3)
         opt.step()
-        points.append((float(n), _mean(_sustained(opt.step, repeat=repeat))))
+        points.append((float(n), _mean(_sustained(opt.step, repeat=repeat, share=share))))
     return fit_slope(points)[0]
-
-
-def fit_slope(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares line ``t = slope·n + intercept`` through ``(n, t)`` points; the slope is clamped
-    at 0. Example: (1, 3e-4), (16, 1.05e-3), (64, 3.45e-3) give slope 5e-5, intercept 2.5e-4."""
-    k = len(points)
-    mx = sum(n for n, _ in points) / k
-    my = sum(t for _, t in points) / k
-    sxx = sum((n - mx) ** 2 for n, _ in points)
-    slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx > 0 else 0.0
-    slope = max(0.0, slope)
-    return slope, my - slope * mx
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor) -> None:
@@ -378,14 +402,26 @@ def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
     fn(out, full)
 
 
-def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = None) -> Calibration:
-    """Measure ``ranks`` concurrent gloo ranks on this machine and fit a :class:`Cluster` to them."""
+RuntimeHostProbe = Callable[..., tuple[float, float, float, float]]
+"""``probe(share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s, tp_op_host_s)``:
+``fairscale.calibrate_host.measure_runtime_host`` (it builds modules, so the face hands it in)."""
+
+
+def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = None,
+                  runtime_host: RuntimeHostProbe | None = None) -> Calibration:
+    """Measure ``ranks`` concurrent gloo ranks on this machine and fit a :class:`Cluster` to them.
+    ``runtime_host`` measures the runtime's host terms (``fairscale.calibrate_host``, most of the
+    calibration's time); without it they stay 0 and the calibration says they were not measured."""
     if ranks < 2:
         raise ValueError(f"calibrate_cpu needs at least 2 ranks to measure collectives, got {ranks}")
     from fairscale.runtime.launch import launch
 
     cores = os.cpu_count() or 1
-    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), cores), backend="gloo")[0]
+    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), block_model_counts(), cores),
+                 backend="gloo")[0]
+    share = max(1.0, ranks / cores)
+    step_host, micro_host, tensor_host, tp_op_host = runtime_host(share=share, repeat=repeat + 2) \
+        if runtime_host is not None else (0.0, 0.0, 0.0, 0.0)
     coll: dict[str, dict[int, float]] = res["coll"]
     p = ranks
     shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
@@ -404,7 +440,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     # the Cluster has one link model: take the all-reduce fit, the collective of tensor
     # parallelism (every layer) and of DDP; the others are reported in ``fits``
     link = fits["all_reduce"]
-    flops = statistics.median(res["matmul"].values())
+    flops = float(res["block_flops"])  # the transformer block's rate; the GEMM table is reported beside it
     bw = float(res["bandwidth"])
     host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks
     cluster = dataclasses.replace(
@@ -415,12 +451,14 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         op_overhead_s=float(res["op_overhead"]), shared_cores=cores, collective_call_s=res["calls"],
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
+        step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
-                       collectives=coll, fits=fits, machine=machine_description())
+                       block_flops=flops, step_host_s=step_host, microbatch_host_s=micro_host,
+                       dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=runtime_host is not None, collectives=coll, fits=fits, machine=machine_description())
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:

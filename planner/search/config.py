@@ -85,6 +85,9 @@ class Breakdown:
     """Exposed data-parallel time per step (gradient sync after the flush + FSDP per microbatch)."""
     optimizer_s: float
     """Optimizer step of the slowest rank."""
+    host_s: float = 0.0
+    """The runtime's own host work per step on the slowest rank (``planner.cost_host.runtime_host_s``:
+    per step, per microbatch, per data-parallel tensor); 0 on GPUs. Part of its rank time and tail."""
     memory_bytes: list[float]
     """Peak bytes per pipeline rank."""
     memory_parts: list[dict[str, float]] = field(default_factory=list)

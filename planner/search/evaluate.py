@@ -14,7 +14,7 @@ next step makes it wait for its first input). Data-parallel terms come from
 from __future__ import annotations
 
 from planner.cost import LayerCost
-from planner.cost_host import recompute_host_s
+from planner.cost_host import recompute_host_s, runtime_host_s
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import pipeline_time, stage_placement
 from planner.search.config import Breakdown, Config, Context
@@ -41,7 +41,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     where = stage_placement(cfg.kind, cfg.pp, cfg.v)
     times, mems, comm, parts, tails = [], [], [], [], []
     host = 0.0
-    worst = dict(compute=0.0, recompute=0.0, tp=0.0, p2p=0.0, ep=0.0, fsdp=0.0)
+    worst = dict(compute=0.0, recompute=0.0, tp=0.0, p2p=0.0, ep=0.0, fsdp=0.0, host=0.0)
     tail_parts = (0.0, 0.0)
     for rank in range(cfg.pp):
         layers = rank_layers(cfg, rank)
@@ -77,11 +77,14 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                                   sharded_bytes=(params - experts - whole) * DTYPE_BYTES[cfg.reduce_dtype],
                                   whole=whole > 0)
         opt_s = optimizer_time(ctx, cfg, state, n_opt)
+        # the runtime's own host work (CPU ranks): per step, per microbatch of each chunk, per dp tensor
+        host_step, host_micro = runtime_host_s(c, chunks=len(rank_stages(cfg, rank)), dp=cfg.dp,
+                                               tensors=sum(ctx.facts[i].param_tensors for i in layers))
         host = max(host, state) if cfg.offload else host
         sync = max(0.0, dp.sync_s - drain_idle(cfg, stage_b, rank))
         gather = max(0.0, dp.gather_s - warmup_idle(cfg, stage_f, rank))
-        tails.append(sync + opt_s + gather)
-        rank_t = busy + p2p_s + dp.per_microbatch_s
+        tails.append(sync + opt_s + gather + host_step)
+        rank_t = busy + p2p_s + dp.per_microbatch_s + host_micro
         times.append(rank_t)
         parts.append(rank_memory_parts(ctx, cfg, costs, rank, rec, layers))
         mems.append(sum(parts[-1].values()))
@@ -90,7 +93,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             tail_parts = (sync + gather, opt_s)
         if rank_t >= max(times):
             worst.update(compute=(compute + moe_s) * m, recompute=t_rec * m, tp=(t - compute) * m, ep=a2a_s * m,
-                         p2p=p2p_s * m, fsdp=dp.per_microbatch_s * m)
+                         p2p=p2p_s * m, fsdp=dp.per_microbatch_s * m, host=host_micro * m + host_step)
     pipe = shared_core_pipeline_time(cfg.kind, times, m, v=cfg.v, share=c.core_share)
     step = pipe + max(tails)
     placed = stage_placement(cfg.kind, cfg.pp, cfg.v)
@@ -101,7 +104,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
                      compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
                      ep_comm_s=worst["ep"], p2p_s=worst["p2p"], dp_comm_s=tail_parts[0] + worst["fsdp"],
-                     optimizer_s=tail_parts[1], memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f,
+                     optimizer_s=tail_parts[1], host_s=worst["host"], memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f,
                      stage_b_s=stage_b, stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host,
                      host_memory_cap=ctx.host_cap, comm_bytes=max(comm), model_flops=ctx.model_flops,
                      hardware_flops=ctx.model_flops + recomputed, devices=cfg.pp * cfg.dp * cfg.tp,

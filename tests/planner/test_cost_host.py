@@ -60,13 +60,12 @@ def test_each_tensor_parallel_reduction_pays_one_call_or_two_under_sequence_para
 def _cpu_time_in_ranks(rank: int, world: int) -> tuple[float, float]:
     from fairscale.runtime import calibrate as cal
 
-    cal._SHARE[0] = 4.0  # as 8 ranks on 2 cores
-
     def spin() -> None:
         end = time.process_time() + 0.02
         while time.process_time() < end:
             pass
-    return cal._time(lambda: time.sleep(0.02), repeat=3), cal._time(spin, repeat=3)
+    # share 4: as 8 ranks on 2 cores
+    return cal._time(lambda: time.sleep(0.02), repeat=3, share=4.0), cal._time(spin, repeat=3, share=4.0)
 
 
 def test_calibration_times_cpu_work_times_ranks_per_core_and_not_waits():
@@ -102,3 +101,77 @@ def test_full_recompute_pays_the_measured_host_cost_per_op_beyond_a_forward():
     assert b.step_time_s - a.step_time_s == pytest.approx(ops * 50e-6)
     with pytest.raises(ValueError, match="recompute_op_s must be >= 0"):
         dataclasses.replace(c, recompute_op_s=-1.0)
+
+
+def test_runtime_host_terms_by_hand():
+    from planner.cost_host import RuntimeHostRun, fit_runtime_host, runtime_host_s
+
+    c = dataclasses.replace(Cluster.cpu(8), step_host_s=2e-3, microbatch_host_s=3e-3, dp_tensor_host_s=40e-6)
+    # 2 chunks (interleaved), dp 4, 100 tensors: 2 ms + 100 · 40 us per step, 2 · 3 ms per microbatch
+    assert runtime_host_s(c, chunks=2, dp=4, tensors=100) == pytest.approx((6e-3, 6e-3))
+    assert runtime_host_s(c, chunks=1, dp=1, tensors=100) == pytest.approx((2e-3, 3e-3))  # no dp: no hooks
+    assert runtime_host_s(Cluster.preset("a100-80gb"), chunks=1, dp=8, tensors=100) == (0.0, 0.0)  # GPUs: hidden
+    # synthetic fit: 8 ms at m = 2 and 26 ms at m = 8 without dp (3 ms per microbatch, 2 ms per step);
+    # 15 ms at m = 1 with dp over 100 tensors: (15 - 2 - 3) / 100 = 100 us per tensor
+    # 9 ms at m = 1 with 8 tensor-parallel ops: (9 - 2 - 3) / 8 = 500 us per op
+    runs = [RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 26e-3), RuntimeHostRun(1, 2, 100, 15e-3),
+            RuntimeHostRun(1, 1, 10, 9e-3, tp_ops=8)]
+    assert fit_runtime_host(runs) == pytest.approx((2e-3, 3e-3, 1e-4, 5e-4))
+    # noise that makes more microbatches cheaper clamps the slope at 0 (the step cost is then their
+    # mean, 5 ms) and a dp run below the line gives 0 per tensor, never a negative cost
+    assert fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 2e-3),
+                             RuntimeHostRun(1, 2, 10, 0.0)]) == (pytest.approx(5e-3), 0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="two or more microbatch counts"):
+        fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(1, 2, 10, 8e-3)])
+    with pytest.raises(ValueError, match="microbatch_host_s must be >= 0"):
+        dataclasses.replace(c, microbatch_host_s=-1.0)
+    assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_a_plan_pays_the_runtime_host_terms_per_step_microbatch_and_dp_tensor():
+    from fairscale.closed_loop import predicted_terms
+    from planner.plan import DataParallel, Mesh, Plan, Schedule
+    from planner.search import cost_plan
+
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    tensors = sum(f.param_tensors for f in layer_facts(g, {}))
+    base = dataclasses.replace(Cluster.cpu(8), devices_per_node=1, shared_cores=0)
+    host = dataclasses.replace(base, step_host_s=2e-3, microbatch_host_s=3e-3, dp_tensor_host_s=40e-6)
+
+    def plan(dp: int, m: int) -> Plan:
+        return Plan(mesh=Mesh(pp=1, dp=dp, tp=1), schedule=Schedule(kind="1f1b", microbatches=m),
+                    data_parallel=DataParallel(kind="ddp"))
+    # one rank, 4 microbatches: 2 ms + 4 · 3 ms more than without the terms, all of it in host_s
+    a, b = (cost_plan(plan(1, 4), g, c, validate=False, global_batch=8) for c in (base, host))
+    assert b.step_time_s - a.step_time_s == pytest.approx(2e-3 + 4 * 3e-3)
+    assert a.host_s == 0.0 and b.host_s == pytest.approx(14e-3)
+    # the closed loop's compute per pipeline rank includes it (measured compute = step - waits - optimizer)
+    assert predicted_terms(b, plan(1, 4))["stage_compute_s"][0] - predicted_terms(a, plan(1, 4))["stage_compute_s"][0] \
+        == pytest.approx(14e-3)
+    # data parallelism adds its hooks per parameter tensor
+    wide = dataclasses.replace(host, devices_per_node=2)
+    d = cost_plan(plan(2, 1), g, wide, validate=False, global_batch=8)
+    assert d.host_s == pytest.approx(2e-3 + 3e-3 + tensors * 40e-6)
+
+
+def test_each_tensor_parallel_op_pays_the_runtimes_host_cost_with_the_layers_compute():
+    from planner.cost_host import tp_op_calls
+
+    assert tp_op_calls(allreduce_fwd=2, allreduce_bwd=2, gathers=False, loss_tokens=False) == (2, 2)
+    assert tp_op_calls(allreduce_fwd=0, allreduce_bwd=1, gathers=False, loss_tokens=True) == (3, 1)
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
+    rules = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+             "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    facts = layer_facts(g, rules)
+    c = _cpu({"all_reduce": {2: 1e-3}})
+    a, b = (layer_costs(facts, x, tp=2, micro=1, compute_dtype="fp32")
+            for x in (c, dataclasses.replace(c, tp_op_host_s=400e-6)))
+    for f, ca, cb in zip(facts, a, b):
+        n = (f.tp.allreduce_fwd, f.tp.allreduce_bwd) if f.tp.sharded else (0, 0)
+        assert (cb.fwd - ca.fwd, cb.bwd - ca.bwd) == pytest.approx((n[0] * 400e-6, n[1] * 400e-6))
+        assert cb.tp_s == ca.tp_s  # compute, not the collectives' wait: measured outside the waits
+    assert sum(cb.fwd - ca.fwd for ca, cb in zip(a, b)) == pytest.approx(2 * 2 * 400e-6)  # 2 blocks × 2 forward
+    # tp 1: nothing split, nothing charged
+    assert [x.fwd for x in layer_costs(facts, dataclasses.replace(c, tp_op_host_s=1.0), tp=1, micro=1,
+                                       compute_dtype="fp32")] == [x.fwd for x in layer_costs(facts, c, tp=1, micro=1,
+                                                                                             compute_dtype="fp32")]

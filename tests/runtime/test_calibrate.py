@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from fairscale.runtime.calibrate import (Calibration, calibrate_cpu, fit_alpha_beta, load_calibration, op_model_counts,
+from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, block_flops_rate, block_model_counts,
+                                         calibrate_cpu, fit_alpha_beta, load_calibration, op_model_counts,
                                          per_op_overhead, save_calibration)
+from fairscale.calibrate_host import measure_runtime_host
 from planner.cluster import Cluster
 
 
@@ -24,7 +26,7 @@ def test_fit_alpha_beta_recovers_exact_points():
 
 
 def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
-    cal = calibrate_cpu(2, repeat=1)
+    cal = calibrate_cpu(2, repeat=1, runtime_host=measure_runtime_host)
     c = cal.cluster
     assert c.devices == 2 and c.efficiency.matmul == 1.0 and c.shared_cores >= 1
     assert c.peak_flops["fp32"] > 1e8 and c.hbm_bandwidth > 1e8
@@ -35,7 +37,17 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # the host cost per small call, by group size (2 ranks: one group of 2)
     assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
     assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
-    assert "GFLOP/s" in cal.table()
+    # the planning rate is the transformer block's; the runtime's host terms were measured on real steps
+    assert cal.block_flops == c.peak_flops["fp32"] > 1e8 and cal.matmul_flops
+    assert c.step_host_s + c.microbatch_host_s > 0 and c.dp_tensor_host_s >= 0 and c.tp_op_host_s >= 0
+    assert (cal.step_host_s, cal.microbatch_host_s, cal.dp_tensor_host_s) == \
+        (c.step_host_s, c.microbatch_host_s, c.dp_tensor_host_s)
+    assert cal.tp_op_host_s == c.tp_op_host_s and "tensor-parallel op" in cal.table()
+    assert cal.runtime_measured and "ms per microbatch" in cal.table() and "transformer block" in cal.table()
+    # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
+    assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 4
+    assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
     assert load_calibration(path) == c
@@ -52,3 +64,15 @@ def test_op_overhead_divides_a_transformers_time_by_the_ops_the_planner_counts()
     assert per_op_overhead(1e-5, ops=49, flops=1e6, flops_per_s=1e10) == 0.0  # all arithmetic: none left
     ops, flops, blocks = op_model_counts()  # the tiny GPT it is timed on: the planner's own count of its capture
     assert ops > 20 and flops > 0 and 0 < blocks < ops  # its blocks are what the recompute timing checkpoints
+
+
+def test_block_flops_rate_takes_the_cost_models_other_terms_out():
+    # 80 ms, 3 GFLOP, 100 ops at 20 us (3 per op: forward, 2x backward), 40 MB at 4 GB/s:
+    # 3e9 / (80 - 6 - 10) ms
+    assert block_flops_rate(80e-3, flops=3e9, ops=100, op_overhead_s=20e-6, traffic_bytes=40e6,
+                            bandwidth=4e9) == pytest.approx(3e9 / 64e-3)
+    # other terms that over-fill the time leave a tenth of it to the FLOPs (never a negative rate)
+    assert block_flops_rate(10e-3, flops=1e9, ops=1000, op_overhead_s=20e-6, traffic_bytes=0.0,
+                            bandwidth=4e9) == pytest.approx(1e9 / 1e-3)
+    ops, flops, traffic = block_model_counts()  # the planner's own counts of the block model's capture
+    assert ops > 20 and flops > 1e8 and traffic > 0

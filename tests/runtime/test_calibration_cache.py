@@ -61,3 +61,20 @@ def test_the_calibrate_command_remeasures(cache: Path, capsys: pytest.CaptureFix
     assert "calibrated in" in capsys.readouterr().out and cc.cache_path(2).is_file()
     assert cli.main(["calibrate", "--devices", "1"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_a_cache_of_another_calibration_version_is_measured_again(cache: Path) -> None:
+    import json
+
+    from fairscale.runtime.calibrate import CALIBRATION_VERSION, Calibration
+
+    cal = Calibration(cluster=Cluster.cpu(2), ranks=2, matmul_flops={"8x8x8": 1e9}, memory_bandwidth=1e9,
+                      step_host_s=1e-3, microbatch_host_s=2e-3, dp_tensor_host_s=3e-6, block_flops=1e9,
+                      collectives={}, fits={})
+    path = cc.cache_path(2)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(cal.to_dict()))
+    assert cc._read(path) == Cluster.cpu(2)
+    # a file of version 3 measured no runtime host terms: read as absent (measured again), not as zeros
+    path.write_text(json.dumps({**cal.to_dict(), "version": CALIBRATION_VERSION - 1}))
+    assert cc._read(path) is None

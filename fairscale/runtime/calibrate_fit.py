@@ -1,0 +1,68 @@
+"""The pure fits of CPU calibration (:mod:`fairscale.runtime.calibrate`): alpha-beta of a collective,
+a line's slope, and the per-op and FLOP rates left once the cost model's other terms are taken out.
+
+Usage::
+
+    from fairscale.runtime.calibrate_fit import fit_alpha_beta, fit_slope, per_op_overhead, block_flops_rate
+    alpha, beta, err = fit_alpha_beta([(1, 0, 1e-4), (1, 1e6, 1.1e-3)])    # 1e-4 s, 1e9 B/s
+"""
+
+from __future__ import annotations
+
+__all__ = ["fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
+
+
+def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Fit ``t = a·x_lat + x_bytes / beta`` to ``(x_lat, x_bytes, t)`` points, minimizing the
+    relative error ``Σ((pred - t)/t)²`` (so small messages weigh as much as large ones).
+
+    Returns ``(alpha seconds, beta bytes/s, max relative error)``. Negative coefficients are
+    clamped (alpha to 0, beta to a huge rate) and the other refitted alone.
+    Example: points (1, 0, 1e-4), (1, 1e6, 1.1e-3) give alpha = 1e-4 s, beta = 1e9 B/s.
+    """
+    rows = [(xl / t, xb / t) for xl, xb, t in points]
+    s11 = sum(a * a for a, _ in rows)
+    s12 = sum(a * b for a, b in rows)
+    s22 = sum(b * b for _, b in rows)
+    y1 = sum(a for a, _ in rows)
+    y2 = sum(b for _, b in rows)
+    det = s11 * s22 - s12 * s12
+    alpha, inv_beta = ((y1 * s22 - y2 * s12) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, -1.0)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, (y2 / s22 if s22 > 0 else 0.0)
+    if inv_beta <= 0:
+        alpha, inv_beta = (y1 / s11 if s11 > 0 else 0.0), 1e-15
+    err = max(abs(alpha * xl + xb * inv_beta - t) / t for xl, xb, t in points)
+    return alpha, 1.0 / inv_beta, err
+
+
+def per_op_overhead(seconds: float, *, ops: int, flops: float, flops_per_s: float) -> float:
+    """Host seconds per counted op of a forward+backward that took ``seconds``, ran ``ops`` ops
+    (the planner's count: one forward, two backward each) and ``flops`` FLOPs at ``flops_per_s``.
+    Example: 3.7 ms for 49 ops and 1 MFLOP at 10 GFLOP/s: (3.7 - 0.1) ms / 147 = 24.5 us."""
+    return max(0.0, seconds - flops / flops_per_s) / (3 * ops)
+
+
+def block_flops_rate(seconds: float, *, flops: float, ops: int, op_overhead_s: float, traffic_bytes: float,
+                     bandwidth: float) -> float:
+    """FLOP/s of a forward+backward that took ``seconds`` for ``flops`` FLOPs, once the host
+    overhead of its ``ops`` counted ops (one forward, two backward each, ``op_overhead_s``) and its
+    ``traffic_bytes`` at ``bandwidth`` are taken out: the cost model's own decomposition
+    (``planner.cost.compute_time`` plus the per-op term) solved for the FLOP rate. At least a
+    tenth of ``seconds`` is left for the FLOPs (a block whose other terms over-fill its time
+    measures those, not the rate). Example: 80 ms, 3 GFLOP, 100 ops at 20 us, 40 MB at 4 GB/s:
+    3e9 / (80 - 6 - 10) ms = 46.9 GFLOP/s."""
+    rest = seconds - 3 * ops * op_overhead_s - traffic_bytes / bandwidth
+    return flops / max(rest, 0.1 * seconds)
+
+
+def fit_slope(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line ``t = slope·n + intercept`` through ``(n, t)`` points; the slope is clamped
+    at 0. Example: (1, 3e-4), (16, 1.05e-3), (64, 3.45e-3) give slope 5e-5, intercept 2.5e-4."""
+    k = len(points)
+    mx = sum(n for n, _ in points) / k
+    my = sum(t for _, t in points) / k
+    sxx = sum((n - mx) ** 2 for n, _ in points)
+    slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx > 0 else 0.0
+    slope = max(0.0, slope)
+    return slope, my - slope * mx
