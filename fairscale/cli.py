@@ -385,7 +385,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine's CPU ranks for the cost model (cached)",
                        description="Measure matmul, memory, per-op overhead and gloo collectives with N ranks "
-                                   "(about 20 s) and replace the cached calibration CPU plans use.")
+                                   "(15-20 s on 2 cores) and replace the cached calibration CPU plans use.")
     p.add_argument("--devices", type=int, metavar="N", required=True, help="number of CPU ranks (at least 2)")
     p.set_defaults(run=_cmd_calibrate)
 

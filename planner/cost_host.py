@@ -126,27 +126,54 @@ class RuntimeHostRun:
 
 def fit_runtime_host(runs: list[RuntimeHostRun]) -> tuple[float, float, float, float]:
     """(``step_host_s``, ``microbatch_host_s``, ``dp_tensor_host_s``, ``tp_op_host_s``) from runs
-    of one stage chunk per rank: the runs with neither data nor tensor parallelism fix the step and
-    microbatch costs (least-squares line over their microbatch counts, which must differ), the
-    runs with data parallelism the per-tensor cost and those with tensor parallelism the per-op
-    cost (mean of what they spend beyond the step and microbatch costs). Clamped at 0.
+    of one stage chunk per rank: the non-negative least-squares fit of
+
+        extra = step + microbatches · microbatch + [dp > 1] · tensors · tensor + tp_ops · tp_op
+
+    over the runs (every subset of the four coefficients is solved and the best fit with none
+    negative is kept: exact for four well-spread runs, and a noisy run cannot give a negative
+    cost). The runs without tensor parallelism must cover two or more microbatch counts, else the
+    step and microbatch costs are one unknown.
 
     Example: extra 8 ms at m = 2 and 26 ms at m = 8 alone, 15 ms at m = 1 with dp and 100
     tensors, 9 ms at m = 1 with 8 tp ops: 3 ms per microbatch, 2 ms per step,
     (15 - 2 - 3) / 100 = 100 us per tensor, (9 - 2 - 3) / 8 = 500 us per tp op.
     """
-    plain = [(r.microbatches, r.extra_s) for r in runs if r.dp == 1 and not r.tp_ops]
-    if len({m for m, _ in plain}) < 2:
-        raise ValueError("fit_runtime_host needs runs without data parallelism at two or more microbatch counts, "
+    if len({r.microbatches for r in runs if not r.tp_ops}) < 2:
+        raise ValueError("fit_runtime_host needs runs without tensor parallelism at two or more microbatch counts, "
                          f"got {runs}")
-    k = len(plain)
-    mx = sum(m for m, _ in plain) / k
-    my = sum(t for _, t in plain) / k
-    slope = sum((m - mx) * (t - my) for m, t in plain) / sum((m - mx) ** 2 for m, _ in plain)
-    micro = max(0.0, slope)
-    step = max(0.0, my - micro * mx)
-    dp = [(r.extra_s - step - micro * r.microbatches) / r.tensors for r in runs
-          if r.dp > 1 and not r.tp_ops and r.tensors > 0]
-    tp = [(r.extra_s - step - micro * r.microbatches) / r.tp_ops for r in runs if r.dp == 1 and r.tp_ops]
-    return (step, micro, max(0.0, sum(dp) / len(dp)) if dp else 0.0,
-            max(0.0, sum(tp) / len(tp)) if tp else 0.0)
+    rows = [(1.0, float(r.microbatches), float(r.tensors if r.dp > 1 else 0), float(r.tp_ops)) for r in runs]
+    ys = [r.extra_s for r in runs]
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 16):
+        cols = [j for j in range(4) if mask >> j & 1]
+        coef = _least_squares([[row[j] for j in cols] for row in rows], ys)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0] * 4
+        for j, c in zip(cols, coef):
+            full[j] = c
+        residual = sum((y - sum(a * c for a, c in zip(row, full))) ** 2 for row, y in zip(rows, ys))
+        if best is None or residual < best[0] - 1e-18:
+            best = (residual, full)
+    step, micro, tensor, tp_op = best[1] if best is not None else [0.0] * 4
+    return step, micro, tensor, tp_op
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Solution of the normal equations of ``rows · x = ys`` (Gauss-Jordan with partial pivoting),
+    or None when a column is all zero or the columns are dependent."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    scale = max(abs(a[i][i]) for i in range(n))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]

@@ -61,14 +61,11 @@ is counted as overlapped.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import platform
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,25 +76,21 @@ from fairscale.testing.models import build
 from passes.ops.recompute_ops import recompute_call
 from planner.cluster import Cluster, Efficiency, host_memory_bytes
 from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_slope, per_op_overhead
+from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
 
-CALIBRATION_VERSION = 4
-"""What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
-the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
-(load-independent), the host cost per collective call by group size and full recompute's host cost
-per op; 4 plans with a transformer block's FLOP rate instead of the large GEMMs' and measures the
-runtime's host work per step, per microbatch and per data-parallel tensor on real ``train_step``
-calls (a cache written before is measured again)."""
-_MATMUL_SHAPES = ((1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (2048, 512, 512))
+_MATMUL_SHAPES = ((1024, 256, 1024), (2048, 512, 512))
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
 """The tiny GPT whose forward and backward time the host overhead per op."""
 _OPT_TENSORS = 64
-_SUSTAIN_S = 0.05
+_SUSTAIN_S = 0.025
+"""CPU seconds one timed run of a short call lasts (:func:`_sustained`): long enough for the CPU
+clock and the scheduler's slices, short enough that first use calibrates within its budget."""
 _CALL_ELEMENTS = 256
 """fp32 elements (1 KiB) of the small collective whose CPU per call is measured by group size."""
 _BLOCK_MODEL = {"dim": 128, "layers": 2, "heads": 8, "seq": 128, "vocab": 256}
@@ -107,114 +100,12 @@ transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the sc
 rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
 
 
-@dataclass(kw_only=True)
-class Calibration:
-    """Measured rates of one rank when ``ranks`` ranks run at once, and the Cluster fitted to them."""
-
-    cluster: Cluster
-    """The planner cluster to plan with (achieved rates, efficiencies 1)."""
-    ranks: int
-    """Ranks that ran concurrently."""
-    matmul_flops: dict[str, float]
-    """Shape ``MxKxN`` -> FLOP/s of the slowest rank."""
-    memory_bandwidth: float
-    """Bytes/s one rank streams while all do (``add``: 12 bytes per element)."""
-    op_overhead_s: float = 0.0
-    """Host seconds per tiny op (forward + 2× backward, per forward-op unit) while all ranks run."""
-    optimizer_tensor_s: float = 0.0
-    """Host seconds per parameter tensor of an Adam step while all ranks run."""
-    recompute_op_s: float = 0.0
-    """Host seconds per op of a fully recomputed block (``Cluster.recompute_op_s``)."""
-    collective_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
-    """all_reduce / all_gather -> group size -> seconds per small call (``Cluster.collective_call_s``)."""
-    block_flops: float = 0.0
-    """FLOP/s of a transformer block's arithmetic with every rank at once (the cluster's peak)."""
-    step_host_s: float = 0.0
-    """The runtime's host seconds per step (``Cluster.step_host_s``)."""
-    microbatch_host_s: float = 0.0
-    """The runtime's host seconds per microbatch per stage chunk (``Cluster.microbatch_host_s``)."""
-    dp_tensor_host_s: float = 0.0
-    """Data parallelism's host seconds per parameter tensor per step (``Cluster.dp_tensor_host_s``)."""
-    tp_op_host_s: float = 0.0
-    """Host seconds per tensor-parallel collective op outside its wait (``Cluster.tp_op_host_s``)."""
-    runtime_measured: bool = False
-    """Whether the four runtime host terms were measured (else they are 0: not measured)."""
-    collectives: dict[str, dict[int, float]]
-    """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
-    fits: dict[str, dict[str, float]]
-    """Per collective and ``combined``: ``latency_s`` and ``bandwidth`` (bytes/s) of the alpha-beta fit,
-    and ``max_rel_error`` of the fit over the measured sizes."""
-    machine: dict[str, Any] = field(default_factory=dict)
-    """Where it was measured (:func:`machine_description`)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"cluster": self.cluster.to_dict(), "ranks": self.ranks, "matmul_flops": self.matmul_flops,
-                "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
-                "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
-                "recompute_op_s": self.recompute_op_s, "block_flops": self.block_flops,
-                "step_host_s": self.step_host_s, "microbatch_host_s": self.microbatch_host_s,
-                "dp_tensor_host_s": self.dp_tensor_host_s, "runtime_measured": self.runtime_measured,
-                "tp_op_host_s": self.tp_op_host_s,
-                "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
-                "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
-                "fits": self.fits, "machine": self.machine}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        return cls(cluster=Cluster.from_dict(data["cluster"]), ranks=int(data["ranks"]),
-                   matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
-                   memory_bandwidth=float(data["memory_bandwidth"]),
-                   op_overhead_s=float(data.get("op_overhead_s", 0.0)),
-                   optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
-                   recompute_op_s=float(data.get("recompute_op_s", 0.0)),
-                   block_flops=float(data.get("block_flops", 0.0)), step_host_s=float(data.get("step_host_s", 0.0)),
-                   microbatch_host_s=float(data.get("microbatch_host_s", 0.0)),
-                   dp_tensor_host_s=float(data.get("dp_tensor_host_s", 0.0)),
-                   runtime_measured=bool(data.get("runtime_measured", False)),
-                   tp_op_host_s=float(data.get("tp_op_host_s", 0.0)),
-                   collective_call_s={k: {int(g): float(t) for g, t in v.items()}
-                                      for k, v in data.get("collective_call_s", {}).items()},
-                   collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
-                   fits=data["fits"], machine=data.get("machine", {}))
-
-    def table(self) -> str:
-        lines = [f"CPU calibration: {self.ranks} ranks on {self.machine.get('cpu', '?')} "
-                 f"({self.machine.get('cores', '?')} cores)"]
-        for shape, f in self.matmul_flops.items():
-            lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
-        lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate)")
-        lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
-        lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
-        lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
-        lines.append(f"  recompute, per op     : {self.recompute_op_s * 1e6:8.1f} us (fully recomputed block)")
-        lines.append(f"  runtime host          : {self.step_host_s * 1e3:8.2f} ms per step, "
-                     f"{self.microbatch_host_s * 1e3:.2f} ms per microbatch per chunk, "
-                     f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor, "
-                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op" if self.runtime_measured
-                     else "  runtime host          : not measured (0; calibrate_cpu(runtime_host=...))")
-        for op, calls in self.collective_call_s.items():
-            lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
-        for name, fit in self.fits.items():
-            lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
-                         f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
-        return "\n".join(lines)
-
-
-def machine_description() -> dict[str, Any]:
-    """CPU model, core count, memory, OS, torch version and the time of measurement."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": host_memory_bytes(), "os": platform.platform(),
-            "torch": torch.__version__, "load_average_1m": load,
-            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+RankProbe = Callable[..., tuple[float, float, float, float]]
+"""``probe(rank, world, share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s,
+tp_op_host_s)``, run by every calibration rank after the rates, all ranks at once (collective)."""
+RuntimeHostProbe = Callable[[int], RankProbe | None]
+"""``runtime_host(ranks) -> RankProbe or None``, called before the calibration forks its ranks:
+``fairscale.calibrate_host.measure_runtime_host`` (it builds modules, so the face hands it in)."""
 
 
 def _time(fn: Any, *, repeat: int, share: float, inner: int = 1) -> float:
@@ -284,7 +175,16 @@ def _facts(config: dict[str, int]) -> list[Any]:
 
 
 def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
-             cores: int) -> dict[str, Any]:
+             cores: int, probe: RankProbe | None) -> dict[str, Any]:
+    out = _rates(rank, world, repeat, op_model, block_model, cores)
+    start = time.perf_counter()
+    out["runtime_host"] = probe(rank, world, share=max(1.0, world / cores), repeat=repeat + 2) if probe else None
+    out["probe_s"] = time.perf_counter() - start
+    return out
+
+
+def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
+           cores: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     share = max(1.0, world / cores)
     out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat, share)}
@@ -402,10 +302,6 @@ def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
     fn(out, full)
 
 
-RuntimeHostProbe = Callable[..., tuple[float, float, float, float]]
-"""``probe(share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s, tp_op_host_s)``:
-``fairscale.calibrate_host.measure_runtime_host`` (it builds modules, so the face hands it in)."""
-
 
 def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = None,
                   runtime_host: RuntimeHostProbe | None = None) -> Calibration:
@@ -417,11 +313,14 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     from fairscale.runtime.launch import launch
 
     cores = os.cpu_count() or 1
-    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), block_model_counts(), cores),
+    start = time.perf_counter()
+    probe = runtime_host(ranks) if runtime_host is not None else None  # prepared before the fork
+    prepared = time.perf_counter() - start
+    start = time.perf_counter()
+    res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), block_model_counts(), cores, probe),
                  backend="gloo")[0]
-    share = max(1.0, ranks / cores)
-    step_host, micro_host, tensor_host, tp_op_host = runtime_host(share=share, repeat=repeat + 2) \
-        if runtime_host is not None else (0.0, 0.0, 0.0, 0.0)
+    seconds = {"rates": time.perf_counter() - start - res["probe_s"], "runtime_host": prepared + res["probe_s"]}
+    step_host, micro_host, tensor_host, tp_op_host = res["runtime_host"] or (0.0, 0.0, 0.0, 0.0)
     coll: dict[str, dict[int, float]] = res["coll"]
     p = ranks
     shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
@@ -458,7 +357,8 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
                        block_flops=flops, step_host_s=step_host, microbatch_host_s=micro_host,
-                       dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=runtime_host is not None, collectives=coll, fits=fits, machine=machine_description())
+                       dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=probe is not None, collectives=coll, fits=fits,
+                       machine={**machine_description(), "calibration_s": seconds})
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:

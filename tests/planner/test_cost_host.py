@@ -117,12 +117,18 @@ def test_runtime_host_terms_by_hand():
     runs = [RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 26e-3), RuntimeHostRun(1, 2, 100, 15e-3),
             RuntimeHostRun(1, 1, 10, 9e-3, tp_ops=8)]
     assert fit_runtime_host(runs) == pytest.approx((2e-3, 3e-3, 1e-4, 5e-4))
-    # noise that makes more microbatches cheaper clamps the slope at 0 (the step cost is then their
-    # mean, 5 ms) and a dp run below the line gives 0 per tensor, never a negative cost
+    # every run with data parallelism, as on 8 ranks (pp 2 × dp 4 at m = 2 and 4 holding 50 tensors,
+    # dp 8 and dp 4 × tp 2 holding 100): 2 + 2·3 + 50·0.1 = 13 ms, 19 ms, 2 + 3 + 10 = 15 ms, 15 + 8·0.5 = 19 ms
+    runs = [RuntimeHostRun(2, 4, 50, 13e-3), RuntimeHostRun(4, 4, 50, 19e-3), RuntimeHostRun(1, 8, 100, 15e-3),
+            RuntimeHostRun(1, 4, 100, 19e-3, tp_ops=8)]
+    assert fit_runtime_host(runs) == pytest.approx((2e-3, 3e-3, 1e-4, 5e-4))
+    # noise that makes more microbatches cheaper, and a dp run below the line: no coefficient goes
+    # negative; the best such fit is a step cost alone, the runs' mean (10/3 ms)
     assert fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(8, 1, 10, 2e-3),
-                             RuntimeHostRun(1, 2, 10, 0.0)]) == (pytest.approx(5e-3), 0.0, 0.0, 0.0)
+                             RuntimeHostRun(1, 2, 10, 0.0)]) == pytest.approx((10e-3 / 3, 0.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="two or more microbatch counts"):
-        fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(1, 2, 10, 8e-3)])
+        fit_runtime_host([RuntimeHostRun(2, 1, 10, 8e-3), RuntimeHostRun(2, 2, 10, 8e-3),
+                          RuntimeHostRun(1, 1, 10, 8e-3, tp_ops=4)])
     with pytest.raises(ValueError, match="microbatch_host_s must be >= 0"):
         dataclasses.replace(c, microbatch_host_s=-1.0)
     assert Cluster.from_dict(c.to_dict()) == c

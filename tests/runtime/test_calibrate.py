@@ -7,7 +7,7 @@ import pytest
 from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, block_flops_rate, block_model_counts,
                                          calibrate_cpu, fit_alpha_beta, load_calibration, op_model_counts,
                                          per_op_overhead, save_calibration)
-from fairscale.calibrate_host import measure_runtime_host
+from fairscale.calibrate_host import host_meshes, measure_runtime_host
 from planner.cluster import Cluster
 
 
@@ -46,7 +46,8 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert cal.runtime_measured and "ms per microbatch" in cal.table() and "transformer block" in cal.table()
     # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
     assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 4
+    assert set(cal.machine["calibration_s"]) == {"rates", "runtime_host"}  # what first use spends where
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 5
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
@@ -56,6 +57,14 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert load_calibration(path) == Cluster.from_dict(c.to_dict())
     with pytest.raises(ValueError, match="at least 2 ranks"):
         calibrate_cpu(1)
+
+
+def test_runtime_host_plans_fill_the_calibration_world():
+    # every plan uses all the ranks the calibration forks, so the probe runs with every rank busy
+    assert host_meshes(8) == [(2, 4, 1, 2), (2, 4, 1, 4), (1, 8, 1, 1), (1, 4, 2, 1)]
+    assert all(pp * dp * tp == 6 for pp, dp, tp, _ in host_meshes(6))
+    assert host_meshes(2) == [(2, 1, 1, 2), (2, 1, 1, 4), (1, 2, 1, 1), (1, 1, 2, 1)]
+    assert measure_runtime_host(3) is None  # no two-stage or tp-2 plan: not measured (the table says so)
 
 
 def test_op_overhead_divides_a_transformers_time_by_the_ops_the_planner_counts():
