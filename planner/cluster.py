@@ -128,6 +128,12 @@ class Cluster:
     """``all_reduce`` / ``all_gather`` -> group size -> host seconds one small call costs a rank
     (CPU ranks: calibration's CPU time per call times the ranks per core, every rank in a group at
     once). Empty for GPUs: the link latency is used. ``planner.cost_host.tp_link`` reads it."""
+    collective_links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``all_gather`` / ``reduce_scatter`` -> (bandwidth bytes/s, latency s) of that collective inside
+    a node, where it is measured apart from the link (CPU gloo ranks: calibration fits each
+    collective on its own, and gloo's reduce-scatter moves bytes several times slower than its
+    all-reduce). Empty for GPUs: every collective uses the intra-node link.
+    ``planner.cost_comm.comm_group`` reads it."""
     step_host_s: float = 0.0
     """Host seconds the runtime spends per training step on every rank outside the graph's ops,
     the collectives and the optimizer's arithmetic: ``train_step``'s own machinery (gradients
@@ -171,6 +177,11 @@ class Cluster:
                if any(g < 2 or t < 0 for g, t in calls.items())}
         if bad:
             problems.append(f"collective_call_s needs group sizes >= 2 and seconds >= 0 (got {bad})")
+        odd = {op: link for op, link in self.collective_links.items()
+               if op not in ("all_gather", "reduce_scatter") or link[0] <= 0 or link[1] < 0}
+        if odd:
+            problems.append("collective_links maps all_gather / reduce_scatter to (bandwidth > 0, latency >= 0) "
+                            f"(got {odd})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))
 
@@ -285,6 +296,8 @@ class Cluster:
         data["peak_flops"] = {str(k): float(v) for k, v in data["peak_flops"].items()}
         data["collective_call_s"] = {str(op): {int(g): float(t) for g, t in calls.items()}
                                      for op, calls in data.get("collective_call_s", {}).items()}
+        data["collective_links"] = {str(op): (float(bw), float(lat))
+                                    for op, (bw, lat) in data.get("collective_links", {}).items()}
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 

@@ -102,6 +102,16 @@ class Group:
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
+    intra_links: tuple[tuple[str, float, float], ...] = ()
+    """(collective, bandwidth, latency) inside a node where it differs from the intra link
+    (``Cluster.collective_links``, already × network efficiency)."""
+
+    def intra(self, op: str) -> tuple[float, float]:
+        """(bandwidth, latency) of collective ``op`` inside a node."""
+        for name, bandwidth, latency in self.intra_links:
+            if name == op:
+                return bandwidth, latency
+        return self.intra_bandwidth, self.intra_latency
 
     @property
     def nodes(self) -> int:
@@ -117,7 +127,8 @@ def comm_group(cluster: "Cluster", size: int, stride: int = 1) -> Group:
     eff = cluster.efficiency.network
     return Group(size=max(1, size), per_node=max(1, min(size, inside)),
                  intra_bandwidth=cluster.intra_bandwidth * eff, intra_latency=cluster.intra_latency,
-                 inter_bandwidth=cluster.inter_bandwidth * eff, inter_latency=cluster.inter_latency)
+                 inter_bandwidth=cluster.inter_bandwidth * eff, inter_latency=cluster.inter_latency,
+                 intra_links=tuple((op, bw * eff, lat) for op, (bw, lat) in sorted(cluster.collective_links.items())))
 
 
 def group_all_reduce_time(g: Group, nbytes: float) -> float:
@@ -134,19 +145,26 @@ def group_all_reduce_time(g: Group, nbytes: float) -> float:
     return intra + all_reduce_time(nbytes / k, n, bandwidth=g.inter_bandwidth, latency=g.inter_latency)
 
 
-def group_all_gather_time(g: Group, nbytes: float) -> float:
+def group_all_gather_time(g: Group, nbytes: float, *, op: str = "all_gather") -> float:
     """Hierarchical all-gather of a result of ``nbytes`` (reduce-scatter is its mirror image): the
-    inter-node step gathers ``nbytes/per_node`` over ``nodes``, the intra-node step the whole."""
+    inter-node step gathers ``nbytes/per_node`` over ``nodes``, the intra-node step the whole, on
+    ``op``'s own intra-node link where the cluster measured one (``Group.intra``)."""
     k, n = g.per_node, g.nodes
     if g.size <= 1 or nbytes <= 0:
         return 0.0
-    intra = all_gather_time(nbytes, k, bandwidth=g.intra_bandwidth, latency=g.intra_latency)
+    bandwidth, latency = g.intra(op)
+    intra = all_gather_time(nbytes, k, bandwidth=bandwidth, latency=latency)
     if n == 1:
         return intra
     return intra + all_gather_time(nbytes / k, n, bandwidth=g.inter_bandwidth, latency=g.inter_latency)
 
 
-group_reduce_scatter_time = group_all_gather_time
+def group_reduce_scatter_time(g: Group, nbytes: float) -> float:
+    """Hierarchical reduce-scatter of an input of ``nbytes``: :func:`group_all_gather_time`'s mirror
+    image, on the reduce-scatter's own intra-node link where the cluster measured one."""
+    return group_all_gather_time(g, nbytes, op="reduce_scatter")
+
+
 
 
 def group_all_to_all_time(g: Group, nbytes: float) -> float:

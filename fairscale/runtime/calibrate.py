@@ -43,11 +43,13 @@ users' load does not change it (wall time under load gave coefficients that foll
   hooks in both runs).
 * **memory bandwidth**: every rank runs ``add`` over 16 MiB arrays (2 reads + 1 write per element).
   It becomes ``hbm_bandwidth`` and ``host_memory_bandwidth``.
-* **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 4 MiB,
-  each fitted (least squares on relative error) to its ring formula in ``planner.cost_comm`` to
-  get the latency alpha and the bandwidth beta; point-to-point send/recv between rank pairs is
-  fitted to ``alpha + n/beta``. The Cluster holds one intra-node link: the all-reduce fit (the
-  collective of every tensor-parallel layer and of DDP); all fits, and a joint one, are reported.
+* **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 16 MiB,
+  each fitted to its ring formula in ``planner.cost_comm`` (``fit_link``: the bandwidth beta from
+  the two largest messages, the latency alpha from the smallest; gloo's cost per byte grows once
+  messages leave the cache); point-to-point send/recv between rank pairs is fitted to
+  ``alpha + n/beta``. The Cluster's intra-node link is the all-reduce fit (the collective of every
+  tensor-parallel layer and of DDP), ``collective_links`` the all-gather and reduce-scatter fits
+  (ZeRO's and FSDP's); all fits, and a joint one, are reported.
 
 The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``,
 and ``shared_cores`` = this machine's cores: when there are fewer cores than ranks, a rank that
@@ -75,7 +77,7 @@ import torch.distributed as dist
 from fairscale.testing.models import build
 from passes.ops.recompute_ops import recompute_call
 from planner.cluster import Cluster, Efficiency, host_memory_bytes
-from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_slope, per_op_overhead
+from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_slope, per_op_overhead
 from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
 
@@ -83,14 +85,15 @@ __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibrat
            "fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
 
 _MATMUL_SHAPES = ((1024, 256, 1024), (2048, 512, 512))
-_COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20)
+_COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
 """The tiny GPT whose forward and backward time the host overhead per op."""
 _OPT_TENSORS = 64
-_SUSTAIN_S = 0.025
+_SUSTAIN_S = 0.05
 """CPU seconds one timed run of a short call lasts (:func:`_sustained`): long enough for the CPU
-clock and the scheduler's slices, short enough that first use calibrates within its budget."""
+clock and the scheduler's slices (0.025 s saved about a second and let the op overhead of two
+calibrations 20 minutes apart differ by half)."""
 _CALL_ELEMENTS = 256
 """fp32 elements (1 KiB) of the small collective whose CPU per call is measured by group size."""
 _BLOCK_MODEL = {"dim": 128, "layers": 2, "heads": 8, "seq": 128, "vocab": 256}
@@ -330,15 +333,16 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     for name, sizes in coll.items():
         lat, per = shapes[name]
         pts = [(lat, per * n, t) for n, t in sorted(sizes.items())]
-        alpha, beta, err = fit_alpha_beta(pts)
+        alpha, beta, err = fit_link(pts)
         fits[name] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
         if name != "p2p":
             combined += pts
     alpha, beta, err = fit_alpha_beta(combined)
     fits["combined"] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
-    # the Cluster has one link model: take the all-reduce fit, the collective of tensor
-    # parallelism (every layer) and of DDP; the others are reported in ``fits``
+    # the Cluster's link is the all-reduce fit (tensor parallelism's and DDP's collective); the
+    # all-gather and reduce-scatter of ZeRO and FSDP get their own (gloo's differ 2-5× per byte)
     link = fits["all_reduce"]
+    links = {op: (fits[op]["bandwidth"], fits[op]["latency_s"]) for op in ("all_gather", "reduce_scatter")}
     flops = float(res["block_flops"])  # the transformer block's rate; the GEMM table is reported beside it
     bw = float(res["bandwidth"])
     host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks
@@ -348,6 +352,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         peak_flops={"fp32": flops, "tf32": flops, "bf16": flops, "fp16": flops},
         hbm_bandwidth=bw, host_memory_bandwidth=bw, intra_bandwidth=link["bandwidth"], intra_latency=link["latency_s"],
         op_overhead_s=float(res["op_overhead"]), shared_cores=cores, collective_call_s=res["calls"],
+        collective_links=links,
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,

@@ -14,7 +14,7 @@ import functools
 import math
 
 from planner.cost import LayerCost
-from planner.cost_comm import group_all_reduce_time, group_reduce_scatter_time
+from planner.cost_comm import group_all_gather_time, group_all_reduce_time, group_reduce_scatter_time
 from planner.cost_memory import DTYPE_BYTES, model_state_bytes
 from planner.schedule_cost import in_flight, pipeline_time
 from planner.search.config import Config, Context
@@ -190,7 +190,7 @@ def bounds(ctx: Context, cfg: Config, tot: Totals) -> tuple[float, float]:
         if cfg.dp_kind == "ddp":
             tail += group_all_reduce_time(g, grads)
         elif cfg.dp_kind in ("zero1", "zero2"):
-            tail += group_reduce_scatter_time(g, weights)  # the parameter all-gather after the step
+            tail += group_all_gather_time(g, weights)  # the parameter all-gather after the step
             if cfg.dp_kind == "zero1" or once:
                 tail += group_reduce_scatter_time(g, grads)
         elif cfg.dp_kind == "fsdp" and o.accumulate_unsharded:

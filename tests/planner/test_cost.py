@@ -1,5 +1,7 @@
 """Cost formulas, each against a number worked out by hand."""
 
+import dataclasses
+
 import pytest
 
 from planner.cluster import Cluster
@@ -257,6 +259,29 @@ def test_hierarchical_collectives_cross_nodes_once_per_node():
                                                                               latency=5e-6))
     # all-to-all over 16: 7 shares over NVLink, 8 over the NIC
     assert group_all_to_all_time(g, 16e6) == pytest.approx(7 * (5e-6 + 1e6 / intra) + 8 * (10e-6 + 1e6 / inter))
+
+
+
+def test_all_gather_and_reduce_scatter_use_their_own_measured_links():
+    from planner.cost_comm import comm_group, group_all_gather_time, group_all_reduce_time, group_reduce_scatter_time
+
+    c = Cluster.cpu(8)
+    bw, lat, eff = c.intra_bandwidth, c.intra_latency, c.efficiency.network
+    links = dataclasses.replace(c, collective_links={"all_gather": (bw / 2, 2 * lat), "reduce_scatter": (bw / 5, lat)})
+    plain, own = comm_group(c, 8), comm_group(links, 8)
+    # without measured links both ride the intra link, as on GPUs
+    assert group_reduce_scatter_time(plain, 1e8) == group_all_gather_time(plain, 1e8) == \
+        pytest.approx(all_gather_time(1e8, 8, bandwidth=bw * eff, latency=lat))
+    # with them: 7 hops and 7/8 of the bytes at each collective's own rate (× the network efficiency,
+    # as every link); the all-reduce keeps the link
+    assert group_all_gather_time(own, 1e8) == pytest.approx(7 * 2 * lat + 7 / 8 * 1e8 / (bw / 2 * eff))
+    assert group_reduce_scatter_time(own, 1e8) == pytest.approx(7 * lat + 7 / 8 * 1e8 / (bw / 5 * eff))
+    assert group_all_reduce_time(own, 1e8) == group_all_reduce_time(plain, 1e8)
+    assert Cluster.from_dict(links.to_dict()) == links  # JSON round trip (tuples come back from lists)
+    with pytest.raises(ValueError, match="collective_links maps all_gather / reduce_scatter"):
+        dataclasses.replace(c, collective_links={"all_reduce": (bw, lat)})
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        dataclasses.replace(c, collective_links={"all_gather": (0.0, lat)})
 
 
 def test_a_head_split_on_the_vocabulary_is_costed_with_its_loss_or_its_gather():

@@ -45,7 +45,12 @@ def _cluster(rng: random.Random) -> Cluster:
     name = rng.choice(["a100-80gb", "h100-sxm-80gb", "a100-40gb"])
     c = Cluster.preset(name, devices=rng.choice([4, 8, 16, 24, 32]))
     # small memories make recompute and infeasibility common
-    return dataclasses.replace(c, memory_bytes=int(rng.choice([0.5, 2, 8, 80]) * GiB))
+    c = dataclasses.replace(c, memory_bytes=int(rng.choice([0.5, 2, 8, 80]) * GiB))
+    if rng.random() < 0.5:  # all-gather and reduce-scatter on links of their own, as calibrated gloo ranks have
+        bw, lat = c.intra_bandwidth, c.intra_latency
+        c = dataclasses.replace(c, collective_links={"all_gather": (bw / rng.choice([1, 2, 4]), lat * rng.choice([1, 2])),
+                                                     "reduce_scatter": (bw / rng.choice([1, 5, 9]), lat * 2)})
+    return c
 
 
 def _random_cuts(rng: random.Random, layers: int, stages: int) -> tuple[int, ...]:

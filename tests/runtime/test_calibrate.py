@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, block_flops_rate, block_model_counts,
-                                         calibrate_cpu, fit_alpha_beta, load_calibration, op_model_counts,
+                                         calibrate_cpu, fit_alpha_beta, fit_link, load_calibration, op_model_counts,
                                          per_op_overhead, save_calibration)
 from fairscale.calibrate_host import host_meshes, measure_runtime_host
 from planner.cluster import Cluster
@@ -25,6 +25,22 @@ def test_fit_alpha_beta_recovers_exact_points():
     assert alpha == 0.0 and beta == pytest.approx(9.5671e8, rel=1e-4)
 
 
+
+def test_fit_link_takes_beta_from_the_largest_messages_and_alpha_from_the_smallest():
+    # 1e-4 s latency; 1 MB at 1.2 ms (in cache, faster per byte), 4 MB at 4.2 ms and 16 MB at 16.2 ms:
+    # beta = 12e6 B / 12 ms = 1e9 B/s from the two largest, alpha = 1e-4 s from the smallest
+    pts = [(1, 0, 1e-4), (1, 1e6, 0.8e-3), (1, 4e6, 4.1e-3), (1, 16e6, 16.1e-3)]
+    alpha, beta, err = fit_link(pts)
+    assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e9)
+    assert err == pytest.approx((1.1e-3 - 0.8e-3) / 0.8e-3)  # worst at the mid-sized message
+    # the relative-error fit is pulled to the small messages: it makes 16 MB cheaper than measured
+    a2, b2, _ = fit_alpha_beta(pts)
+    assert a2 + 16e6 / b2 < 16.1e-3 * 0.98
+    # when the largest do not grow in time there is no bandwidth regime to read: the single fit
+    assert fit_link([(1, 0, 1e-4), (1, 1e6, 1.1e-3), (1, 4e6, 1.0e-3)]) == \
+        fit_alpha_beta([(1, 0, 1e-4), (1, 1e6, 1.1e-3), (1, 4e6, 1.0e-3)])
+
+
 def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     cal = calibrate_cpu(2, repeat=1, runtime_host=measure_runtime_host)
     c = cal.cluster
@@ -34,6 +50,9 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert c.op_overhead_s > 0 and c.optimizer_tensor_s >= 0 and cal.optimizer_tensor_s == c.optimizer_tensor_s
     assert c.recompute_op_s >= 0 and cal.recompute_op_s == c.recompute_op_s
     assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
+    assert set(c.collective_links) == {"all_gather", "reduce_scatter"}  # ZeRO's and FSDP's own links
+    assert c.collective_links["reduce_scatter"] == (cal.fits["reduce_scatter"]["bandwidth"],
+                                                    cal.fits["reduce_scatter"]["latency_s"])
     # the host cost per small call, by group size (2 ranks: one group of 2)
     assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
     assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
