@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
 from planner.cost_memory import (DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes,
-                                 tp_whole_saved_bytes)
+                                 tp_whole_saved_bytes, tp_whole_selective_bytes)
 from planner.cost_host import tp_link, tp_op_calls
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
@@ -163,6 +163,9 @@ class LayerFacts:
     saved_whole: float | None = None
     """Bytes per sample of ``saved`` that every tp rank keeps whole under the chosen rules (the rest
     is split over tp; ``planner.cost_memory.tp_whole_saved_bytes``). None: not known from the graph."""
+    selective_whole: float | None = None
+    """Bytes per sample of ``selective`` that every tp rank holds whole (row-parallel outputs are
+    full-size partial sums; ``planner.cost_memory.tp_whole_selective_bytes``). None: not known."""
     saved_input: float | None = None
     """Bytes per sample of ``saved`` that are the layer's own input (``planner.cost_memory.
     saved_input_bytes``). None: not known from the graph (then counted as not saved)."""
@@ -343,8 +346,9 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     batch = max(1, graph.batch_size)
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     t = _tables(graph)
-    whole = tp_whole_saved_bytes(graph, {m: style for mods in t.inside.values() for m in mods
-                                         for sel, style in rules if sel.matches(m)}) if rules else None
+    styled = {m: style for mods in t.inside.values() for m in mods for sel, style in rules if sel.matches(m)}
+    whole = tp_whole_saved_bytes(graph, styled) if rules else None
+    whole_sel = tp_whole_selective_bytes(graph, styled) if rules else None
     bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
@@ -358,6 +362,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               output=layer.output_bytes / batch, params=layer.param_count, tied=t.tied[layer.name],
                               tp=info, attention=layer.attention is not None,
                               saved_whole=whole[layer.name] / batch if whole is not None else None,
+                              selective_whole=whole_sel[layer.name] / batch if whole_sel is not None else None,
                               saved_input=t.saved_input[layer.name] / batch if t.saved_input is not None else None,
                               selective=t.selective.get(layer.name, 0) / batch, ops=t.ops[layer.name],
                               param_tensors=t.tensors[layer.name],
@@ -461,9 +466,13 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
             act = saved / div
             kept = inp / div
         in_saved = min(kept, (f.saved_input or 0.0) * micro * scale * kept / inp) if inp else 0.0
-        # matmul outputs of a split layer are split too (column shards; row-parallel partial sums
-        # are full size but half the matmuls): an estimate, exact at tp = 1
-        sel_out = sel / div
+        # matmul outputs of a split layer: column shards split, row-parallel partial sums whole;
+        # without the graph's facts (or under sequence parallelism) all counted split, an estimate
+        if sharded and not sequence_parallel and f.selective_whole is not None:
+            sel_whole = f.selective_whole * micro * scale
+            sel_out = sel_whole + (sel - sel_whole) / tp
+        else:
+            sel_out = sel / div
         act_sel = kept_bytes("selective", saved=act, input=kept, selective=sel_out)
         # rowwise / vocab-embedding outputs are all-reduced forward; colwise input grads backward
         out_b = f.output * micro * scale

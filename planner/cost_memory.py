@@ -21,7 +21,7 @@ from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
            "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
-           "tp_whole_saved_bytes", "saved_input_bytes"]
+           "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -129,6 +129,14 @@ def selective_output_bytes(graph: ModelGraph) -> dict[str, int]:
     if given is not None:
         return {layer.name: int(given.get(layer.name, 0)) for layer in graph.layers}
     out: dict[str, int] = {layer.name: 0 for layer in graph.layers}
+    for layer, nbytes in _selective_nodes(graph).values():
+        out[layer] = out.get(layer, 0) + nbytes
+    return out
+
+
+def _selective_nodes(graph: ModelGraph) -> dict[str, tuple[str, int]]:
+    """Node name -> (layer, bytes) of the outputs selective recompute caches (see above)."""
+    out: dict[str, tuple[str, int]] = {}
     depends: set[Any] = set()
     for node in graph.gm.graph.nodes:
         if node.op == "placeholder" or any(a in depends for a in node.all_input_nodes):
@@ -143,8 +151,7 @@ def selective_output_bytes(graph: ModelGraph) -> dict[str, int]:
         nbytes = sum(_tensor_bytes(v) for v in vals)
         if _SDPA in name and not isinstance(val, (tuple, list)) and getattr(val, "dim", lambda: 0)() >= 2:
             nbytes += math.prod(val.shape[:-1]) * 4
-        layer = node.meta[META_LAYER]
-        out[layer] = out.get(layer, 0) + nbytes
+        out[node.name] = (node.meta[META_LAYER], nbytes)
     return out
 
 
@@ -226,6 +233,34 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[s
     nodes = list(graph.gm.graph.nodes)
     if not any(META_SAVED in n.meta for n in nodes):
         return None
+    split = _split_nodes(nodes, styles)
+    out = {layer.name: 0 for layer in graph.layers}
+    for node in nodes:
+        layer = node.meta.get(META_LAYER)
+        if layer in out:
+            out[layer] += sum(n for producer, n in node.meta.get(META_SAVED, ()) if producer not in split)
+    return out
+
+
+def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[str, int] | None:
+    """Per layer, bytes of the outputs selective recompute caches (:func:`selective_output_bytes`)
+    that every tensor-parallel rank holds whole under ``styles``, placed as in
+    :func:`tp_whole_saved_bytes`: a row-parallel matmul's output is a partial sum of full size, a
+    column-parallel one's and attention over split heads are split. None for a graph without nodes
+    (analytic facts)."""
+    nodes = list(graph.gm.graph.nodes)
+    if graph.extra.get("selective_bytes") is not None or not nodes:
+        return None
+    split = _split_nodes(nodes, styles)
+    out = {layer.name: 0 for layer in graph.layers}
+    for name, (layer, nbytes) in _selective_nodes(graph).items():
+        if name not in split and layer in out:
+            out[layer] += nbytes
+    return out
+
+
+def _split_nodes(nodes: list[Any], styles: Mapping[str, str]) -> set[str]:
+    """Names of the nodes whose outputs tensor parallelism splits (:func:`tp_whole_saved_bytes`)."""
     owner = sorted(styles, key=len, reverse=True)  # innermost styled module first
 
     def style_of(module: str) -> str | None:
@@ -241,12 +276,7 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[s
                 split.add(node.name)
         elif any(a.name in split for a in node.all_input_nodes):
             split.add(node.name)
-    out = {layer.name: 0 for layer in graph.layers}
-    for node in nodes:
-        layer = node.meta.get(META_LAYER)
-        if layer in out:
-            out[layer] += sum(n for producer, n in node.meta.get(META_SAVED, ()) if producer not in split)
-    return out
+    return split
 
 
 def saved_input_bytes(graph: ModelGraph) -> dict[str, int] | None:

@@ -32,8 +32,9 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 RETAIN_LISTENERS: list[Callable[[tuple[Any, ...]], None]] = []
-"""Callbacks told the arguments each recompute region keeps alive until backward (for memory meters:
-non-reentrant checkpointing holds them by reference, so saved_tensors_hooks never see them)."""
+"""Callbacks told the arguments each recompute region keeps alive until backward, and under selective
+recompute the matmul and attention outputs its forward caches (for memory meters: non-reentrant
+checkpointing holds both by reference, so saved_tensors_hooks never see them)."""
 
 
 RECOMPUTE_LISTENERS: list[Callable[[list[tuple[StorageWeakRef, int]]], None]] = []
@@ -70,6 +71,18 @@ class _RecomputeWatch(TorchDispatchMode):
             listener(alive)
 
 
+class _CacheWatch(TorchDispatchMode):
+    """Tells :data:`RETAIN_LISTENERS` the outputs of the ops selective recompute caches in forward."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVE_IN_SELECTIVE:
+            held = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            for listener in RETAIN_LISTENERS:
+                listener(held)
+        return out
+
+
 @contextlib.contextmanager
 def _both(first: Any, second: Any) -> Iterator[None]:
     with first, second:
@@ -77,9 +90,11 @@ def _both(first: Any, second: Any) -> Iterator[None]:
 
 
 def _contexts(kind: str) -> tuple[Any, Any]:
-    fwd, rec = create_selective_checkpoint_contexts(_selective_policy) if kind == "selective" \
-        else (contextlib.nullcontext(), contextlib.nullcontext())
-    return fwd, _both(rec, _RecomputeWatch()) if RECOMPUTE_LISTENERS else rec
+    if kind != "selective":
+        return contextlib.nullcontext(), _RecomputeWatch() if RECOMPUTE_LISTENERS else contextlib.nullcontext()
+    fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+    return (_both(fwd, _CacheWatch()) if RETAIN_LISTENERS else fwd,
+            _both(rec, _RecomputeWatch()) if RECOMPUTE_LISTENERS else rec)
 
 
 def recompute_call(fn: Callable[..., Any], kind: str, *args: Any) -> Any:

@@ -100,3 +100,16 @@ def test_full_recompute_peaks_at_the_last_block_after_the_head_freed_its_activat
     assert got["activations"] == pytest.approx(before_last + WHOLE + SPLIT)
     after_forward = before_last + by["layers.1"].input_bytes + by["ln_f"].saved_bytes + by["lm_head"].saved_bytes
     assert after_forward < got["activations"]
+
+
+def test_selective_recompute_under_tp_keeps_row_parallel_outputs_whole(graph):
+    # cached: q, k, v, the attention output (+ its log-sum-exp) and the MLP's up projection, split;
+    # the two row-parallel outputs (attention's o_proj, the MLP's down_proj) are partial sums of full size
+    facts = {f.name: f for f in layer_facts(graph, MEGATRON)}
+    block = facts["layers.1"]
+    whole = 2 * B * S * D * 4
+    split = (4 * B * S * D + B * H * S + B * S * 4 * D) * 4
+    assert block.selective * B == whole + split
+    assert block.selective_whole * B == whole
+    (cost,) = layer_costs([block], Cluster.preset("a100-80gb"), tp=2, micro=B, compute_dtype="fp32")
+    assert cost.act_selective == pytest.approx(B * S * D * 4 + whole + split / 2)

@@ -3,7 +3,9 @@
 On 2 real gloo ranks, ``parallelize`` a GPT under DDP, ZeRO-2 and FSDP (dp = 2), a two-stage
 pipeline (pp = 2), Megatron's tensor parallelism (tp = 2: whole and split saved tensors, from the
 capture) and that pipeline with full recompute of every block (the kept inputs plus the one block
-a recompute rebuilds in backward, which the meter sees through ``RECOMPUTE_LISTENERS``), run one
+a recompute rebuilds in backward, which the meter sees through ``RECOMPUTE_LISTENERS``), and tp = 2
+with selective recompute (the cached matmul outputs, which the meter sees through
+``RETAIN_LISTENERS``: row-parallel outputs are full-size partial sums, the rest split), run one
 step with ``measure_memory=True`` and read ``pm.memory_report()``: every category the planner
 predicts (parameters, gradients, optimizer state, saved activations, FSDP buffers) is measured
 within 10% of its prediction.
@@ -34,19 +36,21 @@ from planner.capture import capture
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 
 MiB = 2**20
+TP_RULES = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+            "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise", "lm_head": "vocab_loss",
+            "wte": "vocab_embedding"}
 PLANS: dict[str, Plan] = {
     "ddp": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="ddp")),
     "zero2": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="zero2")),
     "fsdp": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="fsdp", units="layers.*")),
     "pp2": Plan(mesh=Mesh(pp=2), schedule=Schedule(kind="1f1b", microbatches=2),
                 stages=[Stage(layers="wte, wpe, layers.[0-1]"), Stage(layers="layers.[2-3], ln_f, lm_head")]),
-    "tp2": Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules={
-        "layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
-        "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise", "lm_head": "vocab_loss",
-        "wte": "vocab_embedding"})),
+    "tp2": Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=TP_RULES)),
     "pp2 recompute": Plan(mesh=Mesh(pp=2), schedule=Schedule(kind="1f1b", microbatches=4),
                           stages=[Stage(layers="wte, wpe, layers.[0-1]"), Stage(layers="layers.[2-3], ln_f, lm_head")],
                           recompute={"layers.*": "full"}),
+    "tp2 selective": Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=TP_RULES),
+                          recompute={"layers.*": "selective"}),
 }
 MODEL_STATES = ("parameters", "gradients", "optimizer")
 
