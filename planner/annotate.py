@@ -11,6 +11,8 @@
   :func:`torch.autograd.graph.saved_tensors_hooks`), mapped back to the storage of the node that
   produced them and counted once per storage across the graph (``x`` saved by the q, k and v
   projections counts once, at q). Parameters and buffers are not activations and are not counted.
+* ``META_SAVED``: the same tensors one by one, each with the node whose output holds it (what
+  tensor parallelism needs to tell a replicated saved input from a sharded one).
 
 How: each node runs in isolation on detached fake inputs that require grad exactly when the
 producing value does; its backward runs in isolation with fake ``ones`` gradients. Results are
@@ -38,7 +40,7 @@ from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.annotate_errors import AnnotateError, dynamic_shape, example_values, explain
 from planner.annotate_state import AnnotateStats, _OpFacts, _Record, _State
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED_BYTES, META_VAL
+from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED, META_SAVED_BYTES, META_VAL
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
@@ -316,17 +318,19 @@ class _Annotator:
         s.env[node.name] = value
         s.facts[node.name] = facts
         out_flat = _leaves(value)
-        saved_bytes = 0
+        saved: list[tuple[str, int]] = []
         for kind, index, nbytes in facts.saved:
             if kind == "tmp":
-                saved_bytes += nbytes
+                saved.append((node.name, nbytes))
                 continue
             t = flat[index] if kind == "in" else out_flat[index]
             skey = self._skey(t)
             if skey not in s.counted:
                 s.counted.add(skey)
-                saved_bytes += t.untyped_storage().nbytes()
-        node.meta.update({META_VAL: value, META_FLOPS_FWD: facts.flops, META_SAVED_BYTES: saved_bytes})
+                saved.append((_producer(node.name, prov, flat, index) if kind == "in" else node.name,
+                              t.untyped_storage().nbytes()))
+        node.meta.update({META_VAL: value, META_FLOPS_FWD: facts.flops, META_SAVED_BYTES: sum(n for _, n in saved),
+                          META_SAVED: tuple(saved)})
 
     def _copy(self, node: torch.fx.Node, template: str, flat: list[Any]) -> None:
         """Facts of a replica node (``planner.replicate``): the template's, with no fake op run.
@@ -346,8 +350,12 @@ class _Annotator:
             value = s.env[template]
         s.env[node.name] = value
         t = self.by_name[template]
+        # the template's saved tensors come from its own inputs: the replica's inputs in the same places
+        rename = {a[0]: b[0] for a, b in zip(s.prov[template], s.prov[node.name]) if a is not None and b is not None}
+        rename[template] = node.name
         node.meta.update({META_VAL: value, META_FLOPS_FWD: t.meta[META_FLOPS_FWD],
-                          META_SAVED_BYTES: t.meta[META_SAVED_BYTES]})
+                          META_SAVED_BYTES: t.meta[META_SAVED_BYTES],
+                          META_SAVED: tuple((rename.get(p, p), n) for p, n in t.meta[META_SAVED])})
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -441,6 +449,13 @@ class _Annotator:
                     self.backward(node, received)
         self.s.records.clear()
         return self.stats
+
+
+def _producer(name: str, prov: list[tuple[str, int] | None], flat: list[Any], index: int) -> str:
+    """The node whose output is ``flat[index]``, an input of node ``name`` ('' for a constant):
+    ``prov`` lists the sources of the tensors in ``flat``, in order."""
+    source = prov[sum(isinstance(x, torch.Tensor) for x in flat[:index])]
+    return source[0] if source is not None else ""
 
 
 def annotate_graph(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], *,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from planner.cluster import Cluster
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
-from planner.cost_memory import DTYPE_BYTES, kept_bytes, selective_output_bytes
+from planner.cost_memory import (DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes,
+                                 tp_whole_saved_bytes, tp_whole_selective_bytes)
 from planner.cost_host import tp_link, tp_op_calls
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
@@ -25,7 +26,9 @@ __all__ = ["CostOptions", "TPInfo", "LayerFacts", "LayerCost", "compute_time", "
            "ATTENTION_REPLICATED_INPUTS"]
 
 ATTENTION_REPLICATED_INPUTS = 5.0
-"""Activations a tensor-parallel transformer block keeps unsharded, in multiples of its input.
+"""Activations a tensor-parallel transformer block keeps unsharded, in multiples of its input, for
+graphs that do not list their saved tensors (``LayerFacts.saved_whole`` is None: the analytic
+Megatron GPT of ``planner.cost_gpt``, whose saved bytes are this paper's count).
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Eq. 2)
 count ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer in fp16 without sequence parallelism:
@@ -157,6 +160,15 @@ class LayerFacts:
     """Tensor-parallel facts under the chosen rules."""
     attention: bool = False
     """Holds attention (selects the replicated-activation factor under tp)."""
+    saved_whole: float | None = None
+    """Bytes per sample of ``saved`` that every tp rank keeps whole under the chosen rules (the rest
+    is split over tp; ``planner.cost_memory.tp_whole_saved_bytes``). None: not known from the graph."""
+    selective_whole: float | None = None
+    """Bytes per sample of ``selective`` that every tp rank holds whole (row-parallel outputs are
+    full-size partial sums; ``planner.cost_memory.tp_whole_selective_bytes``). None: not known."""
+    saved_input: float | None = None
+    """Bytes per sample of ``saved`` that are the layer's own input (``planner.cost_memory.
+    saved_input_bytes``). None: not known from the graph (then counted as not saved)."""
     selective: float = 0.0
     """Bytes per sample of the matmul/attention outputs selective recompute caches
     (``planner.cost_memory.selective_output_bytes``)."""
@@ -205,6 +217,9 @@ class LayerCost:
     """Exposed tensor-parallel seconds inside ``fwd`` + ``bwd``."""
     act_selective: float = 0.0
     """Activation bytes kept under selective recompute (input + cached matmul/attention outputs)."""
+    input_saved: float = 0.0
+    """Bytes of ``act_recompute`` (the kept input) that ``act`` holds too: the same storage, which
+    the layer's recompute saves again (``planner.search.memory`` counts it once)."""
     rec_selective: float = 0.0
     """Seconds the backward spends recomputing the cheap (memory-bound) ops under selective recompute."""
     experts: float = 0.0
@@ -252,6 +267,7 @@ class _GraphTables:
     """Layer name -> the module paths inside it (the layer's own included)."""
     tied: dict[str, tuple[tuple[int, int], ...]]
     selective: dict[str, int]
+    saved_input: dict[str, int] | None
     ops: dict[str, int]
     tensors: dict[str, int]
     experts: dict[str, tuple[int, float, float, float]]
@@ -316,7 +332,8 @@ def _tables(graph: ModelGraph) -> _GraphTables:
                                        *flops.get(layer.name, (0.0, 0.0)))
     tensors = {layer.name: sum(1 for i in first_user.values() if i == layer.index) for layer in graph.layers}
     tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied, tensors=tensors,
-                          selective=selective_output_bytes(graph), ops=ops, experts=experts)
+                          selective=selective_output_bytes(graph), saved_input=saved_input_bytes(graph),
+                          ops=ops, experts=experts)
     if len(_TABLES) > 8:
         _TABLES.clear()
     _TABLES[id(graph)] = (weakref.ref(graph), tables)
@@ -329,6 +346,9 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     batch = max(1, graph.batch_size)
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     t = _tables(graph)
+    styled = {m: style for mods in t.inside.values() for m in mods for sel, style in rules if sel.matches(m)}
+    whole = tp_whole_saved_bytes(graph, styled) if rules else None
+    whole_sel = tp_whole_selective_bytes(graph, styled) if rules else None
     bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
@@ -341,6 +361,9 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
                               output=layer.output_bytes / batch, params=layer.param_count, tied=t.tied[layer.name],
                               tp=info, attention=layer.attention is not None,
+                              saved_whole=whole[layer.name] / batch if whole is not None else None,
+                              selective_whole=whole_sel[layer.name] / batch if whole_sel is not None else None,
+                              saved_input=t.saved_input[layer.name] / batch if t.saved_input is not None else None,
                               selective=t.selective.get(layer.name, 0) / batch, ops=t.ops[layer.name],
                               param_tensors=t.tensors[layer.name],
                               expert_params=e_params, expert_rows=e_rows / batch,
@@ -397,8 +420,9 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     """Seconds and bytes of each layer for one microbatch of ``micro`` samples on one rank.
 
     Activation bytes scale from the captured dtype to ``compute_dtype``. Under tp a sharded layer
-    divides its FLOPs and its sharded parameters by tp, keeps ``ATTENTION_REPLICATED_INPUTS`` (or
-    1) × its input unsharded unless ``sequence_parallel``, and adds its all-reduces of the
+    divides its FLOPs and its sharded parameters by tp, keeps its saved tensors that stay whole
+    (``LayerFacts.saved_whole``; without it ``ATTENTION_REPLICATED_INPUTS`` or 1 × its input) unsharded
+    unless ``sequence_parallel``, and adds its all-reduces of the
     activation width (ring, within the tp group's node). A head split on the vocabulary adds the
     all-gather of its logits (``colwise_gather``) or, with the fused vocabulary-parallel loss
     (``vocab_loss``), three all-reduces of one fp32 number per token instead.
@@ -434,15 +458,21 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         inp = f.input * micro * scale
         sel = f.selective * micro * scale
         if sharded and not sequence_parallel:
-            rep = min(saved, (ATTENTION_REPLICATED_INPUTS if f.attention else 1.0) * inp)
+            rep = f.saved_whole * micro * scale if f.saved_whole is not None else \
+                min(saved, (ATTENTION_REPLICATED_INPUTS if f.attention else 1.0) * inp)
             act = rep + (saved - rep) / tp
             kept = inp
         else:
             act = saved / div
             kept = inp / div
-        # matmul outputs of a split layer are split too (column shards; row-parallel partial sums
-        # are full size but half the matmuls): an estimate, exact at tp = 1
-        sel_out = sel / div
+        in_saved = min(kept, (f.saved_input or 0.0) * micro * scale * kept / inp) if inp else 0.0
+        # matmul outputs of a split layer: column shards split, row-parallel partial sums whole;
+        # without the graph's facts (or under sequence parallelism) all counted split, an estimate
+        if sharded and not sequence_parallel and f.selective_whole is not None:
+            sel_whole = f.selective_whole * micro * scale
+            sel_out = sel_whole + (sel - sel_whole) / tp
+        else:
+            sel_out = sel / div
         act_sel = kept_bytes("selective", saved=act, input=kept, selective=sel_out)
         # rowwise / vocab-embedding outputs are all-reduced forward; colwise input grads backward
         out_b = f.output * micro * scale
@@ -487,6 +517,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                              act_recompute=kept, params=params, tp_bytes=n_fwd * v_f + n_bwd * v_b + v_x,
                              tp_bytes_recompute=n_fwd * v_f + v_x, output=output,
                              tp_s=exposed * (n_fwd * t_f + n_bwd * t_b + t_x), act_selective=act_sel,
+                             input_saved=in_saved,
                              rec_selective=rec_sel + exposed * (n_fwd * t_f + t_x),
                              experts=float(f.expert_params),  # never tp-split when ep > 1 (validate)
                              expert_rows=f.expert_rows * micro * scale,

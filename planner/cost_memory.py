@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from planner.graph import META_LAYER, META_VAL, ModelGraph
+from planner.graph import META_LAYER, META_MODULE, META_SAVED, META_VAL, ModelGraph
 from planner.selectors import parse_selector
+from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
-           "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes"]
+           "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
+           "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -127,6 +129,14 @@ def selective_output_bytes(graph: ModelGraph) -> dict[str, int]:
     if given is not None:
         return {layer.name: int(given.get(layer.name, 0)) for layer in graph.layers}
     out: dict[str, int] = {layer.name: 0 for layer in graph.layers}
+    for layer, nbytes in _selective_nodes(graph).values():
+        out[layer] = out.get(layer, 0) + nbytes
+    return out
+
+
+def _selective_nodes(graph: ModelGraph) -> dict[str, tuple[str, int]]:
+    """Node name -> (layer, bytes) of the outputs selective recompute caches (see above)."""
+    out: dict[str, tuple[str, int]] = {}
     depends: set[Any] = set()
     for node in graph.gm.graph.nodes:
         if node.op == "placeholder" or any(a in depends for a in node.all_input_nodes):
@@ -141,8 +151,7 @@ def selective_output_bytes(graph: ModelGraph) -> dict[str, int]:
         nbytes = sum(_tensor_bytes(v) for v in vals)
         if _SDPA in name and not isinstance(val, (tuple, list)) and getattr(val, "dim", lambda: 0)() >= 2:
             nbytes += math.prod(val.shape[:-1]) * 4
-        layer = node.meta[META_LAYER]
-        out[layer] = out.get(layer, 0) + nbytes
+        out[node.name] = (node.meta[META_LAYER], nbytes)
     return out
 
 
@@ -201,3 +210,89 @@ def saved_activation_bytes(graph: ModelGraph, recompute: Mapping[str, str] | Non
                            selective=sel.get(layer.name, 0)) for layer in graph.layers)
     rows = graph.batch_size if microbatch_rows is None else microbatch_rows
     return total * rows / max(1, graph.batch_size)
+
+
+# --- activations under tensor parallelism -----------------------------------------------------------
+
+def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[str, int] | None:
+    """Per layer, bytes of its saved tensors (``META_SAVED``, the captured batch) that every
+    tensor-parallel rank keeps whole under ``styles`` (module path -> style); the rest are split
+    over tp. None when the capture did not record the saved tensors (an analytic graph).
+
+    A value is split from the output of a module whose style leaves it sharded
+    (``Style.output == "sharded"``: colwise, vocab_loss) through every op that reads a split value
+    (views, elementwise ops, attention over split heads), up to a module whose style reduces or
+    gathers its output (partial or replicated: rowwise, colwise_gather, vocab_embedding, expert),
+    whose output is whole again. Inputs, parameters and constants are whole. Example, GPT block
+    with Megatron's rules: whole are the block's input, the layer norms' outputs (and their
+    per-token mean and 1/std) and the residual sum after attention (4 × the input + the norms'
+    statistics); split are q, k, v, the attention output and its log-sum-exp, and the MLP's
+    hidden activations. An op the tensor-parallel pass cannot run split gathers its inputs there
+    (``passes.tp.rules.fallback``); this rule still counts its output split.
+    """
+    nodes = list(graph.gm.graph.nodes)
+    if not any(META_SAVED in n.meta for n in nodes):
+        return None
+    split = _split_nodes(nodes, styles)
+    out = {layer.name: 0 for layer in graph.layers}
+    for node in nodes:
+        layer = node.meta.get(META_LAYER)
+        if layer in out:
+            out[layer] += sum(n for producer, n in node.meta.get(META_SAVED, ()) if producer not in split)
+    return out
+
+
+def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[str, int] | None:
+    """Per layer, bytes of the outputs selective recompute caches (:func:`selective_output_bytes`)
+    that every tensor-parallel rank holds whole under ``styles``, placed as in
+    :func:`tp_whole_saved_bytes`: a row-parallel matmul's output is a partial sum of full size, a
+    column-parallel one's and attention over split heads are split. None for a graph without nodes
+    (analytic facts)."""
+    nodes = list(graph.gm.graph.nodes)
+    if graph.extra.get("selective_bytes") is not None or not nodes:
+        return None
+    split = _split_nodes(nodes, styles)
+    out = {layer.name: 0 for layer in graph.layers}
+    for name, (layer, nbytes) in _selective_nodes(graph).items():
+        if name not in split and layer in out:
+            out[layer] += nbytes
+    return out
+
+
+def _split_nodes(nodes: list[Any], styles: Mapping[str, str]) -> set[str]:
+    """Names of the nodes whose outputs tensor parallelism splits (:func:`tp_whole_saved_bytes`)."""
+    owner = sorted(styles, key=len, reverse=True)  # innermost styled module first
+
+    def style_of(module: str) -> str | None:
+        return next((styles[m] for m in owner if module == m or module.startswith(m + ".")), None)
+
+    split: set[str] = set()
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        style = style_of(str(node.meta.get(META_MODULE, "")))
+        if style is not None and style != "replicate":
+            if STYLES[style].output == "sharded":
+                split.add(node.name)
+        elif any(a.name in split for a in node.all_input_nodes):
+            split.add(node.name)
+    return split
+
+
+def saved_input_bytes(graph: ModelGraph) -> dict[str, int] | None:
+    """Per layer, bytes of its saved tensors (``META_SAVED``) that are its own inputs (outputs of
+    other layers or of the graph's inputs), for the captured batch; None when the capture did not
+    record the saved tensors. Under recompute the layer keeps its input, and its recompute in
+    backward saves that same storage again: these bytes are held once, not twice. Example: a
+    pre-norm GPT block's first layer norm saves the block's input, so all of it (B·S·D values)."""
+    nodes = list(graph.gm.graph.nodes)
+    if not any(META_SAVED in n.meta for n in nodes):
+        return None
+    layer_of = {n.name: n.meta.get(META_LAYER) for n in nodes}
+    out = {layer.name: 0 for layer in graph.layers}
+    for node in nodes:
+        layer = node.meta.get(META_LAYER)
+        if layer in out:
+            out[layer] += sum(n for producer, n in node.meta.get(META_SAVED, ())
+                              if producer and layer_of.get(producer) != layer)
+    return out

@@ -36,6 +36,11 @@ META_FLOPS_BWD = "fs_flops_bwd"
 """int: backward FLOPs of the node (only the gradients autograd actually computes)."""
 META_SAVED_BYTES = "fs_saved_bytes"
 """int: bytes of tensors the node saves for backward that no other node already saved (deduplicated)."""
+META_SAVED = "fs_saved"
+"""tuple[tuple[str, int], ...]: the tensors behind ``META_SAVED_BYTES``, one (producer, storage bytes)
+each: the name of the node whose output holds it (the node's own name for its outputs and the
+temporaries its op keeps, such as a layer norm's mean), or '' for a constant. Lets the cost model
+place each saved tensor under tensor parallelism (``planner.tp_saved``)."""
 META_PARAM = "fs_param"
 """str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
 GROUPED_MM = "transformers.grouped_mm_fallback.default"

@@ -18,9 +18,12 @@ Steps:
    rank builds each plan with ``fairscale.parallelize``, runs ``--warmup`` steps, then times
    ``--steps`` steps (barrier, step, barrier; the median), then one more step measures memory.
 4. Memory per rank: model states are the bytes of this rank's parameter, gradient and optimizer
-   state storages (distinct storages, parameters and shards both); activations are the peak of the
-   bytes saved for backward (saved-tensor hooks plus what recompute regions retain) during a step.
-   Predictions are the plan's ``Breakdown.memory_parts`` of the rank's pipeline stage.
+   state storages (distinct storages, parameters and shards both); activations and buffers are the
+   runtime's own meter of one step run with ``measure_memory=True`` (``pm.memory_report()``,
+   :mod:`fairscale.runtime.memory_report`): activations are the peak of the bytes held for backward
+   (saved tensors, what recompute regions retain, and what a recompute holds in backward), buffers
+   the peak of FSDP's gathered units and unsharded gradients. Predictions are the plan's
+   ``Breakdown.memory_parts`` of the rank's pipeline stage.
 
 Prints a table per plan (predicted vs measured, errors) and the ratio of the searched plan's
 measured step time to the best hand-picked one (goal <= 1.05). ``--out`` writes every number as JSON.
@@ -41,7 +44,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import fairscale
 from fairscale.api import captured, parallelize, search
@@ -51,7 +53,6 @@ from fairscale.calibrate_host import measure_runtime_host
 from fairscale.runtime.cpu_meter import CpuIn, cpu_s
 from fairscale.runtime.calibrate import CALIBRATION_VERSION, calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
-from passes import insert_recompute
 from passes.ops.flight import RECORDER
 from passes.tp.patterns import propose_tp_rules
 from planner.cluster import Cluster
@@ -98,41 +99,6 @@ def hand_plan(graph: ModelGraph, spec: tuple[Any, ...], global_batch: int) -> Pl
                 tensor_parallel=TensorParallel(rules=rules),
                 data_parallel=DataParallel(kind=dp_kind, units="layers.*" if dp_kind == "fsdp" else ""),
                 recompute=dict(recompute))
-
-
-class PeakSavedBytes:
-    """Peak bytes of distinct storages held for backward during a step: what autograd saves
-    (outside checkpoint regions) and what recompute regions retain, excluding ``exclude``."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-        self._hooks: Any = None
-
-    def _add(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            ptr = s.data_ptr()
-            if ptr and ptr not in self.exclude and ptr not in self.live:
-                self.live = {p: v for p, v in self.live.items() if not v[0].expired()}
-                self.live[ptr] = (StorageWeakRef(s), s.nbytes())
-                self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return t
-
-    def _retained(self, args: tuple[Any, ...]) -> None:
-        for a in args:
-            self._add(a)
-
-    def __enter__(self) -> PeakSavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._add, lambda t: t)
-        self._hooks.__enter__()
-        insert_recompute.RETAIN_LISTENERS.append(self._retained)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        insert_recompute.RETAIN_LISTENERS.remove(self._retained)
-        self._hooks.__exit__(*exc)
 
 
 def _storages(tensors: Any) -> dict[int, int]:
@@ -190,19 +156,29 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
             records.append({**pm.last_timing, "waits": waits, "cpu": cpu, "calls": len(pm.last_waits),
                             "cpu_wait": cpu_in.wait, "cpu_opt": cpu_in.opt})
         cpu_in.close()
-        exclude = set(_storages([p for s in pm.local_stages for p in pm.modules[s].parameters()]))
-        exclude |= set(_storages([t for s in pm.local_stages for t in pm.modules[s].buffers()]))
-        with PeakSavedBytes(exclude) as meter:
-            pm.train_step(case.make_batch(999, cfg["batch"]))
+        pm.train_step(case.make_batch(999, cfg["batch"]), measure_memory=True)
+        peaks = pm.memory_report().measured
         out[name] = {"step_s": statistics.median(times), "times": times, "loss": loss,
                      "summary": rank_summary(records, calls),
                      "cpu_s": statistics.median(r["cpu"] for r in records),
                      "cpu_wait_s": statistics.median(r["cpu_wait"] for r in records),
                      "cpu_opt_s": statistics.median(r["cpu_opt"] for r in records),
                      "calls": statistics.median(r["calls"] for r in records),
-                     "pp_index": pm.mesh.pp_index, "activations": meter.peak, **state_bytes(pm)}
+                     "pp_index": pm.mesh.pp_index, "activations": peaks["activations"], "buffers": peaks["buffers"],
+                     **state_bytes(pm)}
         del pm
     return out
+
+
+def print_memory(rows: list[dict[str, Any]]) -> None:
+    """Per plan and pipeline stage: activations and buffers (FSDP's gathered units, unsharded
+    gradients) predicted / measured, MiB (the worst rank of the stage)."""
+    mib = 2**20
+    print(f"\nmemory per stage, MiB predicted/measured: {'plan':18s} stage  activations (err)   buffers")
+    for row in rows:
+        for m in row.get("memory", []):
+            print(f"  {row['plan']:18s} {m['stage']:5d}  {m['pred_act'] / mib:6.2f}/{m['meas_act'] / mib:<6.2f} "
+                  f"({_err(m['pred_act'], m['meas_act']):+4.0f}%)  {m['pred_buffers'] / mib:6.2f}/{m['meas_buffers'] / mib:<6.2f}")
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -335,16 +311,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         by_stage: dict[int, dict[str, float]] = {}
         for r in ranks:
             m = r[name]
-            cur = by_stage.setdefault(m["pp_index"], {"states": 0.0, "activations": 0.0})
+            cur = by_stage.setdefault(m["pp_index"], {"states": 0.0, "activations": 0.0, "buffers": 0.0})
             cur["states"] = max(cur["states"], m["parameters"] + m["gradients"] + m["optimizer"])
             cur["activations"] = max(cur["activations"], m["activations"])
+            cur["buffers"] = max(cur["buffers"], m["buffers"])
         mem_err = []
         for s, meas in sorted(by_stage.items()):
             parts = b.memory_parts[s]
             pred_states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
             mem_err.append({"stage": s, "pred_states": pred_states, "meas_states": meas["states"],
                             "pred_act": parts["activations"], "meas_act": meas["activations"],
-                            "pred_buffers": parts["buffers"]})
+                            "pred_buffers": parts["buffers"], "meas_buffers": meas["buffers"]})
         mesh = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, 0)
         terms = {"pred": predicted_terms(b, plan), "meas": dataclasses.asdict(measure([r[name]["summary"] for r in ranks], mesh)),
                  "cpu_s": [r[name]["cpu_s"] for r in ranks], "calls": [r[name]["calls"] for r in ranks],
@@ -374,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{row['pred_step_s']:8.3f} {row['meas_step_s']:8.3f} {_err(row['pred_step_s'], row['meas_step_s']):+5.0f}%   "
               f"{worst['pred_states'] / mib:9.2f} /{worst['meas_states'] / mib:8.2f} ({_err(worst['pred_states'], worst['meas_states']):+4.0f}%)   "
               f"{worst['pred_act'] / mib:8.2f} /{worst['meas_act'] / mib:8.2f} ({_err(worst['pred_act'], worst['meas_act']):+4.0f}%)")
+    print_memory(rows)
     print_terms(rows, cluster)
     summary: dict[str, Any] = {}
     hand = [r for r in rows if r["plan"] != SEARCHED and "error" not in r]

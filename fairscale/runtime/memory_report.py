@@ -11,7 +11,11 @@ Categories (the planner's, ``fairscale.runtime.program.MEMORY_PARTS``):
 * **optimizer**: per-element optimizer state (Adam's moments; ``step`` counters excluded);
 * **activations**: the peak of the tensors autograd saved for backward during the measured step
   (each storage once, parameters and gathered FSDP buffers excluded), plus the inputs recompute
-  regions keep by reference; measured only in a step run with ``measure_memory=True``;
+  regions keep by reference and what a region's recompute holds in backward until the region's
+  backward reads it (the one layer a recompute rebuilds); measured only in a step run with
+  ``measure_memory=True``. FSDP's gathered buffers are *buffers*: matmuls save views of them, but
+  a unit frees the storage after its forward (``resize_(0)``, so those views hold nothing) and
+  gathers it again for its backward;
 * **buffers**: the peak of FSDP's gathered parameters, unsharded gradients in flight and ZeRO-2 /
   FSDP gradient accumulators during the last step (``passes.ops.gauge.UNSHARD``).
 
@@ -133,6 +137,18 @@ class ActivationMeter:
                     self.now -= n
         self.peak = max(self.peak, self.now)
 
+    def _recomputed(self, held: list[tuple[StorageWeakRef, int]]) -> None:
+        """Storages a region's recompute holds for the region's backward (checkpointing saves them
+        through its own hooks, which ``_pack`` never sees); counted until they are freed."""
+        for ref, n in held:
+            key = int(ref.cdata)
+            if key in self._exclude:
+                continue
+            if key not in self._retained and key not in self._count:
+                self.now += n
+            self._retained[key] = (ref, n)
+        self._update()
+
     def _pack(self, t: torch.Tensor) -> Any:
         if t.is_meta or _key(t) in self._exclude:
             return t
@@ -156,9 +172,11 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         recompute_ops.RETAIN_LISTENERS.append(self._retain)
+        recompute_ops.RECOMPUTE_LISTENERS.append(self._recomputed)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        recompute_ops.RECOMPUTE_LISTENERS.remove(self._recomputed)
         recompute_ops.RETAIN_LISTENERS.remove(self._retain)
         self._hooks.__exit__(*exc)
         self._update()

@@ -48,7 +48,9 @@ class Message:
 
 
 class Batch:
-    """The works of one posted batch; :meth:`wait` (idempotent) waits through the flight record."""
+    """The works of one posted batch; :meth:`wait` (idempotent) waits through the flight record,
+    then drops the works: a work holds its tensors (a receive's buffer, a sent activation), and a
+    batch kept to wait for its sends must not keep a received activation alive after its backward."""
 
     def __init__(self, works: Sequence[Any], entry: Entry | None) -> None:
         self._works = list(works)
@@ -60,7 +62,7 @@ class Batch:
             return
         assert self._entry is not None
         RECORDER.wait(self._entry, lambda: [w.wait() for w in self._works])
-        self._done = True
+        self._works, self._done = [], True
 
 
 Check = Callable[[Sequence[Message], Any], None]

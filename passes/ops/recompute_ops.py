@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["recompute_call", "RETAIN_LISTENERS"]
+__all__ = ["recompute_call", "RETAIN_LISTENERS", "RECOMPUTE_LISTENERS"]
 
 _SAVE_IN_SELECTIVE = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -28,17 +32,77 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 RETAIN_LISTENERS: list[Callable[[tuple[Any, ...]], None]] = []
-"""Callbacks told the arguments each recompute region keeps alive until backward (for memory meters:
-non-reentrant checkpointing holds them by reference, so saved_tensors_hooks never see them)."""
+"""Callbacks told the arguments each recompute region keeps alive until backward, and under selective
+recompute the matmul and attention outputs its forward caches (for memory meters: non-reentrant
+checkpointing holds both by reference, so saved_tensors_hooks never see them)."""
+
+
+RECOMPUTE_LISTENERS: list[Callable[[list[tuple[StorageWeakRef, int]]], None]] = []
+"""Callbacks told, when a region's recompute in backward ends, the storages it created that are
+still alive, as (weak reference, bytes): what checkpointing holds for the region's backward. (Its
+recompute saves through checkpointing's own saved-tensor hooks, which no outer hook sees.) While
+this list is empty, recompute runs without the watch."""
+
+
+class _RecomputeWatch(TorchDispatchMode):
+    """Notes every new storage an op creates during a recompute (not views or in-place results of
+    its inputs); on exit tells :data:`RECOMPUTE_LISTENERS` the ones still alive (the region's
+    outputs and temporaries are gone by then, what backward will read is held by checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # views and in-place results share an input's storage: only new storages are the recompute's
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                s = t.untyped_storage()
+                if s._cdata not in inputs and s._cdata not in self.created:
+                    self.created[s._cdata] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        alive = [v for v in self.created.values() if not v[0].expired()]
+        for listener in RECOMPUTE_LISTENERS:
+            listener(alive)
+
+
+class _CacheWatch(TorchDispatchMode):
+    """Tells :data:`RETAIN_LISTENERS` the outputs of the ops selective recompute caches in forward."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVE_IN_SELECTIVE:
+            held = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            for listener in RETAIN_LISTENERS:
+                listener(held)
+        return out
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def _contexts(kind: str) -> tuple[Any, Any]:
+    if kind != "selective":
+        return contextlib.nullcontext(), _RecomputeWatch() if RECOMPUTE_LISTENERS else contextlib.nullcontext()
+    fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+    return (_both(fwd, _CacheWatch()) if RETAIN_LISTENERS else fwd,
+            _both(rec, _RecomputeWatch()) if RECOMPUTE_LISTENERS else rec)
 
 
 def recompute_call(fn: Callable[..., Any], kind: str, *args: Any) -> Any:
     """Run ``fn(*args)`` under non-reentrant checkpointing of the given kind."""
     for listener in RETAIN_LISTENERS:
         listener(args)
-    if kind == "full":
+    if kind not in ("full", "selective"):
+        raise ValueError(f"recompute kind must be 'full' or 'selective', got {kind!r}")
+    if kind == "full" and not RECOMPUTE_LISTENERS:
         return checkpoint(fn, *args, use_reentrant=False)
-    if kind == "selective":
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy))
-    raise ValueError(f"recompute kind must be 'full' or 'selective', got {kind!r}")
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: _contexts(kind))

@@ -1,9 +1,14 @@
 """Memory per pipeline rank, and the recompute choice that makes a rank fit.
 
 Parts (bytes): model states after data-parallel sharding (``planner.cost_memory``), activations
-saved by the microbatches in flight (``planner.schedule_cost.in_flight``) plus the one layer a
-recompute rebuilds, and buffers: FSDP's gathered units (``planner.search.units``) and full-size
-gradient accumulators of runtimes that accumulate unsharded (``CostOptions.accumulate_unsharded``).
+saved by the microbatches in flight (``planner.schedule_cost.in_flight``), or, when higher, what is
+held while a recompute rebuilds one layer in backward (:func:`rank_memory_parts`), and buffers:
+FSDP's gathered units (``planner.search.units``) and full-size gradient accumulators of runtimes
+that accumulate unsharded (``CostOptions.accumulate_unsharded``).
+
+The search's fast paths (:func:`choose_recompute`, ``planner.search.partition``) bound the
+activations by ``flight × kept + the largest recomputed layer's activations``, never below the
+exact peak, so a plan they accept fits.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ __all__ = ["rank_memory", "rank_memory_parts", "units_on", "fsdp_buffer_terms", 
 
 def rank_memory(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
                 layers: list[int] | None = None, selective: frozenset[int] | None = None) -> float:
-    """Peak bytes of one pipeline rank: model states + activations in flight + recompute transient
-    + buffers (the sum of :func:`rank_memory_parts`)."""
+    """Peak bytes of one pipeline rank: model states + activations (in flight, or while a recompute
+    rebuilds a layer) + buffers (the sum of :func:`rank_memory_parts`)."""
     return sum(rank_memory_parts(ctx, cfg, costs, rank, recompute, layers, selective).values())
 
 
@@ -38,7 +43,15 @@ def _fsdp(cfg: Config) -> bool:
 def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: int, recompute: frozenset[int],
                       layers: list[int] | None = None,
                       selective: frozenset[int] | None = None) -> dict[str, float]:
-    """Peak bytes of one pipeline rank by part: parameters, gradients, optimizer, activations, buffers."""
+    """Peak bytes of one pipeline rank by part: parameters, gradients, optimizer, activations, buffers.
+
+    Activations: ``flight`` microbatches keep ``kept`` bytes each after their forward; when the
+    oldest one's backward recomputes layer ``i``, the rank holds ``(flight - 1) × kept``, what the
+    layers before ``i`` keep for that microbatch, and layer ``i``'s full activations plus its kept
+    input (less the part of that input its activations already hold); the peak is the larger.
+    Example, one microbatch, blocks keeping 1 MiB inputs, each rebuilding 10 MiB (its input
+    included), a head keeping 3 MiB after them: the forward ends at 4·1 + 3 = 7 MiB; the last
+    block's recompute comes after the head's backward: 3·1 + 10 = 13 MiB."""
     layers = rank_layers(cfg, rank) if layers is None else layers
     selective = cfg.selective if selective is None else selective
     o = ctx.options
@@ -59,9 +72,17 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     elif o.zero_shard_copy and cfg.dp_kind in ("zero1", "zero2") and DTYPE_BYTES[cfg.param_dtype] == 4:
         parts["parameters"] += sharded * 4 / cfg.dp
     flight = in_flight(cfg.kind, cfg.pp, cfg.microbatches, rank, v=cfg.v)
-    kept = sum(kept_act(costs, i, recompute, selective) for i in layers)
-    # the backward of a recomputed layer rebuilds its full activations for one microbatch
-    transient = max((costs[i].act for i in layers if i in recompute or i in selective), default=0.0)
+    each = {i: kept_act(costs, i, recompute, selective) for i in layers}
+    kept = sum(each.values())
+    # the backward of a recomputed layer rebuilds its full activations for one microbatch: by then
+    # the layers after it have freed theirs for that microbatch, the ones before it keep theirs
+    # (and the other microbatches in flight all of theirs); its kept input it saves once
+    peak, before = flight * kept, 0.0
+    for i in sorted(layers):
+        if i in recompute or i in selective:
+            rebuilt = costs[i].act + costs[i].act_recompute - costs[i].input_saved
+            peak = max(peak, (flight - 1) * kept + before + rebuilt)
+        before += each[i]
     buffers = 0.0
     if _fsdp(cfg):
         buffers = unshard_buffer_bytes(units_on(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
@@ -69,7 +90,7 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
                                        grad_dtype=cfg.reduce_dtype)
     if o.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         buffers += sharded * DTYPE_BYTES[cfg.reduce_dtype]  # the full gradient accumulator between microbatches
-    return {**parts, "activations": flight * kept + transient, "buffers": buffers}
+    return {**parts, "activations": peak, "buffers": buffers}
 
 
 def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float]:

@@ -1,9 +1,14 @@
 """One copy of the weights, and memory measured against the plan (issue 18 item 4, issue 16 item 3).
 
-On 2 real gloo ranks, ``parallelize`` a GPT under DDP, ZeRO-2 and FSDP (dp = 2) and a two-stage
-pipeline (pp = 2), run one step with ``measure_memory=True`` and read ``pm.memory_report()``: every
-category the planner predicts (parameters, gradients, optimizer state, saved activations, FSDP
-buffers) is measured within 10% of its prediction.
+On 2 real gloo ranks, ``parallelize`` a GPT under DDP, ZeRO-2 and FSDP (dp = 2), a two-stage
+pipeline (pp = 2), Megatron's tensor parallelism (tp = 2: whole and split saved tensors, from the
+capture) and that pipeline with full recompute of every block (the kept inputs plus the one block
+a recompute rebuilds in backward, which the meter sees through ``RECOMPUTE_LISTENERS``), and tp = 2
+with selective recompute (the cached matmul outputs, which the meter sees through
+``RETAIN_LISTENERS``: row-parallel outputs are full-size partial sums, the rest split), run one
+step with ``measure_memory=True`` and read ``pm.memory_report()``: every category the planner
+predicts (parameters, gradients, optimizer state, saved activations, FSDP buffers) is measured
+within 10% of its prediction.
 
 The report is the runtime's own accounting; an independent count keeps it honest: every tensor
 storage that ``parallelize`` and the step left alive in the rank process (``gc``, against a count
@@ -28,15 +33,24 @@ import fairscale
 from fairscale.testing.models import build
 from passes import compile_rank
 from planner.capture import capture
-from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
+from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 
 MiB = 2**20
+TP_RULES = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
+            "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise", "lm_head": "vocab_loss",
+            "wte": "vocab_embedding"}
 PLANS: dict[str, Plan] = {
     "ddp": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="ddp")),
     "zero2": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="zero2")),
     "fsdp": Plan(mesh=Mesh(dp=2), data_parallel=DataParallel(kind="fsdp", units="layers.*")),
     "pp2": Plan(mesh=Mesh(pp=2), schedule=Schedule(kind="1f1b", microbatches=2),
                 stages=[Stage(layers="wte, wpe, layers.[0-1]"), Stage(layers="layers.[2-3], ln_f, lm_head")]),
+    "tp2": Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=TP_RULES)),
+    "pp2 recompute": Plan(mesh=Mesh(pp=2), schedule=Schedule(kind="1f1b", microbatches=4),
+                          stages=[Stage(layers="wte, wpe, layers.[0-1]"), Stage(layers="layers.[2-3], ln_f, lm_head")],
+                          recompute={"layers.*": "full"}),
+    "tp2 selective": Plan(mesh=Mesh(tp=2), tensor_parallel=TensorParallel(rules=TP_RULES),
+                          recompute={"layers.*": "selective"}),
 }
 MODEL_STATES = ("parameters", "gradients", "optimizer")
 
@@ -101,6 +115,26 @@ def test_every_category_is_measured_within_ten_percent_of_the_plan(name: str) ->
             assert measured is not None, f"rank {rank}, {cat}: not measured\n{r['table']}"
             assert measured == pytest.approx(predicted, rel=0.10, abs=4096), f"rank {rank}, {name}, {cat}\n{r['table']}"
         assert "parameters" in r["table"] and "predicted MiB" in r["table"]
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2 recompute"])
+def test_activations_under_tp_and_recompute_are_predicted_within_two_percent(name: str) -> None:
+    """Tighter than the 10% above, where the count is exact: under tp each saved tensor of the
+    capture is whole or split (Korthikanti's 5 whole inputs per block over-predicted by 5% here).
+    Under full recompute the last stage's peak is its last block's rebuild after the head's
+    backward freed the head's activations, the block's kept input counted once (all kept bytes
+    plus the whole block's activations over-predicted it by 29%, and the meter did not see the
+    rebuild, which checkpointing saves through its own hooks); it was one block input higher while a
+    waited send batch kept the previous microbatch's received activation alive
+    (``fairscale.runtime.p2p.Batch.wait`` now drops its works). The first stage is left to the 10%
+    test: its first block's input includes the position embeddings, one copy per microbatch of any
+    size, which the capture's per-sample facts scale with the batch (4% under at 2 samples)."""
+    for rank, got in enumerate(_results()):
+        if name == "pp2 recompute" and rank == 0:
+            continue
+        r = got[name]
+        assert r["measured"]["activations"] == pytest.approx(r["predicted"]["activations"], rel=0.02), \
+            f"rank {rank}, {name}\n{r['table']}"
 
 
 @pytest.mark.parametrize("name", list(PLANS))
