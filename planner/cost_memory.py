@@ -261,10 +261,16 @@ def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> di
 
 def _split_nodes(nodes: list[Any], styles: Mapping[str, str]) -> set[str]:
     """Names of the nodes whose outputs tensor parallelism splits (:func:`tp_whole_saved_bytes`)."""
-    owner = sorted(styles, key=len, reverse=True)  # innermost styled module first
+    found: dict[str, str | None] = {}
 
     def style_of(module: str) -> str | None:
-        return next((styles[m] for m in owner if module == m or module.startswith(m + ".")), None)
+        """The style of the innermost styled module holding ``module`` (its path or a prefix of it)."""
+        if module not in found:
+            style = styles.get(module)
+            if style is None and "." in module:
+                style = style_of(module.rpartition(".")[0])
+            found[module] = style
+        return found[module]
 
     split: set[str] = set()
     for node in nodes:
