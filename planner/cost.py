@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_options import CostOptions
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
-from planner.cost_memory import (DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes,
-                                 tp_whole_saved_bytes, tp_whole_selective_bytes)
+from planner.cost_memory import DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes, tp_whole_bytes
 from planner.cost_host import tp_link, tp_op_calls
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
@@ -279,8 +278,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     t = _tables(graph)
     styled = {m: style for mods in t.inside.values() for m in mods for sel, style in rules if sel.matches(m)}
-    whole = tp_whole_saved_bytes(graph, styled) if rules else None
-    whole_sel = tp_whole_selective_bytes(graph, styled) if rules else None
+    whole, whole_sel = tp_whole_bytes(graph, styled) if rules else (None, None)
     bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:

@@ -21,7 +21,7 @@ from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
            "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
-           "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
+           "tp_whole_bytes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -214,7 +214,17 @@ def saved_activation_bytes(graph: ModelGraph, recompute: Mapping[str, str] | Non
 
 # --- activations under tensor parallelism -----------------------------------------------------------
 
-def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[str, int] | None:
+def tp_whole_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> tuple[dict[str, int] | None,
+                                                                           dict[str, int] | None]:
+    """(:func:`tp_whole_saved_bytes`, :func:`tp_whole_selective_bytes`) under one placement, the
+    nodes tensor parallelism splits worked out once for both (``planner.cost.layer_facts`` asks
+    for both per tp degree the search tries)."""
+    split = _split_nodes(list(graph.gm.graph.nodes), styles)
+    return tp_whole_saved_bytes(graph, styles, split=split), tp_whole_selective_bytes(graph, styles, split=split)
+
+
+def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
+                         split: set[str] | None = None) -> dict[str, int] | None:
     """Per layer, bytes of its saved tensors (``META_SAVED``, the captured batch) that every
     tensor-parallel rank keeps whole under ``styles`` (module path -> style); the rest are split
     over tp. None when the capture did not record the saved tensors (an analytic graph).
@@ -228,12 +238,13 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[s
     per-token mean and 1/std) and the residual sum after attention (4 × the input + the norms'
     statistics); split are q, k, v, the attention output and its log-sum-exp, and the MLP's
     hidden activations. An op the tensor-parallel pass cannot run split gathers its inputs there
-    (``passes.tp.rules.fallback``); this rule still counts its output split.
+    (``passes.tp.rules.fallback``); this rule still counts its output split. ``split``: those
+    nodes, when the caller has them (:func:`tp_whole_bytes`).
     """
     nodes = list(graph.gm.graph.nodes)
     if not any(META_SAVED in n.meta for n in nodes):
         return None
-    split = _split_nodes(nodes, styles)
+    split = _split_nodes(nodes, styles) if split is None else split
     out = {layer.name: 0 for layer in graph.layers}
     for node in nodes:
         layer = node.meta.get(META_LAYER)
@@ -242,16 +253,17 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[s
     return out
 
 
-def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> dict[str, int] | None:
+def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
+                             split: set[str] | None = None) -> dict[str, int] | None:
     """Per layer, bytes of the outputs selective recompute caches (:func:`selective_output_bytes`)
     that every tensor-parallel rank holds whole under ``styles``, placed as in
     :func:`tp_whole_saved_bytes`: a row-parallel matmul's output is a partial sum of full size, a
     column-parallel one's and attention over split heads are split. None for a graph without nodes
-    (analytic facts)."""
+    (analytic facts). ``split`` as in :func:`tp_whole_saved_bytes`."""
     nodes = list(graph.gm.graph.nodes)
     if graph.extra.get("selective_bytes") is not None or not nodes:
         return None
-    split = _split_nodes(nodes, styles)
+    split = _split_nodes(nodes, styles) if split is None else split
     out = {layer.name: 0 for layer in graph.layers}
     for name, (layer, nbytes) in _selective_nodes(graph).items():
         if name not in split and layer in out:
