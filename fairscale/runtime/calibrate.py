@@ -23,10 +23,11 @@ users' load does not change it (wall time under load gave coefficients that foll
   run them no faster). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
   and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
   the GEMMs' rate under-predicted compute by about that much.
-* **the runtime's host work** (since version 4; :mod:`fairscale.runtime.calibrate_runtime`): two
-  ranks time real ``train_step`` calls of a tiny GPT under three plans; what a step costs beyond
-  its graph's ops, waits and optimizer becomes ``step_host_s``, ``microbatch_host_s`` and
-  ``dp_tensor_host_s`` (``planner.cost_host.runtime_host_s``).
+* **the runtime's host work** (since version 4, with every rank busy since version 5;
+  ``fairscale.calibrate_host``, handed in as ``runtime_host``): after the rates, every rank builds
+  a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
+  costs beyond its graph's ops, waits and optimizer becomes ``step_host_s``, ``microbatch_host_s``,
+  ``dp_tensor_host_s`` and ``tp_op_host_s`` (``planner.cost_host.runtime_host_s``).
 * **host overhead per op**: every rank runs a tiny GPT (width 8) forward and backward, divided by
   3× the ops the planner counts in its capture; it becomes ``op_overhead_s`` (on CPU ranks the
   dispatcher and autograd cost as much as the arithmetic of a small model). A chain of tiny
@@ -179,17 +180,17 @@ def _facts(config: dict[str, int]) -> list[Any]:
 
 def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
              cores: int, probe: RankProbe | None) -> dict[str, Any]:
-    out = _rates(rank, world, repeat, op_model, block_model, cores)
+    share = max(1.0, world / cores)  # ranks per core: CPU seconds × this = a rank's wall seconds, all busy
+    out = _rates(rank, world, repeat, op_model, block_model, share)
     start = time.perf_counter()
-    out["runtime_host"] = probe(rank, world, share=max(1.0, world / cores), repeat=repeat + 2) if probe else None
+    out["runtime_host"] = probe(rank, world, share=share, repeat=repeat + 2) if probe else None
     out["probe_s"] = time.perf_counter() - start
     return out
 
 
 def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
-           cores: int) -> dict[str, Any]:
+           share: float) -> dict[str, Any]:
     torch.manual_seed(rank)
-    share = max(1.0, world / cores)
     out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat, share)}
     for m, k, n in _MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
