@@ -26,10 +26,12 @@ from typing import Any, Callable, Mapping
 from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
 from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS"]
 
 GiB = 1024**3
 MiB = 1024**2
+COLLECTIVE_LINK_OPS = ("all_gather", "reduce_scatter", "p2p")
+"""The operations ``Cluster.collective_links`` may give a link of their own."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -129,11 +131,13 @@ class Cluster:
     (CPU ranks: calibration's CPU time per call times the ranks per core, every rank in a group at
     once). Empty for GPUs: the link latency is used. ``planner.cost_host.tp_link`` reads it."""
     collective_links: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """``all_gather`` / ``reduce_scatter`` -> (bandwidth bytes/s, latency s) of that collective inside
-    a node, where it is measured apart from the link (CPU gloo ranks: calibration fits each
-    collective on its own, and gloo's reduce-scatter moves bytes several times slower than its
-    all-reduce). Empty for GPUs: every collective uses the intra-node link.
-    ``planner.cost_comm.comm_group`` reads it."""
+    """``all_gather`` / ``reduce_scatter`` / ``p2p`` -> (bandwidth bytes/s, latency s) of that
+    collective inside a node, where it is measured apart from the link (CPU gloo ranks: calibration
+    fits each collective on its own, and gloo's reduce-scatter moves bytes several times slower than
+    its all-reduce). ``p2p`` is one pipeline send as the runtime posts it: a batch of a send and the
+    receive paired with it, ``latency + bytes / bandwidth`` per send (a rank receives as many
+    messages as it sends). Empty for GPUs: every collective uses the intra-node link.
+    ``planner.cost_comm.comm_group`` and ``planner.search.ranks.stage_send`` read it."""
     step_host_s: float = 0.0
     """Host seconds the runtime spends per training step on every rank outside the graph's ops,
     the collectives and the optimizer's arithmetic: ``train_step``'s own machinery (gradients
@@ -178,9 +182,9 @@ class Cluster:
         if bad:
             problems.append(f"collective_call_s needs group sizes >= 2 and seconds >= 0 (got {bad})")
         odd = {op: link for op, link in self.collective_links.items()
-               if op not in ("all_gather", "reduce_scatter") or link[0] <= 0 or link[1] < 0}
+               if op not in COLLECTIVE_LINK_OPS or link[0] <= 0 or link[1] < 0}
         if odd:
-            problems.append("collective_links maps all_gather / reduce_scatter to (bandwidth > 0, latency >= 0) "
+            problems.append("collective_links maps all_gather / reduce_scatter / p2p to (bandwidth > 0, latency >= 0) "
                             f"(got {odd})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))

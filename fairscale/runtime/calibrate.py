@@ -47,10 +47,13 @@ users' load does not change it (wall time under load gave coefficients that foll
 * **collectives**: gloo all-reduce, all-gather and reduce-scatter over all ranks for 4 KiB .. 16 MiB,
   each fitted to its ring formula in ``planner.cost_comm`` (``fit_link``: the bandwidth beta from
   the two largest messages, the latency alpha from the smallest; gloo's cost per byte grows once
-  messages leave the cache); point-to-point send/recv between rank pairs is fitted to
-  ``alpha + n/beta``. The Cluster's intra-node link is the all-reduce fit (the collective of every
-  tensor-parallel layer and of DDP), ``collective_links`` the all-gather and reduce-scatter fits
-  (ZeRO's and FSDP's); all fits, and a joint one, are reported.
+  messages leave the cache). **Point-to-point** (since version 6): rank pairs post the pipeline
+  engine's own batch (``fairscale.runtime.p2p.exchange``) of a send and the receive paired with it,
+  every rank at once, fitted to ``alpha + n/beta`` per send. The Cluster's intra-node link is the
+  all-reduce fit (the collective of every tensor-parallel layer and of DDP), ``collective_links``
+  the all-gather, reduce-scatter (ZeRO's and FSDP's) and point-to-point fits (a pipeline's sends:
+  a blocking send/recv pingpong, timed before, cost half a batch, and the model had charged a send
+  the all-reduce's alpha, 2-3× under the batches' CPU); all fits, and a joint one, are reported.
 
 The measured numbers are achieved rates, so the returned Cluster has ``Efficiency(1, 1, 1)``,
 and ``shared_cores`` = this machine's cores: when there are fewer cores than ranks, a rank that
@@ -77,7 +80,8 @@ import torch.distributed as dist
 
 from fairscale.testing.models import build
 from passes.ops.recompute_ops import recompute_call
-from planner.cluster import Cluster, Efficiency, host_memory_bytes
+from planner.cluster import COLLECTIVE_LINK_OPS, Cluster, Efficiency, host_memory_bytes
+from fairscale.runtime.p2p import Message, exchange
 from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_slope, per_op_overhead
 from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
@@ -246,17 +250,13 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
             "reduce_scatter": _time(lambda: _reduce_scatter(shard, full), repeat=repeat, share=share),
         }
         peer = rank ^ 1  # pairs (0,1), (2,3), ...: every rank sends and receives at once
+        into = torch.empty_like(full)
 
-        def pingpong() -> None:
-            if peer >= world:
-                return
-            if rank % 2 == 0:
-                dist.send(full, peer)
-                dist.recv(full, peer)
-            else:
-                dist.recv(full, peer)
-                dist.send(full, peer)
-        times["p2p"] = _time(pingpong, repeat=repeat, share=share) / 2
+        def pipeline_send() -> None:  # as the pipeline engine posts one: the send and its paired receive
+            if peer < world:
+                exchange([Message(True, peer, full, "calibrate", "send"),
+                          Message(False, peer, into, "calibrate", "recv")], group=None, axis="pp").wait()
+        times["p2p"] = _time(pipeline_send, repeat=repeat, share=share)
         for name, t in times.items():
             out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
     return out
@@ -343,7 +343,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     # the Cluster's link is the all-reduce fit (tensor parallelism's and DDP's collective); the
     # all-gather and reduce-scatter of ZeRO and FSDP get their own (gloo's differ 2-5× per byte)
     link = fits["all_reduce"]
-    links = {op: (fits[op]["bandwidth"], fits[op]["latency_s"]) for op in ("all_gather", "reduce_scatter")}
+    links = {op: (fits[op]["bandwidth"], fits[op]["latency_s"]) for op in COLLECTIVE_LINK_OPS}
     flops = float(res["block_flops"])  # the transformer block's rate; the GEMM table is reported beside it
     bw = float(res["bandwidth"])
     host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks

@@ -24,7 +24,7 @@ from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -32,7 +32,8 @@ per op; 4 plans with a transformer block's FLOP rate instead of the large GEMMs'
 runtime's host work per step, per microbatch and per data-parallel tensor on real ``train_step``
 calls; 5 measures that host work with all the calibration's ranks busy, as every other rate (4 ran
 it on two ranks alone, without the contention of training), and the tensor-parallel op's cost with
-it (a cache written before is measured again)."""
+it; 6 times a pipeline send as the runtime posts it (a batch of the send and its paired receive)
+and gives it its own link, ``collective_links["p2p"]`` (a cache written before is measured again)."""
 
 @dataclass(kw_only=True)
 class Calibration:

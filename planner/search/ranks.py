@@ -106,13 +106,17 @@ def stage_send(ctx: Context, cfg: Config, nbytes: float) -> tuple[float, float]:
     """(seconds, bytes sent) of one pipeline send of ``nbytes`` (a rank's copy of a stage's output).
 
     Adjacent stages are ``tp·dp`` ranks apart, so they sit in different nodes once that fills a
-    node. With ``CostOptions.p2p_scatter_gather`` and tp > 1 (and an unsharded output: sequence
+    node; inside a node a send uses ``Cluster.collective_links["p2p"]`` where calibration measured
+    it (CPU ranks: a batch of the send and its paired receive), else the intra-node link. With
+    ``CostOptions.p2p_scatter_gather`` and tp > 1 (and an unsharded output: sequence
     parallelism already shards it), each tp rank sends ``1/tp`` and the receivers all-gather the
     rest over NVLink (Narayanan et al. 2021 §4.1)."""
     c = ctx.cluster
     apart = cfg.tp * cfg.dp
-    bw, lat = (c.inter_bandwidth, c.inter_latency) if apart >= c.devices_per_node else \
-        (c.intra_bandwidth, c.intra_latency)
+    if apart >= c.devices_per_node:
+        bw, lat = c.inter_bandwidth, c.inter_latency
+    else:  # the pipeline send's own link where calibration measured one (CPU ranks)
+        bw, lat = c.collective_links.get("p2p", (c.intra_bandwidth, c.intra_latency))
     bw *= c.efficiency.network
     if ctx.options.p2p_scatter_gather and cfg.tp > 1 and not cfg.sp:
         part = nbytes / cfg.tp

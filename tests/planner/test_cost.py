@@ -216,6 +216,24 @@ def test_pipeline_sends_cost_latency_plus_bytes_over_bandwidth():
     assert b.p2p_s == pytest.approx(2 * 0.1)
 
 
+def test_pipeline_sends_use_the_measured_p2p_link_inside_a_node():
+    from planner.search.config import Config, Context
+    from planner.search.evaluate import evaluate
+
+    ctx = _toy_context(output=1e8)
+    # calibration measured a pipeline send (a batch of the send and its paired receive): 2 ms + bytes at 0.5 GB/s
+    c = dataclasses.replace(ctx.cluster, collective_links={"p2p": (5e8, 2e-3)})
+    own = Context(ctx.facts, c, global_batch=2, options=ctx.options, captured_dtype="fp32")
+    b = evaluate(own, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2)))
+    assert b.p2p_s == pytest.approx(2 * (2e-3 + 0.2))  # two microbatches, one send each way per rank
+    assert b.step_time_s == pytest.approx(1 * (3 + 0.202) + 2 * (3 + 0.202))
+    # between nodes a send rides the inter-node link, whatever was measured inside one
+    apart = dataclasses.replace(c, devices_per_node=1, nodes=2)
+    far = Context(ctx.facts, apart, global_batch=2, options=ctx.options, captured_dtype="fp32")
+    assert evaluate(far, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2))).p2p_s == pytest.approx(2 * 0.1)
+    assert Cluster.from_dict(c.to_dict()) == c
+
+
 def test_tp_collectives_per_layer_follow_the_rules():
     from planner.cost import layer_facts
 
@@ -278,7 +296,7 @@ def test_all_gather_and_reduce_scatter_use_their_own_measured_links():
     assert group_reduce_scatter_time(own, 1e8) == pytest.approx(7 * lat + 7 / 8 * 1e8 / (bw / 5 * eff))
     assert group_all_reduce_time(own, 1e8) == group_all_reduce_time(plain, 1e8)
     assert Cluster.from_dict(links.to_dict()) == links  # JSON round trip (tuples come back from lists)
-    with pytest.raises(ValueError, match="collective_links maps all_gather / reduce_scatter"):
+    with pytest.raises(ValueError, match="collective_links maps all_gather / reduce_scatter / p2p"):
         dataclasses.replace(c, collective_links={"all_reduce": (bw, lat)})
     with pytest.raises(ValueError, match="bandwidth > 0"):
         dataclasses.replace(c, collective_links={"all_gather": (0.0, lat)})

@@ -50,7 +50,8 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert c.op_overhead_s > 0 and c.optimizer_tensor_s >= 0 and cal.optimizer_tensor_s == c.optimizer_tensor_s
     assert c.recompute_op_s >= 0 and cal.recompute_op_s == c.recompute_op_s
     assert set(cal.fits) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "combined"}
-    assert set(c.collective_links) == {"all_gather", "reduce_scatter"}  # ZeRO's and FSDP's own links
+    assert set(c.collective_links) == {"all_gather", "reduce_scatter", "p2p"}  # ZeRO's, FSDP's, pipelines' own
+    assert c.collective_links["p2p"] == (cal.fits["p2p"]["bandwidth"], cal.fits["p2p"]["latency_s"])
     assert c.collective_links["reduce_scatter"] == (cal.fits["reduce_scatter"]["bandwidth"],
                                                     cal.fits["reduce_scatter"]["latency_s"])
     # the host cost per small call, by group size (2 ranks: one group of 2)
@@ -66,7 +67,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
     assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
     assert set(cal.machine["calibration_s"]) == {"rates", "runtime_host"}  # what first use spends where
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 5
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 6
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
