@@ -36,7 +36,8 @@ capture, made here before the fork and inherited (``fairscale.capture_cache.rank
 Each rank's extra is its step's CPU less the CPU inside collective and point-to-point waits
 (``fairscale.runtime.cpu_meter.CpuIn``), less the optimizer step's CPU (both costed by their own
 terms), less the same model's forward and backward run plainly on the same rows (the graph's ops,
-costed by ``op_overhead_s``), mean over the ranks; ``planner.cost_host.fit_runtime_host`` fits the
+costed by ``op_overhead_s``; one microbatch's, timed once before the plans with every rank busy and
+scaled by each plan's microbatches per rank, :func:`_plain_s`), mean over the ranks; ``planner.cost_host.fit_runtime_host`` fits the
 four coefficients to the four plans. They are these CPU seconds times ``share``, the ranks per
 core (on a machine whose cores the ranks share, a rank's wall seconds when all ranks work).
 An odd number of ranks has no two-stage or tp-2 plan: the probe is skipped (None; the
@@ -96,8 +97,29 @@ def host_plans(layer_names: list[str], rules: dict[str, str], ranks: int) -> lis
             for pp, dp, tp, m in host_meshes(ranks)]
 
 
-def _extra(case: Any, plan: Plan, steps: int) -> tuple[float, float]:
-    """(this rank's extra CPU seconds per step, its parameter tensors) under ``plan`` (module docstring)."""
+def _plain_s(case: Any, steps: int) -> float:
+    """CPU seconds of one microbatch's forward and backward of the whole model run plainly (the
+    graph's ops alone), median over ``steps`` runs of two, every rank at once: what each plan's
+    step is compared with, in proportion to its microbatches per rank."""
+    tokens, labels = case.make_batch(0, HOST_MICRO)
+
+    def fwd_bwd() -> None:
+        case.loss_fn(case.model(tokens), labels).backward()
+    fwd_bwd()
+    plain = []
+    for _ in range(steps):
+        dist.barrier()
+        start = cpu_s()
+        fwd_bwd()
+        fwd_bwd()
+        plain.append((cpu_s() - start) / 2)
+    case.model.zero_grad(set_to_none=True)
+    return statistics.median(plain)
+
+
+def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, float]:
+    """(this rank's extra CPU seconds per step, its parameter tensors) under ``plan`` (module
+    docstring); ``plain_s`` is :func:`_plain_s`."""
     size = plan.schedule.global_batch
     pm = build_module(case.model, plan, example_inputs=case.make_batch(0, size), loss_fn=case.loss_fn,
                       optimizer=functools.partial(torch.optim.Adam, lr=1e-3), device="cpu")
@@ -115,20 +137,8 @@ def _extra(case: Any, plan: Plan, steps: int) -> tuple[float, float]:
         spent.append(cpu_s() - start - meter.wait - meter.opt)
     meter.close()
     del pm
-    tokens, labels = case.make_batch(0, HOST_MICRO)
-
-    def fwd_bwd() -> None:
-        case.loss_fn(case.model(tokens), labels).backward()
-    fwd_bwd()
-    plain = []
-    for _ in range(steps):
-        dist.barrier()
-        start = cpu_s()
-        for _ in range(plan.schedule.microbatches):
-            fwd_bwd()
-        plain.append((cpu_s() - start) / plan.mesh.pp)  # this rank's share: the mean over the stages
-    case.model.zero_grad(set_to_none=True)
-    return statistics.median(spent) - statistics.median(plain), float(tensors)
+    # this rank's share of the plain forward and backward: its microbatches, the mean over the stages
+    return statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors)
 
 
 def measure_runtime_host(ranks: int) -> RankProbe | None:
@@ -150,7 +160,9 @@ def measure_runtime_host(ranks: int) -> RankProbe | None:
         if world != ranks:
             raise ValueError(f"the runtime-host probe was prepared for {ranks} ranks, the world has {world}")
         torch.manual_seed(0)
-        measured = torch.tensor([_extra(case, plan, max(repeat, MIN_STEPS)) for plan in plans], dtype=torch.float64)
+        steps = max(repeat, MIN_STEPS)
+        plain_s = _plain_s(case, steps)
+        measured = torch.tensor([_extra(case, plan, steps, plain_s) for plan in plans], dtype=torch.float64)
         dist.all_reduce(measured)
         measured /= world  # the mean over the ranks: the node's work per rank
         runs = [RuntimeHostRun(microbatches=plan.schedule.microbatches, dp=plan.mesh.dp, tensors=round(float(t)),
