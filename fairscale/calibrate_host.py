@@ -136,6 +136,7 @@ def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, fl
         pm.train_step(batch)
         spent.append(cpu_s() - start - meter.wait - meter.opt)
     meter.close()
+    pm.close()  # its groups' threads would otherwise tax the later plans
     del pm
     # this rank's share of the plain forward and backward: its microbatches, the mean over the stages
     return statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors)

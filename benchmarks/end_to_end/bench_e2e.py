@@ -166,6 +166,7 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
                      "calls": statistics.median(r["calls"] for r in records),
                      "pp_index": pm.mesh.pp_index, "activations": peaks["activations"], "buffers": peaks["buffers"],
                      **state_bytes(pm)}
+        pm.close()  # its gloo groups' threads would otherwise tax every later plan's steps
         del pm
     return out
 

@@ -279,6 +279,9 @@ def _call_costs(rank: int, world: int, repeat: int, share: float) -> dict[str, d
         fn(full, x, group=mine)
         out["all_reduce"][g] = _mean(_sustained(lambda: dist.all_reduce(x, group=mine), repeat=repeat, share=share))
         out["all_gather"][g] = _mean(_sustained(lambda: fn(full, x, group=mine), repeat=repeat, share=share))
+        dist.barrier()
+        if mine is not None:  # an idle gloo group's threads would tax every later measurement
+            dist.destroy_process_group(mine)
     return out
 
 

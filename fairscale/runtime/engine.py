@@ -30,7 +30,7 @@ from fairscale.runtime.clip_guard import guard_clip_grad_norm
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
-from fairscale.runtime.mesh import RankMesh, build_mesh
+from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.program import RankProgram
@@ -393,13 +393,23 @@ class ParallelModule:
         self.after_step = hooks
 
     def retire(self, why: str) -> None:
-        """Release this rank's graphs, shards and optimizer state; every later call raises ``why``."""
+        """Release this rank's graphs, shards, optimizer state and process groups
+        (``fairscale.runtime.mesh.release_mesh``); every later call raises ``why``. Collective."""
         self.retired = why
+        release_mesh(self.mesh, self.device_mesh)
         self.modules = {}
         self._optimizers = []
         self.optimizer = StageOptimizers([], self.mesh.groups)
         self.executor = None  # type: ignore[assignment]
         self._evaluator = None
+
+    def close(self) -> None:
+        """Release what this module holds on this rank (its graphs, shards, optimizer state and
+        process groups) when training with it is done and the process goes on: each gloo group
+        keeps worker threads that wake about every 10 ms, which later work in the process pays
+        for. Later calls raise. Idempotent. Collective: every rank calls it alike."""
+        if not self.retired:
+            self.retire("this ParallelModule was closed (pm.close()); build another with fairscale.parallelize")
 
     def report(self) -> str:
         """The plan's text report (stages, memory, predicted time, collectives), as the face that

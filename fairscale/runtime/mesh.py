@@ -19,6 +19,11 @@ modules in one process each keep their groups (``passes.ops.groups``).
 
 Every group gets the world's ``collective_timeout_s`` (``fairscale.runtime.watchdog``), not torch's
 30-minute default for new groups, and binding the mesh starts the rank's watchdog heartbeat.
+
+A mesh's groups live until :func:`release_mesh` (a module that is retired or closed calls it): a
+gloo group runs worker threads that wake about every 10 ms, so groups left behind by earlier
+modules cost every later step of the process CPU (measured: 0.5-1.3 ms of CPU per idle group per
+second per rank, and a busier scheduler: 15 threads per rank became 96 after seven plans).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fairscale.runtime import watchdog
 from passes.ops.groups import AxisGroups
 
-__all__ = ["RankMesh", "build_mesh"]
+__all__ = ["RankMesh", "build_mesh", "release_mesh"]
 
 AXES = ("pp", "dp", "tp")
 _MESHES = itertools.count()  # names meshes in errors
@@ -130,3 +135,21 @@ def _bind_expert_axes(mesh: RankMesh, ep: int, timeout: Any) -> None:
                     group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                     if mesh.rank in ranks and me[0] == p and me[2] == t:
                         mesh.groups.bind(axis, group)
+
+
+def release_mesh(mesh: RankMesh, device_mesh: DeviceMesh) -> int:
+    """Destroy the process groups :func:`build_mesh` made for ``mesh`` (its axes' and expert axes'
+    groups; not the world's default group, which an axis spanning every rank may reuse) and unbind
+    them; returns how many this rank destroyed. Collective: every rank calls it alike; a barrier
+    first, so no rank tears down a group a peer is still using."""
+    groups: list[Any] = []
+    for axis in AXES:
+        groups.append(device_mesh.get_group(axis))
+    groups += [mesh.groups.get(axis) for axis in ("ep", "ep_rep") if mesh.groups.has_live_group(axis)]
+    default = dist.distributed_c10d._get_default_group()
+    mine = [g for i, g in enumerate(groups) if g is not None and g is not default and g not in groups[:i]]
+    dist.barrier()
+    for group in mine:
+        dist.destroy_process_group(group)
+    mesh.groups.clear()
+    return len(mine)

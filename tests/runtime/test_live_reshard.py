@@ -49,8 +49,13 @@ def _plan(pp: int, dp: int, tp: int, kind: str = "ddp", microbatches: int = 1, s
     return plan
 
 
+def _live_groups() -> int:
+    return len(torch.distributed.distributed_c10d._world.pg_map)
+
+
 def _chain(rank: int, world: int, plans: list[Plan]) -> Trajectory:
     case = _shared()
+    groups = _live_groups()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                plan=plans[0], optimizer=functools.partial(torch.optim.Adam, lr=LR))
     losses: list[float] = []
@@ -61,7 +66,16 @@ def _chain(rank: int, world: int, plans: list[Plan]) -> Trajectory:
                 old.train_step(case.make_batch(0, BATCH))
         assert (pm.plan.mesh.pp, pm.plan.mesh.dp, pm.plan.mesh.tp) == (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
         losses += [pm.train_step(case.make_batch(step, BATCH)) for step in range(i * STEPS, (i + 1) * STEPS)]
-    return Trajectory(losses=losses, params=pm.state_dict())
+    got = Trajectory(losses=losses, params=pm.state_dict())
+    # a switched-from module released its mesh's process groups (their gloo threads would tax every
+    # later step), and so does a closed one: the process is back to the groups it had
+    assert _live_groups() > groups
+    pm.close()
+    pm.close()  # idempotent
+    assert _live_groups() == groups
+    with pytest.raises(RuntimeError, match=r"was closed \(pm.close\(\)\)"):
+        pm.train_step(case.make_batch(0, BATCH))
+    return got
 
 
 CHAINS = {
