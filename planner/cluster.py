@@ -156,6 +156,11 @@ class Cluster:
     runtime's op around the gloo call (its autograd function, the copies around the call, the
     gloo threads' work before the wait). Charged with the layer's compute
     (``planner.cost_host.tp_op_calls``). 0 for GPUs; measured for CPU ranks by calibration."""
+    gemm_flops: tuple[tuple[int, int, float], ...] = ()
+    """(in features, out features, FLOP/s) of a linear's forward+backward by weight shape, every rank
+    at once: a tensor-parallel rank's narrower GEMMs run slower per FLOP on CPU ranks, and
+    ``planner.cost_gemm.tp_gemm_factor`` charges a split layer's GEMMs the ratio of these rates.
+    Empty for GPUs (the factor is 1); measured for CPU ranks by calibration."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -177,6 +182,8 @@ class Cluster:
                     "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
+        if any(n_in < 1 or n_out < 1 or rate <= 0 for n_in, n_out, rate in self.gemm_flops):
+            problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0) entries (got {self.gemm_flops})")
         bad = {op: calls for op, calls in self.collective_call_s.items()
                if any(g < 2 or t < 0 for g, t in calls.items())}
         if bad:
@@ -302,6 +309,7 @@ class Cluster:
                                      for op, calls in data.get("collective_call_s", {}).items()}
         data["collective_links"] = {str(op): (float(bw), float(lat))
                                     for op, (bw, lat) in data.get("collective_links", {}).items()}
+        data["gemm_flops"] = tuple((int(i), int(o), float(r)) for i, o, r in data.get("gemm_flops", ()))
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 

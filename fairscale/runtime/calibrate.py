@@ -23,6 +23,10 @@ users' load does not change it (wall time under load gave coefficients that foll
   run them no faster). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
   and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
   the GEMMs' rate under-predicted compute by about that much.
+* **GEMM rate by weight shape** (since version 7): every rank runs a linear's forward and backward
+  on 1024 rows for the block model's widths whole and split over tp (128×512 .. 128×16); the rates
+  become ``gemm_flops``, from which the cost model charges a tensor-parallel rank's narrower GEMMs
+  (``planner.cost_gemm``: a 128×16 weight ran at 0.4× a 128×512 one's rate per FLOP).
 * **the runtime's host work** (since version 4, with every rank busy since version 5;
   ``fairscale.calibrate_host``, handed in as ``runtime_host``): after the rates, every rank builds
   a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
@@ -106,6 +110,15 @@ _BLOCK_ROWS = 2
 """The GPT whose forward and backward, ``_BLOCK_ROWS`` sequences per rank, times the FLOP rate of a
 transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the scale of a CPU
 rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
+_GEMM_SHAPES = tuple((_BLOCK_MODEL["dim"], w) for w in (4 * _BLOCK_MODEL["dim"], _BLOCK_MODEL["dim"],
+                                                       _BLOCK_MODEL["dim"] // 2, _BLOCK_MODEL["dim"] // 4,
+                                                       _BLOCK_MODEL["dim"] // 8))
+"""(in, out) features of the linears timed by weight shape (``Cluster.gemm_flops``): the block
+model's MLP and attention widths whole and split over tp 2, 4 and 8 (out 512 .. 16)."""
+_GEMM_ROWS = 1024
+"""Rows of those linears' input: a tp rank's tokens (16 sequences of 128 at tp 8 take 2048)."""
+_GEMM_RUN_S = 0.004
+"""CPU seconds of one timed run of a shape (repeated calls; each shape takes about 4 runs)."""
 
 
 RankProbe = Callable[..., tuple[float, float, float, float]]
@@ -237,6 +250,7 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     ops, flops, traffic = block_model
     out["block_flops"] = block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
                                           traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
+    out["gemm"] = _gemm_rates(repeat, share)
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -260,6 +274,26 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
         for name, t in times.items():
             out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
     return out
+
+
+def _gemm_rates(repeat: int, share: float) -> list[tuple[int, int, float]]:
+    """(in, out, FLOP/s) of an ``nn.functional.linear`` forward and backward (input and weight
+    gradients) per shape of :data:`_GEMM_SHAPES`, every rank at once, mean over the ranks: 6 FLOPs
+    per row and weight element. Each run repeats the call for about ``_GEMM_RUN_S`` of CPU (about
+    0.3 s for all the shapes on 8 ranks sharing 2 cores)."""
+    rates = []
+    for n_in, n_out in _GEMM_SHAPES:
+        x = torch.randn(_GEMM_ROWS, n_in, requires_grad=True)
+        w = torch.randn(n_out, n_in, requires_grad=True)
+        grad = torch.randn(_GEMM_ROWS, n_out)
+
+        def linear() -> None:
+            torch.nn.functional.linear(x, w).backward(grad)
+        one = _time(linear, repeat=1, share=1.0)  # also the warm-up
+        inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
+        t = _mean(_time(linear, repeat=repeat, share=share, inner=inner))
+        rates.append((n_in, n_out, 6 * _GEMM_ROWS * n_in * n_out / t))
+    return rates
 
 
 def _call_costs(rank: int, world: int, repeat: int, share: float) -> dict[str, dict[int, float]]:
@@ -360,6 +394,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
+        gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
