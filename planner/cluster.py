@@ -161,6 +161,10 @@ class Cluster:
     at once: a tensor-parallel rank's narrower GEMMs run slower per FLOP on CPU ranks, and
     ``planner.cost_gemm.tp_gemm_factor`` charges a split layer's GEMMs the ratio of these rates.
     Empty for GPUs (the factor is 1); measured for CPU ranks by calibration."""
+    whole_op_s: dict[str, float] = field(default_factory=dict)
+    """``norm`` / ``elementwise`` -> seconds per byte of output of a layer norm's / an add's forward
+    +backward beyond its per-op cost (every rank at once): what the ops a tensor-parallel rank runs
+    on whole activations cost (``planner.cost_whole``). Empty for GPUs; measured for CPU ranks."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -184,6 +188,8 @@ class Cluster:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         if any(n_in < 1 or n_out < 1 or rate <= 0 for n_in, n_out, rate in self.gemm_flops):
             problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0) entries (got {self.gemm_flops})")
+        if any(k not in ("norm", "elementwise") or v < 0 for k, v in self.whole_op_s.items()):
+            problems.append(f"whole_op_s maps norm / elementwise to seconds per byte >= 0 (got {self.whole_op_s})")
         bad = {op: calls for op, calls in self.collective_call_s.items()
                if any(g < 2 or t < 0 for g, t in calls.items())}
         if bad:
@@ -309,6 +315,7 @@ class Cluster:
                                      for op, calls in data.get("collective_call_s", {}).items()}
         data["collective_links"] = {str(op): (float(bw), float(lat))
                                     for op, (bw, lat) in data.get("collective_links", {}).items()}
+        data["whole_op_s"] = {str(k): float(v) for k, v in data.get("whole_op_s", {}).items()}
         data["gemm_flops"] = tuple((int(i), int(o), float(r)) for i, o, r in data.get("gemm_flops", ()))
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 

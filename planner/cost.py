@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_options import CostOptions
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
-from planner.cost_memory import DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes, tp_whole_bytes
+from planner.cost_memory import (DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes, tp_split_nodes,
+                                  tp_whole_saved_bytes, tp_whole_selective_bytes)
+from planner.cost_whole import whole_op_bytes, whole_op_seconds
 from planner.cost_host import tp_link, tp_op_calls
 from planner.cost_gemm import Gemm, graph_gemms, layer_gemms, tp_gemm_factor
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
@@ -126,6 +128,9 @@ class LayerFacts:
     gemms: tuple[Gemm, ...] = ()
     """The layer's matmuls with a weight, per sample, and what the rules split of each
     (``planner.cost_gemm``): under tp their FLOPs run at the rate of the rank's narrower shapes."""
+    whole_ops: tuple[float, float] = (0.0, 0.0)
+    """Bytes per sample of the normalization and elementwise outputs the rules leave whole
+    (``planner.cost_whole``): every tp rank runs those ops on the full activations."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -171,6 +176,9 @@ class LayerCost:
     gemm_shape_s: float = 0.0
     """Seconds inside ``fwd`` + ``bwd`` that the rank's narrower tensor-parallel GEMMs add over the
     same FLOPs at the unsplit shapes' rate (``planner.cost_gemm.tp_gemm_factor``; 0 on GPUs)."""
+    whole_op_s: float = 0.0
+    """Seconds inside ``fwd`` + ``bwd`` of the ops a tp rank runs whole beyond their FLOPs' share
+    (``planner.cost_whole.whole_op_seconds``; 0 on GPUs and under sequence parallelism)."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -287,7 +295,10 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     t = _tables(graph)
     styled = {m: style for mods in t.inside.values() for m in mods for sel, style in rules if sel.matches(m)}
-    whole, whole_sel = tp_whole_bytes(graph, styled) if rules else (None, None)
+    split = tp_split_nodes(list(graph.gm.graph.nodes), styled) if rules else set()
+    whole = tp_whole_saved_bytes(graph, styled, split=split) if rules else None
+    whole_sel = tp_whole_selective_bytes(graph, styled, split=split) if rules else None
+    ops_whole = whole_op_bytes(graph, split) if rules else {}
     bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
@@ -295,6 +306,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         info = _tp_info(styles, t.owned, layer.attention, layer.param_count,
                         _vocab_traffic(styles, graph, layer.input_bytes / batch))
         e_params, e_rows, e_fwd, e_bwd = t.experts.get(layer.name, (0, 0.0, 0.0, 0.0))
+        w_ops = ops_whole.get(layer.name, (0.0, 0.0))
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
@@ -309,7 +321,8 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               expert_flops_fwd=e_fwd / batch, expert_flops_bwd=e_bwd / batch,
                               bmm_flops=bmm.get(layer.name, (0, 0))[0] / batch,
                               bmm_bytes=bmm.get(layer.name, (0, 0))[1] / batch,
-                              gemms=layer_gemms(t.gemms.get(layer.name, []), styles, batch)))
+                              gemms=layer_gemms(t.gemms.get(layer.name, []), styles, batch),
+                              whole_ops=(w_ops[0] / batch, w_ops[1] / batch)))
     return out
 
 
@@ -388,7 +401,9 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Narrow GEMMs under tp (CPU ranks, ``Cluster.gemm_flops`` measured): a split layer's matmul
     FLOPs (``LayerFacts.gemms``) take ``planner.cost_gemm.tp_gemm_factor`` times as long as at the
     planning rate, the measured rate of their unsplit shapes over that of the rank's; the extra
-    seconds are ``LayerCost.gemm_shape_s``.
+    seconds are ``LayerCost.gemm_shape_s``. Its layer norms and elementwise ops that stay whole
+    (``LayerFacts.whole_ops``, ``Cluster.whole_op_s`` measured) add ``planner.cost_whole.whole_op_seconds``
+    (``LayerCost.whole_op_s``), a third forward and two thirds backward.
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -456,6 +471,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         # host overhead per op: not hidden on CPU ranks (0 on GPUs); backward runs ~2 ops per forward op
         fwd += f.ops * cluster.op_overhead_s
         bwd += 2 * f.ops * cluster.op_overhead_s
+        # norms and elementwise ops a tp rank runs whole: what flops / tp took off them (CPU ranks)
+        w_s = whole_op_seconds(f.whole_ops, cluster.whole_op_s, tp) * micro * scale \
+            if sharded and not sequence_parallel and cluster.whole_op_s else 0.0
+        fwd += w_s / 3  # the cost model's forward : backward split of memory-bound work, 1 : 2
+        bwd += 2 * w_s / 3
         if sharded:  # the runtime's tensor-parallel ops around their calls (CPU ranks; 0 on GPUs)
             ops_f, ops_b = tp_op_calls(allreduce_fwd=n_fwd, allreduce_bwd=n_bwd, gathers=bool(f.tp.gather_bytes),
                                        loss_tokens=bool(f.tp.loss_tokens))
@@ -475,5 +495,5 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                              experts_held=f.expert_params / (div if f.tp.param_count >= f.expert_params else 1),
                              expert_fwd_s=f.expert_flops_fwd * micro / div / (peak * eff.matmul),
                              expert_bwd_s=f.expert_flops_bwd * micro / div / (peak * eff.matmul),
-                             gemm_shape_s=(g_fwd + g_bwd) / (peak * eff.matmul)))
+                             gemm_shape_s=(g_fwd + g_bwd) / (peak * eff.matmul), whole_op_s=w_s))
     return out

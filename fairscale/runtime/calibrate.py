@@ -27,6 +27,9 @@ users' load does not change it (wall time under load gave coefficients that foll
   on 1024 rows for the block model's widths whole and split over tp (128×512 .. 128×16); the rates
   become ``gemm_flops``, from which the cost model charges a tensor-parallel rank's narrower GEMMs
   (``planner.cost_gemm``: a 128×16 weight ran at 0.4× a 128×512 one's rate per FLOP).
+* **whole ops per byte** (since version 7): every rank runs a layer norm's and an add's forward
+  and backward on 128 KiB and 1 MiB; the slope per byte of output becomes ``whole_op_s``, what a
+  tensor-parallel rank pays for the ops it runs on whole activations (``planner.cost_whole``).
 * **the runtime's host work** (since version 4, with every rank busy since version 5;
   ``fairscale.calibrate_host``, handed in as ``runtime_host``): after the rates, every rank builds
   a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
@@ -119,6 +122,9 @@ _GEMM_ROWS = 1024
 """Rows of those linears' input: a tp rank's tokens (16 sequences of 128 at tp 8 take 2048)."""
 _GEMM_RUN_S = 0.004
 """CPU seconds of one timed run of a shape (repeated calls; each shape takes about 4 runs)."""
+_WHOLE_ROWS = (256, 2048)
+"""Rows of width ``_BLOCK_MODEL["dim"]`` the whole-op costs are timed on: the block model's
+activation on one rank without tp (2 sequences of 128, 128 KiB) and a tp-8 rank's (16, 1 MiB)."""
 
 
 RankProbe = Callable[..., tuple[float, float, float, float]]
@@ -251,6 +257,7 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     out["block_flops"] = block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
                                           traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
     out["gemm"] = _gemm_rates(repeat, share)
+    out["whole_op"] = _whole_op_costs(repeat, share)
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -294,6 +301,31 @@ def _gemm_rates(repeat: int, share: float) -> list[tuple[int, int, float]]:
         t = _mean(_time(linear, repeat=repeat, share=share, inner=inner))
         rates.append((n_in, n_out, 6 * _GEMM_ROWS * n_in * n_out / t))
     return rates
+
+
+def _whole_op_costs(repeat: int, share: float) -> dict[str, float]:
+    """``norm`` / ``elementwise`` -> seconds per byte of output of a layer norm's / an add's forward
+    and backward (``torch.autograd.grad``: input gradients as inside a graph, none accumulated),
+    every rank at once, mean over the ranks: the slope between ``_WHOLE_ROWS``' two sizes, so the
+    per-op host cost (the cost model's ``op_overhead_s``) drops out and the larger size's cache
+    misses stay in."""
+    dim = _BLOCK_MODEL["dim"]
+    w, b = torch.ones(dim, requires_grad=True), torch.zeros(dim, requires_grad=True)
+    ops = {"norm": lambda x, y: torch.nn.functional.layer_norm(x, (dim,), w, b), "elementwise": torch.add}
+    out = {}
+    for kind, op in ops.items():
+        times = []
+        for rows in _WHOLE_ROWS:
+            x, y = torch.randn(rows, dim, requires_grad=True), torch.randn(rows, dim, requires_grad=True)
+            grad = torch.randn(rows, dim)
+
+            def run() -> None:
+                torch.autograd.grad(op(x, y), (x, y) if kind == "elementwise" else (x, w, b), grad)
+            one = _time(run, repeat=1, share=1.0)  # also the warm-up
+            inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
+            times.append(_mean(_time(run, repeat=repeat, share=share, inner=inner)))
+        out[kind] = max(0.0, (times[1] - times[0]) / ((_WHOLE_ROWS[1] - _WHOLE_ROWS[0]) * dim * 4))
+    return out
 
 
 def _call_costs(rank: int, world: int, repeat: int, share: float) -> dict[str, dict[int, float]]:
@@ -395,6 +427,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
         gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
+        whole_op_s={k: float(v) for k, v in res["whole_op"].items()},
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
