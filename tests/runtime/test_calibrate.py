@@ -67,6 +67,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
     assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
     assert set(cal.machine["calibration_s"]) == {"rates", "runtime_host"}  # what first use spends where
+    assert 0 < cal.machine["shape_rates_s"] < cal.machine["calibration_s"]["rates"]  # the GEMMs by shape, whole ops
     # the linear's rate by weight shape, the block model's widths whole and split (in, out): the
     # cost model's narrow-GEMM term reads them from the cluster, and the table prints each
     assert [(i, o) for i, o, _ in c.gemm_flops] == [(128, 512), (128, 128), (128, 64), (128, 32), (128, 16)]
