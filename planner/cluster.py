@@ -156,6 +156,15 @@ class Cluster:
     runtime's op around the gloo call (its autograd function, the copies around the call, the
     gloo threads' work before the wait). Charged with the layer's compute
     (``planner.cost_host.tp_op_calls``). 0 for GPUs; measured for CPU ranks by calibration."""
+    gemm_flops: tuple[tuple[int, int, float], ...] = ()
+    """(in features, out features, FLOP/s) of a linear's forward+backward by weight shape, every rank
+    at once: a tensor-parallel rank's narrower GEMMs run slower per FLOP on CPU ranks, and
+    ``planner.cost_gemm.tp_gemm_factor`` charges a split layer's GEMMs the ratio of these rates.
+    Empty for GPUs (the factor is 1); measured for CPU ranks by calibration."""
+    whole_op_s: dict[str, float] = field(default_factory=dict)
+    """``norm`` / ``elementwise`` -> seconds per byte of output of a layer norm's / an add's forward
+    +backward beyond its per-op cost (every rank at once): what the ops a tensor-parallel rank runs
+    on whole activations cost (``planner.cost_whole``). Empty for GPUs; measured for CPU ranks."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -177,6 +186,10 @@ class Cluster:
                     "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
+        if any(n_in < 1 or n_out < 1 or rate <= 0 for n_in, n_out, rate in self.gemm_flops):
+            problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0) entries (got {self.gemm_flops})")
+        if any(k not in ("norm", "elementwise") or v < 0 for k, v in self.whole_op_s.items()):
+            problems.append(f"whole_op_s maps norm / elementwise to seconds per byte >= 0 (got {self.whole_op_s})")
         bad = {op: calls for op, calls in self.collective_call_s.items()
                if any(g < 2 or t < 0 for g, t in calls.items())}
         if bad:
@@ -302,6 +315,8 @@ class Cluster:
                                      for op, calls in data.get("collective_call_s", {}).items()}
         data["collective_links"] = {str(op): (float(bw), float(lat))
                                     for op, (bw, lat) in data.get("collective_links", {}).items()}
+        data["whole_op_s"] = {str(k): float(v) for k, v in data.get("whole_op_s", {}).items()}
+        data["gemm_flops"] = tuple((int(i), int(o), float(r)) for i, o, r in data.get("gemm_flops", ()))
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 

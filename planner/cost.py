@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.cost_options import CostOptions
 from planner.cost_comm import all_gather_time, all_gather_volume, all_reduce_time, all_reduce_volume
-from planner.cost_memory import DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes, tp_whole_bytes
+from planner.cost_memory import (DTYPE_BYTES, kept_bytes, saved_input_bytes, selective_output_bytes, tp_split_nodes,
+                                  tp_whole_saved_bytes, tp_whole_selective_bytes)
+from planner.cost_whole import whole_op_bytes, whole_op_seconds
 from planner.cost_host import tp_link, tp_op_calls
+from planner.cost_gemm import Gemm, graph_gemms, layer_gemms, tp_gemm_factor
 from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
@@ -122,6 +125,12 @@ class LayerFacts:
     bmm_bytes: float = 0.0
     """Bytes per sample (captured dtype) those matmuls read and write in HBM: Q, K, V and the
     output, and the ``heads × s × s`` scores written by the first and read by the second."""
+    gemms: tuple[Gemm, ...] = ()
+    """The layer's matmuls with a weight, per sample, and what the rules split of each
+    (``planner.cost_gemm``): under tp their FLOPs run at the rate of the rank's narrower shapes."""
+    whole_ops: tuple[float, float] = (0.0, 0.0)
+    """Bytes per sample of the normalization and elementwise outputs the rules leave whole
+    (``planner.cost_whole``): every tp rank runs those ops on the full activations."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -164,6 +173,12 @@ class LayerCost:
     """Seconds of the expert matmuls' FLOPs inside ``fwd`` (at the matmul rate, every expert on the rank)."""
     expert_bwd_s: float = 0.0
     """Seconds of the expert matmuls' FLOPs inside ``bwd``."""
+    gemm_shape_s: float = 0.0
+    """Seconds inside ``fwd`` + ``bwd`` that the rank's narrower tensor-parallel GEMMs add over the
+    same FLOPs at the unsplit shapes' rate (``planner.cost_gemm.tp_gemm_factor``; 0 on GPUs)."""
+    whole_op_s: float = 0.0
+    """Seconds inside ``fwd`` + ``bwd`` of the ops a tp rank runs whole beyond their FLOPs' share
+    (``planner.cost_whole.whole_op_seconds``; 0 on GPUs and under sequence parallelism)."""
 
 
 def compute_time(flops: float, traffic_bytes: float, *, peak_flops: float, hbm_bandwidth: float,
@@ -203,6 +218,8 @@ class _GraphTables:
     tensors: dict[str, int]
     experts: dict[str, tuple[int, float, float, float]]
     """Layer name -> (expert parameter elements, rows bytes, forward FLOPs, backward FLOPs)."""
+    gemms: dict[str, list[tuple[str, int, int, float, float]]]
+    """Layer name -> its matmuls with a weight (``planner.cost_gemm.graph_gemms``)."""
 
 
 _TABLES: dict[int, tuple[weakref.ref[ModelGraph], _GraphTables]] = {}
@@ -264,7 +281,7 @@ def _tables(graph: ModelGraph) -> _GraphTables:
     tensors = {layer.name: sum(1 for i in first_user.values() if i == layer.index) for layer in graph.layers}
     tables = _GraphTables(owned=_module_params(graph), inside=inside, tied=tied, tensors=tensors,
                           selective=selective_output_bytes(graph), saved_input=saved_input_bytes(graph),
-                          ops=ops, experts=experts)
+                          ops=ops, experts=experts, gemms=graph_gemms(graph))
     if len(_TABLES) > 8:
         _TABLES.clear()
     _TABLES[id(graph)] = (weakref.ref(graph), tables)
@@ -278,7 +295,10 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
     rules = [(parse_selector(sel), style) for sel, style in sorted(tp_rules.items()) if style != "replicate"]
     t = _tables(graph)
     styled = {m: style for mods in t.inside.values() for m in mods for sel, style in rules if sel.matches(m)}
-    whole, whole_sel = tp_whole_bytes(graph, styled) if rules else (None, None)
+    split = tp_split_nodes(list(graph.gm.graph.nodes), styled) if rules else set()
+    whole = tp_whole_saved_bytes(graph, styled, split=split) if rules else None
+    whole_sel = tp_whole_selective_bytes(graph, styled, split=split) if rules else None
+    ops_whole = whole_op_bytes(graph, split) if rules else {}
     bmm = graph.extra.get("attention_bmm", {})  # layer -> (forward FLOPs, bytes) of unfused attention
     out: list[LayerFacts] = []
     for layer in graph.layers:
@@ -286,6 +306,7 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
         info = _tp_info(styles, t.owned, layer.attention, layer.param_count,
                         _vocab_traffic(styles, graph, layer.input_bytes / batch))
         e_params, e_rows, e_fwd, e_bwd = t.experts.get(layer.name, (0, 0.0, 0.0, 0.0))
+        w_ops = ops_whole.get(layer.name, (0.0, 0.0))
         out.append(LayerFacts(name=layer.name, index=layer.index, block=layer.block,
                               flops_fwd=layer.flops_fwd / batch, flops_bwd=layer.flops_bwd / batch,
                               saved=layer.saved_bytes / batch, input=layer.input_bytes / batch,
@@ -299,7 +320,9 @@ def layer_facts(graph: ModelGraph, tp_rules: dict[str, str]) -> list[LayerFacts]
                               expert_params=e_params, expert_rows=e_rows / batch,
                               expert_flops_fwd=e_fwd / batch, expert_flops_bwd=e_bwd / batch,
                               bmm_flops=bmm.get(layer.name, (0, 0))[0] / batch,
-                              bmm_bytes=bmm.get(layer.name, (0, 0))[1] / batch))
+                              bmm_bytes=bmm.get(layer.name, (0, 0))[1] / batch,
+                              gemms=layer_gemms(t.gemms.get(layer.name, []), styles, batch),
+                              whole_ops=(w_ops[0] / batch, w_ops[1] / batch)))
     return out
 
 
@@ -374,6 +397,13 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     Their intensity is about the head dimension (64-160 FLOP/byte, near the A100's ridge ~150)
     and the scores matmul's main loop is only the head dimension long (2-5 k-steps per tile), so
     its s×s store follows its FLOPs instead of hiding under them (a roofline's max would hide it).
+
+    Narrow GEMMs under tp (CPU ranks, ``Cluster.gemm_flops`` measured): a split layer's matmul
+    FLOPs (``LayerFacts.gemms``) take ``planner.cost_gemm.tp_gemm_factor`` times as long as at the
+    planning rate, the measured rate of their unsplit shapes over that of the rank's; the extra
+    seconds are ``LayerCost.gemm_shape_s``. Its layer norms and elementwise ops that stay whole
+    (``LayerFacts.whole_ops``, ``Cluster.whole_op_s`` measured) add ``planner.cost_whole.whole_op_seconds``
+    (``LayerCost.whole_op_s``), a third forward and two thirds backward.
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
@@ -424,9 +454,15 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         # unfused attention matmuls move their s×s scores through HBM after their FLOPs (backward:
         # both matmuls' input gradients, twice the FLOPs and the bytes)
         traffic = act + f.bmm_bytes * micro * scale / div
-        fwd = compute_time(f.flops_fwd * micro / div, traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+        # a split layer's GEMMs are narrower on the rank: their FLOPs at the measured rate of those shapes
+        g_fwd = g_bwd = 0.0
+        if sharded and cluster.gemm_flops and f.gemms:
+            slow = tp_gemm_factor(f.gemms, cluster.gemm_flops, tp) - 1.0
+            g_fwd = slow * sum(g[2] for g in f.gemms) * micro / div
+            g_bwd = slow * sum(g[3] for g in f.gemms) * micro / div
+        fwd = compute_time(f.flops_fwd * micro / div + g_fwd, traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
-        bwd = compute_time(f.flops_bwd * micro / div, 2 * traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
+        bwd = compute_time(f.flops_bwd * micro / div + g_bwd, 2 * traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,
                            matmul_efficiency=eff.matmul, memory_efficiency=eff.memory)
         n_fwd = f.tp.allreduce_fwd if sharded else 0
         n_bwd = f.tp.allreduce_bwd if sharded else 0
@@ -435,6 +471,11 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         # host overhead per op: not hidden on CPU ranks (0 on GPUs); backward runs ~2 ops per forward op
         fwd += f.ops * cluster.op_overhead_s
         bwd += 2 * f.ops * cluster.op_overhead_s
+        # norms and elementwise ops a tp rank runs whole: what flops / tp took off them (CPU ranks)
+        w_s = whole_op_seconds(f.whole_ops, cluster.whole_op_s, tp) * micro * scale \
+            if sharded and not sequence_parallel and cluster.whole_op_s else 0.0
+        fwd += w_s / 3  # the cost model's forward : backward split of memory-bound work, 1 : 2
+        bwd += 2 * w_s / 3
         if sharded:  # the runtime's tensor-parallel ops around their calls (CPU ranks; 0 on GPUs)
             ops_f, ops_b = tp_op_calls(allreduce_fwd=n_fwd, allreduce_bwd=n_bwd, gathers=bool(f.tp.gather_bytes),
                                        loss_tokens=bool(f.tp.loss_tokens))
@@ -453,5 +494,6 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
                              expert_rows=f.expert_rows * micro * scale,
                              experts_held=f.expert_params / (div if f.tp.param_count >= f.expert_params else 1),
                              expert_fwd_s=f.expert_flops_fwd * micro / div / (peak * eff.matmul),
-                             expert_bwd_s=f.expert_flops_bwd * micro / div / (peak * eff.matmul)))
+                             expert_bwd_s=f.expert_flops_bwd * micro / div / (peak * eff.matmul),
+                             gemm_shape_s=(g_fwd + g_bwd) / (peak * eff.matmul), whole_op_s=w_s))
     return out

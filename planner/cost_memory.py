@@ -219,7 +219,7 @@ def tp_whole_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> tuple[dict[s
     """(:func:`tp_whole_saved_bytes`, :func:`tp_whole_selective_bytes`) under one placement, the
     nodes tensor parallelism splits worked out once for both (``planner.cost.layer_facts`` asks
     for both per tp degree the search tries)."""
-    split = _split_nodes(list(graph.gm.graph.nodes), styles)
+    split = tp_split_nodes(list(graph.gm.graph.nodes), styles)
     return tp_whole_saved_bytes(graph, styles, split=split), tp_whole_selective_bytes(graph, styles, split=split)
 
 
@@ -244,7 +244,7 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
     nodes = list(graph.gm.graph.nodes)
     if not any(META_SAVED in n.meta for n in nodes):
         return None
-    split = _split_nodes(nodes, styles) if split is None else split
+    split = tp_split_nodes(nodes, styles) if split is None else split
     out = {layer.name: 0 for layer in graph.layers}
     for node in nodes:
         layer = node.meta.get(META_LAYER)
@@ -263,7 +263,7 @@ def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
     nodes = list(graph.gm.graph.nodes)
     if graph.extra.get("selective_bytes") is not None or not nodes:
         return None
-    split = _split_nodes(nodes, styles) if split is None else split
+    split = tp_split_nodes(nodes, styles) if split is None else split
     out = {layer.name: 0 for layer in graph.layers}
     for name, (layer, nbytes) in _selective_nodes(graph).items():
         if name not in split and layer in out:
@@ -271,7 +271,7 @@ def tp_whole_selective_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
     return out
 
 
-def _split_nodes(nodes: list[Any], styles: Mapping[str, str]) -> set[str]:
+def tp_split_nodes(nodes: list[Any], styles: Mapping[str, str]) -> set[str]:
     """Names of the nodes whose outputs tensor parallelism splits (:func:`tp_whole_saved_bytes`)."""
     found: dict[str, str | None] = {}
 

@@ -23,6 +23,13 @@ users' load does not change it (wall time under load gave coefficients that foll
   run them no faster). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
   and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
   the GEMMs' rate under-predicted compute by about that much.
+* **GEMM rate by weight shape** (since version 7): every rank runs a linear's forward and backward
+  for the block model's widths whole and split over tp (128×512 .. 128×16, on the rows a tp rank
+  of that split gets for the same FLOPs); the rates, its op's host overhead taken out, become ``gemm_flops``, from which the cost model charges a tensor-parallel rank's narrower GEMMs
+  (``planner.cost_gemm``: a 128×16 weight on 2048 rows ran at 0.46× the rate of a 128×512 one on 256).
+* **whole ops per byte** (since version 7): every rank runs a layer norm's and an add's forward
+  and backward on 128 KiB and 1 MiB; the slope per byte of output becomes ``whole_op_s``, what a
+  tensor-parallel rank pays for the ops it runs on whole activations (``planner.cost_whole``).
 * **the runtime's host work** (since version 4, with every rank busy since version 5;
   ``fairscale.calibrate_host``, handed in as ``runtime_host``): after the rates, every rank builds
   a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
@@ -106,6 +113,19 @@ _BLOCK_ROWS = 2
 """The GPT whose forward and backward, ``_BLOCK_ROWS`` sequences per rank, times the FLOP rate of a
 transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the scale of a CPU
 rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
+_GEMM_SHAPES = tuple((_BLOCK_MODEL["dim"], w, tp) for w, tp in (
+    (4 * _BLOCK_MODEL["dim"], 1), (_BLOCK_MODEL["dim"], 1), (4 * _BLOCK_MODEL["dim"] // 8, 8),
+    (_BLOCK_MODEL["dim"] // 4, 4), (_BLOCK_MODEL["dim"] // 8, 8)))
+"""(in, out, tp) of the linears timed by weight shape (``Cluster.gemm_flops``): the block model's
+MLP (128×512) and attention (128×128) linears whole, its MLP split over tp 8 (128×64) and its
+attention over tp 4 and 8 (128×32, 128×16). Each runs on the rows a tp rank of that split gets for
+the FLOPs of the block model's rank without tp: ``_BLOCK_ROWS`` sequences × tp (256 .. 2048 rows;
+a narrow GEMM on 8× the rows runs faster than on the same rows, and that is the plan it competes with)."""
+_GEMM_RUN_S = 0.003
+"""CPU seconds of one timed run of a shape (repeated calls; each shape takes about 4 runs)."""
+_WHOLE_ROWS = (256, 2048)
+"""Rows of width ``_BLOCK_MODEL["dim"]`` the whole-op costs are timed on: the block model's
+activation on one rank without tp (2 sequences of 128, 128 KiB) and a tp-8 rank's (16, 1 MiB)."""
 
 
 RankProbe = Callable[..., tuple[float, float, float, float]]
@@ -237,6 +257,10 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     ops, flops, traffic = block_model
     out["block_flops"] = block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
                                           traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
+    start = time.perf_counter()
+    out["gemm"] = _gemm_rates(repeat, share, out["op_overhead"])
+    out["whole_op"] = _whole_op_costs(repeat, share)
+    out["shapes_s"] = time.perf_counter() - start
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -259,6 +283,56 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
         times["p2p"] = _time(pipeline_send, repeat=repeat, share=share)
         for name, t in times.items():
             out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
+    return out
+
+
+def _gemm_rates(repeat: int, share: float, op_overhead_s: float) -> list[tuple[int, int, float]]:
+    """(in, out, FLOP/s) of an ``nn.functional.linear`` forward and backward (input and weight
+    gradients) per shape of :data:`_GEMM_SHAPES`, every rank at once, mean over the ranks: 6 FLOPs
+    per row and weight element, over the time left once the cost model's host overhead of the
+    linear's op (``op_overhead_s`` forward, twice backward) is taken out (:func:`block_flops_rate`).
+    Each run repeats the call for about ``_GEMM_RUN_S`` of CPU (about 0.25 s for all the shapes on
+    8 ranks sharing 2 cores, once the block model has run: a process's first linear backward with a
+    weight gradient of this size spent 0.7 s of CPU starting up)."""
+    rates = []
+    for n_in, n_out, tp in _GEMM_SHAPES:
+        rows = _BLOCK_ROWS * _BLOCK_MODEL["seq"] * tp
+        x = torch.randn(rows, n_in, requires_grad=True)
+        w = torch.randn(n_out, n_in, requires_grad=True)
+        grad = torch.randn(rows, n_out)
+
+        def linear() -> None:
+            torch.nn.functional.linear(x, w).backward(grad)
+        one = _time(linear, repeat=1, share=1.0)  # also the warm-up
+        inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
+        t = _mean(_time(linear, repeat=repeat, share=share, inner=inner))
+        rates.append((n_in, n_out, block_flops_rate(t, flops=6 * rows * n_in * n_out, ops=1, op_overhead_s=op_overhead_s,
+                                                    traffic_bytes=0.0, bandwidth=1.0)))
+    return rates
+
+
+def _whole_op_costs(repeat: int, share: float) -> dict[str, float]:
+    """``norm`` / ``elementwise`` -> seconds per byte of output of a layer norm's / an add's forward
+    and backward (``torch.autograd.grad``: input gradients as inside a graph, none accumulated),
+    every rank at once, mean over the ranks: the slope between ``_WHOLE_ROWS``' two sizes, so the
+    per-op host cost (the cost model's ``op_overhead_s``) drops out and the larger size's cache
+    misses stay in."""
+    dim = _BLOCK_MODEL["dim"]
+    w, b = torch.ones(dim, requires_grad=True), torch.zeros(dim, requires_grad=True)
+    ops = {"norm": lambda x, y: torch.nn.functional.layer_norm(x, (dim,), w, b), "elementwise": torch.add}
+    out = {}
+    for kind, op in ops.items():
+        times = []
+        for rows in _WHOLE_ROWS:
+            x, y = torch.randn(rows, dim, requires_grad=True), torch.randn(rows, dim, requires_grad=True)
+            grad = torch.randn(rows, dim)
+
+            def run() -> None:
+                torch.autograd.grad(op(x, y), (x, y) if kind == "elementwise" else (x, w, b), grad)
+            one = _time(run, repeat=1, share=1.0)  # also the warm-up
+            inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
+            times.append(_mean(_time(run, repeat=repeat, share=share, inner=inner)))
+        out[kind] = max(0.0, (times[1] - times[0]) / ((_WHOLE_ROWS[1] - _WHOLE_ROWS[0]) * dim * 4))
     return out
 
 
@@ -360,6 +434,8 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
         step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
+        gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
+        whole_op_s={k: float(v) for k, v in res["whole_op"].items()},
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
@@ -367,7 +443,8 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
                        block_flops=flops, step_host_s=step_host, microbatch_host_s=micro_host,
                        dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=probe is not None, collectives=coll, fits=fits,
-                       machine={**machine_description(), "calibration_s": seconds})
+                       machine={**machine_description(), "calibration_s": seconds,
+                                "shape_rates_s": res["shapes_s"]})  # of "rates": GEMMs by shape, whole ops
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:

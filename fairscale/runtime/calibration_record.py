@@ -24,7 +24,7 @@ from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -33,7 +33,10 @@ runtime's host work per step, per microbatch and per data-parallel tensor on rea
 calls; 5 measures that host work with all the calibration's ranks busy, as every other rate (4 ran
 it on two ranks alone, without the contention of training), and the tensor-parallel op's cost with
 it; 6 times a pipeline send as the runtime posts it (a batch of the send and its paired receive)
-and gives it its own link, ``collective_links["p2p"]`` (a cache written before is measured again)."""
+and gives it its own link, ``collective_links["p2p"]`` (a cache written before is measured again); 7
+times a linear's forward and backward by weight shape, ``Cluster.gemm_flops`` (tensor-parallel ranks'
+narrower GEMMs) and a layer norm's and an add's cost per byte, ``Cluster.whole_op_s`` (the ops a
+tensor-parallel rank runs whole)."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -110,6 +113,10 @@ class Calibration:
                  f"({self.machine.get('cores', '?')} cores)"]
         for shape, f in self.matmul_flops.items():
             lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
+        for n_in, n_out, rate in self.cluster.gemm_flops:
+            lines.append(f"  linear {n_in:>5d}x{n_out:<5d}     : {rate / 1e9:8.2f} GFLOP/s per rank (forward+backward)")
+        for kind, per_byte in self.cluster.whole_op_s.items():
+            lines.append(f"  whole {kind:12s}    : {per_byte * 1e3 * 2**20:8.3f} ms per MiB of output (forward+backward)")
         lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate)")
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")

@@ -67,7 +67,15 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # without the probe (calibrate_cpu(..., runtime_host=None)) the table says so, not a silent 0
     assert "not measured" in Calibration.from_dict({**cal.to_dict(), "runtime_measured": False}).table()
     assert set(cal.machine["calibration_s"]) == {"rates", "runtime_host"}  # what first use spends where
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 6
+    assert 0 < cal.machine["shape_rates_s"] < cal.machine["calibration_s"]["rates"]  # the GEMMs by shape, whole ops
+    # the linear's rate by weight shape, the block model's widths whole and split (in, out): the
+    # cost model's narrow-GEMM term reads them from the cluster, and the table prints each
+    assert [(i, o) for i, o, _ in c.gemm_flops] == [(128, 512), (128, 128), (128, 64), (128, 32), (128, 16)]
+    assert all(rate > 1e8 for _, _, rate in c.gemm_flops) and "linear   128x16" in cal.table()
+    # a layer norm's and an add's cost per byte beyond the per-op cost (the ops tp ranks run whole)
+    assert set(c.whole_op_s) == {"norm", "elementwise"} and all(v >= 0 for v in c.whole_op_s.values())
+    assert "whole norm" in cal.table()
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 7
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
