@@ -26,12 +26,15 @@ from typing import Any, Callable, Mapping
 from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
 from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS",
+           "WHOLE_OP_KINDS"]
 
 GiB = 1024**3
 MiB = 1024**2
 COLLECTIVE_LINK_OPS = ("all_gather", "reduce_scatter", "p2p")
 """The operations ``Cluster.collective_links`` may give a link of their own."""
+WHOLE_OP_KINDS = ("norm", "elementwise")
+"""The kinds of op ``Cluster.whole_op_s`` prices per byte (``planner.cost_whole``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -188,7 +191,7 @@ class Cluster:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
         if any(n_in < 1 or n_out < 1 or rate <= 0 for n_in, n_out, rate in self.gemm_flops):
             problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0) entries (got {self.gemm_flops})")
-        if any(k not in ("norm", "elementwise") or v < 0 for k, v in self.whole_op_s.items()):
+        if any(k not in WHOLE_OP_KINDS or v < 0 for k, v in self.whole_op_s.items()):
             problems.append(f"whole_op_s maps norm / elementwise to seconds per byte >= 0 (got {self.whole_op_s})")
         bad = {op: calls for op, calls in self.collective_call_s.items()
                if any(g < 2 or t < 0 for g, t in calls.items())}

@@ -165,8 +165,6 @@ def group_reduce_scatter_time(g: Group, nbytes: float) -> float:
     return group_all_gather_time(g, nbytes, op="reduce_scatter")
 
 
-
-
 def group_all_to_all_time(g: Group, nbytes: float) -> float:
     """All-to-all of a send buffer of ``nbytes`` per rank: ``1/size`` stays, the ``per_node - 1``
     shares for the rank's node go over NVLink and the ``size - per_node`` others over its NIC

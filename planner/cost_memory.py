@@ -21,7 +21,7 @@ from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
            "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
-           "tp_whole_bytes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
+           "tp_split_nodes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -214,15 +214,6 @@ def saved_activation_bytes(graph: ModelGraph, recompute: Mapping[str, str] | Non
 
 # --- activations under tensor parallelism -----------------------------------------------------------
 
-def tp_whole_bytes(graph: ModelGraph, styles: Mapping[str, str]) -> tuple[dict[str, int] | None,
-                                                                           dict[str, int] | None]:
-    """(:func:`tp_whole_saved_bytes`, :func:`tp_whole_selective_bytes`) under one placement, the
-    nodes tensor parallelism splits worked out once for both (``planner.cost.layer_facts`` asks
-    for both per tp degree the search tries)."""
-    split = tp_split_nodes(list(graph.gm.graph.nodes), styles)
-    return tp_whole_saved_bytes(graph, styles, split=split), tp_whole_selective_bytes(graph, styles, split=split)
-
-
 def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
                          split: set[str] | None = None) -> dict[str, int] | None:
     """Per layer, bytes of its saved tensors (``META_SAVED``, the captured batch) that every
@@ -239,7 +230,8 @@ def tp_whole_saved_bytes(graph: ModelGraph, styles: Mapping[str, str], *,
     statistics); split are q, k, v, the attention output and its log-sum-exp, and the MLP's
     hidden activations. An op the tensor-parallel pass cannot run split gathers its inputs there
     (``passes.tp.rules.fallback``); this rule still counts its output split. ``split``: those
-    nodes, when the caller has them (:func:`tp_whole_bytes`).
+    nodes (:func:`tp_split_nodes`), when the caller has them (``planner.cost.layer_facts`` works them
+    out once per placement for this, :func:`tp_whole_selective_bytes` and ``planner.cost_whole``).
     """
     nodes = list(graph.gm.graph.nodes)
     if not any(META_SAVED in n.meta for n in nodes):

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.cluster import WHOLE_OP_KINDS
 from planner.graph import META_LAYER, META_VAL, ModelGraph
 
 __all__ = ["whole_op_bytes", "whole_op_seconds", "op_kind", "NORM", "ELEMENTWISE"]
 
-NORM, ELEMENTWISE = "norm", "elementwise"
+NORM, ELEMENTWISE = WHOLE_OP_KINDS
 """The kinds of whole op calibration times (``Cluster.whole_op_s`` keys)."""
 
 _NORMS = ("layer_norm", "rms_norm", "group_norm", "batch_norm")

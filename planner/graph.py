@@ -40,7 +40,7 @@ META_SAVED = "fs_saved"
 """tuple[tuple[str, int], ...]: the tensors behind ``META_SAVED_BYTES``, one (producer, storage bytes)
 each: the name of the node whose output holds it (the node's own name for its outputs and the
 temporaries its op keeps, such as a layer norm's mean), or '' for a constant. Lets the cost model
-place each saved tensor under tensor parallelism (``planner.tp_saved``)."""
+place each saved tensor under tensor parallelism (``planner.cost_memory.tp_whole_saved_bytes``)."""
 META_PARAM = "fs_param"
 """str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
 GROUPED_MM = "transformers.grouped_mm_fallback.default"

@@ -89,6 +89,7 @@ from fairscale.testing.models import build
 from passes.ops.recompute_ops import recompute_call
 from planner.cluster import COLLECTIVE_LINK_OPS, Cluster, Efficiency, host_memory_bytes
 from fairscale.runtime.p2p import Message, exchange
+from planner.cost_whole import ELEMENTWISE, NORM
 from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_slope, per_op_overhead
 from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
@@ -303,9 +304,7 @@ def _gemm_rates(repeat: int, share: float, op_overhead_s: float) -> list[tuple[i
 
         def linear() -> None:
             torch.nn.functional.linear(x, w).backward(grad)
-        one = _time(linear, repeat=1, share=1.0)  # also the warm-up
-        inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
-        t = _mean(_time(linear, repeat=repeat, share=share, inner=inner))
+        t = _mean(_sustained(linear, repeat=repeat, share=share, seconds=_GEMM_RUN_S))
         rates.append((n_in, n_out, block_flops_rate(t, flops=6 * rows * n_in * n_out, ops=1, op_overhead_s=op_overhead_s,
                                                     traffic_bytes=0.0, bandwidth=1.0)))
     return rates
@@ -319,7 +318,7 @@ def _whole_op_costs(repeat: int, share: float) -> dict[str, float]:
     misses stay in."""
     dim = _BLOCK_MODEL["dim"]
     w, b = torch.ones(dim, requires_grad=True), torch.zeros(dim, requires_grad=True)
-    ops = {"norm": lambda x, y: torch.nn.functional.layer_norm(x, (dim,), w, b), "elementwise": torch.add}
+    ops = {NORM: lambda x, y: torch.nn.functional.layer_norm(x, (dim,), w, b), ELEMENTWISE: torch.add}
     out = {}
     for kind, op in ops.items():
         times = []
@@ -328,10 +327,8 @@ def _whole_op_costs(repeat: int, share: float) -> dict[str, float]:
             grad = torch.randn(rows, dim)
 
             def run() -> None:
-                torch.autograd.grad(op(x, y), (x, y) if kind == "elementwise" else (x, w, b), grad)
-            one = _time(run, repeat=1, share=1.0)  # also the warm-up
-            inner = max(1, int(_slowest(_GEMM_RUN_S / max(one, 1e-9), largest=False)))
-            times.append(_mean(_time(run, repeat=repeat, share=share, inner=inner)))
+                torch.autograd.grad(op(x, y), (x, y) if kind == ELEMENTWISE else (x, w, b), grad)
+            times.append(_mean(_sustained(run, repeat=repeat, share=share, seconds=_GEMM_RUN_S)))
         out[kind] = max(0.0, (times[1] - times[0]) / ((_WHOLE_ROWS[1] - _WHOLE_ROWS[0]) * dim * 4))
     return out
 

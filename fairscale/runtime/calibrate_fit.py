@@ -36,7 +36,6 @@ def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, flo
     return alpha, 1.0 / inv_beta, err
 
 
-
 def fit_link(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """``t = a·x_lat + x_bytes / beta`` fitted to ``(x_lat, x_bytes, t)`` points the way plans use
     a link: beta from the two largest messages (the bytes a data-parallel bucket or an FSDP unit
@@ -49,9 +48,9 @@ def fit_link(points: list[tuple[float, float, float]]) -> tuple[float, float, fl
     Example: (1, 0, 1e-4), (1, 1e6, 1.2e-3), (1, 4e6, 4.2e-3): beta 3e6 / 3e-3 s = 1e9 B/s,
     alpha 1e-4 s, error 1e-4 / 1.2e-3 = 8% at the middle point."""
     pts = sorted(points, key=lambda p: p[1])
-    (_, b0, t0), (_, b1, t1) = pts[-2], pts[-1]
-    if len(pts) < 3 or t1 <= t0 or b1 <= b0:
+    if len(pts) < 3 or pts[-1][2] <= pts[-2][2] or pts[-1][1] <= pts[-2][1]:
         return fit_alpha_beta(points)
+    (_, b0, t0), (_, b1, t1) = pts[-2], pts[-1]
     inv_beta = (t1 - t0) / (b1 - b0)
     xl, xb, t = pts[0]
     alpha = max(0.0, (t - xb * inv_beta) / xl) if xl > 0 else 0.0

@@ -137,16 +137,19 @@ class ActivationMeter:
                     self.now -= n
         self.peak = max(self.peak, self.now)
 
+    def _keep(self, key: int, ref: StorageWeakRef, n: int) -> None:
+        """Count a storage held by reference, which no saved-tensor hook sees, until it is freed."""
+        if key in self._exclude:
+            return
+        if key not in self._retained and key not in self._count:
+            self.now += n
+        self._retained[key] = (ref, n)
+
     def _recomputed(self, held: list[tuple[StorageWeakRef, int]]) -> None:
         """Storages a region's recompute holds for the region's backward (checkpointing saves them
         through its own hooks, which ``_pack`` never sees); counted until they are freed."""
         for ref, n in held:
-            key = int(ref.cdata)
-            if key in self._exclude:
-                continue
-            if key not in self._retained and key not in self._count:
-                self.now += n
-            self._retained[key] = (ref, n)
+            self._keep(int(ref.cdata), ref, n)
         self._update()
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -161,11 +164,9 @@ class ActivationMeter:
     def _retain(self, args: tuple[Any, ...]) -> None:
         """Inputs a recompute region keeps by reference until its backward (no saved-tensor hook sees them)."""
         for a in args:
-            if isinstance(a, torch.Tensor) and not a.is_meta and _key(a) not in self._exclude:
-                key = _key(a)
-                if key not in self._retained and key not in self._count:
-                    self.now += a.untyped_storage().nbytes()
-                self._retained[key] = (StorageWeakRef(a.untyped_storage()), a.untyped_storage().nbytes())
+            if isinstance(a, torch.Tensor) and not a.is_meta:
+                storage = a.untyped_storage()
+                self._keep(_key(a), StorageWeakRef(storage), storage.nbytes())
         self._update()
 
     def __enter__(self) -> ActivationMeter:

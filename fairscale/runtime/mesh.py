@@ -142,9 +142,7 @@ def release_mesh(mesh: RankMesh, device_mesh: DeviceMesh) -> int:
     groups; not the world's default group, which an axis spanning every rank may reuse) and unbind
     them; returns how many this rank destroyed. Collective: every rank calls it alike; a barrier
     first, so no rank tears down a group a peer is still using."""
-    groups: list[Any] = []
-    for axis in AXES:
-        groups.append(device_mesh.get_group(axis))
+    groups: list[Any] = [device_mesh.get_group(axis) for axis in AXES]
     groups += [mesh.groups.get(axis) for axis in ("ep", "ep_rep") if mesh.groups.has_live_group(axis)]
     default = dist.distributed_c10d._get_default_group()
     mine = [g for i, g in enumerate(groups) if g is not None and g is not default and g not in groups[:i]]
