@@ -120,6 +120,27 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: 
     os._exit(0)
 
 
+def _fork_poisoned() -> bool:
+    """Whether a process forked now could not use CUDA. ``torch.cuda.is_initialized()`` misses a
+    process that only asked the CUDA runtime for its devices (``torch.cuda.is_available()``, or a
+    library probing the GPU during a model's forward), which already poisons fork: a child forked
+    here reads torch's own flag and answers through a pipe (a few milliseconds)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the probe child: answer and leave without running any of the parent's exit handlers
+        try:
+            os.write(write, b"1" if torch.cuda._is_in_bad_fork() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        answer = os.read(read, 1)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    return answer == b"1"
+
+
 def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
            backend: str | None = None, timeout_s: float | None = None, collective_timeout_s: float = 120.0,
            startup_timeout_s: float | None = None, grace_s: float = 5.0, threads_per_rank: int = 1) -> list[Any]:
@@ -166,13 +187,15 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
                     os.environ[k] = v
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    if torch.cuda.is_initialized():
+    uses_cuda = backend == "nccl" or (backend is None and torch.cuda.device_count() > 0)  # NVML: no context
+    if torch.cuda.is_initialized() or (uses_cuda and _fork_poisoned()):
         raise RuntimeError(
             "CUDA was initialized in this process before fairscale.launch forked its ranks, and a forked process "
             "cannot use CUDA (\"Cannot re-initialize CUDA in forked subprocess\"). Launch before touching CUDA "
-            "(no .cuda(), torch.cuda.get_device_properties or torch.cuda.is_available() first; "
-            "torch.cuda.device_count() is safe), or run the script under torchrun (`torchrun --nproc_per_node N "
-            "script.py`), which starts fresh processes")
+            "(no .cuda(), torch.cuda.get_device_properties or torch.cuda.is_available() first, nor a model run "
+            "whose library asks them, as Hugging Face models' forward may; torch.cuda.device_count() is safe), "
+            "or run the script under torchrun (`torchrun --nproc_per_node N script.py`), which starts fresh "
+            "processes")
 
     ctx = mp.get_context("fork")
     init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -91,6 +91,20 @@ def test_fork_is_refused_once_cuda_is_initialized(monkeypatch):
         fairscale.launch(lambda rank, world: None, devices=2)
 
 
+def test_fork_is_refused_when_cuda_was_only_asked_for_its_devices(monkeypatch):
+    """torch.cuda.is_available() (or a library calling it in a model's forward) poisons fork without
+    is_initialized() saying so: a probe child reads torch's own flag, before any rank starts."""
+    from fairscale.runtime.launch import _fork_poisoned
+
+    assert _fork_poisoned() is False  # this test process never touched CUDA
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # what a poisoned parent's child sees
+    assert _fork_poisoned() is True
+    with pytest.raises(RuntimeError, match=r"CUDA was initialized in this process before fairscale.launch forked.*"
+                                           r"nor a model run whose library asks them"):
+        fairscale.launch(lambda rank, world: None, devices=2, backend="nccl")
+    assert fairscale.launch(lambda rank, world: rank, devices=2, backend="gloo") == [0, 1]  # CPU ranks need no CUDA
+
+
 def _unseeded(rank: int, world: int) -> str:
     case = build("mlp", seed=rank)  # a torchrun script that forgot to seed: every rank differs
     try:
