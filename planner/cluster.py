@@ -218,6 +218,15 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r} has no peak for dtype {dtype!r}; "
                              f"it knows {sorted(self.peak_flops)}") from None
 
+    def compute_flops(self, dtype: str) -> float:
+        """The peak a plan computing in ``dtype`` runs its matmuls at: :meth:`flops`, except that fp32
+        on GPUs runs in TF32 (the runtime enables it unless the user chose IEEE fp32:
+        ``fairscale.runtime.device.enable_tf32``; seen on an H200, an fp32 plan's matmuls ran at 6×
+        the fp32 peak). CPU ranks have no TF32."""
+        if dtype == "fp32" and self.device != "cpu" and "tf32" in self.peak_flops:
+            return self.peak_flops["tf32"]
+        return self.flops(dtype)
+
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) of the slowest link a group of ``span`` consecutive
         devices crosses: inside a node when the span fits in one node, else between nodes."""

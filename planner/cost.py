@@ -407,7 +407,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
     """
     eff = cluster.efficiency
     scale = DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[captured_dtype]
-    peak = cluster.flops(compute_dtype)
+    peak = cluster.compute_flops(compute_dtype)
     bw, lat = tp_link(cluster, tp, sequence_parallel=sequence_parallel)  # per-call host cost on CPU ranks
     bw *= eff.network
     out: list[LayerCost] = []

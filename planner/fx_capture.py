@@ -21,7 +21,7 @@ import sys
 import sysconfig
 import traceback
 from types import FunctionType, TracebackType
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.fx
@@ -78,13 +78,30 @@ def _causal_hint_without_values() -> Any:
         transformer._detect_is_causal_mask = original
 
 
+@contextlib.contextmanager
+def _readable_cudnn_tf32() -> Iterator[None]:
+    """While export traces: cuDNN's conv and RNN TF32 flags both at ``tf32``, restored after.
+    Export reads the legacy ``torch.backends.cudnn.allow_tf32``, which raises unless both are
+    ``tf32`` (torch 2.11 and 2.13), so a user who turned TF32 off for convolutions
+    (``torch.backends.cudnn.conv.fp32_precision = "ieee"``) could capture nothing. Tracing runs no
+    cuDNN kernel; the flags the model then trains with are the user's."""
+    cudnn = cast(Any, torch.backends.cudnn)  # the flag modules are attached at run time
+    conv, rnn = cudnn.conv, cudnn.rnn
+    saved = conv.fp32_precision, rnn.fp32_precision
+    conv.fp32_precision = rnn.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        conv.fp32_precision, rnn.fp32_precision = saved
+
+
 def _without_partial_graph_dump(wrapper: nn.Module, batch: tuple[Any, ...]) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)``, minus the graph-so-far torch prints to stderr (once per
     wrapper it passes through) when a trace fails: the capture error says where, in the user's code.
     Whatever else export writes to stderr is passed on."""
     buffer = io.StringIO()
     try:
-        with contextlib.redirect_stderr(buffer), _causal_hint_without_values():
+        with contextlib.redirect_stderr(buffer), _causal_hint_without_values(), _readable_cudnn_tf32():
             return torch.export.export(wrapper, batch, strict=False)
     except Exception as exc:
         dump = getattr(exc, "partial_fx_graph", None)

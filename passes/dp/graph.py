@@ -13,6 +13,7 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
+from planner.dtype_pins import module_pins, pins_problem
 from passes.dp.info import Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
 from planner.graph import META_PARAM
@@ -231,6 +232,10 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
         return res
 
     out.args = (fp32(out.args[0]),)
+    pins = module_pins(graph.owning_module) if graph.owning_module is not None else []
+    if pins:  # the search never plans these in bf16/fp16; a hand-written plan is refused here, before launch
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+        raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))
 
 
 def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:

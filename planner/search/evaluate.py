@@ -108,7 +108,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
                      stage_b_s=stage_b, stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host,
                      host_memory_cap=ctx.host_cap, comm_bytes=max(comm), model_flops=ctx.model_flops,
                      hardware_flops=ctx.model_flops + recomputed, devices=cfg.pp * cfg.dp * cfg.tp,
-                     cluster_devices=c.devices, peak_flops=c.flops(cfg.param_dtype), config=cfg)
+                     cluster_devices=c.devices, peak_flops=c.compute_flops(cfg.param_dtype), config=cfg)
 
 
 def shared_core_pipeline_time(kind: str, times: list[float], m: int, *, v: int = 1, share: float = 1.0) -> float:
