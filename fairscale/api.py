@@ -38,6 +38,7 @@ from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
 from fairscale.compile_check import checker_for
+from fairscale.runtime.calibrate_gpu import gpu_cluster
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
@@ -85,6 +86,8 @@ def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = 
     if cluster is None and ((device is not None and device.type == "cpu") or torch.cuda.device_count() == 0):
         return cpu_cluster(devices or int(os.environ.get("WORLD_SIZE", "1")),  # measured once, cached
                            runtime_host=measure_runtime_host)
+    if cluster is None:  # the detected GPUs, with what calibration measured they achieve (once, cached)
+        return _resolve_cluster(gpu_cluster(_resolve_cluster(None)), devices=devices)
     return _resolve_cluster(cluster, devices=devices)
 
 

@@ -4,7 +4,7 @@
     fairscale validate plan.json                 # the factory is recorded in the plan
     fairscale report plan.json mypkg.models:build_gpt
     fairscale check mypkg.models:build_gpt --devices 8 [--plan plan.json]   # one step vs one process
-    fairscale calibrate --devices 8              # measure this machine's CPU ranks (cached; first plan does it)
+    fairscale calibrate [--devices 8]            # this machine's GPU, else CPU ranks (cached; first plan does it)
     fairscale diff a.json b.json                 # why one plan is faster, per term and per stage
     fairscale what-if plan.json --cluster h100-sxm-80gb --nodes 64   # the plan on other hardware
     python -m fairscale ...                      # the same
@@ -53,6 +53,7 @@ __all__ = ["main", "render_report", "load_factory", "UsageError"]
 from fairscale.api import search_graph  # noqa: E402 - the face's one search, shared with fairscale.plan
 from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
+from fairscale.runtime.calibrate_gpu import calibrate_gpu_and_cache  # noqa: E402
 from fairscale.runtime.calibration_cache import calibrate_and_cache, cpu_cluster  # noqa: E402
 from fairscale.calibrate_host import measure_runtime_host  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
@@ -253,8 +254,12 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.devices < 2:
-        raise UsageError(f"--devices must be at least 2 (collectives need two ranks), got {args.devices}")
+    if not args.cpu and torch.cuda.device_count() > 0:  # NVML's count: no CUDA context here
+        calibrate_gpu_and_cache(out=sys.stdout)
+        return 0
+    if args.devices is None or args.devices < 2:
+        raise UsageError(f"--devices must be at least 2 for CPU ranks (collectives need two ranks; no GPU is visible, "
+                         f"or --cpu was given), got {args.devices}")
     calibrate_and_cache(args.devices, out=sys.stdout, runtime_host=measure_runtime_host)
     return 0
 
@@ -383,10 +388,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--constraints", metavar="JSON", help="a partial plan the search must keep (without --plan)")
     p.set_defaults(run=_cmd_check)
 
-    p = sub.add_parser("calibrate", help="measure this machine's CPU ranks for the cost model (cached)",
-                       description="Measure matmul, memory, per-op overhead and gloo collectives with N ranks "
-                                   "(15-20 s on 2 cores) and replace the cached calibration CPU plans use.")
-    p.add_argument("--devices", type=int, metavar="N", required=True, help="number of CPU ranks (at least 2)")
+    p = sub.add_parser("calibrate", help="measure this machine's GPU, or its CPU ranks, for the cost model (cached)",
+                       description="A visible GPU: its GEMM rates, bandwidth, launch time (a few s); else (or --cpu) "
+                                   "N CPU ranks' rates, gloo collectives (15-20 s on 2 cores). Replaces the cache.")
+    p.add_argument("--devices", type=int, metavar="N", help="number of CPU ranks (at least 2; CPU ranks only)")
+    p.add_argument("--cpu", action="store_true", help="calibrate CPU ranks even where a GPU is visible")
     p.set_defaults(run=_cmd_calibrate)
 
     p = sub.add_parser("run", help="run a script on N CPU ranks, as torchrun would", description=(

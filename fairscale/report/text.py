@@ -147,6 +147,9 @@ def _costed_for(plan: Plan) -> list[str]:
         return [f"costed for {device}: rates measured on this machine (fairscale calibrate re-measures)"]
     if name == "cpu":
         return ["costed for CPU ranks with default rates, not measured here (run `fairscale calibrate`)"]
+    if name == "detected-calibrated":
+        return [f"costed for {device}: GEMM rates and memory bandwidth measured on this GPU (fairscale calibrate "
+                "re-measures); links between GPUs from the datasheet"]
     return [f"costed for {name}: {device}"]
 
 

@@ -32,7 +32,7 @@ from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, Runti
                                          machine_description, save_calibration)
 from planner.cluster import Cluster
 
-__all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "machine_fingerprint", "REPEAT"]
+__all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "cache_root", "machine_fingerprint", "REPEAT"]
 
 REPEAT = 2
 """Timed repetitions per measurement: with 2, first use takes 15-18 s for 8 ranks on 2 cores (the
@@ -47,10 +47,14 @@ def machine_fingerprint() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """``FAIRSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/fairscale``, else ``~/.cache/fairscale``."""
+    return Path(os.environ.get("FAIRSCALE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fairscale"))
+
+
 def cache_path(ranks: int) -> Path:
-    root = os.environ.get("FAIRSCALE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fairscale")
-    return Path(root) / "calibration" / f"cpu-{machine_fingerprint()}-{ranks}ranks.json"
+    return cache_root() / "calibration" / f"cpu-{machine_fingerprint()}-{ranks}ranks.json"
 
 
 def _read(path: Path) -> Cluster | None:
