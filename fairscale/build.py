@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale.capture_cache import rank_capture
+from fairscale.capture_cache import rank_capture, trace_dtype
 from fairscale.eval_mode import eval_modules
 from fairscale.report.text import render_report
 from fairscale.runtime.device import resolve_device, use_device
@@ -74,7 +74,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
         raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
                          f"= {m.dp * micro} equal microbatches")
     rows = gb // (m.dp * micro)
-    graph = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn)
+    graph = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, dtype=trace_dtype(plan))
     rendezvous("capturing the model")  # the collectives below wait for the slowest capture
     if not any(p.is_meta for p in graph.gm.parameters()):
         check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model

@@ -33,8 +33,9 @@ from torch import nn
 
 from planner.capture import capture
 from planner.graph import ModelGraph
+from planner.plan import Plan
 
-__all__ = ["rank_capture", "model_state", "batch_key", "model_key"]
+__all__ = ["trace_dtype", "rank_capture", "model_state", "batch_key", "model_key"]
 
 _CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -93,14 +94,22 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
     return modules, tensors
 
 
+def trace_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype a rank of ``plan`` traces the model in (:mod:`planner.trace_dtype`): its compute
+    dtype when that is bf16 or fp16, else None (the model as it is)."""
+    name = plan.data_parallel.param_dtype
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
 def rank_capture(model: nn.Module, example: Sequence[Any], *,
-                 loss_fn: Callable[..., torch.Tensor] | None = None) -> ModelGraph:
-    """``planner.capture.capture(model, example, loss_fn=loss_fn, annotate=False)``: the graph a
-    rank compiles at the microbatch shape ``example`` has, cached (module docstring). Raises
+                 loss_fn: Callable[..., torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> ModelGraph:
+    """``planner.capture.capture(model, example, loss_fn=loss_fn, annotate=False, dtype=dtype)``:
+    the graph a rank compiles at the microbatch shape ``example`` has (traced in ``dtype`` for a
+    mixed-precision plan: :func:`trace_dtype`), cached (module docstring). Raises
     ``CaptureError`` as the capture does (a failure is not cached)."""
-    key = model_key(model, example, loss_fn)
+    key = (model_key(model, example, loss_fn), str(dtype))
     found = _CAPTURES.get(key)
     if found is None:
-        found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False)
+        found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False, dtype=dtype)
         weakref.finalize(model, _CAPTURES.pop, key, None)
     return found

@@ -58,7 +58,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fairscale.capture_cache import batch_key, model_key, rank_capture
+from fairscale.capture_cache import batch_key, model_key, rank_capture, trace_dtype
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
@@ -234,7 +234,8 @@ class CompileChecker:
         ATen on a copy; ``graph`` is left as it is). Otherwise nothing changes."""
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in self.example_inputs]
         if (_on_meta(graph) and graph.tracer == "fx" and "annotate_runs" in graph.extra
-                and graph.extra.get("input_shapes") == shapes and batch_key(self.example_inputs) not in self._graphs):
+                and graph.extra.get("input_shapes") == shapes
+                and (batch_key(self.example_inputs), "None") not in self._graphs):
             self._planned = graph
 
     def graph_for(self, plan: Plan) -> ModelGraph | Refusal:
@@ -247,18 +248,20 @@ class CompileChecker:
                                   f"microbatches({plan.schedule.microbatches}) = {split} equal microbatches",
                            hint="choose schedule.microbatches and mesh.dp whose product divides the global batch")
         example = microbatch_example(self.example_inputs, gb // split)
-        key = batch_key(example)
+        dtype = trace_dtype(plan)
+        key = (batch_key(example), str(dtype))
         if key not in self._graphs:
-            planned = self._planned if key == batch_key(self.example_inputs) else None
+            # the search's capture, when it is the one the ranks compile (the model as it is)
+            planned = self._planned if key == (batch_key(self.example_inputs), "None") else None
             if planned is not None:  # what _capture would trace, traced already (adopt)
                 graph = copy.copy(planned)
                 graph.extra, graph.gm = dict(planned.extra), to_aten(planned.gm)
                 self._graphs[key], self._planned = graph, None
             else:
-                self._graphs[key] = self._capture(example)
+                self._graphs[key] = self._capture(example, dtype)
         return self._graphs[key]
 
-    def _capture(self, example: tuple[Any, ...]) -> ModelGraph | Refusal:
+    def _capture(self, example: tuple[Any, ...], dtype: torch.dtype | None) -> ModelGraph | Refusal:
         # The passes rewrite ATen graphs. A real model is captured as its ranks will capture it
         # (torch.export). A model on meta is planned, not run: it is traced with torch.fx, as the
         # search traced it, and brought to ATen op by op (passes.tp.normalize, the graph the TP
@@ -267,11 +270,11 @@ class CompileChecker:
         on_meta = any(p.is_meta for p in self.model.parameters())
         try:
             if not on_meta:
-                return rank_capture(self.model, example, loss_fn=self.loss_fn)  # what the ranks compile
+                return rank_capture(self.model, example, loss_fn=self.loss_fn, dtype=dtype)  # what the ranks compile
             try:
                 graph = capture(self.model, example, loss_fn=self.loss_fn, tracer="fx")
             except CaptureError:  # what torch.fx cannot trace, torch.export may
-                return capture(self.model, example, loss_fn=self.loss_fn, annotate=False, tracer="export")
+                return capture(self.model, example, loss_fn=self.loss_fn, annotate=False, tracer="export", dtype=dtype)
             graph.gm = to_aten(graph.gm)
             return graph
         except CaptureError as exc:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from fairscale.capture_cache import rank_capture
+from fairscale.capture_cache import rank_capture, trace_dtype
 from fairscale.runtime.engine import microbatch_example
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph
@@ -43,14 +43,14 @@ class EvalModeError(ValueError):
     ``self.training``), so the compiled ranks cannot evaluate it."""
 
 
-def _capture_in_eval_mode(model: nn.Module, example: Sequence[Any],
-                          loss_fn: Callable[..., torch.Tensor] | None) -> torch.fx.GraphModule:
+def _capture_in_eval_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
+                          dtype: torch.dtype | None) -> torch.fx.GraphModule:
     """:func:`fairscale.capture_cache.rank_capture` of ``model`` with every module in eval mode;
     each module's own flag is restored afterwards."""
     flags = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        return rank_capture(model, example, loss_fn=loss_fn).gm
+        return rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -64,8 +64,9 @@ def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule])
         raise RuntimeError("pm.evaluate checks the model's eval-mode code against its capture, and the model is "
                            "gone: keep a reference to the model passed to fairscale.parallelize while training")
     example, loss_fn = microbatch_example(program.example_inputs, program.microbatch_rows), program.loss_fn
-    reason = eval_difference(rank_capture(model, example, loss_fn=loss_fn).gm,  # the one the stages came from
-                             _capture_in_eval_mode(model, example, loss_fn))
+    dtype = trace_dtype(program.plan)
+    reason = eval_difference(rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm,  # the stages' own
+                             _capture_in_eval_mode(model, example, loss_fn, dtype))
     if reason is not None:
         raise EvalModeError(f"pm.evaluate cannot run {type(model).__name__} in eval mode from its training graph: "
                             f"{reason}. Its Python code takes another path when self.training is False; evaluate "

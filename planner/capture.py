@@ -46,6 +46,7 @@ from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph
 from planner.replicate import replica_map
+from planner.trace_dtype import in_dtype
 from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
                             split_tied_uses)
 
@@ -151,7 +152,8 @@ def _strip(path: str) -> str:
 @fewer_collections()
 def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
             annotate: bool = True, tracer: Tracer = "auto", leaf_modules: Sequence[type] = (),
-            concrete_args: dict[str, Any] | None = None, replicate: bool = True) -> ModelGraph:
+            concrete_args: dict[str, Any] | None = None, replicate: bool = True,
+            dtype: torch.dtype | None = None) -> ModelGraph:
     """Trace ``model`` (real or on ``meta``) with its loss into a flat graph and per-layer facts.
 
     Args:
@@ -169,13 +171,19 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
         replicate: copy the facts of blocks 2..N from block 1 where their nodes match exactly
             (:mod:`planner.replicate`), so annotation costs O(distinct blocks); False recomputes
             every node (same numbers, slower; for checking).
+        dtype: trace as a mixed-precision plan of that dtype runs the model (``bf16``/``fp16``
+            parameters and floating inputs; :mod:`planner.trace_dtype`), the graph still sharing
+            the model's own parameters. torch.export only, not annotated: what a rank of such a plan
+            compiles.
 
     Raises:
         CaptureError: neither tracer could trace the model; names the source line of each failure
             and what to do about it.
     """
     batch = tuple(example_inputs)
-    order = _tracer_order(model, batch, tracer, leaf_modules, concrete_args)
+    if dtype is not None and (annotate or tracer == "fx"):
+        raise ValueError("capture(dtype=...) traces with torch.export and does not annotate: pass annotate=False")
+    order = ["export"] if dtype is not None else _tracer_order(model, batch, tracer, leaf_modules, concrete_args)
     start = time.perf_counter()
     failures: list[Failure] = []
     gm: torch.fx.GraphModule | None = None
@@ -183,7 +191,11 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     for used in order:
         try:
             with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
-                if used == "export":
+                if used == "export" and dtype is not None:
+                    with in_dtype(model, dtype, batch) as (cast, restore):
+                        gm = export_trace(LossModule(model, loss_fn), cast)
+                    restore(gm)
+                elif used == "export":
                     gm = export_trace(LossModule(model, loss_fn), batch)
                 else:
                     gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)

@@ -1,14 +1,12 @@
-"""Where a model's code pins values to float32: what a mixed-precision plan of its fp32 capture cannot honour.
+"""Where a model's code pins values to float32: what an fp32 trace of it cannot run in bf16.
 
-The capture runs the model in fp32. There, a ``.to(torch.float32)``, ``.float()`` or ``.to(x.dtype)``
-is a no-op that leaves only export's ``_assert_tensor_metadata(dtype=torch.float32)`` in the graph,
-and a cast from integers (``position_ids.float()``) is a real ``_to_copy`` to fp32. With bf16 or
-fp16 parameters the graph cannot honour either: an upcast cannot be told from a no-op, so Hugging
-Face's RMSNorm would compute its variance in bf16 where the model computes it in fp32 (Meta's
-llama: ``self._norm(x.float()).type_as(x)``), and the fp32 values of the second kind meet bf16
-weights in a matmul. Such models are planned in fp32 (TF32 on GPUs) until the capture runs in the
-plan's dtype: ``planner.search`` defaults to fp32 for them with a note, and refuses an explicit
-bf16 or fp16 before launch, naming the source lines.
+The planning capture runs the model in fp32. There, a ``.to(torch.float32)``, ``.float()`` or
+``.to(x.dtype)`` is a no-op that leaves only export's ``_assert_tensor_metadata(dtype=torch.float32)``
+in the graph, and a cast from integers (``position_ids.float()``) is a real cast to fp32. Run with
+bf16 parameters such a graph would compute Hugging Face's RMSNorm variance in bf16 where the model
+computes it in fp32, or mix fp32 values into bf16 matmuls. So the graphs ranks compile for a bf16
+or fp16 plan are traced in that dtype (:mod:`planner.trace_dtype`), and the mixed-precision pass
+(``passes.dp.graph.cast_io``) refuses a graph traced in fp32 that has pins, naming their lines.
 
 Usage::
 

@@ -8,9 +8,9 @@ the GPU for the exact ones) and prints PASS or FAIL with the largest relative di
 
 * ``parallelize-fp32``: ``fairscale.parallelize(..., dtype="fp32", tf32=False, check=True)`` on the
   GPU, a Llama-style model of ours (GQA, RMSNorm, rotary): losses of 4 steps against one CPU process.
-* ``dtype-default``: the planner's default dtype on the GPU for that model, whose code converts values
-  to float32 (Hugging Face's RMSNorm): fp32 with TF32, with the note saying why not bf16
-  (``planner.dtype_pins``); its first loss against the CPU's within TF32's precision, and the loss falls.
+* ``llama-bf16``: the planner's default dtype on the GPU for that model: bf16, whose code upcasts to
+  float32 (Hugging Face's RMSNorm, rotary), traced by the ranks in bf16 (``planner.trace_dtype``):
+  its first loss against fp32 within bf16's precision, and the loss falls.
 * ``gpt-bf16``: our GPT (no float32 conversions), planned by default in bf16 (bf16 parameters, fp32
   master weights): its first loss against fp32 within bf16's precision, and the loss falls.
 * ``offload``: ``fairscale.experimental.nn.OffloadModel`` computing on the GPU with its slices kept
@@ -119,7 +119,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     torch.backends.cudnn.conv.fp32_precision = torch.backends.cudnn.rnn.fp32_precision = "ieee"
     checks: dict[str, Callable[[], dict[str, Any]]] = {
         "parallelize-fp32": lambda: _check_parallelize_fp32(ref),
-        "dtype-default": lambda: _default_dtype(build_llama, ref, "fp32", 1e-2),
+        "llama-bf16": lambda: _default_dtype(build_llama, ref, "bf16", 2e-2),
         "gpt-bf16": lambda: _default_dtype(build_gpt, gpt_ref, "bf16", 2e-2),
         "offload": _check_offload, "fsdp": _check_fsdp}
     results = {}

@@ -14,6 +14,7 @@ from torch import nn
 
 from passes.ops import dp_ops
 from planner.dtype_pins import module_pins, pins_problem
+from planner.trace_dtype import traced_dtype
 from passes.dp.info import Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
 from planner.graph import META_PARAM
@@ -232,8 +233,9 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
         return res
 
     out.args = (fp32(out.args[0]),)
-    pins = module_pins(graph.owning_module) if graph.owning_module is not None else []
-    if pins:  # the search never plans these in bf16/fp16; a hand-written plan is refused here, before launch
+    owner = graph.owning_module
+    pins = module_pins(owner) if owner is not None and traced_dtype(owner) != dtype else []
+    if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
         name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))
 

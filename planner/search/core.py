@@ -22,7 +22,6 @@ from typing import Callable, Union
 from dataclasses import dataclass, field
 
 from planner.cluster import Cluster, default_compute_dtype
-from planner.dtype_pins import fp32_pins, pins_problem
 from planner.cost import CostOptions, layer_facts
 from planner.graph import ModelGraph
 from planner.plan import DTYPES, Plan, PlanError
@@ -177,12 +176,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         raise PlanError([f"schedule.global_batch: the constraints were made for a global batch of "
                          f"{fixed.global_batch}, but the search is for {global_batch}; drop it or search for "
                          f"{fixed.global_batch}"], source="constraints")
-    pins = fp32_pins(graph)
-    fixed.param_dtype = compute_dtype(fixed.param_dtype, dtype, cluster, pins=pins)
-    dtype_note = (f"precision: fp32, not {default_compute_dtype(cluster)}: the model's code converts values to float32 "
-                  f"({pins[0]}{f' and {len(pins) - 1} more' if len(pins) > 1 else ''}), which a mixed-precision plan "
-                  "of its fp32 capture would not honour" if pins and fixed.param_dtype == "fp32"
-                  and default_compute_dtype(cluster) != "fp32" and dtype in (None, "auto") else "")
+    fixed.param_dtype = compute_dtype(fixed.param_dtype, dtype, cluster)
     rules = rules_function(graph, fixed.tp_rules if fixed.tp_rules is not None else tp_rules)
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)
     cuts = fixed_cuts(ctx, fixed.stages) if fixed.stages else None
@@ -215,8 +209,6 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
     def plan_of(b: Breakdown) -> Plan:
         assert b.config is not None
         b.notes.extend(plan_notes(ctx, b, idle_reason=_idle_reason(ctx, b, full)))
-        if dtype_note and dtype_note not in b.notes:
-            b.notes.append(dtype_note)
         plan = build_plan(graph, ctx, b.config, b, tp_rules=rules(b.config.tp), units=b.config.units or fixed.units)
         plan.batch_norm = fixed.batch_norm or plan.batch_norm
         return plan
@@ -244,21 +236,9 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
                         evaluated=found.evaluated + extra_costed, elapsed_s=time.perf_counter() - start)
 
 
-def compute_dtype(fixed: str | None, asked: str | None, cluster: Cluster, *, pins: list[str] | None = None) -> str:
+def compute_dtype(fixed: str | None, asked: str | None, cluster: Cluster) -> str:
     """The compute dtype: the constraints' ``data_parallel.param_dtype`` or ``dtype=`` (which must
-    agree), else :func:`planner.cluster.default_compute_dtype` (mixed precision on GPUs). A model
-    whose code converts values to float32 (``pins``, :func:`planner.dtype_pins.fp32_pins`) gets fp32
-    by default and is refused bf16 or fp16 when asked for them."""
-    chosen = _compute_dtype(fixed, asked, cluster)
-    if pins and chosen != "fp32":
-        if fixed is None and asked in (None, "auto"):
-            return "fp32"
-        raise PlanError([pins_problem(pins, chosen, "dtype" if fixed is None else "data_parallel.param_dtype")],
-                        source="search")
-    return chosen
-
-
-def _compute_dtype(fixed: str | None, asked: str | None, cluster: Cluster) -> str:
+    agree), else :func:`planner.cluster.default_compute_dtype` (mixed precision on GPUs)."""
     if asked is not None and asked != "auto":
         asked = DTYPE_NAMES.get(asked, asked)
         if asked not in DTYPES:

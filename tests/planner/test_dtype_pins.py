@@ -1,5 +1,6 @@
-"""Models whose code converts values to float32 are planned in fp32 by default and refused bf16:
-a mixed-precision plan of their fp32 capture would not compute what they compute in bf16."""
+"""Models whose code converts values to float32: their fp32 capture cannot say what they compute in
+bf16, so ranks trace them in bf16 (``planner.trace_dtype``; trained against eager bf16 in
+tests/runtime/test_bf16_trace.py), and the mixed-precision pass refuses an fp32 trace of them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from planner.api import plan_for
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.dtype_pins import fp32_pins
-from planner.plan import PlanError
+from planner.trace_dtype import META_TRACE_DTYPE, traced_dtype
 
 
 def _graph(case):
@@ -37,25 +38,27 @@ def test_pins_name_the_source_line_of_each_upcast(llama, gpt):
     assert fp32_pins(gpt) == []  # our GPT never converts: its bf16 plans stay
 
 
-def test_gpu_search_defaults_to_fp32_with_a_note_and_refuses_bf16(llama, gpt):
+def test_gpu_search_plans_them_in_bf16(llama, gpt):
     h100 = Cluster.preset("h100-sxm-80gb", devices=1)
-    plan = plan_for(llama, h100).plan
-    assert plan.data_parallel.param_dtype == "fp32"
-    assert any(n.startswith("precision: fp32, not bf16: the model's code converts values to float32 (")
-               for n in plan.predicted.notes), plan.predicted.notes
-    with pytest.raises(PlanError, match=r'dtype: "bf16" would not compute what this model computes in bf16: its '
-                                        r"code converts values to float32 \(.*modeling_llama.py:\d+"):
-        plan_for(llama, h100, dtype="bf16")
-    with pytest.raises(PlanError, match=r'data_parallel.param_dtype: "bf16" would not compute'):
-        plan_for(llama, h100, constraints={"data_parallel": {"param_dtype": "bf16"}})
-    assert plan_for(llama, h100, dtype="fp32").plan.data_parallel.param_dtype == "fp32"
+    assert plan_for(llama, h100).plan.data_parallel.param_dtype == "bf16"
     assert plan_for(gpt, h100).plan.data_parallel.param_dtype == "bf16"
+    assert plan_for(llama, h100, dtype="fp32").plan.data_parallel.param_dtype == "fp32"
 
 
-def test_the_mixed_precision_pass_refuses_a_hand_written_bf16_plan(llama):
+def test_the_mixed_precision_pass_takes_a_bf16_trace_and_refuses_an_fp32_one(llama):
     gm = copy.deepcopy(llama.gm)
+    assert traced_dtype(gm) == torch.float32
     with pytest.raises(ValueError, match=r'data_parallel.param_dtype: "bf16" would not compute .*modeling_llama'):
         cast_io(gm.graph, torch.bfloat16)
+    case = build_llama()
+    graph = capture(case.model, case.make_batch(0, 8), loss_fn=case.loss_fn, annotate=False, dtype=torch.bfloat16)
+    assert traced_dtype(graph.gm) == torch.bfloat16 and graph.gm.meta[META_TRACE_DTYPE] == "bf16"
+    # the upcasts are real casts now, and the graph shares the model's own fp32 parameters
+    assert sum(n.target is torch.ops.aten.to.dtype and n.args[1] is torch.float32 for n in graph.gm.graph.nodes) == 6
+    own = {id(p) for p in case.model.parameters()}
+    assert all(id(p) in own and p.dtype == torch.float32 for p in graph.gm.parameters())
+    assert all(p.dtype == torch.float32 for p in case.model.parameters())  # the model is left as it was
+    cast_io(graph.gm.graph, torch.bfloat16)  # accepted
 
 
 def test_capture_works_with_cudnn_tf32_turned_off():

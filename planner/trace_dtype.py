@@ -1,0 +1,105 @@
+"""Trace a model as it computes under a mixed-precision plan: parameters and inputs in that dtype.
+
+A bf16 (fp16) plan runs the model with bf16 copies of its fp32 parameters and casts its floating
+inputs (``passes.dp.graph.cast_io``). Code that depends on the dtype then takes other paths than
+in fp32: Hugging Face's RMSNorm upcasts with ``hidden_states.to(torch.float32)`` and casts back with
+``.to(input_dtype)``, rotary embeddings cast cos/sin ``.to(x.dtype)``, Meta's llama writes
+``self._norm(x.float()).type_as(x)``. Traced in fp32 those are no-ops and vanish, so a bf16 run of
+an fp32 trace computes the norm's variance in bf16, or mixes fp32 values into bf16 matmuls. The
+graph a rank compiles for such a plan is therefore traced (torch.export) with every floating
+parameter and input cast to the plan's dtype, the upcasts becoming real casts, and then given the
+model's own parameters back: the data-parallel pass keeps those as fp32 master weights and casts
+them per use to the dtype the trace expects. Buffers keep their dtype, as the runtime keeps them.
+
+Usage::
+
+    with in_dtype(model, torch.bfloat16, batch) as (cast_batch, restore):
+        gm = export_trace(LossModule(model, loss_fn), cast_batch)
+    restore(gm)                      # gm's parameter attributes are the model's own again
+    gm.meta[META_TRACE_DTYPE]        # "bf16": what the pass checks before casting
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+from torch import nn
+
+__all__ = ["in_dtype", "traced_dtype", "META_TRACE_DTYPE", "DTYPE_NAMES"]
+
+META_TRACE_DTYPE = "fs_trace_dtype"
+"""gm.meta key: the dtype name (``bf16``, ``fp16``) the floating parameters had while tracing;
+absent for a trace of the model as it is."""
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _swap(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> list[tuple[nn.Module, str, Any]]:
+    """Replace every floating parameter slot of ``model`` by ``make(param)`` (one new parameter per
+    tied tensor); returns what to put back."""
+    made: dict[int, nn.Parameter] = {}
+    undo = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in made:
+                made[id(p)] = make(p)
+            undo.append((module, name, p))
+            module._parameters[name] = made[id(p)]
+    return undo
+
+
+@contextlib.contextmanager
+def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
+             ) -> Iterator[tuple[tuple[Any, ...], Callable[[torch.fx.GraphModule], None]]]:
+    """While inside: ``model``'s floating parameters are ``dtype`` stand-ins of their shapes
+    (``torch.empty_like``: the trace reads shapes and dtypes, never values, so no page of them is
+    touched); yields the batch with its floating tensors cast and ``restore(gm)``, which points a
+    traced graph's parameter attributes back at the model's own (the graph shares them, as an
+    fp32 capture does) and records the dtype in ``gm.meta``."""
+    copies: dict[int, nn.Parameter] = {}
+
+    def make(p: nn.Parameter) -> nn.Parameter:
+        copy = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+        copies[id(copy)] = p
+        return copy
+
+    undo = _swap(model, make)
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
+
+    def restore(gm: torch.fx.GraphModule) -> None:
+        for module in gm.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in copies:
+                    module._parameters[name] = copies[id(p)]
+        gm.meta[META_TRACE_DTYPE] = DTYPE_NAMES[dtype]
+
+    try:
+        yield cast, restore
+    finally:
+        for module, name, p in undo:
+            module._parameters[name] = p
+
+
+def traced_dtype(gm: torch.nn.Module) -> torch.dtype | None:
+    """The dtype ``gm``'s floating parameters had when it was traced: that of the first parameter
+    read (``get_attr``) whose recorded value is floating, in graph order; None without one. A
+    graph cut into stages or rewritten by the passes keeps its nodes' recorded values, so this
+    holds where ``gm.meta`` (set on the whole trace) is gone."""
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if node.op != "get_attr" or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                continue
+            try:
+                module.get_parameter(str(node.target))  # a buffer or constant says nothing
+            except AttributeError:
+                continue
+            return val.dtype
+    return None
