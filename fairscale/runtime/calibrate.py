@@ -13,9 +13,11 @@ and in CPU time (every thread of the rank's process) times the ranks per core: o
 cores the ranks share, that is the rank's wall time when the machine is otherwise quiet, and other
 users' load does not change it (wall time under load gave coefficients that followed the load):
 
-* **matmul FLOP/s**: every rank multiplies fp32 matrices of transformer-like shapes with one
+* **matmul FLOP/s**: every rank multiplies fp32 matrices (1024×256 by 256×1024) with one
   intra-op thread (what ``fairscale.launch`` gives each rank); reported, and used to take the
-  FLOPs out of the op-overhead timing.
+  FLOPs out of the op-overhead timing. (Until version 7 a 2048×512×512 product too: 1.4 s of an
+  8-rank calibration for a number nothing planned with; the linears by weight shape below are the
+  GEMM rates the cost model reads.)
 * **transformer block FLOP/s** (since version 4): every rank runs a GPT of width 128 (head
   dimension 16, 128 tokens, 2 sequences) forward and backward; its FLOPs over what is left of its
   time once its counted ops' host overhead and its memory traffic are taken out
@@ -100,7 +102,7 @@ from planner.cost_host import per_recomputed_op
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
 
-_MATMUL_SHAPES = ((1024, 256, 1024), (2048, 512, 512))
+_MATMUL_SHAPES = ((1024, 256, 1024),)
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
@@ -116,7 +118,7 @@ _BLOCK_MODEL = {"dim": 128, "layers": 2, "heads": 8, "seq": 128, "vocab": 256}
 _BLOCK_ROWS = 2
 """The GPT whose forward and backward, ``_BLOCK_ROWS`` sequences per rank, times the FLOP rate of a
 transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the scale of a CPU
-rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
+rank's share of the models trained on CPU ranks; the matmul above is 2-8× larger)."""
 _BLOCK_AFTER_BYTES = (_COLLECTIVE_BYTES[2], _COLLECTIVE_BYTES[-1])
 """The collective sizes after which the block model is sampled again: with one sample after each of
 the other measurements, 10 single forward+backward calls spread over the whole calibration. This

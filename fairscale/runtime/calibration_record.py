@@ -39,7 +39,7 @@ times a linear's forward and backward by weight shape, ``Cluster.gemm_flops`` (t
 narrower GEMMs) and a layer norm's and an add's cost per byte, ``Cluster.whole_op_s`` (the ops a
 tensor-parallel rank runs whole); 8 takes the transformer block's rate as the median of samples
 spread over the whole calibration, ``block_flops_samples`` (one timing had followed the machine's
-moment: 9.7-11.9 GFLOP/s over four calibrations)."""
+moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two."""
 
 @dataclass(kw_only=True)
 class Calibration:
