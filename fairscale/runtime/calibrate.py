@@ -13,14 +13,19 @@ and in CPU time (every thread of the rank's process) times the ranks per core: o
 cores the ranks share, that is the rank's wall time when the machine is otherwise quiet, and other
 users' load does not change it (wall time under load gave coefficients that followed the load):
 
-* **matmul FLOP/s**: every rank multiplies fp32 matrices of transformer-like shapes with one
+* **matmul FLOP/s**: every rank multiplies fp32 matrices (1024×256 by 256×1024) with one
   intra-op thread (what ``fairscale.launch`` gives each rank); reported, and used to take the
-  FLOPs out of the op-overhead timing.
+  FLOPs out of the op-overhead timing. (Until version 7 a 2048×512×512 product too: 1.4 s of an
+  8-rank calibration for a number nothing planned with; the linears by weight shape below are the
+  GEMM rates the cost model reads.)
 * **transformer block FLOP/s** (since version 4): every rank runs a GPT of width 128 (head
   dimension 16, 128 tokens, 2 sequences) forward and backward; its FLOPs over what is left of its
   time once its counted ops' host overhead and its memory traffic are taken out
   (:func:`block_flops_rate`) become ``peak_flops`` (bf16/fp16 at the same rate: CPUs without AMX
-  run them no faster). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
+  run them no faster). Since version 8 it is the median of 10 samples, one call each, taken
+  after each of the other measurements (``_BLOCK_AFTER_BYTES``), and the table prints their
+  spread (``Calibration.block_flops_samples``); one timing early in the calibration followed the
+  machine's moment (four calibrations: 9.7-11.9 GFLOP/s). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
   and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
   the GEMMs' rate under-predicted compute by about that much.
 * **GEMM rate by weight shape** (since version 7): every rank runs a linear's forward and backward
@@ -90,14 +95,14 @@ from passes.ops.recompute_ops import recompute_call
 from planner.cluster import COLLECTIVE_LINK_OPS, Cluster, Efficiency, host_memory_bytes
 from fairscale.runtime.p2p import Message, exchange
 from planner.cost_whole import ELEMENTWISE, NORM
-from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_slope, per_op_overhead
+from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_slope, per_op_overhead, spread
 from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "calibrate_cpu", "save_calibration", "load_calibration", "machine_description",
            "fit_alpha_beta", "fit_slope", "per_op_overhead", "block_flops_rate"]
 
-_MATMUL_SHAPES = ((1024, 256, 1024), (2048, 512, 512))
+_MATMUL_SHAPES = ((1024, 256, 1024),)
 _COLLECTIVE_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
 _BANDWIDTH_ELEMENTS = 4 * 2**20  # 16 MiB of fp32 per operand
 _OP_MODEL = {"dim": 8, "layers": 2, "heads": 2, "seq": 4, "vocab": 16}
@@ -113,7 +118,13 @@ _BLOCK_MODEL = {"dim": 128, "layers": 2, "heads": 8, "seq": 128, "vocab": 256}
 _BLOCK_ROWS = 2
 """The GPT whose forward and backward, ``_BLOCK_ROWS`` sequences per rank, times the FLOP rate of a
 transformer block's arithmetic (width 128, head dimension 16, 128 tokens: the scale of a CPU
-rank's share of the models trained on CPU ranks; the GEMM shapes above are 2-8× larger)."""
+rank's share of the models trained on CPU ranks; the matmul above is 2-8× larger)."""
+_BLOCK_AFTER_BYTES = (_COLLECTIVE_BYTES[2], _COLLECTIVE_BYTES[-1])
+"""The collective sizes after which the block model is sampled again: with one sample after each of
+the other measurements, 10 single forward+backward calls spread over the whole calibration. This
+machine's rate wanders ±15% over seconds (a single process, nothing else running, medians of 10
+calls: 16.0-23.0 ms); three back-to-back runs of two calls, timed before, caught one moment, and
+four calibrations gave 9.7-11.9 GFLOP/s."""
 _GEMM_SHAPES = tuple((_BLOCK_MODEL["dim"], w, tp) for w, tp in (
     (4 * _BLOCK_MODEL["dim"], 1), (_BLOCK_MODEL["dim"], 1), (4 * _BLOCK_MODEL["dim"] // 8, 8),
     (_BLOCK_MODEL["dim"] // 4, 4), (_BLOCK_MODEL["dim"] // 8, 8)))
@@ -216,12 +227,25 @@ def _measure(rank: int, world: int, repeat: int, op_model: tuple[int, float, int
 def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int], block_model: tuple[int, float, float],
            share: float) -> dict[str, Any]:
     torch.manual_seed(rank)
+    # a transformer block's arithmetic at a CPU rank's scale, every rank at once, sampled once
+    # after each of the other measurements (see _BLOCK_MODEL): its FLOP rate is their median
+    big = build("gpt", **_BLOCK_MODEL)
+    block_batch = big.make_batch(0, _BLOCK_ROWS)
+    block_times: list[float] = []
+
+    def sample_block() -> None:
+        block_times.append(_time(lambda: big.loss_fn(big.model(block_batch[0]), block_batch[1]).backward(),
+                                 repeat=1, share=share))
+    sample_block()  # a warm-up, dropped: a process's first backward of this size starts up its kernels
+    block_times.clear()
     out: dict[str, Any] = {"matmul": {}, "coll": {}, "calls": _call_costs(rank, world, repeat, share)}
+    sample_block()
     for m, k, n in _MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
         t = _sustained(lambda: torch.mm(a, b), repeat=repeat, share=share)
         out["matmul"][f"{m}x{k}x{n}"] = 2 * m * k * n / _mean(t)
+    sample_block()
     # host overhead per op: a tiny GPT forward and backward (the op mix of the models the cost
     # model counts ops of, where no arithmetic counts); the cost model charges an op once forward
     # and twice backward, so divide by 3 per op the planner counts in it (``op_model``)
@@ -234,6 +258,7 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     t = _mean(_sustained(fwd_bwd, repeat=repeat, share=share))
     out["op_overhead"] = per_op_overhead(t, ops=op_model[0], flops=op_model[1],
                                          flops_per_s=statistics.median(out["matmul"].values()))
+    sample_block()
     # full recompute: the same forward and backward with every block under the runtime's own
     # non-reentrant checkpointing; the extra host time per op of the recomputed blocks
     for block in case.model.layers:
@@ -241,27 +266,20 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     fwd_bwd()
     ckpt = _mean(_sustained(fwd_bwd, repeat=repeat, share=share))
     out["recompute_op"] = per_recomputed_op(t, ckpt, ops=op_model[2])
+    sample_block()
     out["optimizer_tensor"] = _optimizer_tensor_s(repeat, share)
+    sample_block()
     x, y, z = (torch.randn(_BANDWIDTH_ELEMENTS) for _ in range(3))
     torch.add(x, y, out=z)
     t = _sustained(lambda: torch.add(x, y, out=z), repeat=repeat, share=share)
     out["bandwidth"] = 12 * _BANDWIDTH_ELEMENTS / _mean(t)
-    # a transformer block's arithmetic at a CPU rank's scale, every rank at once: the FLOP rate
-    # left once its counted ops' host overhead and its memory traffic are taken out
-    big = build("gpt", **_BLOCK_MODEL)
-    tokens, labels = big.make_batch(0, _BLOCK_ROWS)
-
-    def block_step() -> None:
-        big.loss_fn(big.model(tokens), labels).backward()
-    block_step()
-    t = _mean(_sustained(block_step, repeat=repeat, share=share))
-    ops, flops, traffic = block_model
-    out["block_flops"] = block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
-                                          traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
+    sample_block()
     start = time.perf_counter()
     out["gemm"] = _gemm_rates(repeat, share, out["op_overhead"])
+    sample_block()
     out["whole_op"] = _whole_op_costs(repeat, share)
     out["shapes_s"] = time.perf_counter() - start
+    sample_block()
     for nbytes in _COLLECTIVE_BYTES:
         elems = max(world, nbytes // 4 // world * world)
         full = torch.ones(elems)
@@ -284,6 +302,16 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
         times["p2p"] = _time(pipeline_send, repeat=repeat, share=share)
         for name, t in times.items():
             out["coll"].setdefault(name, {})[elems * 4] = _mean(t)
+        if nbytes in _BLOCK_AFTER_BYTES:
+            sample_block()
+    # each sample's mean over the ranks, as a FLOP rate: what is left once its counted ops' host
+    # overhead and its memory traffic are taken out
+    per_sample = torch.tensor(block_times, dtype=torch.float64)
+    dist.all_reduce(per_sample)
+    ops, flops, traffic = block_model
+    out["block_flops"] = [block_flops_rate(t, flops=flops * _BLOCK_ROWS, ops=ops, op_overhead_s=out["op_overhead"],
+                                           traffic_bytes=traffic * _BLOCK_ROWS, bandwidth=out["bandwidth"])
+                          for t in (per_sample / world).tolist()]
     return out
 
 
@@ -418,7 +446,8 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     # all-gather and reduce-scatter of ZeRO and FSDP get their own (gloo's differ 2-5× per byte)
     link = fits["all_reduce"]
     links = {op: (fits[op]["bandwidth"], fits[op]["latency_s"]) for op in COLLECTIVE_LINK_OPS}
-    flops = float(res["block_flops"])  # the transformer block's rate; the GEMM table is reported beside it
+    block_samples = [float(r) for r in res["block_flops"]]
+    flops = spread(block_samples)[0]  # the transformer block's rate; the GEMM table is reported beside it
     bw = float(res["bandwidth"])
     host = memory_bytes if memory_bytes is not None else host_memory_bytes() // ranks
     cluster = dataclasses.replace(
@@ -438,7 +467,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
-                       block_flops=flops, step_host_s=step_host, microbatch_host_s=micro_host,
+                       block_flops=flops, block_flops_samples=block_samples, step_host_s=step_host, microbatch_host_s=micro_host,
                        dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=probe is not None, collectives=coll, fits=fits,
                        machine={**machine_description(), "calibration_s": seconds,
                                 "shape_rates_s": res["shapes_s"]})  # of "rates": GEMMs by shape, whole ops

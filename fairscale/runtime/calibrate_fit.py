@@ -9,7 +9,7 @@ Usage::
 
 from __future__ import annotations
 
-__all__ = ["fit_alpha_beta", "fit_link", "fit_slope", "per_op_overhead", "block_flops_rate"]
+__all__ = ["fit_alpha_beta", "fit_link", "fit_slope", "per_op_overhead", "block_flops_rate", "spread"]
 
 
 def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -88,3 +88,19 @@ def fit_slope(points: list[tuple[float, float]]) -> tuple[float, float]:
     slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx > 0 else 0.0
     slope = max(0.0, slope)
     return slope, my - slope * mx
+
+
+def spread(samples: list[float]) -> tuple[float, float, float]:
+    """``(median, low quartile, high quartile)`` of repeated timings of one thing, the quartiles by
+    linear interpolation between the sorted samples (a single sample is all three). Example:
+    [9, 12, 10, 8, 11] give median 10, quartiles 9 and 11."""
+    if not samples:
+        raise ValueError("spread needs at least one sample")
+    ordered = sorted(samples)
+
+    def quantile(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return quantile(0.5), quantile(0.25), quantile(0.75)

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from fairscale.runtime.calibrate_fit import spread
 from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 7
+CALIBRATION_VERSION = 8
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -36,7 +37,9 @@ it; 6 times a pipeline send as the runtime posts it (a batch of the send and its
 and gives it its own link, ``collective_links["p2p"]`` (a cache written before is measured again); 7
 times a linear's forward and backward by weight shape, ``Cluster.gemm_flops`` (tensor-parallel ranks'
 narrower GEMMs) and a layer norm's and an add's cost per byte, ``Cluster.whole_op_s`` (the ops a
-tensor-parallel rank runs whole)."""
+tensor-parallel rank runs whole); 8 takes the transformer block's rate as the median of samples
+spread over the whole calibration, ``block_flops_samples`` (one timing had followed the machine's
+moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -60,6 +63,9 @@ class Calibration:
     """all_reduce / all_gather -> group size -> seconds per small call (``Cluster.collective_call_s``)."""
     block_flops: float = 0.0
     """FLOP/s of a transformer block's arithmetic with every rank at once (the cluster's peak)."""
+    block_flops_samples: list[float] = field(default_factory=list)
+    """The block's FLOP/s at each point of the calibration it was timed at, in order; ``block_flops``
+    is their median (empty in files of version 7 and before: one timing)."""
     step_host_s: float = 0.0
     """The runtime's host seconds per step (``Cluster.step_host_s``)."""
     microbatch_host_s: float = 0.0
@@ -83,6 +89,7 @@ class Calibration:
                 "memory_bandwidth": self.memory_bandwidth, "op_overhead_s": self.op_overhead_s,
                 "optimizer_tensor_s": self.optimizer_tensor_s, "version": CALIBRATION_VERSION,
                 "recompute_op_s": self.recompute_op_s, "block_flops": self.block_flops,
+                "block_flops_samples": self.block_flops_samples,
                 "step_host_s": self.step_host_s, "microbatch_host_s": self.microbatch_host_s,
                 "dp_tensor_host_s": self.dp_tensor_host_s, "runtime_measured": self.runtime_measured,
                 "tp_op_host_s": self.tp_op_host_s,
@@ -98,7 +105,9 @@ class Calibration:
                    op_overhead_s=float(data.get("op_overhead_s", 0.0)),
                    optimizer_tensor_s=float(data.get("optimizer_tensor_s", 0.0)),
                    recompute_op_s=float(data.get("recompute_op_s", 0.0)),
-                   block_flops=float(data.get("block_flops", 0.0)), step_host_s=float(data.get("step_host_s", 0.0)),
+                   block_flops=float(data.get("block_flops", 0.0)),
+                   block_flops_samples=[float(r) for r in data.get("block_flops_samples", [])],
+                   step_host_s=float(data.get("step_host_s", 0.0)),
                    microbatch_host_s=float(data.get("microbatch_host_s", 0.0)),
                    dp_tensor_host_s=float(data.get("dp_tensor_host_s", 0.0)),
                    runtime_measured=bool(data.get("runtime_measured", False)),
@@ -117,7 +126,8 @@ class Calibration:
             lines.append(f"  linear {n_in:>5d}x{n_out:<5d}     : {rate / 1e9:8.2f} GFLOP/s per rank (forward+backward)")
         for kind, per_byte in self.cluster.whole_op_s.items():
             lines.append(f"  whole {kind:12s}    : {per_byte * 1e3 * 2**20:8.3f} ms per MiB of output (forward+backward)")
-        lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate)")
+        lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate"
+                     + self._block_spread() + ")")
         lines.append(f"  memory bandwidth      : {self.memory_bandwidth / 1e9:8.2f} GB/s per rank")
         lines.append(f"  host overhead per op  : {self.op_overhead_s * 1e6:8.1f} us (forward; backward 2x)")
         lines.append(f"  Adam, per tensor      : {self.optimizer_tensor_s * 1e6:8.1f} us")
@@ -133,6 +143,14 @@ class Calibration:
             lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
         return "\n".join(lines)
+
+    def _block_spread(self) -> str:
+        """How steady the block's samples were, for the table (nothing for a file without them)."""
+        if not self.block_flops_samples:
+            return ""
+        _, low, high = spread(self.block_flops_samples)
+        return (f"; median of {len(self.block_flops_samples)} samples, middle half {low / 1e9:.2f}-{high / 1e9:.2f}, "
+                f"all {min(self.block_flops_samples) / 1e9:.2f}-{max(self.block_flops_samples) / 1e9:.2f}")
 
 
 def machine_description() -> dict[str, Any]:

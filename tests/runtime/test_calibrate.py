@@ -7,6 +7,7 @@ import pytest
 from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, block_flops_rate, block_model_counts,
                                          calibrate_cpu, fit_alpha_beta, fit_link, load_calibration, op_model_counts,
                                          per_op_overhead, save_calibration)
+from fairscale.runtime.calibrate_fit import spread
 from fairscale.calibrate_host import host_meshes, measure_runtime_host
 from planner.cluster import Cluster
 
@@ -58,7 +59,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
     assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
     # the planning rate is the transformer block's; the runtime's host terms were measured on real steps
-    assert cal.block_flops == c.peak_flops["fp32"] > 1e8 and cal.matmul_flops
+    assert cal.block_flops == c.peak_flops["fp32"] > 1e8 and list(cal.matmul_flops) == ["1024x256x1024"]
     assert c.step_host_s + c.microbatch_host_s > 0 and c.dp_tensor_host_s >= 0 and c.tp_op_host_s >= 0
     assert (cal.step_host_s, cal.microbatch_host_s, cal.dp_tensor_host_s) == \
         (c.step_host_s, c.microbatch_host_s, c.dp_tensor_host_s)
@@ -75,7 +76,11 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # a layer norm's and an add's cost per byte beyond the per-op cost (the ops tp ranks run whole)
     assert set(c.whole_op_s) == {"norm", "elementwise"} and all(v >= 0 for v in c.whole_op_s.values())
     assert "whole norm" in cal.table()
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 7
+    # the block rate is the median of its samples spread over the calibration, and the table shows their spread
+    assert len(cal.block_flops_samples) == 10 and all(r > 1e8 for r in cal.block_flops_samples)
+    assert cal.block_flops == spread(cal.block_flops_samples)[0]
+    assert "median of 10 samples, middle half" in cal.table()
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 8
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
@@ -113,3 +118,25 @@ def test_block_flops_rate_takes_the_cost_models_other_terms_out():
                             bandwidth=4e9) == pytest.approx(1e9 / 1e-3)
     ops, flops, traffic = block_model_counts()  # the planner's own counts of the block model's capture
     assert ops > 20 and flops > 1e8 and traffic > 0
+
+
+def test_spread_is_the_median_and_interpolated_quartiles():
+    assert spread([9.0, 12.0, 10.0, 8.0, 11.0]) == (10.0, 9.0, 11.0)
+    # four samples: the median halfway between the middle two; quartiles at 0.75 and 2.25 of the sorted positions
+    assert spread([4.0, 1.0, 3.0, 2.0]) == pytest.approx((2.5, 1.75, 3.25))
+    assert spread([7.0]) == (7.0, 7.0, 7.0)
+    with pytest.raises(ValueError, match="at least one sample"):
+        spread([])
+
+
+def test_table_prints_the_block_rates_spread_and_old_files_without_samples_load():
+    cluster = Cluster.cpu(2, memory_bytes=2**30)
+    base = Calibration(cluster=cluster, ranks=2, matmul_flops={}, memory_bandwidth=1e9, block_flops=10e9,
+                       collectives={}, fits={})
+    assert "(the planning rate)" in base.table()  # no samples (a version-7 file): the rate alone
+    data = base.to_dict()
+    del data["block_flops_samples"]
+    assert Calibration.from_dict(data).block_flops_samples == []
+    sampled = Calibration.from_dict({**data, "block_flops_samples": [9e9, 12e9, 10e9, 8e9, 11e9]})
+    assert ("10.00 GFLOP/s per rank (the planning rate; median of 5 samples, middle half 9.00-11.00, "
+            "all 8.00-12.00)") in sampled.table()
