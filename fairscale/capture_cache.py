@@ -107,7 +107,7 @@ def rank_capture(model: nn.Module, example: Sequence[Any], *,
     the graph a rank compiles at the microbatch shape ``example`` has (traced in ``dtype`` for a
     mixed-precision plan: :func:`trace_dtype`), cached (module docstring). Raises
     ``CaptureError`` as the capture does (a failure is not cached)."""
-    key = (model_key(model, example, loss_fn), str(dtype))
+    key = (*model_key(model, example, loss_fn), str(dtype))
     found = _CAPTURES.get(key)
     if found is None:
         found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False, dtype=dtype)
