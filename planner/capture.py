@@ -60,17 +60,19 @@ class CaptureError(RuntimeError):
 
 
 class LossModule(nn.Module):
-    """``model`` followed by its loss, so that the captured graph returns a scalar loss."""
+    """``model`` followed by its loss, so that the captured graph returns a scalar loss; with
+    ``fp32_loss``, a bf16/fp16 loss is returned in fp32, as a mixed-precision plan reports it (its
+    value exactly; the graph's last stage then sends what its boundary records)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, *, fp32_loss: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.fp32_loss = fp32_loss
 
     def forward(self, *batch: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            return _loss_of(self.model(*batch))
-        return self.loss_fn(self.model(batch[0]), *batch[1:])
+        loss = _loss_of(self.model(*batch)) if self.loss_fn is None else self.loss_fn(self.model(batch[0]), *batch[1:])
+        return loss.float() if self.fp32_loss and loss.dtype in (torch.bfloat16, torch.float16) else loss
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -193,7 +195,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
             with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
                 if used == "export" and dtype is not None:
                     with in_dtype(model, dtype, batch) as (cast, restore):
-                        gm = export_trace(LossModule(model, loss_fn), cast)
+                        gm = export_trace(LossModule(model, loss_fn, fp32_loss=True), cast)
                     restore(gm)
                 elif used == "export":
                     gm = export_trace(LossModule(model, loss_fn), batch)

@@ -67,8 +67,8 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
         copies[id(copy)] = p
         return copy
 
-    undo = _swap(model, make)
     cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
+    undo = _swap(model, make)
 
     def restore(gm: torch.fx.GraphModule) -> None:
         for module in gm.modules():

@@ -146,7 +146,7 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
             if unit.prev_bwd is not None or any(u.prev_bwd is unit for u in resharding):
                 _unlink(resharding, unit)
     if param_dtype is not None:
-        cast_io(graph, param_dtype)
+        cast_io(graph, param_dtype, gm)
     result = rebuild(gm, graph, objects, layout)
     result.meta[META_DP] = info
     return result

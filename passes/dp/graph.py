@@ -200,9 +200,14 @@ def fresh_layout(gm: torch.fx.GraphModule) -> ParamLayout:
     return ParamLayout(keys=dict(src.keys), tp=dict(src.tp), flat=dict(src.flat))
 
 
-def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
+def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphModule) -> None:
     """Mixed precision: cast floating-point inputs to ``dtype``; cast a scalar output (a loss)
-    back to fp32. Pipeline stages that return activations keep them in ``dtype``."""
+    back to fp32. Pipeline stages that return activations keep them in ``dtype``. A graph traced
+    in ``dtype`` (:mod:`planner.trace_dtype`) recorded its batch already cast: each floating input
+    is cast to the dtype the trace saw (the user's batch arrives in fp32; a stage's received
+    activation already has it, and an fp32 one, an upcast crossing a stage cut, stays fp32).
+    ``source`` is the module ``graph`` was copied from (the copy has no owner): its trace's dtype."""
+    traced = traced_dtype(source)
     for node in list(graph.nodes):
         if node.op != "placeholder":
             continue
@@ -210,6 +215,9 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
         if val is None:  # no shape meta (an fx trace without annotation): decide at run time
             with graph.inserting_after(node):
                 cast = graph.call_function(dp_ops.cast_floating, (node, dtype))
+        elif isinstance(val, torch.Tensor) and val.is_floating_point() and traced == dtype:
+            with graph.inserting_after(node):
+                cast = graph.call_method("to", (node, val.dtype))
         elif isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
             with graph.inserting_after(node):
                 cast = graph.call_method("to", (node, dtype))
@@ -233,8 +241,7 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype) -> None:
         return res
 
     out.args = (fp32(out.args[0]),)
-    owner = graph.owning_module
-    pins = module_pins(owner) if owner is not None and traced_dtype(owner) != dtype else []
+    pins = module_pins(source) if traced != dtype else []
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
         name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))

@@ -139,7 +139,7 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     insert_buckets(graph, info, objects, rest, kind=cfg.kind, bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, place=place)
     if param_dtype is not None:
-        cast_io(graph, param_dtype)
+        cast_io(graph, param_dtype, gm)
     result = rebuild(gm, graph, objects, layout)
     for attr in info.replicated:
         layout.keys.setdefault(attr, info.replicated[attr])

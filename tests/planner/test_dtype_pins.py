@@ -49,7 +49,7 @@ def test_the_mixed_precision_pass_takes_a_bf16_trace_and_refuses_an_fp32_one(lla
     gm = copy.deepcopy(llama.gm)
     assert traced_dtype(gm) == torch.float32
     with pytest.raises(ValueError, match=r'data_parallel.param_dtype: "bf16" would not compute .*modeling_llama'):
-        cast_io(gm.graph, torch.bfloat16)
+        cast_io(copy.deepcopy(gm.graph), torch.bfloat16, gm)
     case = build_llama()
     graph = capture(case.model, case.make_batch(0, 8), loss_fn=case.loss_fn, annotate=False, dtype=torch.bfloat16)
     assert traced_dtype(graph.gm) == torch.bfloat16 and graph.gm.meta[META_TRACE_DTYPE] == "bf16"
@@ -58,7 +58,7 @@ def test_the_mixed_precision_pass_takes_a_bf16_trace_and_refuses_an_fp32_one(lla
     own = {id(p) for p in case.model.parameters()}
     assert all(id(p) in own and p.dtype == torch.float32 for p in graph.gm.parameters())
     assert all(p.dtype == torch.float32 for p in case.model.parameters())  # the model is left as it was
-    cast_io(graph.gm.graph, torch.bfloat16)  # accepted
+    cast_io(copy.deepcopy(graph.gm.graph), torch.bfloat16, graph.gm)  # accepted
 
 
 def test_capture_works_with_cudnn_tf32_turned_off():

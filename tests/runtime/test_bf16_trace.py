@@ -23,7 +23,8 @@ STEPS, BATCH, LR = 3, 8, 1e-2
 
 def eager_bf16(build, steps: int = STEPS) -> list[float]:
     """The model as a user trains it in bf16 with fp32 master weights: bf16 copies of the
-    parameters (buffers as they are) run forward and backward; their gradients, in fp32, step
+    parameters (buffers as they are) run forward and backward on the batch's floating input in
+    bf16; their gradients, in fp32, step
     Adam on the fp32 masters, which are cast into the copies again."""
     case: Case = build()
     master = list(case.model.parameters())
@@ -36,6 +37,7 @@ def eager_bf16(build, steps: int = STEPS) -> list[float]:
             c.data = m.detach().to(torch.bfloat16)
             c.grad = None
         x, *rest = case.make_batch(step, BATCH)
+        x = x.to(torch.bfloat16) if x.is_floating_point() else x  # images, features: as the plan casts them
         loss = case.loss_fn(work(x), *rest) if case.loss_fn else work(x, *rest).loss
         loss.float().backward()
         for c, m in zip(copies, master):
