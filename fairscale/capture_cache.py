@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from passes.dp.graph import dtype_of
 from planner.capture import capture
 from planner.graph import ModelGraph
 from planner.plan import Plan
@@ -97,8 +98,7 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
 def trace_dtype(plan: Plan) -> torch.dtype | None:
     """The dtype a rank of ``plan`` traces the model in (:mod:`planner.trace_dtype`): its compute
     dtype when that is bf16 or fp16, else None (the model as it is)."""
-    name = plan.data_parallel.param_dtype
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    return dtype_of(plan.data_parallel.param_dtype, "param_dtype")
 
 
 def rank_capture(model: nn.Module, example: Sequence[Any], *,
@@ -107,7 +107,7 @@ def rank_capture(model: nn.Module, example: Sequence[Any], *,
     the graph a rank compiles at the microbatch shape ``example`` has (traced in ``dtype`` for a
     mixed-precision plan: :func:`trace_dtype`), cached (module docstring). Raises
     ``CaptureError`` as the capture does (a failure is not cached)."""
-    key = (*model_key(model, example, loss_fn), str(dtype))
+    key = (*model_key(model, example, loss_fn), dtype)
     found = _CAPTURES.get(key)
     if found is None:
         found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False, dtype=dtype)

@@ -235,7 +235,7 @@ class CompileChecker:
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in self.example_inputs]
         if (_on_meta(graph) and graph.tracer == "fx" and "annotate_runs" in graph.extra
                 and graph.extra.get("input_shapes") == shapes
-                and (batch_key(self.example_inputs), "None") not in self._graphs):
+                and (batch_key(self.example_inputs), None) not in self._graphs):
             self._planned = graph
 
     def graph_for(self, plan: Plan) -> ModelGraph | Refusal:
@@ -249,10 +249,10 @@ class CompileChecker:
                            hint="choose schedule.microbatches and mesh.dp whose product divides the global batch")
         example = microbatch_example(self.example_inputs, gb // split)
         dtype = trace_dtype(plan)
-        key = (batch_key(example), str(dtype))
+        key = (batch_key(example), dtype)
         if key not in self._graphs:
             # the search's capture, when it is the one the ranks compile (the model as it is)
-            planned = self._planned if key == (batch_key(self.example_inputs), "None") else None
+            planned = self._planned if key == (batch_key(self.example_inputs), None) else None
             if planned is not None:  # what _capture would trace, traced already (adopt)
                 graph = copy.copy(planned)
                 graph.extra, graph.gm = dict(planned.extra), to_aten(planned.gm)

@@ -53,9 +53,10 @@ def module_pins(gm: torch.nn.Module) -> list[str]:
     return found
 
 
-def pins_problem(pins: list[str], dtype: str, path: str = "dtype") -> str:
-    """The refusal of a ``dtype`` (bf16 / fp16) plan for a model with ``pins``."""
+def pins_problem(pins: list[str], dtype: str, path: str) -> str:
+    """The refusal of a ``dtype`` (bf16 / fp16) plan, at JSON ``path``, of an fp32 trace with ``pins``."""
     shown = "; ".join(pins[:3]) + (f"; and {len(pins) - 3} more" if len(pins) > 3 else "")
     return (f'{path}: "{dtype}" would not compute what this model computes in {dtype}: its code converts values '
             f"to float32 ({shown}), which the fp32 capture records as no-ops or as fp32 values mixed into "
-            f'{dtype} matmuls; plan with "fp32" (TF32 on GPUs) until capture runs in the plan\'s dtype')
+            f'{dtype} matmuls; trace it in {dtype} (planner.capture.capture(..., dtype=), as '
+            f'fairscale.parallelize\'s ranks do) or plan with "fp32"')

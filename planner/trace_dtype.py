@@ -16,7 +16,7 @@ Usage::
     with in_dtype(model, torch.bfloat16, batch) as (cast_batch, restore):
         gm = export_trace(LossModule(model, loss_fn), cast_batch)
     restore(gm)                      # gm's parameter attributes are the model's own again
-    gm.meta[META_TRACE_DTYPE]        # "bf16": what the pass checks before casting
+    traced_dtype(gm)                 # torch.bfloat16: what the pass checks before casting
 """
 
 from __future__ import annotations
@@ -28,12 +28,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["in_dtype", "traced_dtype", "META_TRACE_DTYPE", "DTYPE_NAMES"]
-
-META_TRACE_DTYPE = "fs_trace_dtype"
-"""gm.meta key: the dtype name (``bf16``, ``fp16``) the floating parameters had while tracing;
-absent for a trace of the model as it is."""
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+__all__ = ["in_dtype", "traced_dtype"]
 
 
 def _swap(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> list[tuple[nn.Module, str, Any]]:
@@ -59,7 +54,7 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
     (``torch.empty_like``: the trace reads shapes and dtypes, never values, so no page of them is
     touched); yields the batch with its floating tensors cast and ``restore(gm)``, which points a
     traced graph's parameter attributes back at the model's own (the graph shares them, as an
-    fp32 capture does) and records the dtype in ``gm.meta``."""
+    fp32 capture does); the graph's recorded values keep the dtype (:func:`traced_dtype`)."""
     copies: dict[int, nn.Parameter] = {}
 
     def make(p: nn.Parameter) -> nn.Parameter:
@@ -75,7 +70,6 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) in copies:
                     module._parameters[name] = copies[id(p)]
-        gm.meta[META_TRACE_DTYPE] = DTYPE_NAMES[dtype]
 
     try:
         yield cast, restore
@@ -87,8 +81,8 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
 def traced_dtype(gm: torch.nn.Module) -> torch.dtype | None:
     """The dtype ``gm``'s floating parameters had when it was traced: that of the first parameter
     read (``get_attr``) whose recorded value is floating, in graph order; None without one. A
-    graph cut into stages or rewritten by the passes keeps its nodes' recorded values, so this
-    holds where ``gm.meta`` (set on the whole trace) is gone."""
+    graph cut into stages or rewritten by the passes keeps its nodes' recorded values, so every
+    piece of a trace says how it was traced."""
     for module in gm.modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, torch.fx.Graph):

@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fairscale.runtime.calibration_cache import cache_root
 from planner.cluster import Cluster, Efficiency
 
 __all__ = ["GpuCalibration", "measure", "gpu_cluster", "calibrate_gpu_and_cache", "gpu_cache_path",
@@ -186,8 +187,6 @@ def gpu_cache_path(device: str) -> Path:
     """Where the calibration of this machine's GPUs named ``device`` (the driver's name) is cached:
     keyed by that name, the visible GPU count (NVML's, the same in the planning process and in
     launched ranks, whatever node shape they detect) and the torch and CUDA versions."""
-    from fairscale.runtime.calibration_cache import cache_root
-
     key = json.dumps({"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
                       "cuda": str(torch.version.cuda)}, sort_keys=True)
     return cache_root() / "calibration" / f"gpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -243,7 +243,7 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphMod
     out.args = (fp32(out.args[0]),)
     pins = module_pins(source) if traced != dtype else []
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+        name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
         raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))
 
 

@@ -15,7 +15,7 @@ from planner.api import plan_for
 from planner.capture import capture
 from planner.cluster import Cluster
 from planner.dtype_pins import fp32_pins
-from planner.trace_dtype import META_TRACE_DTYPE, traced_dtype
+from planner.trace_dtype import traced_dtype
 
 
 def _graph(case):
@@ -52,7 +52,7 @@ def test_the_mixed_precision_pass_takes_a_bf16_trace_and_refuses_an_fp32_one(lla
         cast_io(copy.deepcopy(gm.graph), torch.bfloat16, gm)
     case = build_llama()
     graph = capture(case.model, case.make_batch(0, 8), loss_fn=case.loss_fn, annotate=False, dtype=torch.bfloat16)
-    assert traced_dtype(graph.gm) == torch.bfloat16 and graph.gm.meta[META_TRACE_DTYPE] == "bf16"
+    assert traced_dtype(graph.gm) == torch.bfloat16
     # the upcasts are real casts now, and the graph shares the model's own fp32 parameters
     assert sum(n.target is torch.ops.aten.to.dtype and n.args[1] is torch.float32 for n in graph.gm.graph.nodes) == 6
     own = {id(p) for p in case.model.parameters()}
