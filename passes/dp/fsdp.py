@@ -31,11 +31,10 @@ from typing import Collection
 
 import torch
 import torch.fx
-from torch import nn
 
 from passes.dp.buckets import insert_buckets, split_experts, split_replicated
 from passes.dp.graph import (ParamUse, cast_io, common_dtype, drop_aliases, find_params, fresh_layout, fill_shard,
-                             is_alias_op, positions, real_copy, rebuild, replace_param_uses)
+                             is_alias_op, keep_frozen, positions, rebuild, replace_param_uses)
 from passes.dp.info import META_DP, DataParallelInfo, ExpertGroup, Placement
 from passes.layout import FlatShard
 from passes.ops import dp_ops
@@ -78,12 +77,9 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
     info = DataParallelInfo(kind="fsdp", axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg,
                             aliases=drop_aliases(params, layout))
     objects: dict[str, object] = {}
-    for use in params:
-        if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(real_copy(use.tensor, place.compute), requires_grad=False)
-            info.replicated[use.attr] = use.key
-            layout.keys[use.attr] = use.key
-    trainable = [u for u in params if u.tensor.requires_grad]
+    trainable = keep_frozen(graph, params, info, objects, param_dtype=param_dtype, place=place)
+    for attr, key in info.replicated.items():
+        layout.keys[attr] = key
     if experts is not None:
         own, trainable = split_experts(graph, trainable, layout, experts)
         if own:  # expert-parallel weights are this rank's own already: averaged, never flattened

@@ -15,7 +15,7 @@ from torch import nn
 from passes.ops import dp_ops
 from planner.dtype_pins import module_pins, pins_problem
 from planner.trace_dtype import traced_dtype
-from passes.dp.info import Placement
+from passes.dp.info import DataParallelInfo, Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
 from planner.graph import META_PARAM
 from planner.modpath import fetch_attr, install_attr
@@ -193,6 +193,26 @@ def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str,
     out.meta = copy.copy(src.meta)
     out.meta[META_LAYOUT] = layout
     return out
+
+
+def keep_frozen(graph: torch.fx.Graph, params: list[ParamUse], info: DataParallelInfo, objects: dict[str, object],
+                *, param_dtype: torch.dtype | None, place: Placement) -> list[ParamUse]:
+    """Frozen parameters (``requires_grad`` False) stay whole on every rank at the model's own
+    precision (what checkpoints save, so a later fp32 plan resumes them exactly); under mixed
+    precision each read is cast to ``param_dtype``, as the buckets cast the trainable ones.
+    Returns the trainable uses."""
+    for use in params:
+        if use.tensor.requires_grad:
+            continue
+        objects[use.attr] = nn.Parameter(real_copy(use.tensor, place.compute), requires_grad=False)
+        info.replicated[use.attr] = use.key
+        if param_dtype is None or not use.tensor.is_floating_point() or use.tensor.dtype == param_dtype:
+            continue
+        for node in use.nodes:
+            with graph.inserting_after(node):
+                cast = graph.call_method("to", (node, param_dtype))
+            node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+    return [u for u in params if u.tensor.requires_grad]
 
 
 def fresh_layout(gm: torch.fx.GraphModule) -> ParamLayout:

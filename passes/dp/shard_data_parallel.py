@@ -38,12 +38,11 @@ from typing import Collection
 
 import torch
 import torch.fx
-from torch import nn
 
 from passes.dp.buckets import insert_buckets, split_experts, split_replicated
 from passes.dp.fsdp import rewrite_fsdp
-from passes.dp.graph import cast_io, drop_aliases, dtype_of, find_params, fresh_layout, place_graph, placement, \
-    real_copy, rebuild
+from passes.dp.graph import cast_io, drop_aliases, dtype_of, find_params, fresh_layout, keep_frozen, place_graph, \
+    placement, rebuild
 from passes.dp.info import META_DP, DataParallelInfo, ExpertGroup, Placement, dp_info
 from passes.ops.dp_ops import no_sync
 from planner.plan import DP_KINDS, DataParallel, Plan
@@ -121,11 +120,7 @@ def _rewrite_buckets(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: i
     info = DataParallelInfo(kind=cfg.kind, axis=axis, dp_index=dp_index, dp_size=dp_size, config=cfg,
                             aliases=drop_aliases(params, layout))
     objects: dict[str, object] = {}
-    trainable = [u for u in params if u.tensor.requires_grad]
-    for use in params:
-        if not use.tensor.requires_grad:
-            objects[use.attr] = nn.Parameter(real_copy(use.tensor, place.compute), requires_grad=False)
-            info.replicated[use.attr] = use.key
+    trainable = keep_frozen(graph, params, info, objects, param_dtype=param_dtype, place=place)
     own, trainable = split_experts(graph, trainable, layout, experts)
     if own:
         insert_buckets(graph, info, objects, own, kind="ddp", bucket_mb=cfg.bucket_mb, param_dtype=param_dtype,
