@@ -18,6 +18,7 @@ Units everywhere: bytes, seconds, FLOP/s, bytes/s. Bandwidths are per device and
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 import warnings
@@ -26,7 +27,7 @@ from typing import Any, Callable, Mapping
 from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
 from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS",
+__all__ = ["Cluster", "Efficiency", "link_at", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS",
            "WHOLE_OP_KINDS"]
 
 GiB = 1024**3
@@ -141,6 +142,15 @@ class Cluster:
     receive paired with it, ``latency + bytes / bandwidth`` per send (a rank receives as many
     messages as it sends). Empty for GPUs: every collective uses the intra-node link.
     ``planner.cost_comm.comm_group`` and ``planner.search.ranks.stage_send`` read it."""
+    collective_ranges: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
+    """``all_gather`` / ``reduce_scatter`` / ``p2p`` -> rows ``(up to bytes, bandwidth bytes/s,
+    latency s)``, ascending: that op's link inside a node fitted per size range, between each two
+    consecutive message sizes calibration measured (gloo's cost per byte changes several-fold
+    between 4 KiB and 16 MiB: one line through all sizes was 2.4× off in the middle, and ZeRO-2 and
+    FSDP plans, whose buckets sit there, were predicted 40% slow). A message of ``n`` bytes
+    (``planner.cost_comm``'s convention) takes the first row reaching ``n``, the last beyond them.
+    Where an op has rows they replace its ``collective_links`` entry (the one-line fit, kept for
+    the report). Empty for GPUs. Read through :meth:`link_rows`."""
     step_host_s: float = 0.0
     """Host seconds the runtime spends per training step on every rank outside the graph's ops,
     the collectives and the optimizer's arithmetic: ``train_step``'s own machinery (gradients
@@ -202,8 +212,24 @@ class Cluster:
         if odd:
             problems.append("collective_links maps all_gather / reduce_scatter / p2p to (bandwidth > 0, latency >= 0) "
                             f"(got {odd})")
+        for op, rows in self.collective_ranges.items():
+            ends = [r[0] for r in rows]
+            if (op not in COLLECTIVE_LINK_OPS or not rows or ends != sorted(ends)
+                    or any(end <= 0 or bw <= 0 or lat < 0 for end, bw, lat in rows)):
+                problems.append(f"collective_ranges[{op!r}] must be an op of {list(COLLECTIVE_LINK_OPS)} with rows "
+                                f"(up to bytes > 0, ascending; bandwidth > 0; latency >= 0) (got {rows})")
         if problems:
             raise ValueError("invalid Cluster: " + "; ".join(problems))
+
+    def link_rows(self, op: str) -> tuple[tuple[float, float, float], ...]:
+        """``(up to bytes, bandwidth, latency)`` rows of collective ``op`` inside a node, bandwidth
+        × network efficiency: its per-range fit, else its one-line link, else the intra-node link
+        (one row reaching any size)."""
+        eff = self.efficiency.network
+        if op in self.collective_ranges:
+            return tuple((end, bw * eff, lat) for end, bw, lat in self.collective_ranges[op])
+        bw, lat = self.collective_links.get(op, (self.intra_bandwidth, self.intra_latency))
+        return ((math.inf, bw * eff, lat),)
 
     @property
     def devices(self) -> int:
@@ -327,9 +353,21 @@ class Cluster:
                                      for op, calls in data.get("collective_call_s", {}).items()}
         data["collective_links"] = {str(op): (float(bw), float(lat))
                                     for op, (bw, lat) in data.get("collective_links", {}).items()}
+        data["collective_ranges"] = {str(op): tuple((float(end), float(bw), float(lat)) for end, bw, lat in rows)
+                                     for op, rows in data.get("collective_ranges", {}).items()}
         data["whole_op_s"] = {str(k): float(v) for k, v in data.get("whole_op_s", {}).items()}
         data["gemm_flops"] = tuple((int(i), int(o), float(r)) for i, o, r in data.get("gemm_flops", ()))
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
+
+
+def link_at(rows: tuple[tuple[float, float, float], ...], nbytes: float) -> tuple[float, float]:
+    """(bandwidth, latency) of the first of :meth:`Cluster.link_rows`' rows reaching ``nbytes``,
+    the last beyond them all. Example: rows ((64e3, 1e8, 1e-3), (4e6, 5e8, 2e-3)): 1 KB -> (1e8,
+    1e-3), 1 MB and 16 MB -> (5e8, 2e-3)."""
+    for end, bandwidth, latency in rows:
+        if nbytes <= end:
+            return bandwidth, latency
+    return rows[-1][1], rows[-1][2]
 
 
 def detect_cluster(*, gpus: Callable[[], int] | None = None, probe: Callable[[], GpuInfo | None] | None = None,

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from planner.collectives import wire_bytes
 
+from planner.cluster import link_at
+
 if TYPE_CHECKING:
     from planner.cluster import Cluster
 
@@ -102,15 +104,15 @@ class Group:
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
-    intra_links: tuple[tuple[str, float, float], ...] = ()
-    """(collective, bandwidth, latency) inside a node where it differs from the intra link
-    (``Cluster.collective_links``, already × network efficiency)."""
+    intra_links: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    """(collective, its :meth:`Cluster.link_rows`) inside a node where it differs from the intra
+    link (measured per op, or per op and size range, by calibration; × network efficiency)."""
 
-    def intra(self, op: str) -> tuple[float, float]:
-        """(bandwidth, latency) of collective ``op`` inside a node."""
-        for name, bandwidth, latency in self.intra_links:
+    def intra(self, op: str, nbytes: float) -> tuple[float, float]:
+        """(bandwidth, latency) of collective ``op`` of a message of ``nbytes`` inside a node."""
+        for name, rows in self.intra_links:
             if name == op:
-                return bandwidth, latency
+                return link_at(rows, nbytes)
         return self.intra_bandwidth, self.intra_latency
 
     @property
@@ -128,7 +130,8 @@ def comm_group(cluster: "Cluster", size: int, stride: int = 1) -> Group:
     return Group(size=max(1, size), per_node=max(1, min(size, inside)),
                  intra_bandwidth=cluster.intra_bandwidth * eff, intra_latency=cluster.intra_latency,
                  inter_bandwidth=cluster.inter_bandwidth * eff, inter_latency=cluster.inter_latency,
-                 intra_links=tuple((op, bw * eff, lat) for op, (bw, lat) in sorted(cluster.collective_links.items())))
+                 intra_links=tuple((op, cluster.link_rows(op))
+                                   for op in sorted({*cluster.collective_links, *cluster.collective_ranges})))
 
 
 def group_all_reduce_time(g: Group, nbytes: float) -> float:
@@ -152,7 +155,7 @@ def group_all_gather_time(g: Group, nbytes: float, *, op: str = "all_gather") ->
     k, n = g.per_node, g.nodes
     if g.size <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = g.intra(op)
+    bandwidth, latency = g.intra(op, nbytes)
     intra = all_gather_time(nbytes, k, bandwidth=bandwidth, latency=latency)
     if n == 1:
         return intra

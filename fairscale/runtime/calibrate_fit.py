@@ -58,6 +58,34 @@ def fit_link(points: list[tuple[float, float, float]]) -> tuple[float, float, fl
     return alpha, 1.0 / inv_beta, err
 
 
+FLAT_BANDWIDTH = 1e15
+"""Bytes/s of a size range whose time does not grow with its bytes (latency only, within noise)."""
+
+
+def fit_ranges(points: list[tuple[float, float, float, float]]) -> tuple[tuple[float, float, float], ...]:
+    """``(up to bytes, bandwidth, latency)`` rows (``planner.cluster.Cluster.collective_ranges``) of
+    ``t = a·x_lat + x_bytes / beta`` between each two consecutive ``(x_lat, x_bytes, t, size)``
+    points by ``size`` (the message as ``planner.cost_comm`` sizes it); each row reaches the larger
+    size. The line through both points where its latency comes out >= 0; a range whose time grows
+    faster than its bytes (a cache knee somewhere inside it, which two points do not locate) is
+    charged the line through the origin and its smaller point, so messages just above that size,
+    the common case, cost about what it measured. A time that does not grow gives a latency-only
+    row (:data:`FLAT_BANDWIDTH`).
+    Example: (7, 3.5e3, 20e-3, 4e3), (7, 3.5e6, 32e-3, 4e6), (7, 14e6, 100e-3, 16e6) ->
+    (4e6, 2.9e8 B/s, 2.9e-3 s), (16e6, 1.5e8 B/s, 1.3e-3 s); with 302e-3 at 16e6 (measured once)
+    the second range has no line of latency >= 0 through both points: (16e6, 1.1e8 B/s, 0 s)."""
+    pts = sorted(points, key=lambda p: p[3])
+    rows = []
+    for (xl0, xb0, t0, _), (_, xb1, t1, size1) in zip(pts, pts[1:]):
+        slope = (t1 - t0) / (xb1 - xb0) if xb1 > xb0 else 0.0
+        bandwidth = min(FLAT_BANDWIDTH, 1.0 / slope) if slope > 0 else FLAT_BANDWIDTH
+        alpha = (t0 - xb0 / bandwidth) / xl0 if xl0 > 0 else 0.0
+        if alpha < 0:
+            alpha, bandwidth = 0.0, min(FLAT_BANDWIDTH, xb0 / t0) if t0 > 0 else FLAT_BANDWIDTH
+        rows.append((float(size1), float(bandwidth), float(alpha)))
+    return tuple(rows)
+
+
 def per_op_overhead(seconds: float, *, ops: int, flops: float, flops_per_s: float) -> float:
     """Host seconds per counted op of a forward+backward that took ``seconds``, ran ``ops`` ops
     (the planner's count: one forward, two backward each) and ``flops`` FLOPs at ``flops_per_s``.

@@ -25,7 +25,7 @@ from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 8
+CALIBRATION_VERSION = 9
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -39,7 +39,9 @@ times a linear's forward and backward by weight shape, ``Cluster.gemm_flops`` (t
 narrower GEMMs) and a layer norm's and an add's cost per byte, ``Cluster.whole_op_s`` (the ops a
 tensor-parallel rank runs whole); 8 takes the transformer block's rate as the median of samples
 spread over the whole calibration, ``block_flops_samples`` (one timing had followed the machine's
-moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two."""
+moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two; 9 fits the all-gather, reduce-scatter and
+pipeline send per size range, ``Cluster.collective_ranges`` (one line through 4 KiB-16 MiB was
+2.4× off for the reduce-scatter in between)."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -142,6 +144,9 @@ class Calibration:
         for name, fit in self.fits.items():
             lines.append(f"  {name:22s}: alpha {fit['latency_s'] * 1e6:8.1f} us, beta {fit['bandwidth'] / 1e9:6.3f} GB/s"
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
+        for op, rows in self.cluster.collective_ranges.items():  # what plans use (per size range)
+            lines.append(f"  {op + ' by size':22s}: " + "; ".join(
+                f"to {end / 2**20:.3g} MiB alpha {lat * 1e6:.0f} us, beta {bw / 1e9:.3g} GB/s" for end, bw, lat in rows))
         return "\n".join(lines)
 
     def _block_spread(self) -> str:

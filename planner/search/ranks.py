@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from functools import lru_cache
 
+from planner.cluster import link_at
 from planner.cost import LayerCost
 from planner.cost_comm import all_gather_time, p2p_time
 from planner.schedule_cost import stage_placement
@@ -106,21 +107,20 @@ def stage_send(ctx: Context, cfg: Config, nbytes: float) -> tuple[float, float]:
     """(seconds, bytes sent) of one pipeline send of ``nbytes`` (a rank's copy of a stage's output).
 
     Adjacent stages are ``tp·dp`` ranks apart, so they sit in different nodes once that fills a
-    node; inside a node a send uses ``Cluster.collective_links["p2p"]`` where calibration measured
+    node; inside a node a send uses ``Cluster.link_rows("p2p")`` where calibration measured
     it (CPU ranks: a batch of the send and its paired receive), else the intra-node link. With
     ``CostOptions.p2p_scatter_gather`` and tp > 1 (and an unsharded output: sequence
     parallelism already shards it), each tp rank sends ``1/tp`` and the receivers all-gather the
     rest over NVLink (Narayanan et al. 2021 §4.1)."""
     c = ctx.cluster
-    apart = cfg.tp * cfg.dp
-    if apart >= c.devices_per_node:
-        bw, lat = c.inter_bandwidth, c.inter_latency
-    else:  # the pipeline send's own link where calibration measured one (CPU ranks)
-        bw, lat = c.collective_links.get("p2p", (c.intra_bandwidth, c.intra_latency))
-    bw *= c.efficiency.network
-    if ctx.options.p2p_scatter_gather and cfg.tp > 1 and not cfg.sp:
-        part = nbytes / cfg.tp
+    scatter = ctx.options.p2p_scatter_gather and cfg.tp > 1 and not cfg.sp
+    sent = nbytes / cfg.tp if scatter else nbytes
+    if cfg.tp * cfg.dp >= c.devices_per_node:
+        bw, lat = c.inter_bandwidth * c.efficiency.network, c.inter_latency
+    else:  # the pipeline send's own link where calibration measured one (CPU ranks), for its size
+        bw, lat = link_at(c.link_rows("p2p"), sent)
+    if scatter:
         gather = all_gather_time(nbytes, cfg.tp, bandwidth=c.intra_bandwidth * c.efficiency.network,
                                  latency=c.intra_latency)
-        return p2p_time(part, bandwidth=bw, latency=lat) + gather, part
-    return p2p_time(nbytes, bandwidth=bw, latency=lat), nbytes
+        return p2p_time(sent, bandwidth=bw, latency=lat) + gather, sent
+    return p2p_time(sent, bandwidth=bw, latency=lat), sent

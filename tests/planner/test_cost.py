@@ -1,6 +1,8 @@
 """Cost formulas, each against a number worked out by hand."""
 
 import dataclasses
+import json
+import math
 
 import pytest
 
@@ -300,6 +302,45 @@ def test_all_gather_and_reduce_scatter_use_their_own_measured_links():
         dataclasses.replace(c, collective_links={"all_reduce": (bw, lat)})
     with pytest.raises(ValueError, match="bandwidth > 0"):
         dataclasses.replace(c, collective_links={"all_gather": (0.0, lat)})
+
+
+def test_measured_size_ranges_price_each_message_on_its_own_range():
+    from planner.cluster import link_at
+    from planner.cost_comm import comm_group, group_all_gather_time, group_reduce_scatter_time
+
+    c = Cluster.cpu(8)
+    bw, lat, eff = c.intra_bandwidth, c.intra_latency, c.efficiency.network
+    rows = ((64e3, bw, 2 * lat), (4e6, bw / 2, lat), (16e6, bw / 8, 0.0))
+    ranged = dataclasses.replace(c, collective_links={"reduce_scatter": (bw / 5, lat)},
+                                 collective_ranges={"reduce_scatter": rows})
+    # the first row reaching the size; the last beyond them all
+    assert [link_at(rows, n) for n in (1e3, 64e3, 1e6, 16e6, 1e9)] == \
+        [rows[0][1:], rows[0][1:], rows[1][1:], rows[2][1:], rows[2][1:]]
+    g = comm_group(ranged, 8)
+    for n, (b, a) in ((1e3, rows[0][1:]), (1e6, rows[1][1:]), (64e6, rows[2][1:])):
+        assert group_reduce_scatter_time(g, n) == pytest.approx(7 * a + 7 / 8 * n / (b * eff))
+    # the ranges replace the op's one-line link; an op without ranges keeps its link (here: none)
+    assert ranged.link_rows("reduce_scatter") == tuple((e, b * eff, a) for e, b, a in rows)
+    assert group_all_gather_time(g, 1e6) == group_all_gather_time(comm_group(c, 8), 1e6)
+    assert ranged.link_rows("all_gather") == ((math.inf, bw * eff, lat),)
+    assert Cluster.from_dict(json.loads(json.dumps(ranged.to_dict()))) == ranged
+    for bad in ({"all_reduce": rows}, {"p2p": ()}, {"p2p": rows[::-1]}, {"p2p": ((1e3, 0.0, lat),)}):
+        with pytest.raises(ValueError, match=r"collective_ranges\[.*must be an op of"):
+            dataclasses.replace(c, collective_ranges=bad)
+
+
+def test_a_pipeline_send_takes_the_p2p_range_of_its_size():
+    from planner.search.config import Config, Context
+    from planner.search.evaluate import evaluate
+
+    ctx = _toy_context(output=1e8)  # one 100 MB send each way per microbatch
+    fast = ((1e5, 1e10, 1e-4), (1e9, 5e8, 2e-3))  # 100 MB falls in the second range
+    slow = ((1e9, 1e10, 1e-4), (2e9, 5e8, 2e-3))  # ... in the first
+    for rows, one_send in ((fast, 2e-3 + 1e8 / 5e8), (slow, 1e-4 + 1e8 / 1e10)):
+        c = dataclasses.replace(ctx.cluster, collective_links={"p2p": (1.0, 1.0)}, collective_ranges={"p2p": rows})
+        own = Context(ctx.facts, c, global_batch=2, options=ctx.options, captured_dtype="fp32")
+        b = evaluate(own, Config(pp=2, dp=1, tp=1, microbatches=2, cuts=(0, 1, 2)))
+        assert b.p2p_s == pytest.approx(2 * one_send)  # the ranges, not the one-line link
 
 
 def test_a_head_split_on_the_vocabulary_is_costed_with_its_loss_or_its_gather():

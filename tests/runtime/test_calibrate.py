@@ -7,7 +7,7 @@ import pytest
 from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, block_flops_rate, block_model_counts,
                                          calibrate_cpu, fit_alpha_beta, fit_link, load_calibration, op_model_counts,
                                          per_op_overhead, save_calibration)
-from fairscale.runtime.calibrate_fit import spread
+from fairscale.runtime.calibrate_fit import FLAT_BANDWIDTH, fit_ranges, spread
 from fairscale.calibrate_host import host_meshes, measure_runtime_host
 from planner.cluster import Cluster
 
@@ -42,6 +42,22 @@ def test_fit_link_takes_beta_from_the_largest_messages_and_alpha_from_the_smalle
         fit_alpha_beta([(1, 0, 1e-4), (1, 1e6, 1.1e-3), (1, 4e6, 1.0e-3)])
 
 
+def test_fit_ranges_draws_a_line_per_range_between_measured_sizes():
+    # (x_lat, x_bytes, t, size): the 8-rank reduce-scatter's (7, 7/8 of the size) form
+    pts = [(7, 3.5e3, 20e-3, 4e3), (7, 3.5e6, 32e-3, 4e6), (7, 14e6, 100e-3, 16e6)]
+    rows = fit_ranges(pts)
+    assert [end for end, _, _ in rows] == [4e6, 16e6]
+    for (end, bw, lat), (xl0, xb0, t0, _), (xl1, xb1, t1, _) in zip(rows, pts, pts[1:]):
+        assert lat >= 0 and xl0 * lat + xb0 / bw == pytest.approx(t0) and xl1 * lat + xb1 / bw == pytest.approx(t1)
+    # a range whose time grows faster than its bytes: no line of latency >= 0 meets both points;
+    # it is charged from the origin through its smaller point (302 ms at 16 MB was measured once)
+    end, bw, lat = fit_ranges(pts[:2] + [(7, 14e6, 302e-3, 16e6)])[1]
+    assert (end, lat) == (16e6, 0.0) and 3.5e6 / bw == pytest.approx(32e-3)
+    # a time that does not grow (small messages, within noise): latency only
+    end, bw, lat = fit_ranges([(7, 3.5e3, 21e-3, 4e3), (7, 56e3, 20e-3, 64e3)])[0]
+    assert bw == FLAT_BANDWIDTH and 7 * lat == pytest.approx(21e-3, rel=1e-6)
+
+
 def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     cal = calibrate_cpu(2, repeat=1, runtime_host=measure_runtime_host)
     c = cal.cluster
@@ -55,6 +71,11 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert c.collective_links["p2p"] == (cal.fits["p2p"]["bandwidth"], cal.fits["p2p"]["latency_s"])
     assert c.collective_links["reduce_scatter"] == (cal.fits["reduce_scatter"]["bandwidth"],
                                                     cal.fits["reduce_scatter"]["latency_s"])
+    # ... and per size range, between each two measured sizes, which plans use (version 9)
+    sizes = {op: sorted(cal.collectives[op]) for op in c.collective_links}
+    assert set(c.collective_ranges) == set(c.collective_links)
+    assert all([row[0] for row in c.collective_ranges[op]] == sizes[op][1:] for op in sizes)
+    assert "reduce_scatter by size" in cal.table()
     # the host cost per small call, by group size (2 ranks: one group of 2)
     assert set(c.collective_call_s) == {"all_reduce", "all_gather"} and c.collective_call_s == cal.collective_call_s
     assert all(set(calls) == {2} and calls[2] > 0 for calls in c.collective_call_s.values())
@@ -80,7 +101,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert len(cal.block_flops_samples) == 10 and all(r > 1e8 for r in cal.block_flops_samples)
     assert cal.block_flops == spread(cal.block_flops_samples)[0]
     assert "median of 10 samples, middle half" in cal.table()
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 8
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 9
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
