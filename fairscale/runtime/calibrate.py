@@ -99,8 +99,8 @@ from passes.ops.recompute_ops import recompute_call
 from planner.cluster import COLLECTIVE_LINK_OPS, Cluster, Efficiency, host_memory_bytes
 from fairscale.runtime.p2p import Message, exchange
 from planner.cost_whole import ELEMENTWISE, NORM
-from fairscale.runtime.calibrate_fit import block_flops_rate, fit_alpha_beta, fit_link, fit_ranges, fit_slope, per_op_overhead, \
-    spread
+from fairscale.runtime.calibrate_fit import block_flops_rate, collective_ranges, fit_alpha_beta, fit_link, fit_slope, \
+    per_op_overhead, ring_points, spread
 from fairscale.runtime.calibration_record import CALIBRATION_VERSION, Calibration, machine_description
 from planner.cost_host import per_recomputed_op
 
@@ -433,14 +433,10 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     seconds = {"rates": time.perf_counter() - start - res["probe_s"], "runtime_host": prepared + res["probe_s"]}
     step_host, micro_host, tensor_host, tp_op_host = res["runtime_host"] or (0.0, 0.0, 0.0, 0.0)
     coll: dict[str, dict[int, float]] = res["coll"]
-    p = ranks
-    shapes = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
-              "reduce_scatter": (p - 1, (p - 1) / p), "p2p": (1, 1.0)}
     fits: dict[str, dict[str, float]] = {}
     combined: list[tuple[float, float, float]] = []
     for name, sizes in coll.items():
-        lat, per = shapes[name]
-        pts = [(lat, per * n, t) for n, t in sorted(sizes.items())]
+        pts = [pt[:3] for pt in ring_points(name, ranks, sizes)]
         alpha, beta, err = fit_link(pts)
         fits[name] = {"latency_s": alpha, "bandwidth": beta, "max_rel_error": err}
         if name != "p2p":
@@ -451,8 +447,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     # all-gather and reduce-scatter of ZeRO and FSDP get their own (gloo's differ 2-5× per byte)
     link = fits["all_reduce"]
     links = {op: (fits[op]["bandwidth"], fits[op]["latency_s"]) for op in COLLECTIVE_LINK_OPS}
-    ranges = {op: fit_ranges([(shapes[op][0], shapes[op][1] * n, t, n) for n, t in coll[op].items()])
-              for op in COLLECTIVE_LINK_OPS}
+    ranges = collective_ranges(coll, ranks)
     block_samples = [float(r) for r in res["block_flops"]]
     flops = spread(block_samples)[0]  # the transformer block's rate; the GEMM table is reported beside it
     bw = float(res["bandwidth"])

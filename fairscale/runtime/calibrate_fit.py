@@ -9,7 +9,10 @@ Usage::
 
 from __future__ import annotations
 
-__all__ = ["fit_alpha_beta", "fit_link", "fit_slope", "per_op_overhead", "block_flops_rate", "spread"]
+from planner.cluster import COLLECTIVE_LINK_OPS
+
+__all__ = ["fit_alpha_beta", "fit_link", "fit_ranges", "fit_slope", "per_op_overhead", "block_flops_rate", "spread",
+           "ring_points", "collective_ranges", "FLAT_BANDWIDTH"]
 
 
 def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -132,3 +135,19 @@ def spread(samples: list[float]) -> tuple[float, float, float]:
         hi = min(lo + 1, len(ordered) - 1)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
     return quantile(0.5), quantile(0.25), quantile(0.75)
+
+
+def ring_points(op: str, ranks: int, times: dict[int, float]) -> list[tuple[float, float, float, float]]:
+    """``(latencies, wire bytes, seconds, bytes)`` per measured size of collective ``op`` over
+    ``ranks`` ranks: the ring formula's terms of ``planner.cost_comm`` (``p2p``: one send)."""
+    p = ranks
+    lat, per = {"all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "all_gather": (p - 1, (p - 1) / p),
+                "reduce_scatter": (p - 1, (p - 1) / p), "p2p": (1, 1.0)}[op]
+    return [(lat, per * n, t, n) for n, t in sorted(times.items())]
+
+
+def collective_ranges(collectives: dict[str, dict[int, float]], ranks: int) -> dict[str, tuple[tuple[float, float, float], ...]]:
+    """``Cluster.collective_ranges`` from a calibration's ``collectives`` (op -> bytes -> seconds,
+    measured over ``ranks`` ranks): each op of ``COLLECTIVE_LINK_OPS`` fitted per size range."""
+    return {op: fit_ranges(ring_points(op, ranks, {int(n): t for n, t in collectives[op].items()}))
+            for op in COLLECTIVE_LINK_OPS}
