@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fairscale.runtime.calibration_cache import cache_root
+from fairscale.runtime.calibration_cache import cache_root, write_whole
 from planner.cluster import Cluster, Efficiency
 
 __all__ = ["GpuCalibration", "measure", "gpu_cluster", "calibrate_gpu_and_cache", "gpu_cache_path",
@@ -214,10 +214,7 @@ def calibrate_gpu_and_cache(cluster: Cluster | None = None, *, out: object = Non
                            f"{done.stderr.strip()[-2000:]}\n"
                            "set FAIRSCALE_NO_CALIBRATE=1 to plan with datasheet figures")
     cal = GpuCalibration.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=1))
-    tmp.replace(path)  # a reader never sees half a file
+    write_whole(path, lambda tmp: tmp.write_text(json.dumps(cal.to_dict(), indent=1)))
     print(cal.table(detected), file=stream, flush=True)  # type: ignore[arg-type]
     return cal
 

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -32,7 +33,7 @@ from fairscale.runtime.calibrate import (CALIBRATION_VERSION, Calibration, Runti
                                          machine_description, save_calibration)
 from planner.cluster import Cluster
 
-__all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "cache_root", "machine_fingerprint", "REPEAT"]
+__all__ = ["cpu_cluster", "calibrate_and_cache", "cache_path", "cache_root", "machine_fingerprint", "write_whole", "REPEAT"]
 
 REPEAT = 2
 """Timed repetitions per measurement: with 2, first use takes 15-18 s for 8 ranks on 2 cores (the
@@ -67,6 +68,15 @@ def _read(path: Path) -> Cluster | None:
         return None  # absent, or written by another version: measure again
 
 
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a cache file through ``write(tmp)`` beside it, then move it into place: a reader (another
+    process planning at the same time) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
 def calibrate_and_cache(ranks: int, *, out: object = None, runtime_host: RuntimeHostProbe | None = None) -> Cluster:
     """Measure ``ranks`` CPU ranks now and replace the cached calibration; returns its Cluster.
     ``runtime_host``: ``fairscale.calibrate_host.measure_runtime_host`` (the face hands it in)."""
@@ -76,10 +86,7 @@ def calibrate_and_cache(ranks: int, *, out: object = None, runtime_host: Runtime
           file=stream, flush=True)  # type: ignore[arg-type]
     start = time.perf_counter()
     cal = calibrate_cpu(ranks, repeat=REPEAT, runtime_host=runtime_host)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_calibration(cal, tmp)
-    tmp.replace(path)  # a reader never sees half a file
+    write_whole(path, lambda tmp: save_calibration(cal, tmp))
     flops = cal.cluster.peak_flops["fp32"]
     parts = ", ".join(f"{name.replace('_', ' ')} {secs:.1f} s" for name, secs in cal.machine.get("calibration_s", {}).items()
                       if secs > 0.05)
