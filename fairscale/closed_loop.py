@@ -28,7 +28,9 @@ What happens (:class:`ClosedLoop`, a ``pm.after_step`` hook on every rank):
    others), with the ring formulas of ``planner.cost_comm`` giving its latency and byte terms;
    with message sizes spread at least 4×, α and β are both fitted
    (``fairscale.runtime.calibrate.fit_alpha_beta``), else only the term that dominates them
-   (β for large messages, α for small), the other kept.
+   (β for large messages, α for small), the other kept. A collective the cluster prices on a
+   link of its own (calibrated CPU ranks' all-gather, reduce-scatter: ``Cluster.collective_ranges``)
+   is refitted on it instead, by one factor from its own calls, and kept out of that fit.
 4. It re-costs the current plan and searches again on the refitted cluster (the same search
    ``parallelize`` runs, every device used, the running plan's compute dtype kept); if the best plan is predicted at least
    :data:`SWITCH_GAIN` faster, ``fairscale.switch_plan`` reshards the training state in memory
@@ -58,7 +60,7 @@ from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.run_cli import ENV_CALIBRATE
 from passes.ops.flight import RECORDER
-from planner.cluster import Cluster
+from planner.cluster import Cluster, link_at
 from planner.cost_comm import all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from planner.plan import Plan
 from planner.search import Breakdown, cost_plan
@@ -219,6 +221,35 @@ def measure(ranks: list[dict[str, Any]], mesh: RankMesh) -> Measurement:
                        rank_step_s=[statistics.median(s["step"] for s in r["steps"]) for r in ranks])
 
 
+def _own_links(cluster: Cluster, measured: Measurement, changes: dict[str, Any], how: list[str]) -> set[str]:
+    """Refit the collectives the cluster prices on links of their own inside a node (calibrated CPU
+    ranks: ``Cluster.collective_ranges`` / ``collective_links``) from their own measured calls: one
+    factor per op, ``k`` = measured over predicted seconds summed over its calls, multiplying its
+    latencies and dividing its bandwidths (every call's time × k), written into ``changes``. They
+    stay out of the link's fit, which they never priced. Returns the ops refitted."""
+    ops = set(cluster.collective_links) | set(cluster.collective_ranges)
+    done = set()
+    for op in sorted(ops & set(_TIME_OF)):
+        calls = [(size, nbytes, t) for name, size, nbytes, t in measured.calls
+                 if name == op and size <= cluster.devices_per_node]
+        rows = cluster.link_rows(op)
+        predicted = sum(_TIME_OF[op](nbytes, size, bandwidth=bw, latency=lat)
+                        for size, nbytes, _ in calls for bw, lat in [link_at(rows, nbytes)])
+        if not calls or predicted <= 0:
+            continue
+        k = sum(t for _, _, t in calls) / predicted
+        if op in cluster.collective_ranges:
+            changes.setdefault("collective_ranges", dict(cluster.collective_ranges))[op] = tuple(
+                (end, bw / k, lat * k) for end, bw, lat in cluster.collective_ranges[op])
+        if op in cluster.collective_links:
+            bw, lat = cluster.collective_links[op]
+            changes.setdefault("collective_links", dict(cluster.collective_links))[op] = (bw / k, lat * k)
+        how.append(f"{op}: measured {sum(t for _, _, t in calls) * 1e3:.3g} ms against {predicted * 1e3:.3g} ms "
+                   f"predicted over {len(calls)} size(s) on its own calibrated link: its times × {k:.3g}")
+        done.add(op)
+    return done
+
+
 def refit(cluster: Cluster, predicted: dict[str, Any], measured: Measurement) -> tuple[Cluster, Fit]:
     """``cluster`` with its compute rates and collective α/β fitted to ``measured`` (see the module
     docstring); ``predicted`` is :func:`predicted_terms` of the plan that was measured on ``cluster``."""
@@ -234,9 +265,10 @@ def refit(cluster: Cluster, predicted: dict[str, Any], measured: Measurement) ->
         "hbm_bandwidth": cluster.hbm_bandwidth * k, "op_overhead_s": cluster.op_overhead_s / k}
     links: dict[str, tuple[float, float]] = {}
     eff = cluster.efficiency.network
+    own = _own_links(cluster, measured, changes, how)
     for link, inside in (("intra", True), ("inter", False)):
         pts = [(*_ring_terms(op, size, nbytes), t) for op, size, nbytes, t in measured.calls
-               if (size <= cluster.devices_per_node) == inside]
+               if (size <= cluster.devices_per_node) == inside and not (inside and op in own)]
         if not pts:
             continue
         bandwidth, latency = cluster.link(1 if inside else cluster.devices_per_node + 1)

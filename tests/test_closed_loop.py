@@ -14,8 +14,8 @@ from fairscale.api import captured
 from fairscale.closed_loop import Measurement, predicted_terms, refit, steps_requested
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from planner.cluster import Cluster
-from planner.cost_comm import all_reduce_time
+from planner.cluster import Cluster, link_at
+from planner.cost_comm import all_reduce_time, reduce_scatter_time
 from planner.plan import Mesh, Plan, Schedule, Stage
 from planner.search import cost_plan
 
@@ -110,6 +110,34 @@ def test_refit_recovers_the_machine_it_measured():
     got, _ = refit(called, predicted, _measured(predicted, slower=1.0, alpha=2 * cluster.intra_latency, beta=2e8,
                                                 sizes=[2**16, 2**18, 2**20, 2**22]))
     assert got.collective_call_s["all_reduce"] == pytest.approx({2: 2e-3, 4: 6e-3}, rel=1e-6)
+
+
+def test_refit_keeps_each_calibrated_collective_on_its_own_link():
+    # calibrated CPU ranks price the reduce-scatter per size range: its calls refit those rows by
+    # one factor and stay out of the all-reduce link's fit (they had been fitted into it, and the
+    # reduce-scatter's own prediction never moved)
+    case = _case()
+    graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
+    base = Cluster.cpu(4)
+    rows = ((2**18, 4e8, 1e-3), (2**22, 1e8, 2e-3))
+    cluster = dataclasses.replace(base, collective_ranges={"reduce_scatter": rows},
+                                  collective_links={"reduce_scatter": (2e8, 1e-3)})
+    plan = _pp4()
+    predicted = predicted_terms(cost_plan(plan, graph, cluster), plan)
+    measured = _measured(predicted, slower=1.0, alpha=50e-6, beta=2e8, sizes=[2**16, 2**18, 2**20, 2**22])
+    eff = cluster.efficiency.network
+
+    def rs_time(c, n):
+        bw, lat = link_at(c.link_rows("reduce_scatter"), n)
+        return reduce_scatter_time(n, 4, bandwidth=bw, latency=lat)
+    rs = [("reduce_scatter", 4, n, 3 * rs_time(cluster, n)) for n in (2**16, 2**20)]  # 3x its rows' times
+    got, fit = refit(cluster, predicted, dataclasses.replace(measured, calls=measured.calls + rs))
+    assert got.intra_latency == pytest.approx(50e-6, rel=1e-6)  # from the all-reduces alone
+    assert got.intra_bandwidth * eff == pytest.approx(2e8, rel=1e-6)
+    for n in (2**10, 2**16, 2**20, 2**24):
+        assert rs_time(got, n) == pytest.approx(3 * rs_time(cluster, n), rel=1e-9)
+    assert got.collective_links["reduce_scatter"] == pytest.approx((2e8 / 3, 3e-3))
+    assert "reduce_scatter: measured" in "\n".join(fit.how) and "its times × 3" in "\n".join(fit.how)
 
 
 def test_calibrate_argument():
