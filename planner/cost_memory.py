@@ -26,6 +26,33 @@ __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
+OPTIMIZER_ACCESSES = {"adam": 18, "sgd": 8}
+"""fp32 element reads and writes per parameter element of one optimizer step as torch runs it
+(``torch.optim.Adam`` / ``SGD``, per tensor or foreach; no weight decay, no amsgrad): Adam's
+``exp_avg.lerp_(grad)`` 3, ``exp_avg_sq.mul_`` 2 and ``.addcmul_(grad, grad)`` 3, the
+denominator's ``sqrt`` 2, ``div_`` 2 and ``add_(eps)`` 2, then ``param.addcdiv_(exp_avg, denom)``
+4; SGD with momentum: ``buf.mul_`` 2, ``.add_(grad)`` 3, ``param.add_(buf)`` 3. (One read and one
+write of the states, 2 × 16 bytes for fp32 Adam, was the model until 2026-11-28: on an H200 the
+step took 3× that.)"""
+
+
+def optimizer_step_bytes(optimizer: str, param_dtype: str) -> float:
+    """Memory traffic of one optimizer step per element it updates: :data:`OPTIMIZER_ACCESSES` of
+    fp32 (the states, the gradient and the fp32 master it steps), and with a lower-precision
+    ``param_dtype`` the master copied into the parameter (4 bytes read, the parameter written).
+    Example: Adam, bf16: 18·4 + 4 + 2 = 78 bytes."""
+    if optimizer not in OPTIMIZER_ACCESSES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows {sorted(OPTIMIZER_ACCESSES)}")
+    p = DTYPE_BYTES[param_dtype]
+    return OPTIMIZER_ACCESSES[optimizer] * 4 + (4 + p if p < 4 else 0)
+
+
+def stepped_elements(params: float, *, dp_kind: str, dp: int) -> float:
+    """Parameter elements one rank's optimizer updates: its shard of the states (``K`` of
+    :func:`model_state_parts`), all of them under ddp."""
+    return params if dp_kind == "ddp" else params / dp
+
+
 def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str = "fp32",
                       optimizer: str = "adam") -> float:
     """Bytes of parameters + gradients + optimizer states one rank keeps between steps

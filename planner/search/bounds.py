@@ -15,7 +15,7 @@ import math
 
 from planner.cost import LayerCost
 from planner.cost_comm import group_all_gather_time, group_all_reduce_time, group_reduce_scatter_time
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes, stepped_elements
 from planner.schedule_cost import in_flight, pipeline_time
 from planner.search.config import Config, Context
 from planner.search.dp_cost import dp_bound_terms, dp_group, optimizer_time
@@ -147,11 +147,13 @@ def bounds(ctx: Context, cfg: Config, tot: Totals) -> tuple[float, float]:
     per_param = model_state_bytes(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=o.optimizer)
     params = tot.params / pp
+    stepped_per_param = stepped_elements(1.0, dp_kind=cfg.dp_kind, dp=cfg.dp)
     if cfg.ep > 1 and tot.experts:  # split over ep, kept whole on dp: an average state cost per element
         whole = model_state_bytes(1.0 / cfg.ep, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
                                   optimizer=o.optimizer)
         share = tot.experts / tot.params
         per_param = (1 - share) * per_param + share * whole
+        stepped_per_param = (1 - share) * stepped_per_param + share / cfg.ep
     state_per_param = per_param
     if cfg.offload:  # states on the host: the device holds none, the host must hold a rank's share
         per_param = 0.0
@@ -182,7 +184,7 @@ def bounds(ctx: Context, cfg: Config, tot: Totals) -> tuple[float, float]:
     share = ctx.cluster.core_share
     if share > 1.0:  # ranks time-sharing cores: see evaluate.shared_core_pipeline_time
         pipe = max(pipe / share, m * mean)
-    tail = optimizer_time(ctx, cfg, state_per_param * params)
+    tail = optimizer_time(ctx, cfg, stepped_per_param * params)
     if pp == 1 and cfg.dp > 1 and not o.overlap_dp:
         g = dp_group(ctx, cfg)
         grads, weights = dp_params * DTYPE_BYTES[cfg.reduce_dtype], dp_params * DTYPE_BYTES[cfg.param_dtype]

@@ -36,7 +36,7 @@ from typing import Callable
 
 from planner.cost_comm import (Group, comm_group, group_all_gather_time, group_all_gather_volume,
                                group_all_reduce_time, group_all_reduce_volume, group_reduce_scatter_time)
-from planner.cost_memory import DTYPE_BYTES
+from planner.cost_memory import DTYPE_BYTES, optimizer_step_bytes
 from planner.search.config import Config, Context
 
 __all__ = ["DPComm", "rank_dp_comm", "dp_group", "fsdp_microbatch_comm", "dp_bound_terms", "dp_bound_affine",
@@ -189,14 +189,16 @@ def dp_bound_affine(ctx: Context, cfg: Config) -> tuple[float, float, bool]:
     return one - slope * 1e9, slope, overlapped
 
 
-def optimizer_time(ctx: Context, cfg: Config, state_bytes: float, tensors: float = 0.0) -> float:
-    """Seconds of the optimizer step over ``state_bytes`` of model states in ``tensors`` tensors:
-    Adam reads and writes every state byte once (memory-bound), on the host when offloaded, and
-    pays ``Cluster.optimizer_tensor_s`` of host time per tensor (its per-tensor ops).
-    Example: 1 MB of states at 1 GB/s in 100 tensors at 50 us: 2 ms + 5 ms = 7 ms."""
+def optimizer_time(ctx: Context, cfg: Config, stepped: float, tensors: float = 0.0) -> float:
+    """Seconds of the optimizer step over ``stepped`` parameter elements (``cost_memory.stepped_elements``)
+    in ``tensors`` tensors: its memory traffic (``cost_memory.optimizer_step_bytes``, memory-bound),
+    on the host when offloaded, and ``Cluster.optimizer_tensor_s`` of host time per tensor (its
+    per-tensor ops). Example: 1e6 elements of fp32 Adam (72 MB) at 1 GB/s in 100 tensors at 50 us:
+    72 ms + 5 ms = 77 ms."""
     c = ctx.cluster
     bw = c.host_memory_bandwidth if cfg.offload else c.hbm_bandwidth
-    return 2 * state_bytes / (bw * c.efficiency.memory) + tensors * c.optimizer_tensor_s
+    traffic = stepped * optimizer_step_bytes(ctx.options.optimizer, cfg.param_dtype)
+    return traffic / (bw * c.efficiency.memory) + tensors * c.optimizer_tensor_s
 
 
 def optimizer_tensors(cfg: Config, *, tensors: int, sharded_bytes: float, whole: bool, units: int) -> int:

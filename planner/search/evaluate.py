@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from planner.cost import LayerCost
 from planner.cost_host import recompute_host_s, runtime_host_s
-from planner.cost_memory import DTYPE_BYTES, model_state_bytes
+from planner.cost_memory import DTYPE_BYTES, model_state_bytes, stepped_elements
 from planner.schedule_cost import pipeline_time, stage_placement
 from planner.search.config import Breakdown, Config, Context
 from planner.search.dp_cost import optimizer_tensors, optimizer_time, rank_dp_comm
@@ -76,7 +76,8 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
         n_opt = optimizer_tensors(cfg, tensors=sum(ctx.facts[i].param_tensors for i in layers), units=len(units),
                                   sharded_bytes=(params - experts - whole) * DTYPE_BYTES[cfg.reduce_dtype],
                                   whole=whole > 0)
-        opt_s = optimizer_time(ctx, cfg, state, n_opt)
+        stepped = stepped_elements(params - experts, dp_kind=cfg.dp_kind, dp=cfg.dp) + own
+        opt_s = optimizer_time(ctx, cfg, stepped, n_opt)
         # the runtime's own host work (CPU ranks): per step, per microbatch of each chunk, per dp tensor
         host_step, host_micro = runtime_host_s(c, chunks=len(rank_stages(cfg, rank)), dp=cfg.dp,
                                                tensors=sum(ctx.facts[i].param_tensors for i in layers))
