@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 from planner.detect import INTER_NODE, GpuInfo, intra_node_link, node_shape, probe_gpu
 from planner.gpus import GPU_MODELS, conservative_model, gpu_model
 
-__all__ = ["Cluster", "Efficiency", "link_at", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS",
-           "WHOLE_OP_KINDS"]
+__all__ = ["Cluster", "Efficiency", "PRESETS", "GiB", "default_compute_dtype", "detect_cluster", "COLLECTIVE_LINK_OPS",
+           "WHOLE_OP_KINDS", "link_at"]
 
 GiB = 1024**3
 MiB = 1024**2

@@ -15,14 +15,9 @@ MPICH", Table 1), which are also what nccl-tests uses to turn times into bus ban
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from planner.cluster import Cluster, link_at
 from planner.collectives import wire_bytes
-
-from planner.cluster import link_at
-
-if TYPE_CHECKING:
-    from planner.cluster import Cluster
 
 __all__ = ["all_reduce_time", "all_gather_time", "reduce_scatter_time", "all_to_all_time", "p2p_time",
            "all_reduce_volume", "all_gather_volume", "reduce_scatter_volume", "all_to_all_volume",
@@ -121,7 +116,7 @@ class Group:
         return -(-self.size // self.per_node)
 
 
-def comm_group(cluster: "Cluster", size: int, stride: int = 1) -> Group:
+def comm_group(cluster: Cluster, size: int, stride: int = 1) -> Group:
     """The group of ``size`` ranks spaced ``stride`` apart (a dp group has stride tp, an ep group
     stride tp, a pp group stride tp·dp) on ``cluster``: how many share a node, and the links."""
     per = cluster.devices_per_node
