@@ -13,7 +13,7 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
-from planner.dtype_pins import module_pins, pins_problem
+from planner.dtype_pins import MIXED_REMEDY, mixed_matmuls, mixed_problem, module_pins, pins_problem
 from planner.trace_dtype import traced_dtype
 from passes.dp.info import DataParallelInfo, Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
@@ -265,6 +265,20 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphMod
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
         name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
         raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))
+    mixed = mixed_matmuls(source) if traced == dtype else []
+    if mixed:  # the model's own mix of an fp32 value and a bf16 parameter: the ranks would crash at step 1
+        name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
+        raise MixedDtypeError(mixed_problem(mixed, name, "data_parallel.param_dtype"), node=mixed[0])
+
+
+class MixedDtypeError(ValueError):
+    """A plan's dtype meets the model's own float32 values in a matmul (``planner.dtype_pins``):
+    ``node`` is the first such op, ``hint`` what to do (the compile check reports both)."""
+
+    def __init__(self, message: str, *, node: torch.fx.Node) -> None:
+        super().__init__(message)
+        self.node = node
+        self.hint = MIXED_REMEDY
 
 
 def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:
