@@ -108,7 +108,10 @@ def mixed_matmuls(gm: torch.nn.Module) -> list[torch.fx.Node]:
 
 
 def _operand_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
-    return list(dict.fromkeys(d for a in (*node.args, *node.kwargs.values()) for d in _dtypes(a)))
+    """The dtypes the op needs to agree: every floating operand, but of attention only query, key
+    and value (its kernels take a float mask of another dtype)."""
+    args = node.args[:3] if "scaled_dot_product_attention" in str(node.target) else (*node.args, *node.kwargs.values())
+    return list(dict.fromkeys(d for a in args for d in _dtypes(a)))
 
 
 def _val_dtype(node: object) -> torch.dtype | None:

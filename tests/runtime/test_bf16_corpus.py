@@ -7,11 +7,15 @@ bf16 with fp32 masters (``test_bf16_trace.eager_bf16``)."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import fairscale
 from fairscale.compile_check import checker_for
 from fairscale.testing.corpus import models
+from planner.dtype_pins import mixed_matmuls
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule
+from planner.trace_dtype import in_dtype
 from test_bf16_trace import BATCH, _plan, _train, eager_bf16
 
 
@@ -63,3 +67,24 @@ def test_corpus_models_train_in_bf16_as_eager(name, mesh):
         assert got == ref, (got, ref)
     else:
         assert got != ref and all(abs(a - b) <= 2.0 ** -6 * abs(b) for a, b in zip(got, ref)), (got, ref)
+
+
+class _MaskedAttention(torch.nn.Module):
+    """bf16 attention beside an fp32 additive mask buffer, which SDPA takes in eager PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).sum()
+
+
+def test_an_fp32_attention_mask_beside_bf16_queries_is_not_mixed():
+    model = _MaskedAttention()
+    with in_dtype(model, torch.bfloat16, (torch.randn(2, 4, 8),)) as (batch, _):
+        assert model(*batch).dtype == torch.bfloat16  # eager runs it
+        gm = torch.export.export(model, batch).module()
+    assert not mixed_matmuls(gm)
