@@ -21,6 +21,13 @@ and everything before it inherits the difference). The user's model is never mod
 rank-side pieces live in :mod:`fairscale.check_step` (``parallelize`` imports them; this module
 imports ``parallelize``'s module to search and load plans).
 
+A mixed-precision plan (``data_parallel.param_dtype`` bf16 or fp16) is compared with one process
+computing as it does: the copy's parameters and the batch's floating tensors cast to that dtype,
+buffers as they are (``reference_step(dtype=)``), at that dtype's tolerance (the loss and every
+gradient within 2⁻⁵ relative for bf16: a coarse check, which still sees a missing or doubled
+reduction, a gradient off by a whole factor). Against an fp32 reference every such plan would be
+a false alarm.
+
 Dropout draws other random numbers on a rank than in one process, so the copies run with every
 ``nn.Dropout*`` module's ``p`` set to 0 (listed in the report). Random ops that are not modules
 (``F.dropout(x, p=0.1)`` in a forward, ``torch.rand``) cannot be turned off from outside and
@@ -40,6 +47,7 @@ from torch import nn
 from fairscale.check_step import (CheckFailed, CheckReport, RandomOpsError, _check_batch, _compare, _rank_step,
                                   _refuse_random, _rows, backward_order, check_on_ranks, quiet_copy, random_ops,
                                   reference_step)
+from fairscale.capture_cache import trace_dtype
 from fairscale.compile_check import checker_for
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -87,7 +95,7 @@ def check(model: nn.Module, example_inputs: Sequence[Any], *, devices: int, loss
     if not isinstance(graph, ModelGraph):
         raise RuntimeError(graph.message())
     _refuse_random(graph)
-    ref = reference_step(copy.deepcopy(quiet), batch, loss_fn)
+    ref = reference_step(copy.deepcopy(quiet), batch, loss_fn, dtype=trace_dtype(chosen))
     results = launch(_rank_step, devices=chosen.mesh.size, args=(quiet, batch, chosen, loss_fn))
     loss, grads = results[0]
     return _compare(chosen, graph, ref, loss, {k: torch.from_numpy(v) for k, v in grads.items()},

@@ -20,6 +20,7 @@ from torch import nn
 
 from fairscale import numerics
 from fairscale.build import build_module
+from fairscale.capture_cache import trace_dtype
 from fairscale.runtime.engine import microbatch_example
 from fairscale.runtime.startup import broadcast_from_zero
 from planner.capture import LossModule
@@ -64,7 +65,9 @@ class CheckReport:
         head = (f"fairscale check: one step of the plan (pp={m.pp} dp={m.dp} tp={m.tp}"
                 + (f" ep={m.ep}" if m.ep > 1 else "")
                 + f", {sched.kind}, {sched.microbatches} microbatch(es), {self.plan.data_parallel.kind}) on "
-                f"{self.devices} CPU ranks against one process, global batch of {self.batch_rows}")
+                f"{self.devices} CPU ranks against one process"
+                + (f" in {dtype}" if (dtype := self.plan.data_parallel.param_dtype) != "fp32" else "")
+                + f", global batch of {self.batch_rows}")
         lines = [head]
         if self.dropout_off:
             shown = ", ".join(self.dropout_off[:6]) + (" ..." if len(self.dropout_off) > 6 else "")
@@ -129,13 +132,23 @@ def backward_order(graph: ModelGraph) -> list[str]:
     return sorted(first, key=lambda k: -first[k])
 
 
-def reference_step(model: nn.Module, batch: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
-                   ) -> tuple[float, dict[str, torch.Tensor], torch.dtype]:
-    """Loss, gradients (by parameter name) and loss dtype of one forward and backward in one process."""
+def reference_step(model: nn.Module, batch: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None, *,
+                   dtype: torch.dtype | None = None) -> tuple[float, dict[str, torch.Tensor], torch.dtype]:
+    """Loss, gradients (by parameter name) and the precision they were computed in, of one forward
+    and backward in one process. ``dtype``: a mixed-precision plan's compute dtype
+    (``capture_cache.trace_dtype``); the step then runs as such a plan computes, with the floating
+    parameters (``model``'s own, so pass a copy) and the batch's floating tensors cast to it,
+    buffers as they are, and the gradients returned in the parameters' dtype."""
+    kept = {k: p.dtype for k, p in model.named_parameters()}
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        batch = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
     loss = LossModule(model, loss_fn)(*batch)
     loss.backward()
-    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-    return float(loss.detach()), grads, loss.dtype
+    grads = {k: p.grad.detach().to(kept[k]) for k, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, numerics.least_precise([loss.dtype, dtype])
 
 
 def _check_batch(example_inputs: Sequence[Any], plan: Plan) -> tuple[Any, ...]:
@@ -193,7 +206,7 @@ def check_on_ranks(model: nn.Module, example_inputs: Sequence[Any], plan: Plan, 
     grads = pm.full_grads()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        ref = reference_step(copy.deepcopy(quiet), batch, loss_fn)
+        ref = reference_step(copy.deepcopy(quiet), batch, loss_fn, dtype=trace_dtype(plan))
         box[0] = _compare(plan, graph, ref, loss, grads, devices=dist.get_world_size(), rows=_rows(batch),
                           dropout_off=dropout_off)
     broadcast_from_zero(box, "the one-process reference step of the check")
