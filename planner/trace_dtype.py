@@ -28,7 +28,11 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["in_dtype", "traced_dtype"]
+__all__ = ["in_dtype", "traced_dtype", "META_TRACE_DTYPE"]
+
+META_TRACE_DTYPE = "fs_trace_dtype"
+"""node.meta: the dtype :func:`in_dtype` traced the model in, on every node of the trace (a stage
+cut copies its nodes' meta, so a stage that reads no parameter still says how it was traced)."""
 
 
 def _swap(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> list[tuple[nn.Module, str, Any]]:
@@ -54,7 +58,8 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
     (``torch.empty_like``: the trace reads shapes and dtypes, never values, so no page of them is
     touched); yields the batch with its floating tensors cast and ``restore(gm)``, which points a
     traced graph's parameter attributes back at the model's own (the graph shares them, as an
-    fp32 capture does); the graph's recorded values keep the dtype (:func:`traced_dtype`)."""
+    fp32 capture does) and marks its nodes with ``dtype`` (:data:`META_TRACE_DTYPE`); the graph's
+    recorded values keep the dtype (:func:`traced_dtype`)."""
     copies: dict[int, nn.Parameter] = {}
 
     def make(p: nn.Parameter) -> nn.Parameter:
@@ -67,6 +72,10 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
 
     def restore(gm: torch.fx.GraphModule) -> None:
         for module in gm.modules():
+            graph = getattr(module, "graph", None)
+            if isinstance(graph, torch.fx.Graph):
+                for node in graph.nodes:
+                    node.meta[META_TRACE_DTYPE] = dtype
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) in copies:
                     module._parameters[name] = copies[id(p)]
@@ -79,14 +88,17 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
 
 
 def traced_dtype(gm: torch.nn.Module) -> torch.dtype | None:
-    """The dtype ``gm``'s floating parameters had when it was traced: that of the first parameter
-    read (``get_attr``) whose recorded value is floating, in graph order; None without one. A
-    graph cut into stages or rewritten by the passes keeps its nodes' recorded values, so every
-    piece of a trace says how it was traced."""
-    for module in gm.modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+    """The dtype ``gm``'s floating parameters had when it was traced: the dtype :func:`in_dtype`
+    marked its nodes with, else (a trace of the model as it is) that of the first parameter read
+    (``get_attr``) whose recorded value is floating, in graph order; None without either. A graph
+    cut into stages or rewritten by the passes keeps its nodes' meta, so every piece of a trace
+    says how it was traced, a stage that reads no parameter (a weightless norm's upcast) too."""
+    graphs: list[tuple[nn.Module, torch.fx.Graph]] = [
+        (m, g) for m in gm.modules() if isinstance(g := getattr(m, "graph", None), torch.fx.Graph)]
+    marked = next((n.meta[META_TRACE_DTYPE] for _, g in graphs for n in g.nodes if META_TRACE_DTYPE in n.meta), None)
+    if marked is not None:
+        return marked
+    for module, graph in graphs:
         for node in graph.nodes:
             val = node.meta.get("val")
             if node.op != "get_attr" or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
