@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fairscale
-from fairscale.compile_check import checker_for
+from fairscale.compile_check import PlanCompileError, checker_for
 from fairscale.testing.models import Case, build_llama, build_mlp
 from passes.ops import dp_ops
 from planner.plan import Plan, Stage
@@ -268,3 +268,30 @@ def test_fairscale_check_of_a_bf16_plan_still_sees_a_reduction_bug(monkeypatch):
     report = fairscale.check(case.model, case.make_batch(0, BATCH), devices=2, loss_fn=case.loss_fn,
                              plan=_plan(case, 1, 2, 1))
     assert not report.ok and "DIFFERENT" in report.describe(), report.describe()
+
+
+class UpcastIntoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 64), Upcast(), nn.Linear(64, 10)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_that_does_not_run_in_bf16_is_refused_before_launch():
+    # an fp32 value into a bf16 Linear raises in eager bf16 ("mat1 and mat2 must have the same
+    # dtype"); the trace on fake tensors recorded it without complaint (was: that crash at the first
+    # step on every rank, after launch)
+    torch.manual_seed(0)
+    case = Case("upcast-into-linear", UpcastIntoLinear(), build_mlp().make_batch, F.cross_entropy)
+    with pytest.raises(PlanCompileError) as info:
+        _plan(case, 1, 1, 1)
+    text = str(info.value)
+    assert 'data_parallel.param_dtype: "bf16" cannot run this model' in text, text
+    assert "layers.2 (Linear)" in text and "float32 x bfloat16" in text and "test_bf16_paths.py" in text, text
+    assert ".to(x.dtype)" in text and 'plan with "fp32"' in text, text
+    fp32 = _in(_plan(build_mlp(), 1, 1, 1), "fp32")
+    checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(fp32)  # fp32 plans stay
