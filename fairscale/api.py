@@ -37,7 +37,7 @@ from fairscale.build import build_module, predicted_memory
 from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
-from fairscale.compile_check import checker_for
+from fairscale.compile_check import CompileChecker, checker_for
 from fairscale.runtime.calibrate_gpu import gpu_cluster
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
@@ -46,12 +46,13 @@ from fairscale.runtime.reshard import reshard
 from fairscale.runtime.startup import broadcast_from_zero
 from passes.tp.patterns import propose_tp_rules
 from planner.capture import capture
-from planner.cluster import Cluster
+from planner.cluster import Cluster, default_compute_dtype
 from planner.graph import ModelGraph
 from planner.api import plan_for
 from planner.api import resolve_cluster as _resolve_cluster
 from planner.plan import Plan, PlanError
-from planner.search import Compiles, SearchResult, cost_plan
+from planner.search import Compiles, NoCompilablePlan, SearchResult, cost_plan
+from planner.search.space import parse_constraints
 from planner.validate import validate_plan
 from planner.validate_fields import fp16_problem
 
@@ -112,10 +113,34 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
     key = (graph.fingerprint, id(graph), json.dumps(cluster.to_dict(), sort_keys=True), gb, ckey, dtype, top_k,
            use_all_devices, compiles is not None, check_runners_up)
     if key not in _SEARCHES:
-        _SEARCHES[key] = plan_for(graph, cluster, global_batch=gb, constraints=constraints, tp_rules=tp_rules_of(graph),
-                                  dtype=dtype, top_k=top_k, progress=progress, use_all_devices=use_all_devices,
-                                  compiles=compiles, check_runners_up=check_runners_up)
+        def run(dtype: str | None) -> SearchResult:
+            return plan_for(graph, cluster, global_batch=gb, constraints=constraints, tp_rules=tp_rules_of(graph),
+                            dtype=dtype, top_k=top_k, progress=progress, use_all_devices=use_all_devices,
+                            compiles=compiles, check_runners_up=check_runners_up)
+        try:
+            _SEARCHES[key] = run(dtype)
+        except NoCompilablePlan:
+            blocker = _default_dtype_blocker(cluster, constraints, dtype, compiles)
+            if blocker is None:
+                raise
+            _SEARCHES[key] = found = run("fp32")
+            for c in (found.best, *found.runners_up):
+                c.plan.predicted.notes.append(blocker)
     return _SEARCHES[key]
+
+
+def _default_dtype_blocker(cluster: Cluster, constraints: dict[str, Any] | Plan | None, dtype: str | None,
+                           compiles: Compiles | None) -> str | None:
+    """Why the search's own default dtype (bf16 on GPUs; nobody asked for it) cannot run this model,
+    so that it plans in fp32 instead, or None (the dtype was asked for, or is not the reason)."""
+    default = default_compute_dtype(cluster)
+    if dtype not in (None, "auto") or parse_constraints(constraints).param_dtype or default == "fp32" \
+            or not isinstance(compiles, CompileChecker):
+        return None
+    problem = compiles.dtype_problem(default)
+    if problem is None:
+        return None
+    return f"planned in fp32, not {cluster.name}'s default {default}, which cannot run this model: {problem}"
 
 
 def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | None = None,
