@@ -84,7 +84,7 @@ def _train_all(rank: int, world: int, cases: dict[torch.dtype, Any], plans: dict
     return out
 
 
-@pytest.fixture(scope="module", params=["gpt", "llama"])
+@pytest.fixture(scope="module", params=[pytest.param("gpt", marks=pytest.mark.slow), "llama"])  # llama: HF's
 def family_runs(request):
     family = request.param
     cases = {dtype: _build(family, dtype) for dtype in (torch.float32, torch.float64)}

@@ -91,7 +91,8 @@ SWITCHES = {  # first plan (dtype, kind, pp, dp), second plan
 }
 
 
-@pytest.mark.parametrize("name", list(SWITCHES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "bf16-pp2-to-fp32-dp2" else n
+                                  for n in SWITCHES])  # the first two cover both directions
 def test_a_switch_and_a_checkpoint_between_fp32_and_bf16_carry_the_masters(name, tmp_path):
     (d1, k1, pp1, dp1), (d2, k2, pp2, dp2) = SWITCHES[name]
     case = build_mlp()
@@ -228,7 +229,8 @@ CUTS = {  # where an RMSNorm's fp32 upcast sits next to the cut
 }
 
 
-@pytest.mark.parametrize("name", list(CUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "llama-pp3-norm-alone" else n
+                                  for n in CUTS])  # a norm alone: weightless-norm-pp3; llama's cut: head-only
 def test_check_under_bf16_compares_with_bf16_and_cuts_next_to_upcasts_train_as_eager(name):
     # was: a false alarm on every bf16 plan (compared with fp32 at fp32 tolerance: "BAD loss step 0:
     # 2.28125 vs 2.29707527" on one rank, which computes eager bf16 to the bit)
