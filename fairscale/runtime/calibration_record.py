@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fairscale.runtime.calibrate_fit import spread
+from fairscale.runtime.calibrate_fit import FLAT_BANDWIDTH, spread
 from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
@@ -146,7 +146,8 @@ class Calibration:
                          f" (max fit error {fit['max_rel_error'] * 100:.0f}%)")
         for op, rows in self.cluster.collective_ranges.items():  # what plans use (per size range)
             lines.append(f"  {op + ' by size':22s}: " + "; ".join(
-                f"to {end / 2**20:.3g} MiB alpha {lat * 1e6:.0f} us, beta {bw / 1e9:.3g} GB/s" for end, bw, lat in rows))
+                f"to {end / 2**20:.3g} MiB alpha {lat * 1e6:.0f} us, "
+                + ("latency only" if bw >= FLAT_BANDWIDTH else f"beta {bw / 1e9:.3g} GB/s") for end, bw, lat in rows))
         return "\n".join(lines)
 
     def _block_spread(self) -> str:
