@@ -382,7 +382,7 @@ def _refusal(exc: BaseException, plan: Plan, where: str) -> Refusal:
         if found is not None:
             pass_name, hint = found
             break
-    hint = getattr(exc, "hint", None) or hint  # a pass that knows the remedy says it (MixedDtypeError)
+    hint = getattr(exc, "hint", None) or hint  # a pass that knows the remedy says it (passes.dp.graph.DtypeError)
     node = _node_of(exc)
     module = _module_of(node) if node is not None else ""
     op = _op_of(node) if node is not None else ""

@@ -29,7 +29,8 @@ import torch.fx
 from planner.batch_stats import source_line
 from planner.graph import ModelGraph
 
-__all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_matmuls", "mixed_problem", "MIXED_REMEDY"]
+__all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_matmuls", "mixed_problem", "MIXED_REMEDY",
+           "PINS_REMEDY"]
 
 _ASSERT = "aten._assert_tensor_metadata.default"
 _CASTS = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout"}
@@ -61,13 +62,17 @@ def module_pins(gm: torch.nn.Module) -> list[str]:
     return found
 
 
+PINS_REMEDY = ("trace it in the plan's dtype (planner.capture.capture(..., dtype=), as fairscale.parallelize's "
+               'ranks do) or plan with "fp32"')
+"""What to do about a :func:`pins_problem` refusal."""
+
+
 def pins_problem(pins: list[str], dtype: str, path: str) -> str:
     """The refusal of a ``dtype`` (bf16 / fp16) plan, at JSON ``path``, of an fp32 trace with ``pins``."""
     shown = "; ".join(pins[:3]) + (f"; and {len(pins) - 3} more" if len(pins) > 3 else "")
     return (f'{path}: "{dtype}" would not compute what this model computes in {dtype}: its code converts values '
             f"to float32 ({shown}), which the fp32 capture records as no-ops or as fp32 values mixed into "
-            f'{dtype} matmuls; trace it in {dtype} (planner.capture.capture(..., dtype=), as '
-            f'fairscale.parallelize\'s ranks do) or plan with "fp32"')
+            f"{dtype} matmuls; {PINS_REMEDY}")
 
 
 _MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "mv", "addmv", "dot",

@@ -13,7 +13,7 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
-from planner.dtype_pins import MIXED_REMEDY, mixed_matmuls, mixed_problem, module_pins, pins_problem
+from planner.dtype_pins import MIXED_REMEDY, PINS_REMEDY, mixed_matmuls, mixed_problem, module_pins, pins_problem
 from planner.trace_dtype import traced_dtype
 from passes.dp.info import DataParallelInfo, Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
@@ -264,21 +264,23 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphMod
     pins = module_pins(source) if traced != dtype else []
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
         name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
-        raise ValueError(pins_problem(pins, name, "data_parallel.param_dtype"))
+        raise DtypeError(pins_problem(pins, name, "data_parallel.param_dtype"), hint=PINS_REMEDY)
     mixed = mixed_matmuls(source) if traced == dtype else []
     if mixed:  # the model's own mix of an fp32 value and a bf16 parameter: the ranks would crash at step 1
         name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
-        raise MixedDtypeError(mixed_problem(mixed, name, "data_parallel.param_dtype"), node=mixed[0])
+        raise DtypeError(mixed_problem(mixed, name, "data_parallel.param_dtype"), hint=MIXED_REMEDY, node=mixed[0])
 
 
-class MixedDtypeError(ValueError):
-    """A plan's dtype meets the model's own float32 values in a matmul (``planner.dtype_pins``):
-    ``node`` is the first such op, ``hint`` what to do (the compile check reports both)."""
+class DtypeError(ValueError):
+    """A mixed-precision plan the trace cannot run (``planner.dtype_pins``: an fp32 trace with
+    upcasts, or the model's own float32 values meeting a 16-bit matmul): ``hint`` says what to do
+    and ``node`` is the first op concerned, if one is (the compile check reports both, not the data-
+    parallel pass's generic advice)."""
 
-    def __init__(self, message: str, *, node: torch.fx.Node) -> None:
+    def __init__(self, message: str, *, hint: str, node: torch.fx.Node | None = None) -> None:
         super().__init__(message)
+        self.hint = hint
         self.node = node
-        self.hint = MIXED_REMEDY
 
 
 def is_alias_op(node: torch.fx.Node, aliases: set[torch.fx.Node]) -> bool:

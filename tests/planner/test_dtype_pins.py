@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fairscale.testing.models import build_gpt, build_llama
-from passes.dp.graph import cast_io
+from passes.dp.graph import DtypeError, cast_io
 from planner.api import plan_for
 from planner.capture import capture
 from planner.cluster import Cluster
-from planner.dtype_pins import fp32_pins
+from planner.dtype_pins import PINS_REMEDY, fp32_pins
 from planner.trace_dtype import traced_dtype
 
 
@@ -48,8 +48,9 @@ def test_gpu_search_plans_them_in_bf16(llama, gpt):
 def test_the_mixed_precision_pass_takes_a_bf16_trace_and_refuses_an_fp32_one(llama):
     gm = copy.deepcopy(llama.gm)
     assert traced_dtype(gm) == torch.float32
-    with pytest.raises(ValueError, match=r'data_parallel.param_dtype: "bf16" would not compute .*modeling_llama'):
+    with pytest.raises(DtypeError, match=r'data_parallel.param_dtype: "bf16" would not compute .*modeling_llama') as info:
         cast_io(copy.deepcopy(gm.graph), torch.bfloat16, gm)
+    assert info.value.hint == PINS_REMEDY and str(info.value).endswith(PINS_REMEDY)  # what the compile check says
     case = build_llama()
     graph = capture(case.model, case.make_batch(0, 8), loss_fn=case.loss_fn, annotate=False, dtype=torch.bfloat16)
     assert traced_dtype(graph.gm) == torch.bfloat16
