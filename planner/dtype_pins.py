@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from planner.batch_stats import source_line
-from planner.graph import ModelGraph
+from planner.graph import META_MODULE, ModelGraph
 
 __all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_matmuls", "mixed_problem", "MIXED_REMEDY",
            "PINS_REMEDY"]
@@ -89,13 +89,14 @@ def _dtypes(arg: object) -> list[torch.dtype]:
 
 
 def _module_of(node: torch.fx.Node) -> str:
+    """`` in module PATH (Class)``: the path the capture recorded (``META_MODULE``, normalized there),
+    the class from export's ``nn_module_stack``; '' for a node outside every module's call."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path, cls = next(reversed(stack.values()))
+    cls = next(reversed(stack.values()))[1]
     name = cls.__name__ if isinstance(cls, type) else str(cls).rpartition(".")[2]
-    path = path.removeprefix("model.") if path != "model" else ""
-    return f" in module {path or '(top)'} ({name})"
+    return f" in module {node.meta.get(META_MODULE) or '(top)'} ({name})"
 
 
 def mixed_matmuls(gm: torch.nn.Module) -> list[torch.fx.Node]:

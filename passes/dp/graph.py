@@ -261,13 +261,12 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphMod
         return res
 
     out.args = (fp32(out.args[0]),)
+    name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
     pins = module_pins(source) if traced != dtype else []
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
-        name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
         raise DtypeError(pins_problem(pins, name, "data_parallel.param_dtype"), hint=PINS_REMEDY)
     mixed = mixed_matmuls(source) if traced == dtype else []
     if mixed:  # the model's own mix of an fp32 value and a bf16 parameter: the ranks would crash at step 1
-        name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
         raise DtypeError(mixed_problem(mixed, name, "data_parallel.param_dtype"), hint=MIXED_REMEDY, node=mixed[0])
 
 
