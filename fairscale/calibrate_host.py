@@ -8,7 +8,8 @@ Usage::
 
 ``measure_runtime_host(ranks)`` prepares the probe in the calling process and returns the
 function every rank of the calibration's own launch runs after the rates (collective; it returns
-``(step_host_s, microbatch_host_s, dp_tensor_host_s, tp_op_host_s)`` on every rank). It builds
+the Cluster fields ``step_host_s``, ``microbatch_host_s``, ``dp_tensor_host_s``, ``tp_op_host_s``
+and ``core_idle`` by name, the same on every rank). It builds
 modules (``fairscale.build``), so it lives with the face and calibration takes it as an argument
 (the runtime never imports the face): ``fairscale.plan``/``search``/``parallelize``, the CLI, the
 demo and the end-to-end benchmark hand it to the calibration they start.
@@ -40,6 +41,12 @@ costed by ``op_overhead_s``; one microbatch's, timed once before the plans with 
 scaled by each plan's microbatches per rank, :func:`_plain_s`), mean over the ranks; ``planner.cost_host.fit_runtime_host`` fits the
 four coefficients to the four plans. They are these CPU seconds times ``share``, the ranks per
 core (on a machine whose cores the ranks share, a rank's wall seconds when all ranks work).
+
+The same steps give ``core_idle``: when ranks share cores, a step's wall time (up to a barrier
+after it) over the node's CPU work (the ranks' mean CPU seconds per step times ``share``), less 1,
+median of the four plans (1.065-1.12 for 8 ranks on 2 cores; the end-to-end benchmark's plans
+measured 1.06-1.15). Ranks that wait on each other leave cores idle, which a CPU-time rate cannot
+see; 0 when every rank has a core of its own (its waits are costed as waits).
 An odd number of ranks has no two-stage or tp-2 plan: the probe is skipped (None; the
 calibration then says the runtime host terms were not measured).
 """
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -117,9 +125,10 @@ def _plain_s(case: Any, steps: int) -> float:
     return statistics.median(plain)
 
 
-def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, float]:
-    """(this rank's extra CPU seconds per step, its parameter tensors) under ``plan`` (module
-    docstring); ``plain_s`` is :func:`_plain_s`."""
+def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, float, float, float]:
+    """(this rank's extra CPU seconds per step, its parameter tensors, its wall seconds per step up
+    to the barrier after it, its CPU seconds per step) under ``plan`` (module docstring);
+    ``plain_s`` is :func:`_plain_s`."""
     size = plan.schedule.global_batch
     pm = build_module(case.model, plan, example_inputs=case.make_batch(0, size), loss_fn=case.loss_fn,
                       optimizer=functools.partial(torch.optim.Adam, lr=1e-3), device="cpu")
@@ -127,19 +136,23 @@ def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, fl
     for step in range(2):  # warm-up: allocations, the batch check, the optimizer's states
         pm.train_step(case.make_batch(step, size))
     meter = CpuIn(pm)
-    spent = []
+    spent, walls, cpus = [], [], []
     for step in range(steps):
         batch = case.make_batch(10 + step, size)
         dist.barrier()
         meter.reset()
-        start = cpu_s()
+        start, wall = cpu_s(), time.perf_counter()
         pm.train_step(batch)
-        spent.append(cpu_s() - start - meter.wait - meter.opt)
+        cpus.append(cpu_s() - start)
+        spent.append(cpus[-1] - meter.wait - meter.opt)
+        dist.barrier()  # the step ends when its slowest rank's does (as the end-to-end benchmark times it)
+        walls.append(time.perf_counter() - wall)
     meter.close()
     pm.close()  # its groups' threads would otherwise tax the later plans
     del pm
     # this rank's share of the plain forward and backward: its microbatches, the mean over the stages
-    return statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors)
+    return (statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors),
+            statistics.median(walls), statistics.median(cpus))
 
 
 def measure_runtime_host(ranks: int) -> RankProbe | None:
@@ -169,6 +182,10 @@ def measure_runtime_host(ranks: int) -> RankProbe | None:
         runs = [RuntimeHostRun(microbatches=plan.schedule.microbatches, dp=plan.mesh.dp, tensors=round(float(t)),
                                extra_s=float(e) * share,
                                tp_ops=per_micro * plan.schedule.microbatches if plan.mesh.tp > 1 else 0)
-                for plan, (e, t) in zip(plans, measured)]
-        return fit_runtime_host(runs)
+                for plan, (e, t, _, _) in zip(plans, measured)]
+        step, micro, tensor, tp_op = fit_runtime_host(runs)
+        # wall over the node's CPU work (its CPU seconds at ranks per core): cores idle while ranks wait
+        idle = statistics.median(float(w) / (float(c) * share) - 1.0 for _, _, w, c in measured) if share > 1 else 0.0
+        return {"step_host_s": step, "microbatch_host_s": micro, "dp_tensor_host_s": tensor, "tp_op_host_s": tp_op,
+                "core_idle": max(0.0, idle)}
     return probe

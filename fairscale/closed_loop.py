@@ -130,7 +130,7 @@ def predicted_terms(b: Breakdown, plan: Plan) -> dict[str, Any]:
     # pipeline rank (it is the slowest rank's; ranks differ only by their dp tensors)
     stages = [s + b.host_s for s in stages]
     return {"step_s": b.step_time_s, "optimizer_s": b.optimizer_s, "stage_compute_s": stages, "host_s": b.host_s,
-            "comm_s": {"tp": b.tp_comm_s, "dp": b.dp_comm_s, "ep": b.ep_comm_s,
+            "idle_s": b.idle_s, "comm_s": {"tp": b.tp_comm_s, "dp": b.dp_comm_s, "ep": b.ep_comm_s,
                        "p2p": b.p2p_s + b.bubble * b.pipeline_s}}
 
 
@@ -167,8 +167,9 @@ class StepRecorder:
 
 
 def term_table(predicted: dict[str, Any], measured: Measurement) -> str:
-    """Predicted (:func:`predicted_terms`) against measured seconds per step, term by term."""
-    rows: list[tuple[str, float, float | None]] = [("step", predicted["step_s"], measured.step_s)]
+    """Predicted (:func:`predicted_terms`) against measured seconds per step, term by term; a term
+    measured only inside another says which."""
+    rows: list[tuple[str, float, float | str]] = [("step", predicted["step_s"], measured.step_s)]
     rows += [(f"compute, pipeline rank {i}", p, m)
              for i, (p, m) in enumerate(zip(predicted["stage_compute_s"], measured.stage_compute_s))]
     for term, label in _LABELS.items():
@@ -176,13 +177,15 @@ def term_table(predicted: dict[str, Any], measured: Measurement) -> str:
         if p or m:
             rows.append((label, p, m))
     rows.append(("optimizer step", predicted["optimizer_s"], measured.optimizer_s))
-    if predicted.get("host_s"):  # inside compute when measured: predicted alone
-        rows.append(("  of compute: runtime host", predicted["host_s"], None))
+    if predicted.get("host_s"):
+        rows.append(("  of compute: runtime host", predicted["host_s"], "(in compute)"))
+    if predicted.get("idle_s"):  # a rank sees idle cores as slower work and longer waits
+        rows.append(("  of step: cores idle", predicted["idle_s"], "(in step)"))
     width = max(len(r[0]) for r in rows)
     out = [f"{'ms per step':<{width}} {'predicted':>10} {'measured':>10} {'error':>7}"]
     for label, p, m in rows:
-        if m is None:
-            out.append(f"{label:<{width}} {p * 1e3:>10.1f} {'(in compute)':>10}")
+        if isinstance(m, str):
+            out.append(f"{label:<{width}} {p * 1e3:>10.1f} {m:>10}")
             continue
         err = f"{(p - m) / m * 100:+.0f}%" if m > 0 else ""
         out.append(f"{label:<{width}} {p * 1e3:>10.1f} {m * 1e3:>10.1f} {err:>7}")

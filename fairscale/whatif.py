@@ -29,18 +29,11 @@ from planner.graph import ModelGraph
 from planner.plan import Plan, PlanError
 from planner.search import Breakdown, NoFeasiblePlan, SearchResult, cost_plan, search
 from planner.search.tp import default_tp_rules
+from planner.search.config import STEP_TERMS
 
 __all__ = ["TERMS", "PlanDiff", "WhatIf", "diff_plans", "what_if", "fit_mesh"]
 
-TERMS: tuple[tuple[str, str], ...] = (  # (Breakdown field, label): one row each, in this order
-    ("compute_s", "compute"),
-    ("recompute_s", "recompute"),
-    ("tp_comm_s", "tensor-parallel collectives"),
-    ("ep_comm_s", "expert all-to-all"),
-    ("p2p_s", "pipeline send/receive"),
-    ("dp_comm_s", "data-parallel collectives (exposed)"),
-    ("optimizer_s", "optimizer step"),
-)
+TERMS = STEP_TERMS  # (Breakdown field, label): one row each, in this order
 GiB = 2**30
 
 

@@ -114,6 +114,13 @@ class Cluster:
     GPUs do). With fewer cores than ranks, the rates above are what a rank gets while all ranks
     compute; a rank that waits (pipeline bubble, a receive) frees its share for the others
     (``planner.search.evaluate.shared_core_pipeline_time``)."""
+    core_idle: float = 0.0
+    """How much longer than its CPU work over the shared cores a step of time-sharing ranks takes,
+    as a fraction (0.1: 10% longer): cores left idle while ranks wait on each other (a collective's
+    early arrivals, the scheduler waking a rank whose message came). The cost model charges it on
+    the node's CPU work (``planner.search.evaluate.shared_core_idle_s``). 0 when the ranks do not
+    share cores (GPUs); measured for CPU ranks by calibration on real ``train_step`` calls
+    (``fairscale.calibrate_host``: 7-12% for 8 ranks on 2 cores)."""
     last_node_devices: int = 0
     """Devices of the last node when it is partial (``devices=12`` on 8-GPU nodes: 4); 0 when
     every node is full. Groups of a plan never straddle the gap: tp divides the node size and the
@@ -195,6 +202,8 @@ class Cluster:
                             f"full), got {self.last_node_devices}")
         if self.shared_cores < 0:
             problems.append(f"shared_cores must be >= 0 (got {self.shared_cores})")
+        if self.core_idle < 0:
+            problems.append(f"core_idle must be >= 0 (got {self.core_idle})")
         for key in ("op_overhead_s", "optimizer_tensor_s", "recompute_op_s", "step_host_s", "microbatch_host_s",
                     "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:

@@ -217,7 +217,9 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
               f"{max(row['terms']['calls']):5.0f}")
     print(f"\nCPU per term: the ranks' CPU seconds per step over the {cores} cores (what a CPU-bound step "
           f"takes), predicted (mean over ranks of the model's busy terms) / measured, ms")
-    print(f"{'plan':18s} {'compute':>11s} {'(host)':>6s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} {'wall':>6s}")
+    print("(idle: the step's wall time beyond its CPU work over the cores, Cluster.core_idle; total excludes it)")
+    print(f"{'plan':18s} {'compute':>11s} {'(host)':>6s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} "
+          f"{'idle':>11s} {'wall':>6s}")
     for row in rows:
         if "error" in row:
             continue
@@ -231,7 +233,8 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
             return f"{a * 1e3:5.0f}/{b * 1e3:<5.0f}"
         print(f"{row['plan']:18s} {pair(comp, total - cw - co)} {p.get('host_s', 0.0) * 1e3:6.0f} {pair(comm, cw)} "
               f"{pair(p['optimizer_s'], co)} "
-              f"{pair(p['step_s'], total)} {t['meas']['step_s'] * 1e3:6.0f}")
+              f"{pair(p['step_s'] - p.get('idle_s', 0.0), total)} {pair(p.get('idle_s', 0.0), row['meas_step_s'] - total)} "
+              f"{row['meas_step_s'] * 1e3:6.0f}")
 
 
 def predict(plan: Plan, graph: ModelGraph, cluster: Cluster, global_batch: int) -> Breakdown:

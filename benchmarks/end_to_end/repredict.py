@@ -7,7 +7,8 @@ that the same plan moves between two runs of this machine.
 
 ``--refit-ranges`` fits ``Cluster.collective_ranges`` (calibration version 9) from the stored
 calibration's own collective timings (``fairscale.runtime.calibrate_fit.collective_ranges``), for a
-calibration written before version 9. Each plan of the run is re-costed with
+calibration written before version 9; ``--core-idle X`` sets ``Cluster.core_idle`` (version 10),
+for a calibration that did not measure it. Each plan of the run is re-costed with
 ``planner.search.cost_plan`` (as ``bench_e2e.py`` predicts) and printed next to its stored
 prediction and measured step time, with the median and largest error and Kendall's tau.
 """
@@ -33,12 +34,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--result", type=Path, default=HERE / "result.json")
     ap.add_argument("--cluster", type=Path, default=CLUSTER_JSON)
     ap.add_argument("--refit-ranges", action="store_true", help="fit collective_ranges from the stored timings")
+    ap.add_argument("--core-idle", type=float, help="Cluster.core_idle to cost with (a calibration before version 10)")
     args = ap.parse_args(argv)
     run = json.loads(args.result.read_text())
     stored = json.loads(args.cluster.read_text())
     cluster = Cluster.from_dict(stored["cluster"])
     if args.refit_ranges:
         cluster = dataclasses.replace(cluster, collective_ranges=collective_ranges(stored["collectives"], stored["ranks"]))
+    if args.core_idle is not None:
+        cluster = dataclasses.replace(cluster, core_idle=args.core_idle)
     cfg = run["config"]
     case = build("gpt", **cfg["model"])
     graph = captured(case.model, case.make_batch(0, cfg["batch"]), loss_fn=case.loss_fn)

@@ -39,7 +39,9 @@ users' load does not change it (wall time under load gave coefficients that foll
   ``fairscale.calibrate_host``, handed in as ``runtime_host``): after the rates, every rank builds
   a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
   costs beyond its graph's ops, waits and optimizer becomes ``step_host_s``, ``microbatch_host_s``,
-  ``dp_tensor_host_s`` and ``tp_op_host_s`` (``planner.cost_host.runtime_host_s``).
+  ``dp_tensor_host_s`` and ``tp_op_host_s`` (``planner.cost_host.runtime_host_s``), and (since
+  version 10) how much longer than their CPU work over the cores those steps take, ``core_idle``
+  (cores idle while ranks wait on each other: ``planner.search.evaluate.shared_core_idle_s``).
 * **host overhead per op**: every rank runs a tiny GPT (width 8) forward and backward, divided by
   3× the ops the planner counts in its capture; it becomes ``op_overhead_s`` (on CPU ranks the
   dispatcher and autograd cost as much as the arithmetic of a small model). A chain of tiny
@@ -145,9 +147,10 @@ _WHOLE_ROWS = (256, 2048)
 activation on one rank without tp (2 sequences of 128, 128 KiB) and a tp-8 rank's (16, 1 MiB)."""
 
 
-RankProbe = Callable[..., tuple[float, float, float, float]]
-"""``probe(rank, world, share=, repeat=) -> (step_host_s, microbatch_host_s, dp_tensor_host_s,
-tp_op_host_s)``, run by every calibration rank after the rates, all ranks at once (collective)."""
+RankProbe = Callable[..., dict[str, float]]
+"""``probe(rank, world, share=, repeat=) -> {Cluster field: value}`` (``step_host_s``,
+``microbatch_host_s``, ``dp_tensor_host_s``, ``tp_op_host_s``, ``core_idle``), run by every
+calibration rank after the rates, all ranks at once (collective)."""
 RuntimeHostProbe = Callable[[int], RankProbe | None]
 """``runtime_host(ranks) -> RankProbe or None``, called before the calibration forks its ranks:
 ``fairscale.calibrate_host.measure_runtime_host`` (it builds modules, so the face hands it in)."""
@@ -431,7 +434,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
     res = launch(_measure, devices=ranks, args=(repeat, op_model_counts(), block_model_counts(), cores, probe),
                  backend="gloo")[0]
     seconds = {"rates": time.perf_counter() - start - res["probe_s"], "runtime_host": prepared + res["probe_s"]}
-    step_host, micro_host, tensor_host, tp_op_host = res["runtime_host"] or (0.0, 0.0, 0.0, 0.0)
+    runtime = {k: float(v) for k, v in (res["runtime_host"] or {}).items()}
     coll: dict[str, dict[int, float]] = res["coll"]
     fits: dict[str, dict[str, float]] = {}
     combined: list[tuple[float, float, float]] = []
@@ -461,16 +464,15 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         collective_links=links, collective_ranges=ranges,
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
-        step_host_s=step_host, microbatch_host_s=micro_host, dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host,
-        gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
+        **runtime, gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
         whole_op_s={k: float(v) for k, v in res["whole_op"].items()},
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))
     return Calibration(cluster=cluster, ranks=ranks, matmul_flops=res["matmul"], memory_bandwidth=bw,
                        op_overhead_s=float(res["op_overhead"]), optimizer_tensor_s=float(res["optimizer_tensor"]),
                        collective_call_s=res["calls"], recompute_op_s=float(res["recompute_op"]),
-                       block_flops=flops, block_flops_samples=block_samples, step_host_s=step_host, microbatch_host_s=micro_host,
-                       dp_tensor_host_s=tensor_host, tp_op_host_s=tp_op_host, runtime_measured=probe is not None, collectives=coll, fits=fits,
+                       block_flops=flops, block_flops_samples=block_samples, **runtime,
+                       runtime_measured=probe is not None, collectives=coll, fits=fits,
                        machine={**machine_description(), "calibration_s": seconds,
                                 "shape_rates_s": res["shapes_s"]})  # of "rates": GEMMs by shape, whole ops
 

@@ -25,7 +25,7 @@ from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 9
+CALIBRATION_VERSION = 10
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -41,7 +41,9 @@ tensor-parallel rank runs whole); 8 takes the transformer block's rate as the me
 spread over the whole calibration, ``block_flops_samples`` (one timing had followed the machine's
 moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two; 9 fits the all-gather, reduce-scatter and
 pipeline send per size range, ``Cluster.collective_ranges`` (one line through 4 KiB-16 MiB was
-2.4× off for the reduce-scatter in between)."""
+2.4× off for the reduce-scatter in between); 10 measures the runtime probe's steps in wall time
+too, ``Cluster.core_idle`` (cores idle while time-sharing ranks wait: wall time was 6-15% over
+the CPU work over the cores on every plan of the end-to-end grid, unmodelled)."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -76,8 +78,10 @@ class Calibration:
     """Data parallelism's host seconds per parameter tensor per step (``Cluster.dp_tensor_host_s``)."""
     tp_op_host_s: float = 0.0
     """Host seconds per tensor-parallel collective op outside its wait (``Cluster.tp_op_host_s``)."""
+    core_idle: float = 0.0
+    """How much longer than their CPU work over the cores the runtime probe's steps took (``Cluster.core_idle``)."""
     runtime_measured: bool = False
-    """Whether the four runtime host terms were measured (else they are 0: not measured)."""
+    """Whether the runtime host terms and ``core_idle`` were measured (else they are 0: not measured)."""
     collectives: dict[str, dict[int, float]]
     """all_reduce / all_gather / reduce_scatter / p2p -> message bytes -> median seconds."""
     fits: dict[str, dict[str, float]]
@@ -94,7 +98,7 @@ class Calibration:
                 "block_flops_samples": self.block_flops_samples,
                 "step_host_s": self.step_host_s, "microbatch_host_s": self.microbatch_host_s,
                 "dp_tensor_host_s": self.dp_tensor_host_s, "runtime_measured": self.runtime_measured,
-                "tp_op_host_s": self.tp_op_host_s,
+                "tp_op_host_s": self.tp_op_host_s, "core_idle": self.core_idle,
                 "collective_call_s": {k: {str(g): t for g, t in v.items()} for k, v in self.collective_call_s.items()},
                 "collectives": {k: {str(n): t for n, t in v.items()} for k, v in self.collectives.items()},
                 "fits": self.fits, "machine": self.machine}
@@ -114,6 +118,7 @@ class Calibration:
                    dp_tensor_host_s=float(data.get("dp_tensor_host_s", 0.0)),
                    runtime_measured=bool(data.get("runtime_measured", False)),
                    tp_op_host_s=float(data.get("tp_op_host_s", 0.0)),
+                   core_idle=float(data.get("core_idle", 0.0)),
                    collective_call_s={k: {int(g): float(t) for g, t in v.items()}
                                       for k, v in data.get("collective_call_s", {}).items()},
                    collectives={k: {int(n): float(t) for n, t in v.items()} for k, v in data["collectives"].items()},
@@ -137,7 +142,8 @@ class Calibration:
         lines.append(f"  runtime host          : {self.step_host_s * 1e3:8.2f} ms per step, "
                      f"{self.microbatch_host_s * 1e3:.2f} ms per microbatch per chunk, "
                      f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor, "
-                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op" if self.runtime_measured
+                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op; steps {self.core_idle * 100:.1f}% "
+                     "longer than their CPU work over the cores (cores idle)" if self.runtime_measured
                      else "  runtime host          : not measured (0; calibrate_cpu(runtime_host=...))")
         for op, calls in self.collective_call_s.items():
             lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))

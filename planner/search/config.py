@@ -12,7 +12,7 @@ from planner.graph import ModelGraph
 from planner.plan import Predicted
 from planner.search.units import UnitTable, unit_table
 
-__all__ = ["Config", "Breakdown", "Context"]
+__all__ = ["Config", "Breakdown", "Context", "STEP_TERMS"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,6 +88,10 @@ class Breakdown:
     host_s: float = 0.0
     """The runtime's own host work per step on the slowest rank (``planner.cost_host.runtime_host_s``:
     per step, per microbatch, per data-parallel tensor); 0 on GPUs. Part of its rank time and tail."""
+    idle_s: float = 0.0
+    """Seconds per step the cores of ranks time-sharing them sit idle while ranks wait on each
+    other (``Cluster.core_idle`` of the node's CPU work: ``planner.search.evaluate.shared_core_idle_s``);
+    0 when every rank has its own device or core."""
     memory_bytes: list[float]
     """Peak bytes per pipeline rank."""
     memory_parts: list[dict[str, float]] = field(default_factory=list)
@@ -168,6 +172,21 @@ class Breakdown:
                          memory_gib=[m / 2**30 for m in self.memory_bytes], comm_gib_per_step=self.comm_bytes / 2**30,
                          bubble=self.bubble, devices_used=self.devices,
                          notes=list(self.notes))
+
+
+STEP_TERMS: tuple[tuple[str, str], ...] = (  # (Breakdown field, label): seconds per step, in report order
+    ("compute_s", "compute"),
+    ("recompute_s", "recompute"),
+    ("tp_comm_s", "tensor-parallel collectives"),
+    ("ep_comm_s", "expert all-to-all"),
+    ("p2p_s", "pipeline send/receive"),
+    ("dp_comm_s", "data-parallel collectives (exposed)"),
+    ("optimizer_s", "optimizer step"),
+    ("host_s", "runtime host work"),
+    ("idle_s", "cores idle (ranks sharing cores)"),
+)
+"""The per-step terms of a :class:`Breakdown` that plan comparisons list (``fairscale.whatif``'s
+diff, the search's loss reasons); the pipeline bubble (``bubble · pipeline_s``) goes with them."""
 
 
 class Context:

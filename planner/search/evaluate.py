@@ -7,7 +7,8 @@ hand-edited plan through it too, so a plan's ``predicted`` numbers always come f
 Step time (seconds) = pipeline time of the per-rank microbatch times (``planner.schedule_cost``)
 + the slowest rank's exposed work after the pipeline ends: its gradient reduction (less the time
 it waited for the drain), its optimizer step, and ZeRO's parameter all-gather (less the time the
-next step makes it wait for its first input). Data-parallel terms come from
+next step makes it wait for its first input) + on ranks time-sharing cores, the cores' idle time
+(:func:`shared_core_idle_s`). Data-parallel terms come from
 ``planner.search.dp_cost``; memory from ``planner.search.memory``.
 """
 
@@ -24,7 +25,7 @@ from planner.search.memory import choose_recompute, rank_memory_parts, units_on
 from planner.search.ranks import (drain_idle, rank_layers, rank_params, rank_stages, replicated_params, stage_send,
                                   warmup_idle)
 
-__all__ = ["evaluate", "choose_recompute", "shared_core_pipeline_time", "stage_cuts_even"]
+__all__ = ["evaluate", "choose_recompute", "shared_core_pipeline_time", "shared_core_idle_s", "stage_cuts_even"]
 
 
 def evaluate(ctx: Context, cfg: Config) -> Breakdown:
@@ -96,7 +97,9 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
             worst.update(compute=(compute + moe_s) * m, recompute=t_rec * m, tp=(t - compute) * m, ep=a2a_s * m,
                          p2p=p2p_s * m, fsdp=dp.per_microbatch_s * m, host=host_micro * m + host_step)
     pipe = shared_core_pipeline_time(cfg.kind, times, m, v=cfg.v, share=c.core_share)
-    step = pipe + max(tails)
+    idle = shared_core_idle_s(m * sum(times) / len(times) + sum(tails) / len(tails), pipe + max(tails),
+                              share=c.core_share, idle=c.core_idle)
+    step = pipe + max(tails) + idle
     placed = stage_placement(cfg.kind, cfg.pp, cfg.v)
     sends = [costs[b - 1].output for k, (_, b) in enumerate(chunks[:-1]) if placed[k] != placed[k + 1]]
     stage_comm = 0.0 if opts.overlap_p2p or not sends else stage_send(ctx, cfg, max(sends))[0]
@@ -105,7 +108,7 @@ def evaluate(ctx: Context, cfg: Config) -> Breakdown:
     return Breakdown(step_time_s=step, pipeline_s=pipe, bubble=bubble, rank_times_s=times,
                      compute_s=worst["compute"], recompute_s=worst["recompute"], tp_comm_s=worst["tp"],
                      ep_comm_s=worst["ep"], p2p_s=worst["p2p"], dp_comm_s=tail_parts[0] + worst["fsdp"],
-                     optimizer_s=tail_parts[1], host_s=worst["host"], memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f,
+                     optimizer_s=tail_parts[1], host_s=worst["host"], idle_s=idle, memory_bytes=mems, memory_parts=parts, stage_f_s=stage_f,
                      stage_b_s=stage_b, stage_comm_s=stage_comm, memory_cap=ctx.cap, host_memory_bytes=host,
                      host_memory_cap=ctx.host_cap, comm_bytes=max(comm), model_flops=ctx.model_flops,
                      hardware_flops=ctx.model_flops + recomputed, devices=cfg.pp * cfg.dp * cfg.tp,
@@ -127,6 +130,18 @@ def shared_core_pipeline_time(kind: str, times: list[float], m: int, *, v: int =
         return pipeline_time(kind, times, m, v=v)
     chain = pipeline_time(kind, [t / share for t in times], m, v=v)
     return max(chain, m * sum(times) / len(times))
+
+
+def shared_core_idle_s(work: float, step: float, *, share: float, idle: float) -> float:
+    """Seconds the cores of ranks time-sharing them (``share`` ranks per core) add to a ``step``
+    of the node's CPU work ``work`` (all ranks' busy seconds at the shared rate, over the ranks)
+    by sitting idle while ranks wait on each other: the step takes at least ``work · (1 + idle)``
+    (``Cluster.core_idle``, measured on real steps), and nothing is added where the dependency
+    chain already leaves the cores that idle, or where every rank has a core of its own.
+    Example: 0.5 s of CPU work per rank, idle 0.1, a CPU-bound step of 0.5 s: 0.05 s."""
+    if share <= 1.0 or idle <= 0.0:
+        return 0.0
+    return max(0.0, work * (1.0 + idle) - step)
 
 
 def _recompute_s(ctx: Context, costs: list[LayerCost], i: int, rec: frozenset[int], sel: frozenset[int]) -> float:

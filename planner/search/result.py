@@ -8,7 +8,7 @@ from planner.cost_memory import model_state_bytes
 from planner.graph import ModelGraph
 from planner.plan import DataParallel, Mesh, ModelRef, Plan, PlanError, Schedule, Stage, TensorParallel
 from planner.schedule_kinds import KINDS
-from planner.search.config import Breakdown, Config, Context
+from planner.search.config import STEP_TERMS, Breakdown, Config, Context
 from planner.selectors import format_layers
 
 __all__ = ["Candidate", "SearchResult", "NoFeasiblePlan", "NoCompilablePlan", "build_plan", "loss_reason",
@@ -145,16 +145,8 @@ def _block_selector(ctx: Context) -> str:
 def loss_reason(b: Breakdown, w: Breakdown) -> str:
     """One line: how much slower ``b`` is than the winner ``w``, and the term that grew most."""
     pct = 100.0 * (b.step_time_s / w.step_time_s - 1.0)
-    terms = {
-        "compute": (b.compute_s, w.compute_s),
-        "recompute": (b.recompute_s, w.recompute_s),
-        "pipeline bubble": (b.bubble * b.pipeline_s, w.bubble * w.pipeline_s),
-        "tensor-parallel all-reduces": (b.tp_comm_s, w.tp_comm_s),
-        "expert-parallel all-to-alls": (b.ep_comm_s, w.ep_comm_s),
-        "data-parallel communication": (b.dp_comm_s, w.dp_comm_s),
-        "pipeline sends": (b.p2p_s, w.p2p_s),
-        "optimizer step": (b.optimizer_s, w.optimizer_s),
-    }
+    terms = {label: (getattr(b, name), getattr(w, name)) for name, label in STEP_TERMS}
+    terms["pipeline bubble"] = (b.bubble * b.pipeline_s, w.bubble * w.pipeline_s)
     name, (x, y) = max(terms.items(), key=lambda kv: (kv[1][0] - kv[1][1], kv[0]))
     if pct <= 0.05:
         return f"ties the winner ({b.step_time_s:.4g} s); the winner came first in the search order"

@@ -216,6 +216,33 @@ def test_ranks_time_sharing_cores_pay_no_cpu_for_the_bubble():
     assert shared.pipeline_s == pytest.approx(max(dedicated.pipeline_s / 4, 8 * sum(dedicated.rank_times_s) / 8))
 
 
+def test_ranks_time_sharing_cores_pay_the_measured_idle_cores_on_their_cpu_work():
+    import dataclasses
+
+    from planner.search.evaluate import shared_core_idle_s
+
+    # 0.5 s of CPU work per rank, cores idle 10% of it, a CPU-bound step of 0.5 s: 0.05 s more
+    assert shared_core_idle_s(0.5, 0.5, share=4.0, idle=0.1) == pytest.approx(0.05)
+    # the dependency chain already leaves the cores idle longer than that: nothing more
+    assert shared_core_idle_s(0.5, 0.6, share=4.0, idle=0.1) == 0.0
+    assert shared_core_idle_s(0.5, 0.52, share=4.0, idle=0.1) == pytest.approx(0.03)
+    # a core per rank (GPUs, or as many cores as ranks): waits are costed as waits
+    assert shared_core_idle_s(0.5, 0.5, share=1.0, idle=0.1) == 0.0
+    c = Cluster.cpu(8, memory_bytes=2**30)
+    g = gpt_graph(layers=4, hidden=64, heads=4, seq=32, vocab=256)
+    plan = Plan(mesh=Mesh(pp=1, dp=1, tp=1), schedule=Schedule(kind="1f1b", microbatches=2, global_batch=8))
+    shared = dataclasses.replace(c, shared_cores=2)
+    base = cost_plan(plan, g, shared, validate=False)
+    idle = cost_plan(plan, g, dataclasses.replace(shared, core_idle=0.1), validate=False)
+    assert base.idle_s == 0.0 and idle.idle_s == pytest.approx(0.1 * base.step_time_s)  # one rank: all CPU work
+    assert idle.step_time_s == pytest.approx(base.step_time_s + idle.idle_s) and idle.pipeline_s == base.pipeline_s
+    dedicated = cost_plan(plan, g, dataclasses.replace(c, core_idle=0.1), validate=False)
+    assert dedicated.idle_s == 0.0
+    with pytest.raises(ValueError, match="core_idle must be >= 0"):
+        dataclasses.replace(c, core_idle=-0.1)
+    assert Cluster.from_dict(dataclasses.replace(shared, core_idle=0.1).to_dict()).core_idle == 0.1
+
+
 def test_zero_shard_copy_adds_a_parameter_shard():
     from planner.cost import CostOptions
 

@@ -101,7 +101,10 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert len(cal.block_flops_samples) == 10 and all(r > 1e8 for r in cal.block_flops_samples)
     assert cal.block_flops == spread(cal.block_flops_samples)[0]
     assert "median of 10 samples, middle half" in cal.table()
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 9
+    # the probe's steps in wall time over their CPU work: cores idle only when ranks share them
+    assert cal.core_idle == c.core_idle >= 0 and "cores idle" in cal.table()
+    assert c.core_idle == 0.0 or c.shared_cores < 2, "two ranks with a core each: their waits are costed as waits"
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 10
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
