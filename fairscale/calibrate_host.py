@@ -42,11 +42,14 @@ scaled by each plan's microbatches per rank, :func:`_plain_s`), mean over the ra
 four coefficients to the four plans. They are these CPU seconds times ``share``, the ranks per
 core (on a machine whose cores the ranks share, a rank's wall seconds when all ranks work).
 
-The same steps give ``core_idle``: when ranks share cores, a step's wall time (up to a barrier
-after it) over the node's CPU work (the ranks' mean CPU seconds per step times ``share``), less 1,
-median of the four plans (1.065-1.12 for 8 ranks on 2 cores; the end-to-end benchmark's plans
-measured 1.06-1.15). Ranks that wait on each other leave cores idle, which a CPU-time rate cannot
-see; 0 when every rank has a core of its own (its waits are costed as waits).
+The same steps give ``core_idle``: when ranks share cores, the seconds the machine's cores sat
+idle in the timed steps (each up to a barrier after it; ``fairscale.runtime.cpu_meter.core_times``)
+over all ranks' CPU seconds in them, median of the four plans. Ranks that wait on each other leave
+cores idle, which a CPU-time rate cannot see (7-16% of the CPU work for 8 ranks on 2 cores); a
+step then takes its CPU work over the cores times ``1 + core_idle``. Another process's work fills
+idle cores, so load makes it smaller, never larger (the wall clock's ratio to the CPU work, tried
+first, gave 28% under a nice-5 neighbour); 0 where the ranks each have a core (their waits are
+costed as waits) or the machine does not say (not Linux).
 An odd number of ranks has no two-stage or tp-2 plan: the probe is skipped (None; the
 calibration then says the runtime host terms were not measured).
 """
@@ -55,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -64,7 +66,7 @@ import torch.distributed as dist
 from fairscale.build import build_module
 from fairscale.capture_cache import rank_capture
 from fairscale.runtime.calibrate import RankProbe
-from fairscale.runtime.cpu_meter import CpuIn, cpu_s
+from fairscale.runtime.cpu_meter import CpuIn, core_times, cpu_s
 from fairscale.testing.models import build
 from planner.capture import capture
 from planner.cost import layer_facts
@@ -126,9 +128,9 @@ def _plain_s(case: Any, steps: int) -> float:
 
 
 def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, float, float, float]:
-    """(this rank's extra CPU seconds per step, its parameter tensors, its wall seconds per step up
-    to the barrier after it, its CPU seconds per step) under ``plan`` (module docstring);
-    ``plain_s`` is :func:`_plain_s`."""
+    """(this rank's extra CPU seconds per step, its parameter tensors, the seconds the machine's
+    cores sat idle over the timed steps, each up to a barrier after it, and this rank's CPU
+    seconds in them) under ``plan`` (module docstring); ``plain_s`` is :func:`_plain_s`."""
     size = plan.schedule.global_batch
     pm = build_module(case.model, plan, example_inputs=case.make_batch(0, size), loss_fn=case.loss_fn,
                       optimizer=functools.partial(torch.optim.Adam, lr=1e-3), device="cpu")
@@ -136,23 +138,23 @@ def _extra(case: Any, plan: Plan, steps: int, plain_s: float) -> tuple[float, fl
     for step in range(2):  # warm-up: allocations, the batch check, the optimizer's states
         pm.train_step(case.make_batch(step, size))
     meter = CpuIn(pm)
-    spent, walls, cpus = [], [], []
+    spent, idle, cpu = [], 0.0, 0.0
     for step in range(steps):
         batch = case.make_batch(10 + step, size)
         dist.barrier()
         meter.reset()
-        start, wall = cpu_s(), time.perf_counter()
+        start, cores = cpu_s(), core_times()
         pm.train_step(batch)
-        cpus.append(cpu_s() - start)
-        spent.append(cpus[-1] - meter.wait - meter.opt)
+        spent.append(cpu_s() - start - meter.wait - meter.opt)
+        cpu += cpu_s() - start
         dist.barrier()  # the step ends when its slowest rank's does (as the end-to-end benchmark times it)
-        walls.append(time.perf_counter() - wall)
+        after = core_times()
+        idle += after[0] - cores[0] if after and cores else 0.0
     meter.close()
     pm.close()  # its groups' threads would otherwise tax the later plans
     del pm
     # this rank's share of the plain forward and backward: its microbatches, the mean over the stages
-    return (statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors),
-            statistics.median(walls), statistics.median(cpus))
+    return statistics.median(spent) - plain_s * plan.schedule.microbatches / plan.mesh.pp, float(tensors), idle, cpu
 
 
 def measure_runtime_host(ranks: int) -> RankProbe | None:
@@ -184,8 +186,8 @@ def measure_runtime_host(ranks: int) -> RankProbe | None:
                                tp_ops=per_micro * plan.schedule.microbatches if plan.mesh.tp > 1 else 0)
                 for plan, (e, t, _, _) in zip(plans, measured)]
         step, micro, tensor, tp_op = fit_runtime_host(runs)
-        # wall over the node's CPU work (its CPU seconds at ranks per core): cores idle while ranks wait
-        idle = statistics.median(float(w) / (float(c) * share) - 1.0 for _, _, w, c in measured) if share > 1 else 0.0
+        # the cores' idle seconds over all ranks' CPU seconds in the same steps (mean over the ranks' readings)
+        idle = statistics.median(float(i) / (float(c) * world) for _, _, i, c in measured) if share > 1 else 0.0
         return {"step_host_s": step, "microbatch_host_s": micro, "dp_tensor_host_s": tensor, "tp_op_host_s": tp_op,
-                "core_idle": max(0.0, idle)}
+                "core_idle": idle}
     return probe

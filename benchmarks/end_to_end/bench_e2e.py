@@ -50,7 +50,7 @@ from fairscale.api import captured, parallelize, search
 from fairscale.closed_loop import measure, predicted_terms, rank_summary
 from fairscale.runtime.mesh import RankMesh
 from fairscale.calibrate_host import measure_runtime_host
-from fairscale.runtime.cpu_meter import CpuIn, cpu_s
+from fairscale.runtime.cpu_meter import CpuIn, core_times, cpu_s
 from fairscale.runtime.calibrate import CALIBRATION_VERSION, calibrate_cpu, load_calibration, machine_description, save_calibration
 from fairscale.testing.models import build
 from passes.ops.flight import RECORDER
@@ -142,19 +142,21 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
             dist.barrier()
             RECORDER.timings = []
             cpu_in.reset()
-            cpu0 = cpu_s()
+            cpu0, cores0 = cpu_s(), core_times()
             start = time.perf_counter()
             loss = pm.train_step(b)
             cpu = cpu_s() - cpu0
             dist.barrier()
             times.append(time.perf_counter() - start)
+            cores1 = core_times()
+            idle, steal = (cores1[0] - cores0[0], cores1[1] - cores0[1]) if cores0 and cores1 else (0.0, 0.0)
             RECORDER.timings = None
             calls += pm.last_waits
             waits: dict[str, float] = {}
             for _, axis, _, _, secs in pm.last_waits:
                 waits[axis] = waits.get(axis, 0.0) + secs
             records.append({**pm.last_timing, "waits": waits, "cpu": cpu, "calls": len(pm.last_waits),
-                            "cpu_wait": cpu_in.wait, "cpu_opt": cpu_in.opt})
+                            "cpu_wait": cpu_in.wait, "cpu_opt": cpu_in.opt, "idle": idle, "steal": steal})
         cpu_in.close()
         pm.train_step(case.make_batch(999, cfg["batch"]), measure_memory=True)
         peaks = pm.memory_report().measured
@@ -163,6 +165,8 @@ def run_plans(rank: int, world: int, cfg: dict[str, Any], plans: dict[str, Plan]
                      "cpu_s": statistics.median(r["cpu"] for r in records),
                      "cpu_wait_s": statistics.median(r["cpu_wait"] for r in records),
                      "cpu_opt_s": statistics.median(r["cpu_opt"] for r in records),
+                     "idle_s": statistics.median(r["idle"] for r in records),
+                     "steal_s": statistics.median(r["steal"] for r in records),
                      "calls": statistics.median(r["calls"] for r in records),
                      "pp_index": pm.mesh.pp_index, "activations": peaks["activations"], "buffers": peaks["buffers"],
                      **state_bytes(pm)}
@@ -217,9 +221,10 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
               f"{max(row['terms']['calls']):5.0f}")
     print(f"\nCPU per term: the ranks' CPU seconds per step over the {cores} cores (what a CPU-bound step "
           f"takes), predicted (mean over ranks of the model's busy terms) / measured, ms")
-    print("(idle: the step's wall time beyond its CPU work over the cores, Cluster.core_idle; total excludes it)")
+    print("(idle: the cores' idle seconds per step over the cores, Cluster.core_idle of the CPU work; total excludes "
+          "it; steal: what the hypervisor took, not modelled; wall: the step as timed)")
     print(f"{'plan':18s} {'compute':>11s} {'(host)':>6s} {'comm waits':>11s} {'optimizer':>11s} {'total':>11s} "
-          f"{'idle':>11s} {'wall':>6s}")
+          f"{'idle':>11s} {'steal':>5s} {'wall':>6s}")
     for row in rows:
         if "error" in row:
             continue
@@ -233,8 +238,9 @@ def print_terms(rows: list[dict[str, Any]], cluster: Cluster) -> None:
             return f"{a * 1e3:5.0f}/{b * 1e3:<5.0f}"
         print(f"{row['plan']:18s} {pair(comp, total - cw - co)} {p.get('host_s', 0.0) * 1e3:6.0f} {pair(comm, cw)} "
               f"{pair(p['optimizer_s'], co)} "
-              f"{pair(p['step_s'] - p.get('idle_s', 0.0), total)} {pair(p.get('idle_s', 0.0), row['meas_step_s'] - total)} "
-              f"{row['meas_step_s'] * 1e3:6.0f}")
+              f"{pair(p['step_s'] - p.get('idle_s', 0.0), total)} "
+              f"{pair(p.get('idle_s', 0.0), statistics.mean(t.get('idle_s', [0.0])) / cores)} "
+              f"{statistics.mean(t.get('steal_s', [0.0])) / cores * 1e3:5.0f} {row['meas_step_s'] * 1e3:6.0f}")
 
 
 def predict(plan: Plan, graph: ModelGraph, cluster: Cluster, global_batch: int) -> Breakdown:
@@ -329,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mesh = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, 0)
         terms = {"pred": predicted_terms(b, plan), "meas": dataclasses.asdict(measure([r[name]["summary"] for r in ranks], mesh)),
                  "cpu_s": [r[name]["cpu_s"] for r in ranks], "calls": [r[name]["calls"] for r in ranks],
-                 "cpu_wait_s": [r[name]["cpu_wait_s"] for r in ranks], "cpu_opt_s": [r[name]["cpu_opt_s"] for r in ranks]}
+                 "cpu_wait_s": [r[name]["cpu_wait_s"] for r in ranks], "cpu_opt_s": [r[name]["cpu_opt_s"] for r in ranks],
+                 "idle_s": [r[name]["idle_s"] for r in ranks], "steal_s": [r[name]["steal_s"] for r in ranks]}
         rows.append({"plan": name, "mesh": f"{plan.mesh.pp}x{plan.mesh.dp}x{plan.mesh.tp}", "terms": terms,
                      "schedule": f"{plan.schedule.kind} m={plan.schedule.microbatches}",
                      "dp_kind": plan.data_parallel.kind, "recompute": plan.recompute,

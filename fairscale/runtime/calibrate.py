@@ -40,8 +40,8 @@ users' load does not change it (wall time under load gave coefficients that foll
   a tiny GPT under four plans filling the world and times real ``train_step`` calls; what a step
   costs beyond its graph's ops, waits and optimizer becomes ``step_host_s``, ``microbatch_host_s``,
   ``dp_tensor_host_s`` and ``tp_op_host_s`` (``planner.cost_host.runtime_host_s``), and (since
-  version 10) how much longer than their CPU work over the cores those steps take, ``core_idle``
-  (cores idle while ranks wait on each other: ``planner.search.evaluate.shared_core_idle_s``).
+  version 10) how long the machine's cores sit idle in those steps per CPU second of the ranks,
+  ``core_idle`` (cores idle while ranks wait on each other: ``planner.search.evaluate.shared_core_idle_s``).
 * **host overhead per op**: every rank runs a tiny GPT (width 8) forward and backward, divided by
   3× the ops the planner counts in its capture; it becomes ``op_overhead_s`` (on CPU ranks the
   dispatcher and autograd cost as much as the arithmetic of a small model). A chain of tiny

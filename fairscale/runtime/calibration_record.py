@@ -41,9 +41,10 @@ tensor-parallel rank runs whole); 8 takes the transformer block's rate as the me
 spread over the whole calibration, ``block_flops_samples`` (one timing had followed the machine's
 moment: 9.7-11.9 GFLOP/s over four calibrations), and times one matmul shape (1024×256×1024), not two; 9 fits the all-gather, reduce-scatter and
 pipeline send per size range, ``Cluster.collective_ranges`` (one line through 4 KiB-16 MiB was
-2.4× off for the reduce-scatter in between); 10 measures the runtime probe's steps in wall time
-too, ``Cluster.core_idle`` (cores idle while time-sharing ranks wait: wall time was 6-15% over
-the CPU work over the cores on every plan of the end-to-end grid, unmodelled)."""
+2.4× off for the reduce-scatter in between); 10 measures how long the machine's cores sit idle
+in the runtime probe's steps, ``Cluster.core_idle`` (cores idle while time-sharing ranks wait:
+wall time was 6-15% over the CPU work over the cores on every plan of the end-to-end grid,
+unmodelled)."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -142,8 +143,8 @@ class Calibration:
         lines.append(f"  runtime host          : {self.step_host_s * 1e3:8.2f} ms per step, "
                      f"{self.microbatch_host_s * 1e3:.2f} ms per microbatch per chunk, "
                      f"{self.dp_tensor_host_s * 1e6:.1f} us per data-parallel tensor, "
-                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op; steps {self.core_idle * 100:.1f}% "
-                     "longer than their CPU work over the cores (cores idle)" if self.runtime_measured
+                     f"{self.tp_op_host_s * 1e6:.0f} us per tensor-parallel op; cores idle {self.core_idle * 100:.1f}% "
+                     "of the ranks' CPU time in steps" if self.runtime_measured
                      else "  runtime host          : not measured (0; calibrate_cpu(runtime_host=...))")
         for op, calls in self.collective_call_s.items():
             lines.append(f"  {op} call, 1 KiB  : " + ", ".join(f"{g} ranks {t * 1e6:.0f} us" for g, t in sorted(calls.items())))
