@@ -83,10 +83,10 @@ def _new_bytes(before: dict[int, weakref.ref], exclude: set[int]) -> int:  # typ
 
 def _rank(rank: int, world: int) -> dict[str, Any]:
     out = {}
+    case = _case()  # one model for every plan, as a user re-planning it would (its captures are cached)
+    batch = case.make_batch(0, 8)
+    mine = {t.untyped_storage().data_ptr() for t in [*case.model.parameters(), *case.model.buffers(), *batch]}
     for name, plan in PLANS.items():
-        case = _case()
-        batch = case.make_batch(0, 8)
-        mine = {t.untyped_storage().data_ptr() for t in [*case.model.parameters(), *case.model.buffers(), *batch]}
         gc.collect()
         before = {id(t): weakref.ref(t) for t in _real_tensors()}  # what the process held already (inherited from the test process)
         pm = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
@@ -96,8 +96,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
         out[name] = dict(predicted=report.predicted, measured=report.measured, table=report.table(),
                          live=_new_bytes(before, mine),
                          model=sum(p.numel() * p.element_size() for p in case.model.parameters()))
-        del pm
-        gc.collect()
+        del pm  # collected at the next plan's count
     return out
 
 
