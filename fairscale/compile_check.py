@@ -66,7 +66,7 @@ from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
 from passes.dp.graph import DTYPES
 from planner.capture import CaptureError, capture
-from planner.dtype_pins import mixed_matmuls, mixed_problem
+from planner.dtype_pins import mixed_ops, mixed_problem
 from planner.graph import META_MODULE, ModelGraph
 from planner.plan import Plan, PlanError
 
@@ -213,11 +213,12 @@ class CompileChecker:
 
     def dtype_problem(self, dtype: str) -> str | None:
         """Why this model cannot run as a ``dtype`` (bf16 / fp16) plan runs it, or None: its trace
-        in that dtype has matmuls whose operands differ in dtype (``planner.dtype_pins``: a float32
-        buffer or an upcast never cast back meets a 16-bit parameter). The search falls back to fp32
-        on it when the dtype was its own default (``fairscale.api.search_graph``)."""
+        in that dtype has ops whose kernels refuse their operands' mix of dtypes (``planner.dtype_pins``:
+        a float32 buffer or an upcast never cast back meets a 16-bit value in a matmul, a norm, ...).
+        The search falls back to fp32 on it when the dtype was its own default
+        (``fairscale.api.search_graph``)."""
         traced = rank_capture(self.model, self.example_inputs, loss_fn=self.loss_fn, dtype=DTYPES[dtype])
-        mixed = mixed_matmuls(traced.gm)
+        mixed = mixed_ops(traced.gm)
         return mixed_problem(mixed, dtype, "data_parallel.param_dtype") if mixed else None
 
     def check(self, plan: Plan, *, source: str = "plan") -> None:

@@ -9,28 +9,33 @@ or fp16 plan are traced in that dtype (:mod:`planner.trace_dtype`), and the mixe
 (``passes.dp.graph.cast_io``) refuses a graph traced in fp32 that has pins, naming their lines.
 
 A graph traced in the plan's dtype can hold the opposite mistake, the model's own: a float32
-buffer (a sinusoidal position table, a relative-position bias) or an upcast that is never cast
-back meets a bf16 parameter in a matmul. Eager PyTorch refuses that ("mat1 and mat2 must have the
-same dtype"); torch.export's fake kernels do not check it, so the trace records it and the ranks
-would crash at their first step. :func:`mixed_matmuls` finds those nodes, and the mixed-precision
-pass refuses the plan before launch with :func:`mixed_problem`, naming module, op and line.
+buffer (a sinusoidal position table, a relative-position bias, a frozen norm's statistics) or an
+upcast that is never cast back meets a bf16 value in an op whose kernel takes one dtype: a matmul
+("mat1 and mat2 must have the same dtype"), a norm, an indexed write (:data:`MIXED_OPS` lists them,
+from eager PyTorch's own answers). torch.export's fake kernels do not check it, so the trace records
+it and the ranks would crash at their first step. :func:`mixed_ops` finds those nodes, and the
+mixed-precision pass refuses the plan before launch with :func:`mixed_problem`, naming module, op
+and line.
 
 Usage::
 
     pins = fp32_pins(graph)     # ["hidden_states.to(torch.float32) (modeling_llama.py:62 `...`)", ...]
-    mixed = mixed_matmuls(gm)   # [linear node, ...]; mixed_problem(mixed, "bf16", path) says where and what to do
+    mixed = mixed_ops(gm)       # [linear node, ...]; mixed_problem(mixed, "bf16", path) says where and what to do
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
 import torch
 import torch.fx
 
-from planner.batch_stats import source_line
+from planner.batch_stats import batch_stat_call, source_line
 from planner.graph import META_MODULE, ModelGraph
 
-__all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_matmuls", "mixed_problem", "MIXED_REMEDY",
-           "PINS_REMEDY"]
+__all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_ops", "mixed_problem", "MIXED_REMEDY", "PINS_REMEDY",
+           "MIXED_OPS", "MixRule", "mix_refused", "op_name", "op_key"]
 
 _ASSERT = "aten._assert_tensor_metadata.default"
 _CASTS = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout"}
@@ -75,10 +80,85 @@ def pins_problem(pins: list[str], dtype: str, path: str) -> str:
             f"{dtype} matmuls; {PINS_REMEDY}")
 
 
-_MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "mv", "addmv", "dot",
-                      "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
-                      "conv_transpose2d", "conv_transpose3d", "scaled_dot_product_attention"})
-"""ATen ops (by name, any overload) whose kernels refuse floating operands of different dtypes."""
+@dataclass(frozen=True)
+class MixRule:
+    """Which floating operands of an op its eager kernel needs to agree in dtype."""
+
+    same: tuple[str, ...]
+    """Operands (schema names; each tensor of a list argument) whose dtypes must be one."""
+    or_fp32: tuple[str, ...] = ()
+    """Operands whose dtypes must be one, either that of :attr:`same` or float32 (the kernels'
+    mixed-precision path: a 16-bit input with float32 norm parameters, bias or attention mask)."""
+    exact: bool = True
+    """False where eager's refusal also depends on more than dtypes (which operands need gradients,
+    a flag): the rule then refuses every mix, of which eager refuses some."""
+
+
+def _same(*names: str) -> MixRule:
+    return MixRule(same=names)
+
+
+_NORM = MixRule(same=("input",), or_fp32=("weight", "bias"))
+MIXED_OPS: dict[str, MixRule] = {
+    # matmuls: "mat1 and mat2 must have the same dtype", a float32 bias too
+    **{f"aten.{op}": _same(*names) for op, names in {
+        "linear": ("input", "weight", "bias"), "mm": ("self", "mat2"), "addmm": ("self", "mat1", "mat2"),
+        "bmm": ("self", "mat2"), "baddbmm": ("self", "batch1", "batch2"), "addbmm": ("self", "batch1", "batch2"),
+        "matmul": ("self", "other"), "einsum": ("tensors",), "mv": ("self", "vec"), "addmv": ("self", "mat", "vec"),
+        "dot": ("self", "tensor"), "tensordot": ("self", "other"), "bilinear": ("input1", "input2", "weight"),
+        "_grouped_mm": ("self", "mat2"),
+        "conv1d": ("input", "weight", "bias"), "conv2d": ("input", "weight", "bias"),
+        "conv3d": ("input", "weight", "bias"), "conv_transpose3d": ("input", "weight", "bias"),
+        # elementwise or indexed, yet without type promotion
+        "prelu": ("self", "weight"), "lerp": ("self", "end", "weight"), "linalg_cross": ("self", "other"),
+        "grid_sampler": ("input", "grid"), "embedding_bag": ("weight", "per_sample_weights"),
+        "cross_entropy_loss": ("self", "weight"), "nll_loss_nd": ("self", "weight"),
+        "binary_cross_entropy": ("self", "target"),
+        # writes of one tensor into another: "Index put requires the source and destination dtypes match"
+        "index_put": ("self", "values"), "index_add": ("self", "source"), "index_copy": ("self", "source"),
+        "index_reduce": ("self", "source"), "put": ("self", "source"), "masked_scatter": ("self", "source"),
+        "scatter": ("self", "src"), "scatter_add": ("self", "src"), "scatter_reduce": ("self", "src"),
+    }.items()},
+    "aten.conv_transpose1d": _same("input", "weight"),  # a bias of either dtype passes
+    "aten.conv_transpose2d": MixRule(same=("input", "weight"), or_fp32=("bias",)),
+    "aten.scaled_dot_product_attention": MixRule(same=("query", "key", "value"), or_fp32=("attn_mask",)),
+    "aten.layer_norm": _NORM, "aten.group_norm": _NORM, "aten.instance_norm": _NORM,
+    "aten.batch_norm": MixRule(same=("input",), or_fp32=("weight", "bias", "running_mean", "running_var")),
+    # a float32 bias passes or not by the convolution's rank and transposition; the LSTM's biases by
+    # layer; the outer product's backward by which operands need gradients
+    "aten.convolution": MixRule(same=("input", "weight", "bias"), exact=False),
+    "aten._convolution": MixRule(same=("input", "weight", "bias"), exact=False),
+    "aten.lstm": MixRule(same=("input", "hx", "params"), exact=False),
+    "aten.addr": MixRule(same=("self", "vec1", "vec2"), exact=False),
+}
+"""The ATen ops whose eager CPU kernels (forward or backward) refuse some floating operands of
+different dtypes, by op (any overload; an in-place ``op_`` as ``op``); every other op takes them by
+type promotion. The evidence, and how to gather it again, is benchmarks/dtype_ops/ (each op run
+under every bf16 / float32 mix of its operands); tests/planner/test_mixed_dtype_ops.py checks each
+rule against eager PyTorch."""
+
+
+def mix_refused(op: str, dtypes: Mapping[str, Sequence[torch.dtype]]) -> bool:
+    """Whether op ``op`` (``"aten.layer_norm"``) refuses operands of ``dtypes`` (floating dtypes by
+    schema name, a list argument's in order), by :data:`MIXED_OPS`."""
+    rule = MIXED_OPS.get(op)
+    if rule is None:
+        return False
+    same = {d for name in rule.same for d in dtypes.get(name, ())}
+    loose = {d for name in rule.or_fp32 for d in dtypes.get(name, ())}
+    return len(same) > 1 or len(loose) > 1 or bool(same and loose and loose != same and loose != {torch.float32})
+
+
+def op_name(node: torch.fx.Node) -> str | None:
+    """The :data:`MIXED_OPS` key of an ATen call (``aten.index_put_.default`` -> ``"aten.index_put"``)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return op_key(node.target)
+
+
+def op_key(op: torch._ops.OpOverload) -> str:
+    """:func:`op_name` of a call of ``op``."""
+    return str(op.overloadpacket).removesuffix("_")
 
 
 def _dtypes(arg: object) -> list[torch.dtype]:
@@ -86,6 +166,17 @@ def _dtypes(arg: object) -> list[torch.dtype]:
         return [d for a in arg for d in _dtypes(a)]
     val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     return [val.dtype] if isinstance(val, torch.Tensor) and val.is_floating_point() else []
+
+
+def _operands(node: torch.fx.Node) -> dict[str, list[torch.dtype]]:
+    """The floating dtypes of an ATen call's operands, by schema name."""
+    assert isinstance(node.target, torch._ops.OpOverload)
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        found = _dtypes(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+        if found:
+            out[arg.name] = found
+    return out
 
 
 def _module_of(node: torch.fx.Node) -> str:
@@ -99,25 +190,26 @@ def _module_of(node: torch.fx.Node) -> str:
     return f" in module {node.meta.get(META_MODULE) or '(top)'} ({name})"
 
 
-def mixed_matmuls(gm: torch.nn.Module) -> list[torch.fx.Node]:
-    """The matmuls and convolutions of ``gm`` (nested graphs included) whose floating operands
-    differ in dtype, in graph order."""
+def mixed_ops(gm: torch.nn.Module) -> list[torch.fx.Node]:
+    """The ops of ``gm`` (nested graphs included) that :data:`MIXED_OPS` says refuse their operands'
+    dtypes, in graph order. A training-mode batch norm of the top graph is left out: the batch-norm
+    pass replaces it with kernels of its own (``passes.ops.bn_ops``), which take float32 statistics."""
     found = []
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            name = getattr(node.target, "__name__", "").split(".")[0] if node.op == "call_function" else ""
-            if name in _MATMULS and len(set(_operand_dtypes(node))) > 1:
+            name = op_name(node)
+            if name in MIXED_OPS and mix_refused(name, _operands(node)) and \
+                    not (module is gm and batch_stat_call(node, gm) is not None):
                 found.append(node)
     return found
 
 
 def _operand_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
-    """The dtypes the op needs to agree: every floating operand, but of attention only query, key
-    and value (its kernels take a float mask of another dtype)."""
-    args = node.args[:3] if "scaled_dot_product_attention" in str(node.target) else (*node.args, *node.kwargs.values())
-    return list(dict.fromkeys(d for a in args for d in _dtypes(a)))
+    """The distinct dtypes of the operands that :data:`MIXED_OPS` says ``node`` needs to agree."""
+    rule, operands = MIXED_OPS[op_name(node) or ""], _operands(node)
+    return list(dict.fromkeys(d for name in (*rule.same, *rule.or_fp32) for d in operands.get(name, ())))
 
 
 def _val_dtype(node: object) -> torch.dtype | None:
@@ -155,15 +247,16 @@ def _describe(node: torch.fx.Node) -> str:
 
 
 MIXED_REMEDY = 'cast that value to the activations\' dtype in the model (e.g. `.to(x.dtype)`), or plan with "fp32"'
-"""What to do about a :func:`mixed_matmuls` refusal."""
+"""What to do about a :func:`mixed_ops` refusal."""
 
 
 def mixed_problem(mixed: list[torch.fx.Node], dtype: str, path: str) -> str:
-    """The refusal of a ``dtype`` plan, at JSON ``path``, whose trace in ``dtype`` has ``mixed`` matmuls."""
+    """The refusal of a ``dtype`` plan, at JSON ``path``, whose trace in ``dtype`` has ``mixed`` ops
+    (:func:`mixed_ops`)."""
     described = list(dict.fromkeys(_describe(n) for n in mixed))  # one line per place, not per call
     shown = "; ".join(described[:2]) + (f"; and {len(described) - 2} more" if len(described) > 2 else "")
     shown += f" ({len(mixed)} ops in all)" if len(mixed) > 1 else ""
     return (f'{path}: "{dtype}" cannot run this model: traced as its ranks run it ({dtype} parameters, buffers '
             f"and upcasts as the code makes them), op {shown}: a float32 value (a buffer, or a value cast up "
-            f"and never cast back) meets a {dtype} parameter, which the kernel refuses (eager PyTorch raises "
-            f'"mat1 and mat2 must have the same dtype" there). What to do: {MIXED_REMEDY}')
+            f"and never cast back) meets a {dtype} value in an op whose kernel takes one dtype (eager PyTorch "
+            f'raises there, e.g. "mat1 and mat2 must have the same dtype"). What to do: {MIXED_REMEDY}')

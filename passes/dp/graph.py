@@ -13,7 +13,7 @@ import torch.fx
 from torch import nn
 
 from passes.ops import dp_ops
-from planner.dtype_pins import MIXED_REMEDY, PINS_REMEDY, mixed_matmuls, mixed_problem, module_pins, pins_problem
+from planner.dtype_pins import MIXED_REMEDY, PINS_REMEDY, mixed_ops, mixed_problem, module_pins, pins_problem
 from planner.trace_dtype import traced_dtype
 from passes.dp.info import DataParallelInfo, Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
@@ -265,7 +265,7 @@ def cast_io(graph: torch.fx.Graph, dtype: torch.dtype, source: torch.fx.GraphMod
     pins = module_pins(source) if traced != dtype else []
     if pins:  # traced in fp32 (not as the ranks trace a mixed-precision plan): refused, before launch
         raise DtypeError(pins_problem(pins, name, "data_parallel.param_dtype"), hint=PINS_REMEDY)
-    mixed = mixed_matmuls(source) if traced == dtype else []
+    mixed = mixed_ops(source) if traced == dtype else []
     if mixed:  # the model's own mix of an fp32 value and a bf16 parameter: the ranks would crash at step 1
         raise DtypeError(mixed_problem(mixed, name, "data_parallel.param_dtype"), hint=MIXED_REMEDY, node=mixed[0])
 

@@ -1,8 +1,9 @@
 """bf16 plans of corpus models (``benchmarks/corpus/bf16_sweep.py`` sweeps them all): a model whose
-own float32 values meet bf16 parameters in a matmul is refused before launch (was: the plan
-compiled, since torch.export's fake kernels do not check operand dtypes, and every rank crashed
-at its first step with "mat1 and mat2 must have the same dtype"); one that runs trains as eager
-bf16 with fp32 masters (``test_bf16_trace.eager_bf16``)."""
+own float32 values meet bf16 values in an op that takes one dtype (a matmul, a norm, ...:
+``planner.dtype_pins.MIXED_OPS``) is refused before launch (was: the plan compiled, since
+torch.export's fake kernels do not check operand dtypes, and every rank crashed at its first step
+with "mat1 and mat2 must have the same dtype"); one that runs trains as eager bf16 with fp32
+masters (``test_bf16_trace.eager_bf16``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import fairscale
 from fairscale.compile_check import checker_for
 from fairscale.testing.corpus import models
-from planner.dtype_pins import mixed_matmuls
+from planner.dtype_pins import mixed_ops
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule
 from planner.trace_dtype import in_dtype
 from test_bf16_trace import BATCH, _plan, _train, eager_bf16
@@ -40,7 +41,7 @@ def test_fp32_values_meeting_bf16_matmuls_are_refused_before_launch(name, where,
     # the first matmul that mixes, and where its float32 operand became float32
     assert f"op aten.linear.default in module {where}" in text, text
     assert f": float32 x bfloat16 (the float32 value from {source})" in text, text
-    assert "meets a bf16 parameter" in text, text
+    assert "meets a bf16 value in an op whose kernel takes one dtype" in text, text
     assert "cast that value to the activations' dtype in the model (e.g. `.to(x.dtype)`), or plan with \"fp32\"" in text
     assert "choose another data_parallel.kind" not in text  # the dp pass's generic advice would not help
 
@@ -87,4 +88,5 @@ def test_an_fp32_attention_mask_beside_bf16_queries_is_not_mixed():
     with in_dtype(model, torch.bfloat16, (torch.randn(2, 4, 8),)) as (batch, _):
         assert model(*batch).dtype == torch.bfloat16  # eager runs it
         gm = torch.export.export(model, batch).module()
-    assert not mixed_matmuls(gm)
+    assert not mixed_ops(gm)
+
