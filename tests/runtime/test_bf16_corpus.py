@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import fairscale
 from fairscale.compile_check import checker_for
 from fairscale.testing.corpus import models
+from fairscale.testing.models import Case
 from planner.dtype_pins import mixed_ops
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule
 from planner.trace_dtype import in_dtype
@@ -90,3 +92,96 @@ def test_an_fp32_attention_mask_beside_bf16_queries_is_not_mixed():
         gm = torch.export.export(model, batch).module()
     assert not mixed_ops(gm)
 
+
+class _Fp32ResidualLM(nn.Module):
+    """Megatron-LM's ``fp32_residual_connection`` style: the embedding output is upcast and the
+    residual stream stays float32; each block casts it to the weights' dtype and normalizes
+    (``cast_back``), or, the mistake, normalizes the float32 stream and casts the result: a bf16
+    LayerNorm weight then meets the float32 stream, which eager bf16 refuses ("mixed dtype (CPU):
+    expect parameter to have scalar type of Float"), while every matmul sees bf16."""
+
+    def __init__(self, cast_back: bool, vocab: int = 32, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.cast_back = cast_back
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(dim), "fc": nn.Linear(dim, dim)})
+                                    for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).float()  # the residual stream, in fp32
+        dtype = self.emb.weight.dtype
+        for block in self.blocks:
+            x = block["ln"](h.to(dtype)) if self.cast_back else block["ln"](h).to(dtype)
+            h = h + F.gelu(block["fc"](x))
+        return self.head(self.ln_f(h.to(self.emb.weight.dtype)))
+
+
+def _residual_lm(cast_back: bool) -> Case:
+    torch.manual_seed(0)
+
+    def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(0, 32, (size, 6), generator=g), torch.randint(0, 32, (size, 6), generator=g)
+
+    return Case("fp32-residual", _Fp32ResidualLM(cast_back), batch,
+                lambda logits, y: F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
+
+
+def test_an_fp32_value_reaching_a_bf16_layer_norm_is_refused_before_launch():
+    """Was: the plan compiled (the check looked at matmuls only, and every matmul here is bf16) and
+    every rank crashed at its first step in the LayerNorm."""
+    with pytest.raises(PlanError) as info:
+        _plan(_residual_lm(cast_back=False), 1, 1, 1)
+    text = str(info.value)
+    assert 'data_parallel.param_dtype: "bf16" cannot run this model' in text, text
+    assert "op aten.layer_norm.default in module blocks.0.ln (LayerNorm) at test_bf16_corpus.py:" in text, text
+    assert "(2 ops in all)" in text and "aten.linear" not in text, text  # the two blocks' norms, nothing else
+    assert ": float32 x bfloat16 (the float32 value from aten.to.dtype in module (top) (_Fp32ResidualLM) at " \
+           "test_bf16_corpus.py:" in text and "`h = self.emb(ids).float()" in text, text
+    assert "at module blocks.0.ln, op aten.layer_norm.default; source " in text, text  # the compile check's pointer
+    assert "meets a bf16 value in an op whose kernel takes one dtype" in text, text
+
+
+def test_the_same_model_cast_back_trains_in_bf16_as_eager():
+    ref = eager_bf16(lambda: _residual_lm(cast_back=True))
+    case = _residual_lm(cast_back=True)
+    got = fairscale.launch(_train, devices=1, args=(case, _plan(case, 1, 1, 1)))[0]
+    assert got == ref, (got, ref)
+
+
+class _FrozenNormNet(nn.Module):
+    """mmdetection's ``norm_eval``: a backbone whose BatchNorm layers stay in eval mode while the
+    rest trains (``train()`` puts them back), so their float32 running statistics are read beside
+    bf16 weights, which eager bf16 refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+        self.train()
+
+    def train(self, mode: bool = True) -> "_FrozenNormNet":
+        super().train(mode)
+        self.bn.eval()  # norm_eval=True
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_frozen_batch_norm_beside_bf16_weights_is_refused_before_launch():
+    """Was: compiled (an eval-mode batch norm is no batch statistic, so the batch-norm pass leaves
+    it to aten), and the ranks crashed at their first step: "expected scalar type BFloat16 but found
+    Float". A training-mode one is replaced by the pass's own kernel and trains (vgg-bn, resnet)."""
+    torch.manual_seed(0)
+    case = Case("frozen-bn", _FrozenNormNet(), lambda step, size: (
+        torch.randn(size, 3, 4, 4, generator=torch.Generator().manual_seed(step)), torch.zeros(size, dtype=torch.long)),
+                F.cross_entropy)
+    with pytest.raises(PlanError) as info:
+        _plan(case, 1, 1, 1)
+    text = str(info.value)
+    assert "op aten.batch_norm.default in module bn (BatchNorm2d) at test_bf16_corpus.py:" in text, text
+    assert ": bfloat16 x float32" in text, text
