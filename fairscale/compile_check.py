@@ -383,7 +383,8 @@ def _refusal(exc: BaseException, plan: Plan, where: str) -> Refusal:
         if found is not None:
             pass_name, hint = found
             break
-    hint = getattr(exc, "hint", None) or hint  # a pass that knows the remedy says it (passes.dp.graph.DtypeError)
+    # a pass that knows the remedy says it (passes.dp.graph.DtypeError), read through the chain as its node is
+    hint = next((h for e in _chain(exc) if isinstance(h := getattr(e, "hint", None), str) and h), hint)
     node = _node_of(exc)
     module = _module_of(node) if node is not None else ""
     op = _op_of(node) if node is not None else ""

@@ -188,3 +188,22 @@ def test_checkers_are_shared_per_model_and_shapes() -> None:
     del model
     gc.collect()
     assert not any(key in cc._CHECKERS for key in mine), "a dead model's entries go (its address may be reused)"
+
+
+def test_a_pass_remedy_is_read_through_the_exception_chain_as_its_node_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass's ``hint`` (``passes.dp.graph.DtypeError``'s remedy) raised under another exception
+    is reported as its ``node`` is, from wherever in the chain it is (was: the top exception's only,
+    so a wrapped remedy gave way to the pass's generic advice)."""
+    from passes.dp.graph import DtypeError
+
+    def wrapping_pass(gm: torch.fx.GraphModule, plan: Plan, **kw: Any) -> torch.fx.GraphModule:
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and "relu" in str(n.target))
+        try:
+            raise DtypeError("mixed dtypes", hint="cast it back", node=node)
+        except DtypeError as e:
+            raise ValueError("the pass could not rewrite it") from e
+
+    monkeypatch.setattr(passes, "shard_tensor_parallel_pass", wrapping_pass)
+    found = fresh().refusal(plan(tensor_parallel=TensorParallel(rules={})))
+    assert found is not None and found.reason == "ValueError: the pass could not rewrite it"
+    assert (found.module, found.op, found.hint) == ("layers.0", "aten.relu.default", "cast it back")
