@@ -177,11 +177,13 @@ class Cluster:
     runtime's op around the gloo call (its autograd function, the copies around the call, the
     gloo threads' work before the wait). Charged with the layer's compute
     (``planner.cost_host.tp_op_calls``). 0 for GPUs; measured for CPU ranks by calibration."""
-    gemm_flops: tuple[tuple[int, int, float], ...] = ()
-    """(in features, out features, FLOP/s) of a linear's forward+backward by weight shape, every rank
-    at once: a tensor-parallel rank's narrower GEMMs run slower per FLOP on CPU ranks, and
-    ``planner.cost_gemm.tp_gemm_factor`` charges a split layer's GEMMs the ratio of these rates.
-    Empty for GPUs (the factor is 1); measured for CPU ranks by calibration."""
+    gemm_flops: tuple[tuple[int, int, float, int], ...] = ()
+    """(in features, out features, FLOP/s, rows) of a linear's forward+backward by weight shape and
+    rows, every rank at once: a tensor-parallel rank's narrower GEMMs run slower per FLOP on CPU
+    ranks, the more so on few rows, and ``planner.cost_gemm.tp_gemm_factor`` charges a split
+    layer's GEMMs the ratio of these rates at its rows. Rows 0: not recorded (a file written before
+    calibration version 11 lists ``(in, out, FLOP/s)``; read by weight size alone). Empty for GPUs
+    (the factor is 1); measured for CPU ranks by calibration."""
     whole_op_s: dict[str, float] = field(default_factory=dict)
     """``norm`` / ``elementwise`` -> seconds per byte of output of a layer norm's / an add's forward
     +backward beyond its per-op cost (every rank at once): what the ops a tensor-parallel rank runs
@@ -209,8 +211,8 @@ class Cluster:
                     "dp_tensor_host_s", "tp_op_host_s"):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must be >= 0 (got {getattr(self, key)})")
-        if any(n_in < 1 or n_out < 1 or rate <= 0 for n_in, n_out, rate in self.gemm_flops):
-            problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0) entries (got {self.gemm_flops})")
+        if any(len(g) != 4 or g[0] < 1 or g[1] < 1 or g[2] <= 0 or g[3] < 0 for g in self.gemm_flops):
+            problems.append(f"gemm_flops needs (in >= 1, out >= 1, FLOP/s > 0, rows >= 0) entries (got {self.gemm_flops})")
         if any(k not in WHOLE_OP_KINDS or v < 0 for k, v in self.whole_op_s.items()):
             problems.append(f"whole_op_s maps norm / elementwise to seconds per byte >= 0 (got {self.whole_op_s})")
         bad = {op: calls for op, calls in self.collective_call_s.items()
@@ -366,7 +368,8 @@ class Cluster:
         data["collective_ranges"] = {str(op): tuple((float(end), float(bw), float(lat)) for end, bw, lat in rows)
                                      for op, rows in data.get("collective_ranges", {}).items()}
         data["whole_op_s"] = {str(k): float(v) for k, v in data.get("whole_op_s", {}).items()}
-        data["gemm_flops"] = tuple((int(i), int(o), float(r)) for i, o, r in data.get("gemm_flops", ()))
+        data["gemm_flops"] = tuple((int(g[0]), int(g[1]), float(g[2]), int(g[3]) if len(g) > 3 else 0)
+                                   for g in data.get("gemm_flops", ()))  # before version 11: no rows
         return cls(**data, efficiency=Efficiency(**eff) if eff else Efficiency())
 
 

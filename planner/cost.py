@@ -457,7 +457,7 @@ def layer_costs(facts: list[LayerFacts], cluster: Cluster, *, tp: int, micro: in
         # a split layer's GEMMs are narrower on the rank: their FLOPs at the measured rate of those shapes
         g_fwd = g_bwd = 0.0
         if sharded and cluster.gemm_flops and f.gemms:
-            slow = tp_gemm_factor(f.gemms, cluster.gemm_flops, tp) - 1.0
+            slow = tp_gemm_factor(f.gemms, cluster.gemm_flops, tp, float(micro)) - 1.0
             g_fwd = slow * sum(g[2] for g in f.gemms) * micro / div
             g_bwd = slow * sum(g[3] for g in f.gemms) * micro / div
         fwd = compute_time(f.flops_fwd * micro / div + g_fwd, traffic, peak_flops=peak, hbm_bandwidth=cluster.hbm_bandwidth,

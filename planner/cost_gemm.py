@@ -7,13 +7,15 @@ weight, 28 for 128×128, 42-50 for 128×512), so a tp rank's share of a block co
 FLOPs at the block's rate. The planning rate (``Cluster.peak_flops``) is what the layer's own
 shapes run at without tp; under tp a linear's FLOPs are charged ``rate(unsplit) / rate(split)``
 times longer, with ``rate`` read from ``Cluster.gemm_flops`` (calibration's linear forward+backward
-by weight shape), interpolated on the log of the weight's elements between the measured shapes
-and held at the ends. Without measured rates (GPUs) the factor is 1.
+by weight shape and rows), interpolated on the log of the weight's elements between the measured
+shapes and on the log of the rows between the measured row counts, and held at the ends (a narrow
+GEMM on few rows is slower still: since calibration version 11 each shape is timed on two row
+counts). Without measured rates (GPUs) the factor is 1.
 
 Usage::
 
     from planner.cost_gemm import graph_gemms, layer_gemms, tp_gemm_factor
-    factor = tp_gemm_factor(layer_gemms(graph_gemms(graph)["layers.0"], styles), cluster.gemm_flops, tp=8)
+    factor = tp_gemm_factor(layer_gemms(graph_gemms(graph)["layers.0"], styles), cluster.gemm_flops, tp=8, samples=2)
 """
 
 from __future__ import annotations
@@ -70,36 +72,61 @@ def layer_gemms(entries: list[tuple[str, int, int, float, float]], styles: dict[
     return tuple(gemms)
 
 
-def gemm_rate(rates: tuple[tuple[int, int, float], ...], elements: float) -> float:
-    """FLOP/s of a GEMM whose weight has ``elements`` elements, from measured ``(in, out, FLOP/s)``:
-    linear in ``log(elements)`` between the two measured shapes around it (shapes of equal size
-    averaged), the nearest measured rate outside them. Example: rates 20e9 at 2048 elements and
-    28e9 at 16384: 8192 elements (2/3 of the way in log2) give 20 + 8·2/3 = 25.3 GFLOP/s."""
+def _rate_by_size(points: list[tuple[int, float]], elements: float) -> float:
+    """Linear in ``log(elements)`` between the two ``(weight elements, FLOP/s)`` points around it
+    (points of equal size averaged), the nearest outside them."""
     by_size: dict[int, list[float]] = {}
-    for n_in, n_out, rate in rates:
-        by_size.setdefault(n_in * n_out, []).append(rate)
-    points = sorted((size, sum(r) / len(r)) for size, r in by_size.items())
-    if elements <= points[0][0]:
-        return points[0][1]
-    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+    for size, rate in points:
+        by_size.setdefault(size, []).append(rate)
+    pts = sorted((size, sum(r) / len(r)) for size, r in by_size.items())
+    if elements <= pts[0][0]:
+        return pts[0][1]
+    for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
         if elements <= s1:
             w = math.log(elements / s0) / math.log(s1 / s0)
             return r0 + w * (r1 - r0)
-    return points[-1][1]
+    return pts[-1][1]
+
+
+def gemm_rate(rates: tuple[tuple[int, int, float, int], ...], elements: float, rows: float = 0.0) -> float:
+    """FLOP/s of a GEMM on ``rows`` rows whose weight has ``elements`` elements, from measured
+    ``(in, out, FLOP/s, rows)``: at each measured row count, linear in ``log(elements)`` between
+    the two shapes around it (:func:`_rate_by_size`); between the two row counts around ``rows``,
+    linear in ``log(rows)``; the nearest outside them. A narrow weight's rate depends on its rows
+    (one CPU thread: 128×64 at 33 GFLOP/s on 256 rows, 49 on 2048). Rows 0 (not recorded, or not
+    known) reads every measured shape by size alone. Example: rates 20e9 at 2048 elements and 28e9
+    at 16384, one row count: 8192 elements (2/3 of the way in log2) give 20 + 8·2/3 = 25.3 GFLOP/s."""
+    levels = sorted({r for _, _, _, r in rates})
+    if rows <= 0 or len(levels) == 1 or 0 in levels:
+        return _rate_by_size([(i * o, f) for i, o, f, _ in rates], elements)
+
+    def at(level: int) -> float:
+        return _rate_by_size([(i * o, f) for i, o, f, r in rates if r == level], elements)
+    if rows <= levels[0]:
+        return at(levels[0])
+    for lo, hi in zip(levels, levels[1:]):
+        if rows <= hi:
+            w = math.log(rows / lo) / math.log(hi / lo)
+            return at(lo) + w * (at(hi) - at(lo))
+    return at(levels[-1])
 
 
 @functools.lru_cache(maxsize=4096)
-def tp_gemm_factor(gemms: tuple[Gemm, ...], rates: tuple[tuple[int, int, float], ...], tp: int) -> float:
+def tp_gemm_factor(gemms: tuple[Gemm, ...], rates: tuple[tuple[int, int, float, int], ...], tp: int,
+                   samples: float = 0.0) -> float:
     """How much longer a layer's GEMM FLOPs take per FLOP on a tp rank than unsplit:
-    ``Σ F·/rate(split shape) / Σ F/rate(whole shape)`` over its GEMMs' forward+backward FLOPs F
-    (1 when tp is 1, no rates were measured, or the layer has no GEMMs). Example: one 128×128
-    colwise linear at tp 8 (128×16), rates 20e9 at 2048 elements and 28e9 at 16384: 28/20 = 1.4."""
+    ``Σ F·/rate(split shape) / Σ F/rate(whole shape)`` over its GEMMs' forward+backward FLOPs F,
+    each on the rows ``samples`` samples give it (its per-sample forward FLOPs / (2·in·out) rows
+    per sample; 0: rows not known, :func:`gemm_rate` by size alone); 1 when tp is 1, no rates were
+    measured, or the layer has no GEMMs. Example: one 128×128 colwise linear at tp 8 (128×16),
+    rates 20e9 at 2048 elements and 28e9 at 16384: 28/20 = 1.4."""
     if tp <= 1 or not rates or not gemms:
         return 1.0
     whole = split = 0.0
     for n_in, n_out, fwd, bwd, how in gemms:
         flops = fwd + bwd
-        whole += flops / gemm_rate(rates, n_in * n_out)
+        rows = samples * fwd / (2 * n_in * n_out)
+        whole += flops / gemm_rate(rates, n_in * n_out, rows)
         shrunk = n_in * n_out / tp if how != SPLIT_NONE else n_in * n_out
-        split += flops / gemm_rate(rates, shrunk)
+        split += flops / gemm_rate(rates, shrunk, rows)
     return split / whole if whole > 0 else 1.0

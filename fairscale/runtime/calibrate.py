@@ -28,10 +28,11 @@ users' load does not change it (wall time under load gave coefficients that foll
   machine's moment (four calibrations: 9.7-11.9 GFLOP/s). A block's arithmetic is not all large GEMMs: CPU attention, GELU's erf
   and GEMMs of a rank's small shapes ran at 0.6-0.7 of the GEMM table's rate, so planning with
   the GEMMs' rate under-predicted compute by about that much.
-* **GEMM rate by weight shape** (since version 7): every rank runs a linear's forward and backward
-  for the block model's widths whole and split over tp (128×512 .. 128×16, on the rows a tp rank
-  of that split gets for the same FLOPs); the rates, its op's host overhead taken out, become ``gemm_flops``, from which the cost model charges a tensor-parallel rank's narrower GEMMs
-  (``planner.cost_gemm``: a 128×16 weight on 2048 rows ran at 0.46× the rate of a 128×512 one on 256).
+* **GEMM rate by weight shape and rows** (since version 7; rows since 11): every rank runs a
+  linear's forward and backward for the block model's widths whole and split over tp (128×512 ..
+  128×16), each on 256 and 2048 rows; the rates, its op's host overhead taken out, become
+  ``gemm_flops``, from which the cost model charges a tensor-parallel rank's narrower GEMMs at its
+  rows (``planner.cost_gemm``: a 128×16 weight on 2048 rows ran at 0.46× the rate of a 128×512 one on 256).
 * **whole ops per byte** (since version 7): every rank runs a layer norm's and an add's forward
   and backward on 128 KiB and 1 MiB; the slope per byte of output becomes ``whole_op_s``, what a
   tensor-parallel rank pays for the ops it runs on whole activations (``planner.cost_whole``).
@@ -132,14 +133,14 @@ the other measurements, 10 single forward+backward calls spread over the whole c
 machine's rate wanders ±15% over seconds (a single process, nothing else running, medians of 10
 calls: 16.0-23.0 ms); three back-to-back runs of two calls, timed before, caught one moment, and
 four calibrations gave 9.7-11.9 GFLOP/s."""
-_GEMM_SHAPES = tuple((_BLOCK_MODEL["dim"], w, tp) for w, tp in (
-    (4 * _BLOCK_MODEL["dim"], 1), (_BLOCK_MODEL["dim"], 1), (4 * _BLOCK_MODEL["dim"] // 8, 8),
-    (_BLOCK_MODEL["dim"] // 4, 4), (_BLOCK_MODEL["dim"] // 8, 8)))
-"""(in, out, tp) of the linears timed by weight shape (``Cluster.gemm_flops``): the block model's
-MLP (128×512) and attention (128×128) linears whole, its MLP split over tp 8 (128×64) and its
-attention over tp 4 and 8 (128×32, 128×16). Each runs on the rows a tp rank of that split gets for
-the FLOPs of the block model's rank without tp: ``_BLOCK_ROWS`` sequences × tp (256 .. 2048 rows;
-a narrow GEMM on 8× the rows runs faster than on the same rows, and that is the plan it competes with)."""
+_GEMM_SHAPES = tuple((_BLOCK_MODEL["dim"], _BLOCK_MODEL["dim"] * k // 8) for k in (32, 8, 4, 2, 1))
+"""(in, out) of the linears timed by weight shape (``Cluster.gemm_flops``): the block model's MLP
+(128×512) and attention (128×128) linears whole, and split over tp 2 to 8 (128×64 .. 128×16)."""
+_GEMM_ROWS = (_BLOCK_ROWS * _BLOCK_MODEL["seq"], 8 * _BLOCK_ROWS * _BLOCK_MODEL["seq"])
+"""Rows each shape is timed on (since version 11): the block model's rank (2 sequences of 128) and
+8 times that (a tp-8 rank's rows for the same FLOPs). A narrow GEMM's rate depends on its rows
+(128×64: 33 GFLOP/s on 256 rows, 49 on 2048, one thread), and version 7-10 timed each split shape
+on 256 × tp rows only, so a tp-2 rank on 256 rows was charged 2048 rows' rate."""
 _GEMM_RUN_S = 0.003
 """CPU seconds of one timed run of a shape (repeated calls; each shape takes about 4 runs)."""
 _WHOLE_ROWS = (256, 2048)
@@ -323,17 +324,16 @@ def _rates(rank: int, world: int, repeat: int, op_model: tuple[int, float, int],
     return out
 
 
-def _gemm_rates(repeat: int, share: float, op_overhead_s: float) -> list[tuple[int, int, float]]:
-    """(in, out, FLOP/s) of an ``nn.functional.linear`` forward and backward (input and weight
-    gradients) per shape of :data:`_GEMM_SHAPES`, every rank at once, mean over the ranks: 6 FLOPs
-    per row and weight element, over the time left once the cost model's host overhead of the
-    linear's op (``op_overhead_s`` forward, twice backward) is taken out (:func:`block_flops_rate`).
-    Each run repeats the call for about ``_GEMM_RUN_S`` of CPU (about 0.25 s for all the shapes on
-    8 ranks sharing 2 cores, once the block model has run: a process's first linear backward with a
-    weight gradient of this size spent 0.7 s of CPU starting up)."""
+def _gemm_rates(repeat: int, share: float, op_overhead_s: float) -> list[tuple[int, int, float, int]]:
+    """(in, out, FLOP/s, rows) of an ``nn.functional.linear`` forward and backward (input and weight
+    gradients) per shape of :data:`_GEMM_SHAPES` on each of :data:`_GEMM_ROWS`, every rank at once,
+    mean over the ranks: 6 FLOPs per row and weight element, over the time left once the cost
+    model's host overhead of the linear's op (``op_overhead_s`` forward, twice backward) is taken
+    out (:func:`block_flops_rate`). Each run repeats the call for about ``_GEMM_RUN_S`` of CPU
+    (about 0.5 s for the 10 runs on 8 ranks sharing 2 cores, once the block model has run: a
+    process's first linear backward with a weight gradient of this size spent 0.7 s of CPU starting up)."""
     rates = []
-    for n_in, n_out, tp in _GEMM_SHAPES:
-        rows = _BLOCK_ROWS * _BLOCK_MODEL["seq"] * tp
+    for (n_in, n_out), rows in ((shape, rows) for rows in _GEMM_ROWS for shape in _GEMM_SHAPES):
         x = torch.randn(rows, n_in, requires_grad=True)
         w = torch.randn(n_out, n_in, requires_grad=True)
         grad = torch.randn(rows, n_out)
@@ -342,7 +342,7 @@ def _gemm_rates(repeat: int, share: float, op_overhead_s: float) -> list[tuple[i
             torch.nn.functional.linear(x, w).backward(grad)
         t = _mean(_sustained(linear, repeat=repeat, share=share, seconds=_GEMM_RUN_S))
         rates.append((n_in, n_out, block_flops_rate(t, flops=6 * rows * n_in * n_out, ops=1, op_overhead_s=op_overhead_s,
-                                                    traffic_bytes=0.0, bandwidth=1.0)))
+                                                    traffic_bytes=0.0, bandwidth=1.0), rows))
     return rates
 
 
@@ -464,7 +464,7 @@ def calibrate_cpu(ranks: int, *, repeat: int = 3, memory_bytes: int | None = Non
         collective_links=links, collective_ranges=ranges,
         recompute_op_s=float(res["recompute_op"]),
         optimizer_tensor_s=float(res["optimizer_tensor"]),
-        **runtime, gemm_flops=tuple((int(i), int(o), float(r)) for i, o, r in res["gemm"]),
+        **runtime, gemm_flops=tuple((int(i), int(o), float(r), int(n)) for i, o, r, n in res["gemm"]),
         whole_op_s={k: float(v) for k, v in res["whole_op"].items()},
         inter_bandwidth=link["bandwidth"], inter_latency=link["latency_s"],
         efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0))

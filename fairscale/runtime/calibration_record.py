@@ -25,7 +25,7 @@ from planner.cluster import Cluster, host_memory_bytes
 
 __all__ = ["CALIBRATION_VERSION", "Calibration", "machine_description"]
 
-CALIBRATION_VERSION = 10
+CALIBRATION_VERSION = 11
 """What a calibration file measured: 2 added the optimizer's cost per parameter tensor and timed
 the op overhead on a transformer's ops; 3 measures CPU time × ranks per core instead of wall time
 (load-independent), the host cost per collective call by group size and full recompute's host cost
@@ -44,7 +44,8 @@ pipeline send per size range, ``Cluster.collective_ranges`` (one line through 4 
 2.4× off for the reduce-scatter in between); 10 measures how long the machine's cores sit idle
 in the runtime probe's steps, ``Cluster.core_idle`` (cores idle while time-sharing ranks wait:
 wall time was 6-15% over the CPU work over the cores on every plan of the end-to-end grid,
-unmodelled)."""
+unmodelled); 11 times each GEMM shape on two row counts, ``Cluster.gemm_flops``' rows (a tp-2
+rank's attention linears on 256 rows had been charged the rate of 2048)."""
 
 @dataclass(kw_only=True)
 class Calibration:
@@ -130,8 +131,9 @@ class Calibration:
                  f"({self.machine.get('cores', '?')} cores)"]
         for shape, f in self.matmul_flops.items():
             lines.append(f"  matmul {shape:>16s}: {f / 1e9:8.2f} GFLOP/s per rank")
-        for n_in, n_out, rate in self.cluster.gemm_flops:
-            lines.append(f"  linear {n_in:>5d}x{n_out:<5d}     : {rate / 1e9:8.2f} GFLOP/s per rank (forward+backward)")
+        for n_in, n_out, rate, rows in self.cluster.gemm_flops:
+            lines.append(f"  linear {n_in:>5d}x{n_out:<5d}     : {rate / 1e9:8.2f} GFLOP/s per rank (forward+backward"
+                         + (f", {rows} rows)" if rows else ")"))
         for kind, per_byte in self.cluster.whole_op_s.items():
             lines.append(f"  whole {kind:12s}    : {per_byte * 1e3 * 2**20:8.3f} ms per MiB of output (forward+backward)")
         lines.append(f"  transformer block     : {self.block_flops / 1e9:8.2f} GFLOP/s per rank (the planning rate"

@@ -11,8 +11,10 @@ from planner.cluster import Cluster
 from planner.cost import LayerFacts, TPInfo, layer_costs, layer_facts
 from planner.cost_gemm import SPLIT_IN, SPLIT_NONE, SPLIT_OUT, gemm_rate, tp_gemm_factor
 
-RATES = ((128, 512, 45e9), (128, 128, 28e9), (128, 16, 20e9))
-"""Weight elements 65536, 16384, 2048."""
+RATES = ((128, 512, 45e9, 0), (128, 128, 28e9, 0), (128, 16, 20e9, 0))
+"""Weight elements 65536, 16384, 2048; rows not recorded (read by size alone)."""
+BY_ROWS = ((128, 128, 28e9, 256), (128, 16, 12e9, 256), (128, 128, 30e9, 2048), (128, 16, 24e9, 2048))
+"""Two shapes, each on 256 and 2048 rows: the narrow one slows on few rows."""
 
 
 def test_gemm_rate_interpolates_on_the_log_of_the_weight_size_and_holds_the_ends():
@@ -23,7 +25,21 @@ def test_gemm_rate_interpolates_on_the_log_of_the_weight_size_and_holds_the_ends
     assert gemm_rate(RATES, 32768) == pytest.approx(36.5e9)
     assert gemm_rate(RATES, 512) == 20e9 and gemm_rate(RATES, 1 << 20) == 45e9
     # two measured shapes of one size (16×128 and 128×16) are averaged
-    assert gemm_rate(((16, 128, 18e9), (128, 16, 22e9), (128, 128, 28e9)), 2048) == pytest.approx(20e9)
+    assert gemm_rate(((16, 128, 18e9, 0), (128, 16, 22e9, 0), (128, 128, 28e9, 0)), 2048) == pytest.approx(20e9)
+
+
+def test_gemm_rate_interpolates_between_the_measured_rows_on_their_log():
+    assert gemm_rate(BY_ROWS, 2048, 256) == 12e9 and gemm_rate(BY_ROWS, 2048, 2048) == 24e9
+    # 512 rows: one of three octaves from 256 to 2048
+    assert gemm_rate(BY_ROWS, 2048, 512) == pytest.approx(12e9 + 12e9 / 3)
+    assert gemm_rate(BY_ROWS, 16384, 724) == pytest.approx(29e9, rel=1e-3)  # half way in log2
+    # held outside the measured rows; rows not known: every shape by size (both row counts averaged)
+    assert gemm_rate(BY_ROWS, 2048, 64) == 12e9 and gemm_rate(BY_ROWS, 2048, 1 << 14) == 24e9
+    assert gemm_rate(BY_ROWS, 2048) == pytest.approx(18e9)
+    # and the size between two shapes at each row count, then the rows
+    at_256 = 12e9 + 16e9 * 2 / 3  # 8192 elements: 2 of 3 octaves from 2048 to 16384
+    at_2048 = 24e9 + 6e9 * 2 / 3
+    assert gemm_rate(BY_ROWS, 8192, 512) == pytest.approx(at_256 + (at_2048 - at_256) / 3)
 
 
 def test_tp_factor_is_the_ratio_of_the_whole_shapes_time_to_the_split_shapes():
@@ -39,6 +55,14 @@ def test_tp_factor_is_the_ratio_of_the_whole_shapes_time_to_the_split_shapes():
     assert tp_gemm_factor(both, RATES, 8) == pytest.approx((3 / 20 + 9 / 45) / (3 / 28 + 9 / 45))
     # no tp, no measured rates (GPUs) or no GEMMs: the planning rate as it is
     assert tp_gemm_factor((col,), RATES, 1) == tp_gemm_factor((col,), (), 8) == tp_gemm_factor((), RATES, 8) == 1.0
+
+
+def test_tp_factor_reads_the_rates_at_the_rows_the_samples_give():
+    # 128×128 colwise at tp 8 (128×16), 64 rows per sample (forward 2·64·128·128 FLOPs per sample)
+    col = (128, 128, 2 * 64 * 128 * 128, 4 * 64 * 128 * 128, SPLIT_OUT)
+    assert tp_gemm_factor((col,), BY_ROWS, 8, 4.0) == pytest.approx(28 / 12)  # 256 rows
+    assert tp_gemm_factor((col,), BY_ROWS, 8, 32.0) == pytest.approx(30 / 24)  # 2048 rows
+    assert tp_gemm_factor((col,), BY_ROWS, 8) == pytest.approx(29 / 18)  # rows not known: by size
 
 
 def _facts(gemms: tuple) -> LayerFacts:
@@ -85,5 +109,8 @@ def test_layer_facts_list_each_linear_with_what_the_rules_split():
 def test_cluster_keeps_the_measured_gemm_rates_through_json_and_checks_them():
     c = dataclasses.replace(Cluster.cpu(4), gemm_flops=RATES)
     assert Cluster.from_dict(c.to_dict()) == c
-    with pytest.raises(ValueError, match=r"gemm_flops needs \(in >= 1, out >= 1, FLOP/s > 0\)"):
-        dataclasses.replace(c, gemm_flops=((128, 16, 0.0),))
+    with pytest.raises(ValueError, match=r"gemm_flops needs \(in >= 1, out >= 1, FLOP/s > 0, rows >= 0\)"):
+        dataclasses.replace(c, gemm_flops=((128, 16, 0.0, 256),))
+    # a file written before calibration version 11 lists (in, out, FLOP/s): rows not recorded
+    old = {**c.to_dict(), "gemm_flops": [[128, 512, 45e9], [128, 16, 20e9]]}
+    assert Cluster.from_dict(old).gemm_flops == ((128, 512, 45e9, 0), (128, 16, 20e9, 0))

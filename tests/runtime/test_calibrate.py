@@ -92,8 +92,10 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     assert 0 < cal.machine["shape_rates_s"] < cal.machine["calibration_s"]["rates"]  # the GEMMs by shape, whole ops
     # the linear's rate by weight shape, the block model's widths whole and split (in, out): the
     # cost model's narrow-GEMM term reads them from the cluster, and the table prints each
-    assert [(i, o) for i, o, _ in c.gemm_flops] == [(128, 512), (128, 128), (128, 64), (128, 32), (128, 16)]
-    assert all(rate > 1e8 for _, _, rate in c.gemm_flops) and "linear   128x16" in cal.table()
+    widths = [(128, 512), (128, 128), (128, 64), (128, 32), (128, 16)]
+    assert [(i, o, n) for i, o, _, n in c.gemm_flops] == [(*w, 256) for w in widths] + [(*w, 2048) for w in widths]
+    assert all(rate > 1e8 for _, _, rate, _ in c.gemm_flops) and "linear   128x16" in cal.table()
+    assert "2048 rows" in cal.table()
     # a layer norm's and an add's cost per byte beyond the per-op cost (the ops tp ranks run whole)
     assert set(c.whole_op_s) == {"norm", "elementwise"} and all(v >= 0 for v in c.whole_op_s.values())
     assert "whole norm" in cal.table()
@@ -104,7 +106,7 @@ def test_calibrate_two_ranks_gives_a_cluster(tmp_path):
     # the probe's steps in wall time over their CPU work: cores idle only when ranks share them
     assert cal.core_idle == c.core_idle >= 0 and "cores idle" in cal.table()
     assert c.core_idle == 0.0 or c.shared_cores < 2, "two ranks with a core each: their waits are costed as waits"
-    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 10
+    assert cal.to_dict()["version"] == CALIBRATION_VERSION == 11
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = tmp_path / "cpu.json"
     save_calibration(cal, path)
