@@ -45,8 +45,8 @@ core (on a machine whose cores the ranks share, a rank's wall seconds when all r
 The same steps give ``core_idle``: when ranks share cores, the seconds the machine's cores sat
 idle in the timed steps (each up to a barrier after it; ``fairscale.runtime.cpu_meter.core_times``)
 over all ranks' CPU seconds in them, median of the four plans. Ranks that wait on each other leave
-cores idle, which a CPU-time rate cannot see (7-16% of the CPU work for 8 ranks on 2 cores); a
-step then takes its CPU work over the cores times ``1 + core_idle``. Another process's work fills
+cores idle, which a CPU-time rate cannot see (6-9% of the CPU work in three calibrations of 8 ranks
+on 2 cores); a step then takes its CPU work over the cores times ``1 + core_idle``. Another process's work fills
 idle cores, so load makes it smaller, never larger (the wall clock's ratio to the CPU work, tried
 first, gave 28% under a nice-5 neighbour); 0 where the ranks each have a core (their waits are
 costed as waits) or the machine does not say (not Linux).

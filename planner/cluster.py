@@ -120,8 +120,8 @@ class Cluster:
     early arrivals, the scheduler waking a rank whose message came). The cost model charges it on
     the node's CPU work (``planner.search.evaluate.shared_core_idle_s``). 0 when the ranks do not
     share cores (GPUs); measured for CPU ranks by calibration on real ``train_step`` calls, as the
-    cores' idle seconds over the ranks' CPU seconds (``fairscale.calibrate_host``: 7-16% for 8
-    ranks on 2 cores)."""
+    cores' idle seconds over the ranks' CPU seconds (``fairscale.calibrate_host``: 6-9% in three
+    calibrations of 8 ranks on 2 cores)."""
     last_node_devices: int = 0
     """Devices of the last node when it is partial (``devices=12`` on 8-GPU nodes: 4); 0 when
     every node is full. Groups of a plan never straddle the gap: tp divides the node size and the
