@@ -390,7 +390,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine's GPU, or its CPU ranks, for the cost model (cached)",
                        description="A visible GPU: its GEMM rates, bandwidth, launch time (a few s); else (or --cpu) "
-                                   "N CPU ranks' rates, gloo collectives (15-20 s on 2 cores). Replaces the cache.")
+                                   "N CPU ranks' rates, gloo collectives (20-27 s for 8 ranks on 2 cores). Replaces the cache.")
     p.add_argument("--devices", type=int, metavar="N", help="number of CPU ranks (at least 2; CPU ranks only)")
     p.add_argument("--cpu", action="store_true", help="calibrate CPU ranks even where a GPU is visible")
     p.set_defaults(run=_cmd_calibrate)

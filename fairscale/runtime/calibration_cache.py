@@ -82,7 +82,7 @@ def calibrate_and_cache(ranks: int, *, out: object = None, runtime_host: Runtime
     ``runtime_host``: ``fairscale.calibrate_host.measure_runtime_host`` (the face hands it in)."""
     stream = out if out is not None else sys.stderr
     path = cache_path(ranks)
-    print(f"calibrating this machine for {ranks} CPU ranks (about 15-20 s on 2 cores; cached in {path}) ...",
+    print(f"calibrating this machine for {ranks} CPU ranks (about 20-27 s for 8 ranks on 2 cores; cached in {path}) ...",
           file=stream, flush=True)  # type: ignore[arg-type]
     start = time.perf_counter()
     cal = calibrate_cpu(ranks, repeat=REPEAT, runtime_host=runtime_host)
