@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.capture_errors import node_site
-from planner.graph import META_MODULE
+from planner.graph import META_MODULE, module_class
 
 __all__ = ["BatchStatOp", "BatchStatCall", "find_batch_stat_ops", "batch_stat_call", "describe_ops",
            "microbatch_problem", "unsupported_problem", "rows_problem", "min_rows", "source_line"]
@@ -254,11 +254,7 @@ def rows_problem(ops: list[BatchStatOp], rows: int, *, dp: int, microbatches: in
 def _norm_class(node: torch.fx.Node) -> str:
     """Class name of the innermost module the node came from when it is a norm module (export's
     ``nn_module_stack``), else '' (a functional call inside some other module)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    cls = next(reversed(stack.values()))[1]
-    name = cls.__name__ if isinstance(cls, type) else str(cls).rpartition(".")[2]
+    name = module_class(node)
     return name if "Norm" in name else ""
 
 

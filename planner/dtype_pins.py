@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from planner.batch_stats import batch_stat_call, source_line
-from planner.graph import META_MODULE, ModelGraph
+from planner.graph import META_MODULE, ModelGraph, module_class
 
 __all__ = ["fp32_pins", "module_pins", "pins_problem", "mixed_ops", "mixed_problem", "MIXED_REMEDY", "PINS_REMEDY",
            "MIXED_OPS", "MixRule", "mix_refused", "op_name", "op_key"]
@@ -182,12 +182,8 @@ def _operands(node: torch.fx.Node) -> dict[str, list[torch.dtype]]:
 def _module_of(node: torch.fx.Node) -> str:
     """`` in module PATH (Class)``: the path the capture recorded (``META_MODULE``, normalized there),
     the class from export's ``nn_module_stack``; '' for a node outside every module's call."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    cls = next(reversed(stack.values()))[1]
-    name = cls.__name__ if isinstance(cls, type) else str(cls).rpartition(".")[2]
-    return f" in module {node.meta.get(META_MODULE) or '(top)'} ({name})"
+    name = module_class(node)
+    return f" in module {node.meta.get(META_MODULE) or '(top)'} ({name})" if name else ""
 
 
 def mixed_ops(gm: torch.nn.Module) -> list[torch.fx.Node]:

@@ -43,6 +43,19 @@ temporaries its op keeps, such as a layer norm's mean), or '' for a constant. Le
 place each saved tensor under tensor parallelism (``planner.cost_memory.tp_whole_saved_bytes``)."""
 META_PARAM = "fs_param"
 """str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
+
+
+def module_class(node: torch.fx.Node) -> str:
+    """Class name (``LayerNorm``) of the innermost module whose call made ``node``, from export's
+    ``nn_module_stack``; '' for a node outside every module's call, or traced without the stack.
+    (Its path is ``META_MODULE``, normalized by the capture.)"""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    cls = next(reversed(stack.values()))[1]
+    return (cls.__qualname__ if isinstance(cls, type) else str(cls)).rpartition(".")[2]
+
+
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
 """Hugging Face's grouped MoE matmul (``x [S, K]`` sorted by expert, ``w [E, K, N]``, ``offsets [E]``),
 matched by name since transformers registers it."""

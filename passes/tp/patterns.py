@@ -46,7 +46,7 @@ from passes.tp.representative import generalize as _generalize
 from passes.tp.representative import representative
 from passes.tp.rewrite import TPShardError, args_of, source_of
 from passes.tp.rules import ELEMENTWISE, VIEWS
-from planner.graph import META_MODULE, META_PARAM
+from planner.graph import META_MODULE, META_PARAM, module_class
 from planner.plan import Mesh, Plan, TensorParallel
 from planner.selectors import parse_selector
 from planner.tp_styles import TPRules, module_kind, shard_problem, split_dim
@@ -215,10 +215,7 @@ def _drop_inapplicable(gm: torch.fx.GraphModule, styles: dict[str, str], out: TP
             owner, _, name = str(n.meta[META_PARAM]).rpartition(".")
             shapes.setdefault(owner, {})[name] = tuple(n.meta["val"].shape)
         elif n.op == "call_function" and path in styles and path not in owners and n.target in _MATMUL_W:
-            stack = n.meta.get("nn_module_stack") or {}
-            cls = next(reversed(stack.values()))[1] if stack else ""
-            cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
-            owners[path] = (cls.rpartition(".")[2], n)
+            owners[path] = (module_class(n), n)
     dropped = False
     for path, style in list(styles.items()):
         if path not in owners or style not in ("colwise", "rowwise", "vocab_embedding", "vocab_loss"):
