@@ -21,7 +21,7 @@ from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
            "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
-           "tp_split_nodes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes"]
+           "tp_split_nodes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes", "STATE_SHARDED", "stepped_elements"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -47,10 +47,22 @@ def optimizer_step_bytes(optimizer: str, param_dtype: str) -> float:
     return OPTIMIZER_ACCESSES[optimizer] * 4 + (4 + p if p < 4 else 0)
 
 
+STATE_SHARDED: dict[str, tuple[bool, bool, bool]] = {
+    "ddp": (False, False, False), "zero1": (False, False, True), "zero2": (False, True, True), "fsdp": (True, True, True),
+}
+"""Data-parallel kind -> whether it shards (parameters, gradients, optimizer states) over dp (ZeRO §5)."""
+
+
+def _sharded(dp_kind: str) -> tuple[bool, bool, bool]:
+    if dp_kind not in STATE_SHARDED:
+        raise ValueError(f"unknown data-parallel kind {dp_kind!r}; use ddp, zero1, zero2 or fsdp")
+    return STATE_SHARDED[dp_kind]
+
+
 def stepped_elements(params: float, *, dp_kind: str, dp: int) -> float:
-    """Parameter elements one rank's optimizer updates: its shard of the states (``K`` of
-    :func:`model_state_parts`), all of them under ddp."""
-    return params if dp_kind == "ddp" else params / dp
+    """Parameter elements one rank's optimizer updates: its shard of the optimizer states
+    (:data:`STATE_SHARDED`), all of them under ddp."""
+    return params / dp if _sharded(dp_kind)[2] else params
 
 
 def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str = "fp32",
@@ -68,8 +80,8 @@ def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str 
     Per parameter element (ZeRO §3.1): parameters ``P`` = bytes of ``param_dtype``, gradients
     ``G`` = the same, optimizer ``K`` = 8 for Adam in fp32 (momentum + variance; the parameter is
     its own master copy) or 12 with a lower-precision ``param_dtype`` (fp32 master + momentum +
-    variance); SGD with momentum has K = 4 (+4 master). Sharding over ``dp`` (ZeRO §5):
-    ddp ``P+G+K``, zero1 ``P+G+K/dp``, zero2 ``P+(G+K)/dp``, fsdp ``(P+G+K)/dp``.
+    variance); SGD with momentum has K = 4 (+4 master). Sharding over ``dp`` (ZeRO §5,
+    :data:`STATE_SHARDED`): ddp ``P+G+K``, zero1 ``P+G+K/dp``, zero2 ``P+(G+K)/dp``, fsdp ``(P+G+K)/dp``.
     Example: 1e9 parameters, bf16, ddp: 1e9·(2+2+12) = 16e9 bytes.
     """
     p = DTYPE_BYTES[param_dtype]
@@ -80,17 +92,7 @@ def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str 
         k = 4 if p == 4 else 8
     else:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows adam and sgd")
-    parts: tuple[float, float, float]
-    if dp_kind == "ddp":
-        parts = (p, g, k)
-    elif dp_kind == "zero1":
-        parts = (p, g, k / dp)
-    elif dp_kind == "zero2":
-        parts = (p, g / dp, k / dp)
-    elif dp_kind == "fsdp":
-        parts = (p / dp, g / dp, k / dp)
-    else:
-        raise ValueError(f"unknown data-parallel kind {dp_kind!r}; use ddp, zero1, zero2 or fsdp")
+    parts = [per / dp if sharded else per for per, sharded in zip((p, g, k), _sharded(dp_kind))]
     return {"parameters": params * parts[0], "gradients": params * parts[1], "optimizer": params * parts[2]}
 
 
