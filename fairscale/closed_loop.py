@@ -131,7 +131,7 @@ def predicted_terms(b: Breakdown, plan: Plan) -> dict[str, Any]:
     stages = [s + b.host_s for s in stages]
     return {"step_s": b.step_time_s, "optimizer_s": b.optimizer_s, "stage_compute_s": stages, "host_s": b.host_s,
             "idle_s": b.idle_s, "comm_s": {"tp": b.tp_comm_s, "dp": b.dp_comm_s, "ep": b.ep_comm_s,
-                       "p2p": b.p2p_s + b.bubble * b.pipeline_s}}
+                       "p2p": b.p2p_s + b.bubble_s}}
 
 
 def rank_summary(steps: list[dict[str, Any]], calls: list[tuple[str, str, int, int, float]]) -> dict[str, Any]:
@@ -240,14 +240,15 @@ def _own_links(cluster: Cluster, measured: Measurement, changes: dict[str, Any],
                         for size, nbytes, _ in calls for bw, lat in [link_at(rows, nbytes)])
         if not calls or predicted <= 0:
             continue
-        k = sum(t for _, _, t in calls) / predicted
+        spent = sum(t for _, _, t in calls)
+        k = spent / predicted
         if op in cluster.collective_ranges:
             changes.setdefault("collective_ranges", dict(cluster.collective_ranges))[op] = tuple(
                 (end, bw / k, lat * k) for end, bw, lat in cluster.collective_ranges[op])
         if op in cluster.collective_links:
             bw, lat = cluster.collective_links[op]
             changes.setdefault("collective_links", dict(cluster.collective_links))[op] = (bw / k, lat * k)
-        how.append(f"{op}: measured {sum(t for _, _, t in calls) * 1e3:.3g} ms against {predicted * 1e3:.3g} ms "
+        how.append(f"{op}: measured {spent * 1e3:.3g} ms against {predicted * 1e3:.3g} ms "
                    f"predicted over {len(calls)} size(s) on its own calibrated link: its times × {k:.3g}")
         done.add(op)
     return done

@@ -37,10 +37,6 @@ TERMS = STEP_TERMS  # (Breakdown field, label): one row each, in this order
 GiB = 2**30
 
 
-def _bubble_s(b: Breakdown) -> float:
-    return b.bubble * b.pipeline_s
-
-
 def _headroom(b: Breakdown) -> float:
     return b.memory_cap - max(b.memory_bytes, default=0.0)
 
@@ -57,9 +53,7 @@ class PlanDiff:
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(term, A seconds, B seconds) per step, the bubble included."""
-        out = [(label, float(getattr(self.a, name)), float(getattr(self.b, name))) for name, label in TERMS]
-        out.insert(4, ("pipeline bubble", _bubble_s(self.a), _bubble_s(self.b)))
-        return out
+        return [(label, float(getattr(self.a, name)), float(getattr(self.b, name))) for name, label in TERMS]
 
     def text(self) -> str:
         na, nb = self.names

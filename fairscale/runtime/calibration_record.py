@@ -81,7 +81,7 @@ class Calibration:
     tp_op_host_s: float = 0.0
     """Host seconds per tensor-parallel collective op outside its wait (``Cluster.tp_op_host_s``)."""
     core_idle: float = 0.0
-    """How much longer than their CPU work over the cores the runtime probe's steps took (``Cluster.core_idle``)."""
+    """Seconds the cores sat idle in the runtime probe's steps per CPU second of the ranks (``Cluster.core_idle``)."""
     runtime_measured: bool = False
     """Whether the runtime host terms and ``core_idle`` were measured (else they are 0: not measured)."""
     collectives: dict[str, dict[int, float]]

@@ -135,6 +135,11 @@ class Breakdown:
     """Anything a reader should know (e.g. a tied weight copied on two stages)."""
 
     @property
+    def bubble_s(self) -> float:
+        """Seconds per step the pipeline's bubble takes (``bubble`` of ``pipeline_s``)."""
+        return self.bubble * self.pipeline_s
+
+    @property
     def fits(self) -> bool:
         return max(self.memory_bytes) <= self.memory_cap and self.host_memory_bytes <= self.host_memory_cap
 
@@ -174,19 +179,20 @@ class Breakdown:
                          notes=list(self.notes))
 
 
-STEP_TERMS: tuple[tuple[str, str], ...] = (  # (Breakdown field, label): seconds per step, in report order
+STEP_TERMS: tuple[tuple[str, str], ...] = (  # (Breakdown attribute, label): seconds per step, in report order
     ("compute_s", "compute"),
     ("recompute_s", "recompute"),
     ("tp_comm_s", "tensor-parallel collectives"),
     ("ep_comm_s", "expert all-to-all"),
+    ("bubble_s", "pipeline bubble"),
     ("p2p_s", "pipeline send/receive"),
     ("dp_comm_s", "data-parallel collectives (exposed)"),
     ("optimizer_s", "optimizer step"),
     ("host_s", "runtime host work"),
     ("idle_s", "cores idle (ranks sharing cores)"),
 )
-"""The per-step terms of a :class:`Breakdown` that plan comparisons list (``fairscale.whatif``'s
-diff, the search's loss reasons); the pipeline bubble (``bubble · pipeline_s``) goes with them."""
+"""The per-step terms of a :class:`Breakdown` (fields and derived properties) that plan
+comparisons list: ``fairscale.whatif``'s diff, the search's loss reasons."""
 
 
 class Context:

@@ -146,7 +146,6 @@ def loss_reason(b: Breakdown, w: Breakdown) -> str:
     """One line: how much slower ``b`` is than the winner ``w``, and the term that grew most."""
     pct = 100.0 * (b.step_time_s / w.step_time_s - 1.0)
     terms = {label: (getattr(b, name), getattr(w, name)) for name, label in STEP_TERMS}
-    terms["pipeline bubble"] = (b.bubble * b.pipeline_s, w.bubble * w.pipeline_s)
     name, (x, y) = max(terms.items(), key=lambda kv: (kv[1][0] - kv[1][1], kv[0]))
     if pct <= 0.05:
         return f"ties the winner ({b.step_time_s:.4g} s); the winner came first in the search order"
