@@ -162,10 +162,11 @@ def op_key(op: torch._ops.OpOverload) -> str:
 
 
 def _dtypes(arg: object) -> list[torch.dtype]:
+    """The floating dtypes of an operand's recorded values, each tensor of a list argument's in order."""
     if isinstance(arg, (list, tuple)):
         return [d for a in arg for d in _dtypes(a)]
-    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-    return [val.dtype] if isinstance(val, torch.Tensor) and val.is_floating_point() else []
+    dtype = _val_dtype(arg)
+    return [dtype] if dtype is not None else []
 
 
 def _operands(node: torch.fx.Node) -> dict[str, list[torch.dtype]]:
@@ -209,6 +210,7 @@ def _operand_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
 
 
 def _val_dtype(node: object) -> torch.dtype | None:
+    """The dtype of a node's recorded floating value; None for anything else."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) and val.is_floating_point() else None
 
