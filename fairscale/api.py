@@ -45,35 +45,66 @@ from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.reshard import reshard
 from fairscale.runtime.startup import broadcast_from_zero
 from passes.tp.patterns import propose_tp_rules
-from planner.capture import capture
+from passes.dp.graph import dtype_of
+from planner.capture import CaptureError, capture
 from planner.cluster import Cluster, default_compute_dtype
 from planner.graph import ModelGraph
 from planner.api import plan_for
 from planner.api import resolve_cluster as _resolve_cluster
+from planner.plan import DTYPES as PLAN_DTYPES
 from planner.plan import Plan, PlanError
 from planner.search import Compiles, NoCompilablePlan, SearchResult, cost_plan
+from planner.search.core import compute_dtype
 from planner.search.space import parse_constraints
 from planner.validate import validate_plan
 from planner.validate_fields import fp16_problem
 
-__all__ = ["search", "plan", "parallelize", "switch_plan", "captured", "resolve_cluster", "search_graph", "tp_rules_of"]
+__all__ = ["search", "plan", "parallelize", "switch_plan", "captured", "known_dtype", "planning_dtype", "resolve_cluster",
+           "search_graph", "tp_rules_of"]
 
 _CAPTURES: dict[tuple[Any, ...], ModelGraph] = {}
 _SEARCHES: dict[tuple[Any, ...], SearchResult] = {}
 
 
 def captured(model: nn.Module, example_inputs: Sequence[Any], *,
-             loss_fn: Callable[..., torch.Tensor] | None = None) -> ModelGraph:
+             loss_fn: Callable[..., torch.Tensor] | None = None, dtype: str = "fp32") -> ModelGraph:
     """``planner.capture.capture`` with an in-process cache keyed by the model, shapes and loss,
     and the model's state (``fairscale.capture_cache.model_state``: its structure and settings).
     The captured graph shares the model's parameters (no copy, and never stale weights); an entry
     lives as long as its model, so the cache neither keeps a dropped model's weights alive nor
-    gives a new model at a freed one's address the old capture."""
-    key = model_key(model, example_inputs, loss_fn)  # a changed model is captured anew
+    gives a new model at a freed one's address the old capture.
+
+    ``dtype`` is the compute dtype of the plans the capture costs: for ``bf16``/``fp16`` the model
+    is traced and annotated as those plans' ranks run it (``capture(dtype=...)``), so the fp32
+    tensors of its upcasts (an RMSNorm's statistics, a loss's fp32 logits) are counted at 4 bytes
+    and the rest at 2, where halving an fp32 capture's bytes counted them all at 2 (HF Llama's
+    saved activations 1.6× the halved figure at 256 tokens, its logits dominating). A model that
+    cannot be traced in that dtype gets its fp32 capture (the compile check then says why)."""
+    key = (*model_key(model, example_inputs, loss_fn), dtype)  # a changed model is captured anew
     if key not in _CAPTURES:
-        _CAPTURES[key] = capture(model, tuple(example_inputs), loss_fn=loss_fn)
+        low = dtype_of(dtype, "param_dtype")
+        try:
+            graph = capture(model, tuple(example_inputs), loss_fn=loss_fn, dtype=low)
+        except CaptureError:
+            if low is None:
+                raise
+            graph = captured(model, example_inputs, loss_fn=loss_fn)
+        _CAPTURES[key] = graph
         weakref.finalize(model, _CAPTURES.pop, key, None)
     return _CAPTURES[key]
+
+
+def known_dtype(name: str) -> str:
+    """A plan's compute dtype ``name`` as :func:`captured` takes it: ``fp32`` for a name that is not
+    a plan dtype (a hand-edited file's; validation reports it)."""
+    return name if name in PLAN_DTYPES else "fp32"
+
+
+def planning_dtype(cluster: Cluster, constraints: dict[str, Any] | Plan | None, dtype: str | None) -> str:
+    """The compute dtype a search for ``cluster`` plans in (``planner.search.core.compute_dtype``:
+    the constraints' ``data_parallel.param_dtype``, else ``dtype``, else the cluster's default),
+    which the capture it costs from is traced in (:func:`captured`)."""
+    return compute_dtype(parse_constraints(constraints).param_dtype, dtype, cluster)
 
 
 def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None, *,
@@ -123,6 +154,8 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
             blocker = _default_dtype_blocker(cluster, constraints, dtype, compiles)
             if blocker is None:
                 raise
+            if graph.extra.get("trace_dtype") is not None:  # fp32 plans are costed from the fp32 capture
+                graph = captured(compiles.model, compiles.example_inputs, loss_fn=compiles.loss_fn)
             _SEARCHES[key] = found = run("fp32")
             for c in (found.best, *found.runners_up):
                 c.plan.predicted.notes.append(blocker)
@@ -171,8 +204,9 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
     ``result.plan.predicted.notes`` says how many and why.
     """
     example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, devices=devices)
-    graph = captured(model, example_inputs, loss_fn=loss_fn)
-    return search_graph(graph, resolve_cluster(devices, cluster), global_batch=global_batch, constraints=constraints,
+    cl = resolve_cluster(devices, cluster)
+    graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
+    return search_graph(graph, cl, global_batch=global_batch, constraints=constraints,
                         dtype=dtype, top_k=top_k, progress=progress,
                         compiles=checker_for(model, example_inputs, loss_fn=loss_fn, graph=graph),
                         check_runners_up=check_runners_up)
@@ -246,7 +280,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
     cl = _same_on_every_rank(resolve_cluster(devices, cluster, device=rank_device))
     if plan is None:  # every launched rank takes part: no plan that leaves devices idle
-        graph = captured(model, example_inputs, loss_fn=loss_fn)
+        graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
         chosen = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
                               use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn,
                                                                          graph=graph),
@@ -258,7 +292,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         if refused:
             raise PlanError(refused, source="constraints")
     else:
-        chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
+        chosen = load_and_check(plan, lambda dt: captured(model, example_inputs, loss_fn=loss_fn, dtype=dt), cl,
                                 global_batch=global_batch)
         check_compiles_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn,
                                 source=str(plan) if isinstance(plan, (str, Path)) else "plan")
@@ -267,15 +301,17 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         from fairscale.check_step import check_on_ranks
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
-    predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn), cl, optimizer=optimizer)
+    in_dtype = chosen.data_parallel.param_dtype
+    predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype), cl,
+                                 optimizer=optimizer)
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
     steps = steps_requested(calibrate, dict(os.environ))
     if steps:
-        graph = captured(model, example_inputs, loss_fn=loss_fn)
+        graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype)
         checker = checker_for(model, example_inputs, loss_fn=loss_fn)
-        gb, keep_dtype = pm.global_batch, dtype or chosen.data_parallel.param_dtype  # switching keeps the numerics
+        gb, keep_dtype = pm.global_batch, dtype or in_dtype  # switching keeps the numerics
 
         def replan(refit: Cluster) -> Plan:
             return search_graph(graph, refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
@@ -315,9 +351,10 @@ def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster
         raise RuntimeError("switch_plan compiles the new plan from the user's model, which is gone: keep a "
                            "reference to the model passed to fairscale.parallelize while training")
     batch, loss_fn = program.example_inputs, program.loss_fn
-    graph = captured(model, batch, loss_fn=loss_fn)
     cl = _same_on_every_rank(resolve_cluster(dist.get_world_size(), cluster, device=pm.device))
-    chosen = load_and_check(plan, graph, cl, global_batch=pm.global_batch)
+    chosen = load_and_check(plan, lambda dt: captured(model, batch, loss_fn=loss_fn, dtype=dt), cl,
+                            global_batch=pm.global_batch)
+    graph = captured(model, batch, loss_fn=loss_fn, dtype=chosen.data_parallel.param_dtype)
     if chosen.schedule.global_batch != pm.global_batch:
         raise ValueError(f"the new plan's global batch is {chosen.schedule.global_batch}, but this run trains on "
                          f"{pm.global_batch} samples per step; a live switch keeps the global batch (set "
@@ -358,15 +395,18 @@ def _same_on_every_rank(cluster: Cluster) -> Cluster:
     return Cluster.from_dict(box[0])
 
 
-def load_and_check(plan: Plan | str | Path, graph: ModelGraph, cluster: Cluster, *,
+def load_and_check(plan: Plan | str | Path, graph: ModelGraph | Callable[[str], ModelGraph], cluster: Cluster, *,
                    global_batch: int | None = None) -> Plan:
     """Load ``plan`` if it is a path, validate it against ``graph`` and ``cluster`` (raising
-    PlanError with every problem), and re-cost it; warn if it is predicted not to fit in memory."""
+    PlanError with every problem), and re-cost it; warn if it is predicted not to fit in memory.
+    ``graph`` may be a function of the plan's compute dtype (:func:`captured`'s ``dtype``)."""
     if isinstance(plan, (str, Path)):
         loaded, schema = Plan.read(plan)
         source = str(plan)
     else:
         loaded, schema, source = plan, [], "plan"
+    if callable(graph):
+        graph = graph(known_dtype(loaded.data_parallel.param_dtype))
     validate_plan(loaded, graph, cluster, devices=cluster.devices, source=source, schema_problems=schema)
     gb = global_batch or loaded.schedule.global_batch or graph.batch_size
     if not loaded.schedule.global_batch:

@@ -85,7 +85,7 @@ def check(model: nn.Module, example_inputs: Sequence[Any], *, devices: int, loss
         chosen = search(model, example_inputs, cluster=cl, global_batch=global_batch, loss_fn=loss_fn,
                         constraints=constraints).plan
     else:
-        chosen = load_and_check(plan, captured(model, example_inputs, loss_fn=loss_fn), cl,
+        chosen = load_and_check(plan, lambda dt: captured(model, example_inputs, loss_fn=loss_fn, dtype=dt), cl,
                                 global_batch=global_batch)
         checker_for(model, example_inputs, loss_fn=loss_fn).check(
             chosen, source=str(plan) if isinstance(plan, (str, Path)) else "plan")

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from planner.api import resolve_cluster
-from planner.capture import CaptureError, capture
+from planner.capture import CaptureError
 from planner.gc_budget import fewer_collections
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -50,7 +50,7 @@ from planner.validate import device_count, validate_plan
 
 __all__ = ["main", "render_report", "load_factory", "UsageError"]
 
-from fairscale.api import search_graph  # noqa: E402 - the face's one search, shared with fairscale.plan
+from fairscale.api import captured, known_dtype, planning_dtype, search_graph  # noqa: E402 - the face's one search
 from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
 from fairscale.runtime.calibrate_gpu import calibrate_gpu_and_cache  # noqa: E402
@@ -140,11 +140,11 @@ def _read_result(spec: str, result: Any) -> Loaded:
     raise UsageError(f"FACTORY {spec!r} returned {type(result).__name__}; {_RETURNS}")
 
 
-def _capture_loaded(spec: str, out: Callable[[str], None]) -> tuple[Loaded, ModelGraph]:
+def _capture_loaded(spec: str, out: Callable[[str], None], dtype: str = "fp32") -> tuple[Loaded, ModelGraph]:
     loaded = load_factory(spec)
     start = time.perf_counter()
-    try:
-        graph = capture(loaded.model, loaded.batch, loss_fn=loaded.loss_fn)
+    try:  # traced as plans of compute dtype ``dtype`` run the model (fairscale.api.captured)
+        graph = captured(loaded.model, loaded.batch, loss_fn=loaded.loss_fn, dtype=dtype)
     except CaptureError as exc:
         raise UsageError(f"FACTORY {spec!r}: the model could not be captured: {exc}") from exc
     out(f"captured {graph.model_class} from {spec}: {graph.num_parameters:,} parameters, {len(graph.layers)} layers "
@@ -191,7 +191,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {global_batch}")
     constraints = _constraints(args.constraints)
-    loaded, graph = _capture_loaded(args.factory, out)
+    loaded, graph = _capture_loaded(args.factory, out, planning_dtype(cluster, constraints, args.dtype))
     # the same search, rules and cache as fairscale.search / fairscale.plan, and the compile check
     result = search_graph(graph, cluster, global_batch=global_batch, constraints=constraints, dtype=args.dtype,
                           compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn, graph=graph),
@@ -238,7 +238,7 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
     factory = args.factory or plan.model.factory
     loaded: Loaded | None = None
     if factory:
-        loaded, graph = _capture_loaded(factory, print)
+        loaded, graph = _capture_loaded(factory, print, known_dtype(plan.data_parallel.param_dtype))
     else:
         graph = None
         print("no FACTORY given and the plan records none (model.factory): checked the plan without the model; "

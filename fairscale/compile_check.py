@@ -199,6 +199,7 @@ class CompileChecker:
         self._verdicts: dict[str, Refusal | None] = {}
         self._splits: dict[int, dict[tuple[Any, ...], StagedProgram]] = {}  # id(graph) -> its programs
         self._planned: ModelGraph | None = None
+        self._planned_key: tuple[Any, ...] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -243,12 +244,14 @@ class CompileChecker:
         """Take ``graph``, the capture the search planned from this checker's model, batch and loss,
         as the check's capture at the batch's own shape where it is the capture :meth:`graph_for`
         would make there: a model on ``meta`` traced by ``torch.fx`` and annotated (it is brought to
-        ATen on a copy; ``graph`` is left as it is). Otherwise nothing changes."""
+        ATen on a copy; ``graph`` is left as it is), for plans of the dtype it was traced in (an fx
+        trace is the same graph in every dtype, and the check traces a model on meta with fx in
+        every dtype). Otherwise nothing changes."""
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in self.example_inputs]
+        key = (batch_key(self.example_inputs), graph.extra.get("trace_dtype"))
         if (_on_meta(graph) and graph.tracer == "fx" and "annotate_runs" in graph.extra
-                and graph.extra.get("input_shapes") == shapes
-                and (batch_key(self.example_inputs), None) not in self._graphs):
-            self._planned = graph
+                and graph.extra.get("input_shapes") == shapes and key not in self._graphs):
+            self._planned, self._planned_key = graph, key
 
     def graph_for(self, plan: Plan) -> ModelGraph | Refusal:
         """The capture a rank of ``plan`` compiles (its microbatch shape), or why there is none."""
@@ -264,7 +267,7 @@ class CompileChecker:
         key = (batch_key(example), dtype)
         if key not in self._graphs:
             # the search's capture, when it is the one the ranks compile (the model as it is)
-            planned = self._planned if key == (batch_key(self.example_inputs), None) else None
+            planned = self._planned if key == self._planned_key else None
             if planned is not None:  # what _capture would trace, traced already (adopt)
                 graph = copy.copy(planned)
                 graph.extra, graph.gm = dict(planned.extra), to_aten(planned.gm)

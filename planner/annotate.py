@@ -12,7 +12,9 @@
   produced them and counted once per storage across the graph (``x`` saved by the q, k and v
   projections counts once, at q). Parameters and buffers are not activations and are not counted.
 * ``META_SAVED``: the same tensors one by one, each with the node whose output holds it (what
-  tensor parallelism needs to tell a replicated saved input from a sharded one).
+  tensor parallelism needs to tell a replicated saved input from a sharded one);
+* ``META_SAVED_PARAMS``: the parameters (their ``get_attr`` nodes) the op saves, which a plan
+  casting them per use saves as 16-bit copies.
 
 How: each node runs in isolation on detached fake inputs that require grad exactly when the
 producing value does; its backward runs in isolation with fake ``ones`` gradients. Results are
@@ -40,7 +42,8 @@ from planner.fake_device import fix_device, with_device
 from planner.flops import flop_formulas, register_flop_formula
 from planner.annotate_errors import AnnotateError, dynamic_shape, example_values, explain
 from planner.annotate_state import AnnotateStats, _OpFacts, _Record, _State
-from planner.graph import META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED, META_SAVED_BYTES, META_VAL
+from planner.graph import (META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, META_SAVED, META_SAVED_BYTES, META_SAVED_PARAMS,
+                           META_VAL)
 from planner.modpath import fetch_attr
 
 __all__ = ["annotate_graph", "flop_formulas", "register_flop_formula", "AnnotateStats", "AnnotateError"]
@@ -227,7 +230,9 @@ class _Annotator:
         tmps: dict[int, int] = {}
         for t in saved:
             skey, nbytes = self._skey(t), t.untyped_storage().nbytes()
-            if skey in self.s.params:
+            if skey in self.s.params:  # not an activation; which ones, for a plan that saves their casts
+                if skey in in_keys:
+                    saved_facts.append(("param", in_keys[skey], nbytes))
                 continue
             if skey in in_keys:
                 saved_facts.append(("in", in_keys[skey], nbytes))
@@ -319,9 +324,13 @@ class _Annotator:
         s.facts[node.name] = facts
         out_flat = _leaves(value)
         saved: list[tuple[str, int]] = []
+        params: list[str] = []
         for kind, index, nbytes in facts.saved:
             if kind == "tmp":
                 saved.append((node.name, nbytes))
+                continue
+            if kind == "param":
+                params.append(_producer(node.name, prov, flat, index))
                 continue
             t = flat[index] if kind == "in" else out_flat[index]
             skey = self._skey(t)
@@ -330,7 +339,7 @@ class _Annotator:
                 saved.append((_producer(node.name, prov, flat, index) if kind == "in" else node.name,
                               t.untyped_storage().nbytes()))
         node.meta.update({META_VAL: value, META_FLOPS_FWD: facts.flops, META_SAVED_BYTES: sum(n for _, n in saved),
-                          META_SAVED: tuple(saved)})
+                          META_SAVED: tuple(saved), META_SAVED_PARAMS: tuple(params)})
 
     def _copy(self, node: torch.fx.Node, template: str, flat: list[Any]) -> None:
         """Facts of a replica node (``planner.replicate``): the template's, with no fake op run.
@@ -344,7 +353,7 @@ class _Annotator:
             value = self._rebuild(facts, flat)
             out_flat = _leaves(value)
             for kind, index, _ in facts.saved:  # saved here: no later node may count them again
-                if kind != "tmp":
+                if kind in ("in", "out"):
                     s.counted.add(self._skey(flat[index] if kind == "in" else out_flat[index]))
         else:
             value = s.env[template]
@@ -355,7 +364,8 @@ class _Annotator:
         rename[template] = node.name
         node.meta.update({META_VAL: value, META_FLOPS_FWD: t.meta[META_FLOPS_FWD],
                           META_SAVED_BYTES: t.meta[META_SAVED_BYTES],
-                          META_SAVED: tuple((rename.get(p, p), n) for p, n in t.meta[META_SAVED])})
+                          META_SAVED: tuple((rename.get(p, p), n) for p, n in t.meta[META_SAVED]),
+                          META_SAVED_PARAMS: tuple(rename.get(p, p) for p in t.meta.get(META_SAVED_PARAMS, ()))})
 
     # -- backward ----------------------------------------------------------------------------
 

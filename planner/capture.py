@@ -175,17 +175,39 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
             every node (same numbers, slower; for checking).
         dtype: trace as a mixed-precision plan of that dtype runs the model (``bf16``/``fp16``
             parameters and floating inputs; :mod:`planner.trace_dtype`), the graph still sharing
-            the model's own parameters. torch.export only, not annotated: what a rank of such a plan
-            compiles.
+            the model's own parameters. Not annotated (``annotate=False``), torch.export only: what
+            a rank of such a plan compiles. Annotated: what the planner costs such a plan from, its
+            saved bytes those the plan's ranks keep (an upcast norm's or loss's fp32 tensors at 4
+            bytes, the rest at 2), its parameters recorded in ``dtype`` (``graph.param_dtypes``).
 
     Raises:
         CaptureError: neither tracer could trace the model; names the source line of each failure
             and what to do about it.
     """
     batch = tuple(example_inputs)
-    if dtype is not None and (annotate or tracer == "fx"):
-        raise ValueError("capture(dtype=...) traces with torch.export and does not annotate: pass annotate=False")
-    order = ["export"] if dtype is not None else _tracer_order(model, batch, tracer, leaf_modules, concrete_args)
+    if dtype is not None and not annotate and tracer == "fx":
+        raise ValueError("capture(dtype=..., annotate=False) is what a rank compiles, traced with torch.export: "
+                         "use tracer='export' or 'auto'")
+    with contextlib.ExitStack() as scope:
+        restore: Callable[[torch.fx.GraphModule], None] | None = None
+        if dtype is not None:  # the model's parameters are dtype stand-ins until restore
+            batch, restore = scope.enter_context(in_dtype(model, dtype, batch, values=annotate))
+        graph = _capture(model, batch, loss_fn=loss_fn, annotate=annotate, tracer=tracer, leaf_modules=leaf_modules,
+                         concrete_args=concrete_args, replicate=replicate, dtype=dtype)
+        if restore is not None:
+            restore(graph.gm)
+    graph.extra["input_shapes"] = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return graph
+
+
+def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[..., torch.Tensor] | None,
+             annotate: bool, tracer: Tracer, leaf_modules: Sequence[type], concrete_args: dict[str, Any] | None,
+             replicate: bool, dtype: torch.dtype | None) -> ModelGraph:
+    """:func:`capture`, with ``model`` and ``batch`` already in ``dtype`` where one is given."""
+    if dtype is not None and not annotate:
+        order = ["export"]
+    else:
+        order = _tracer_order(model, batch, tracer, leaf_modules, concrete_args)
     start = time.perf_counter()
     failures: list[Failure] = []
     gm: torch.fx.GraphModule | None = None
@@ -193,12 +215,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     for used in order:
         try:
             with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
-                if used == "export" and dtype is not None:
-                    with in_dtype(model, dtype, batch) as (cast, restore):
-                        gm = export_trace(LossModule(model, loss_fn, fp32_loss=True), cast)
-                    restore(gm)
-                elif used == "export":
-                    gm = export_trace(LossModule(model, loss_fn), batch)
+                if used == "export":
+                    gm = export_trace(LossModule(model, loss_fn, fp32_loss=dtype is not None), batch)
                 else:
                     gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)
             break
@@ -246,7 +264,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Callabl
     graph.tracer = used
     graph.batch_size = _batch_size(batch)
     graph.extra["annotate_device"] = graph_device
-    graph.extra["input_shapes"] = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in batch]
+    graph.extra["trace_dtype"] = dtype
     graph.extra.update({"trace_s": traced - start, "group_s": grouped - traced, "annotate_s": annotated - grouped,
                         "capture_s": time.perf_counter() - start, "nodes": len(gm.graph.nodes)})
     if stats is not None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from planner.graph import META_LAYER, META_MODULE, META_SAVED, META_VAL, ModelGraph
+from planner.graph import META_LAYER, META_MODULE, META_PARAM, META_SAVED, META_SAVED_PARAMS, META_VAL, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
 
 __all__ = ["DTYPE_BYTES", "model_state_bytes", "model_state_parts", "activation_bytes", "unshard_buffer_bytes",
            "SELECTIVE_SAVED_OPS", "selective_output_bytes", "kept_bytes", "recompute_kinds", "saved_activation_bytes",
-           "tp_split_nodes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes", "STATE_SHARDED", "stepped_elements"]
+           "tp_split_nodes", "tp_whole_saved_bytes", "tp_whole_selective_bytes", "saved_input_bytes", "STATE_SHARDED", "stepped_elements",
+           "OPTIMIZER_MOMENTS", "runtime_mixed_parts", "saved_param_elements"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -34,6 +35,11 @@ denominator's ``sqrt`` 2, ``div_`` 2 and ``add_(eps)`` 2, then ``param.addcdiv_(
 4; SGD with momentum: ``buf.mul_`` 2, ``.add_(grad)`` 3, ``param.add_(buf)`` 3. (One read and one
 write of the states, 2 × 16 bytes for fp32 Adam, was the model until 2026-11-28: on an H200 the
 step took 3× that.)"""
+
+
+OPTIMIZER_MOMENTS = {"adam": 8, "sgd": 4}
+"""fp32 bytes of optimizer state per parameter element it updates: Adam's momentum and variance,
+SGD's momentum buffer."""
 
 
 def optimizer_step_bytes(optimizer: str, param_dtype: str) -> float:
@@ -74,7 +80,7 @@ def model_state_bytes(params: float, *, dp_kind: str, dp: int, param_dtype: str 
 
 
 def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str = "fp32",
-                      optimizer: str = "adam") -> dict[str, float]:
+                      optimizer: str = "adam", as_run: bool = False) -> dict[str, float]:
     """Bytes of ``parameters``, ``gradients`` and ``optimizer`` states one rank keeps between steps.
 
     Per parameter element (ZeRO §3.1): parameters ``P`` = bytes of ``param_dtype``, gradients
@@ -83,17 +89,50 @@ def model_state_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str 
     variance); SGD with momentum has K = 4 (+4 master). Sharding over ``dp`` (ZeRO §5,
     :data:`STATE_SHARDED`): ddp ``P+G+K``, zero1 ``P+G+K/dp``, zero2 ``P+(G+K)/dp``, fsdp ``(P+G+K)/dp``.
     Example: 1e9 parameters, bf16, ddp: 1e9·(2+2+12) = 16e9 bytes.
+
+    ``as_run`` (``CostOptions.runtime_mixed_precision``): a 16-bit ``param_dtype``'s states as
+    fairscale's runtime holds them (:func:`runtime_mixed_parts`) instead.
     """
     p = DTYPE_BYTES[param_dtype]
     g = p
-    if optimizer == "adam":
-        k = 8 if p == 4 else 12
-    elif optimizer == "sgd":
-        k = 4 if p == 4 else 8
-    else:
+    if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows adam and sgd")
+    if as_run and p < 4:
+        return runtime_mixed_parts(params, dp_kind=dp_kind, dp=dp, param_dtype=param_dtype, optimizer=optimizer)
+    k = OPTIMIZER_MOMENTS[optimizer] + (4 if p < 4 else 0)
     parts = [per / dp if sharded else per for per, sharded in zip((p, g, k), _sharded(dp_kind))]
     return {"parameters": params * parts[0], "gradients": params * parts[1], "optimizer": params * parts[2]}
+
+
+
+def runtime_mixed_parts(params: float, *, dp_kind: str, dp: int, param_dtype: str,
+                        optimizer: str = "adam") -> dict[str, float]:
+    """Bytes of ``parameters``, ``gradients`` and ``optimizer`` states of a 16-bit ``param_dtype``
+    plan as fairscale's runtime holds them (measured per category by ``pm.memory_report()``;
+    ``tests/runtime/test_bf16_memory.py``). Its gradients are fp32 (an fp32 master's, whatever
+    the reduce dtype), its optimizer holds only the moments, and the fp32 master is a parameter:
+
+    * ddp keeps the fp32 parameters themselves and casts them per use (``passes.dp.buckets``), so
+      ``P = 4``; the 16-bit copies that its ops save for backward are activations, one set per
+      microbatch in flight (``planner.search.memory.rank_memory_parts``);
+    * zero1 / zero2 keep the 16-bit parameters and an fp32 master shard: ``P = p + 4/dp``;
+    * fsdp keeps an fp32 shard (``P = 4/dp``) and gathers 16-bit units (buffers).
+
+    Gradients and moments are sharded as :data:`STATE_SHARDED` says. Against ZeRO §3.1's
+    :func:`model_state_parts` the sum is the same for ddp and fsdp, ``2`` bytes more per element
+    for zero1 and ``2/dp`` more for zero2 (their gradients are fp32, not 16-bit).
+    Example: 1e9 parameters, bf16, zero1, dp 4: P = 1e9·(2+1), G = 4e9, K = 2e9."""
+    p = DTYPE_BYTES[param_dtype]
+    shard_p, shard_g, shard_k = _sharded(dp_kind)
+    if shard_p:
+        held = 4 / dp
+    elif shard_k:
+        held = p + 4 / dp
+    else:
+        held = 4.0
+    k = OPTIMIZER_MOMENTS[optimizer]
+    return {"parameters": params * held, "gradients": params * (4 / dp if shard_g else 4.0),
+            "optimizer": params * (k / dp if shard_k else k)}
 
 
 def activation_bytes(saved_per_microbatch: float, in_flight: float) -> float:
@@ -103,7 +142,7 @@ def activation_bytes(saved_per_microbatch: float, in_flight: float) -> float:
 
 
 def unshard_buffer_bytes(unit_params: list[float], *, param_dtype: str, reshard_after_forward: bool,
-                         prefetch: bool, grad_dtype: str | None = None) -> float:
+                         prefetch: bool, grad_dtype: str | None = None, root: float = 0.0) -> float:
     """Peak bytes of gathered (unsharded) FSDP parameters plus their unsharded gradients.
 
     With ``reshard_after_forward`` a unit's full parameters live only while it runs: the peak is
@@ -111,18 +150,20 @@ def unshard_buffer_bytes(unit_params: list[float], *, param_dtype: str, reshard_
     for its reduce-scatter (FSDP paper, Zhao et al. 2023, §3.2-3.3). Without it every unit stays
     gathered from its forward to its backward, so the peak is all units' parameters plus one
     unit's gradients. ``unit_params`` are element counts; parameters in bytes of ``param_dtype``,
-    the gradient unit in ``grad_dtype`` (the reduce dtype; default ``param_dtype``).
+    the gradient unit in ``grad_dtype`` (the reduce dtype; default ``param_dtype``). ``root``: the
+    elements of the root unit, which is never resharded after forward (``passes.dp.fsdp``, as
+    PyTorch's FSDP2: backward needs it first), so it stays gathered beside them (not in ``unit_params``).
     """
-    if not unit_params:
+    if not unit_params and not root:
         return 0.0
     b = DTYPE_BYTES[param_dtype]
     g = DTYPE_BYTES[grad_dtype or param_dtype]
-    largest = sorted(unit_params, reverse=True)
+    largest = sorted(unit_params, reverse=True) or [0.0]
     if reshard_after_forward:
-        gathered = largest[0] + (largest[1] if prefetch and len(largest) > 1 else 0.0)
+        gathered = root + largest[0] + (largest[1] if prefetch and len(largest) > 1 else 0.0)
     else:
-        gathered = sum(unit_params)
-    return gathered * b + largest[0] * g
+        gathered = root + sum(unit_params)
+    return gathered * b + max(largest[0], root) * g
 
 
 # --- activations kept for backward under recompute ------------------------------------------------
@@ -334,4 +375,26 @@ def saved_input_bytes(graph: ModelGraph) -> dict[str, int] | None:
         if layer in out:
             out[layer] += sum(n for producer, n in node.meta.get(META_SAVED, ())
                               if producer and layer_of.get(producer) != layer)
+    return out
+
+
+def saved_param_elements(graph: ModelGraph) -> dict[str, float]:
+    """Per layer, elements of the parameters its ops save for backward (``META_SAVED_PARAMS``),
+    each parameter once in the graph (a tied weight where it is first saved), 0 for a graph whose
+    capture did not record them. What a plan that casts its parameters per use holds per
+    microbatch in flight as 16-bit copies (``runtime_mixed_parts``: ddp). Example, a Llama
+    block: its linears' and norms' weights, all of its parameters; an embedding saves the ids,
+    not its table."""
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    tied = {k: g[0] for g in graph.tied for k in g}
+    out = {layer.name: 0.0 for layer in graph.layers}
+    seen: set[str] = set()
+    for node in graph.gm.graph.nodes:
+        layer = node.meta.get(META_LAYER)
+        for producer in node.meta.get(META_SAVED_PARAMS, ()):
+            key = by_name[producer].meta.get(META_PARAM) if producer in by_name else None
+            if key not in graph.param_shapes or tied.get(key, key) in seen or layer not in out:
+                continue
+            seen.add(tied.get(key, key))
+            out[layer] += math.prod(graph.param_shapes[key])
     return out

@@ -52,18 +52,21 @@ def _swap(model: nn.Module, make: Callable[[nn.Parameter], nn.Parameter]) -> lis
 
 
 @contextlib.contextmanager
-def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...]
+def in_dtype(model: nn.Module, dtype: torch.dtype, batch: tuple[Any, ...], *, values: bool = False
              ) -> Iterator[tuple[tuple[Any, ...], Callable[[torch.fx.GraphModule], None]]]:
     """While inside: ``model``'s floating parameters are ``dtype`` stand-ins of their shapes
     (``torch.empty_like``: the trace reads shapes and dtypes, never values, so no page of them is
-    touched); yields the batch with its floating tensors cast and ``restore(gm)``, which points a
+    touched; with ``values``, copies cast to ``dtype``, for a graph run on the example batch, as
+    annotation runs an op whose output size depends on the data, MoE routing); yields the batch
+    with its floating tensors cast and ``restore(gm)``, which points a
     traced graph's parameter attributes back at the model's own (the graph shares them, as an
     fp32 capture does) and marks its nodes with ``dtype`` (:data:`META_TRACE_DTYPE`); the graph's
     recorded values keep the dtype (:func:`traced_dtype`)."""
     copies: dict[int, nn.Parameter] = {}
 
     def make(p: nn.Parameter) -> nn.Parameter:
-        copy = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+        stand_in = p.detach().to(dtype) if values else torch.empty_like(p, dtype=dtype)
+        copy = nn.Parameter(stand_in, requires_grad=p.requires_grad)
         copies[id(copy)] = p
         return copy
 

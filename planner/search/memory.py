@@ -19,7 +19,7 @@ from planner.schedule_cost import in_flight
 from planner.search.config import Config, Context
 from planner.search.expert_cost import expert_params
 from planner.search.ranks import kept_act, rank_layers, rank_params, replicated_params
-from planner.search.units import rank_units
+from planner.search.units import rank_unit_parts, rank_units
 
 __all__ = ["rank_memory", "rank_memory_parts", "units_on", "fsdp_buffer_terms", "choose_recompute"]
 
@@ -61,11 +61,12 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     params -= experts * (1 - 1 / cfg.ep)  # the rank holds E/ep of them
     own = experts / cfg.ep
     sharded = params - whole - own
+    as_run = o.runtime_mixed_precision
     parts = model_state_parts(sharded, dp_kind=cfg.dp_kind, dp=cfg.dp, param_dtype=cfg.param_dtype,
-                              optimizer=o.optimizer)
+                              optimizer=o.optimizer, as_run=as_run)
     if whole or own:  # kept whole on the dp axis and all-reduced: tied copies, this rank's experts
         rep = model_state_parts(whole + own, dp_kind="ddp", dp=cfg.dp, param_dtype=cfg.param_dtype,
-                                optimizer=o.optimizer)
+                                optimizer=o.optimizer, as_run=as_run)
         parts = {k: parts[k] + rep[k] for k in parts}
     if cfg.offload:
         parts = {k: 0.0 for k in parts}
@@ -85,12 +86,28 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
         before += each[i]
     buffers = 0.0
     if _fsdp(cfg):
-        buffers = unshard_buffer_bytes(units_on(ctx, cfg, costs, layers), param_dtype=cfg.param_dtype,
-                                       reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch,
-                                       grad_dtype=cfg.reduce_dtype)
+        named, root = rank_unit_parts(ctx.units(cfg.units), [f.params for f in ctx.facts], costs, layers)
+        buffers = unshard_buffer_bytes(named, param_dtype=cfg.param_dtype, reshard_after_forward=cfg.reshard,
+                                       prefetch=cfg.prefetch, grad_dtype=cfg.reduce_dtype, root=root)
     if o.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         buffers += sharded * DTYPE_BYTES[cfg.reduce_dtype]  # the full gradient accumulator between microbatches
+    if as_run and DTYPE_BYTES[cfg.param_dtype] < 4 and not cfg.offload:  # ddp's per-use casts, each microbatch's own
+        cast = params if cfg.dp_kind == "ddp" else whole + own
+        peak += flight * cast_copy_elements(ctx, costs, layers, cast / params if params else 0.0) \
+            * DTYPE_BYTES[cfg.param_dtype]
     return {**parts, "activations": peak, "buffers": buffers}
+
+
+def cast_copy_elements(ctx: Context, costs: list[LayerCost], layers: list[int], share: float) -> float:
+    """Elements of the 16-bit copies one microbatch of a rank keeps when ``share`` of its parameters
+    are cast per use (DDP's, ``planner.cost_memory.runtime_mixed_parts``): of each layer's
+    parameters on the rank (after the tp split), the part its ops save for backward
+    (``LayerFacts.saved_params``). Example: a Llama block saves every weight; an embedding none."""
+    held = 0.0
+    for i in layers:
+        f = ctx.facts[i]  # a tied weight is saved where it is read (an LM head), owned where first used
+        held += f.saved_params * (min(1.0, costs[i].params / f.params) if f.params else 1.0)
+    return held * share
 
 
 def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float]:

@@ -76,6 +76,13 @@ def unit_table(graph: ModelGraph | None, facts_names: list[str], facts_blocks: l
 def rank_units(table: UnitTable, facts_params: list[int], costs: list[LayerCost], layers: list[int]) -> list[float]:
     """Unit sizes (elements after the tensor-parallel split) on a rank holding ``layers``: each
     named unit summed over the rank's layers, and the root unit last (if it holds anything)."""
+    named, root = rank_unit_parts(table, facts_params, costs, layers)
+    return named + ([root] if root > 0 else [])
+
+
+def rank_unit_parts(table: UnitTable, facts_params: list[int], costs: list[LayerCost],
+                    layers: list[int]) -> tuple[list[float], float]:
+    """(the named units' sizes, the root unit's) of :func:`rank_units`."""
     named: dict[str, float] = {}
     root = 0.0
     for i in layers:
@@ -85,7 +92,7 @@ def rank_units(table: UnitTable, facts_params: list[int], costs: list[LayerCost]
                 named[name] = named.get(name, 0.0) + n * scale
             else:
                 root += n * scale
-    return list(named.values()) + ([root] if root > 0 else [])
+    return list(named.values()), root
 
 
 def sub_block_units(graph: ModelGraph | None, block_layers: dict[str, list[str]], *,
