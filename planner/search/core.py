@@ -114,9 +114,8 @@ def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rule
         raise ValueError("the graph carries no FLOPs, so every plan would cost nothing: capture it with "
                          "annotate=True (the default) before planning")
     at = rules_function(graph, rules)
-    if options is None:  # CPU ranks run fairscale's runtime, so cost what it overlaps
-        cpu = cluster.device.startswith("cpu") or cluster.name.startswith("cpu")
-        options = CostOptions.for_runtime(cluster) if cpu else CostOptions()
+    if options is None:  # the plan runs on fairscale's runtime: cost what it overlaps and holds
+        options = CostOptions.for_runtime(cluster)
     return Context(layer_facts(graph, {}), cluster, global_batch=global_batch, options=options,
                    captured_dtype=captured_dtype(graph), facts_for_tp=lambda tp: layer_facts(graph, at(tp)),
                    graph=graph)

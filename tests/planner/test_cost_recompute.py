@@ -3,7 +3,7 @@
 import pytest
 
 from planner.cluster import Cluster
-from planner.cost import LayerFacts, layer_costs
+from planner.cost import CostOptions, LayerFacts, layer_costs
 from planner.cost_gpt import gpt_graph
 from planner.cost_memory import kept_bytes, model_state_bytes, model_state_parts, recompute_kinds, saved_activation_bytes
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage
@@ -83,8 +83,10 @@ def test_cost_plan_costs_selective_between_none_and_full():
 @pytest.mark.parametrize("dp_kind,kind,v", [("ddp", "1f1b", 1), ("fsdp", "interleaved", 2), ("zero2", "gpipe", 1)])
 def test_memory_parts_sum_to_memory_and_stage_times_rebuild_rank_times(dp_kind, kind, v):
     g = gpt_graph(layers=4, hidden=256, heads=8, seq=128, vocab=1000)
+    # ZeRO's paper runtime (CostOptions()): zero2 reduce-scatters each microbatch's gradients and keeps no
+    # full-gradient buffer (fairscale's runtime accumulates them unsharded and reduces once: for_runtime)
     b = cost_plan(_plan({"layers.0": "selective"}, kind=kind, v=v, dp_kind=dp_kind), g, Cluster.preset("a100-80gb"),
-                  validate=False)
+                  options=CostOptions(), validate=False)
     assert len(b.memory_parts) == 2
     for r, parts in enumerate(b.memory_parts):
         assert tuple(parts) == PARTS
@@ -123,7 +125,8 @@ def test_runtime_overlap_options_for_cpu_and_gpu():
     assert (gpu.overlap_dp, gpu.overlap_fsdp) == (True, True)  # async buckets and prefetch overlap on GPUs
     g = gpt_graph(layers=2, hidden=64, heads=4, seq=32, vocab=256)
     assert make_context(g, Cluster.cpu(8), global_batch=8, rules={}, options=None).options == cpu
-    assert make_context(g, Cluster.preset("h100"), global_batch=8, rules={}, options=None).options == CostOptions()
+    # GPU plans run on fairscale's runtime too: what it holds (unsharded accumulation, fp32 masters) is costed
+    assert make_context(g, Cluster.preset("h100"), global_batch=8, rules={}, options=None).options == gpu
 
 
 def test_search_never_proposes_1f1b_with_fewer_microbatches_than_stages():
