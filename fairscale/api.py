@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.arguments import check_all
-from fairscale.build import build_module, predicted_memory
+from fairscale.build import build_module, memory_by_stage, predicted_memory, rank_memory
 from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
@@ -279,6 +279,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     rank_device = resolve_device(device)
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
     cl = _same_on_every_rank(resolve_cluster(devices, cluster, device=rank_device))
+    predicted: dict[str, float] | None = None
     if plan is None:  # every launched rank takes part: no plan that leaves devices idle
         graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
         chosen = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
@@ -292,8 +293,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         if refused:
             raise PlanError(refused, source="constraints")
     else:
-        chosen = load_and_check(plan, lambda dt: captured(model, example_inputs, loss_fn=loss_fn, dtype=dt), cl,
-                                global_batch=global_batch)
+        chosen, predicted = _checked_on_zero(plan, model, example_inputs, loss_fn, cl, global_batch, optimizer)
         check_compiles_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn,
                                 source=str(plan) if isinstance(plan, (str, Path)) else "plan")
     report = None
@@ -302,8 +302,9 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
     in_dtype = chosen.data_parallel.param_dtype
-    predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype), cl,
-                                 optimizer=optimizer)
+    if predicted is None:
+        predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype), cl,
+                                     optimizer=optimizer)
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
@@ -352,16 +353,13 @@ def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster
                            "reference to the model passed to fairscale.parallelize while training")
     batch, loss_fn = program.example_inputs, program.loss_fn
     cl = _same_on_every_rank(resolve_cluster(dist.get_world_size(), cluster, device=pm.device))
-    chosen = load_and_check(plan, lambda dt: captured(model, batch, loss_fn=loss_fn, dtype=dt), cl,
-                            global_batch=pm.global_batch)
-    graph = captured(model, batch, loss_fn=loss_fn, dtype=chosen.data_parallel.param_dtype)
+    chosen, predicted = _checked_on_zero(plan, model, batch, loss_fn, cl, pm.global_batch, pm.optimizer_spec)
     if chosen.schedule.global_batch != pm.global_batch:
         raise ValueError(f"the new plan's global batch is {chosen.schedule.global_batch}, but this run trains on "
                          f"{pm.global_batch} samples per step; a live switch keeps the global batch (set "
                          f"schedule.global_batch to {pm.global_batch}, or leave it out)")
     check_compiles_on_ranks(model, batch, chosen, loss_fn=loss_fn,
                             source=str(plan) if isinstance(plan, (str, Path)) else "plan")
-    predicted = predicted_memory(chosen, graph, cl, optimizer=pm.optimizer_spec)
     optimizer = pm.optimizer  # the object a user's scheduler holds; reshard retires pm
     new = reshard(pm, lambda: build_module(model, chosen, example_inputs=batch, loss_fn=loss_fn,
                                            optimizer=pm.optimizer_spec, device=pm.device,
@@ -383,6 +381,37 @@ def check_compiles_on_ranks(model: nn.Module, example_inputs: Sequence[Any], pla
     broadcast_from_zero(verdict, "the plan-time compile check")
     if verdict[0] is not None:
         raise PlanCompileError(verdict[0], source=source)
+
+
+def _checked_on_zero(plan: Plan | str | Path, model: nn.Module, example_inputs: Sequence[Any],
+                     loss_fn: Callable[..., torch.Tensor] | None, cluster: Cluster, global_batch: int | None,
+                     optimizer: OptimizerSpec | None) -> tuple[Plan, dict[str, float]]:
+    """``plan`` loaded, validated and re-costed (:func:`load_and_check`) with its predicted memory
+    (``fairscale.build.memory_by_stage``), worked out on global rank 0 and sent to every rank:
+    both cost from the annotated capture, which every rank would otherwise trace and annotate
+    again (8 ranks on 2 cores: about 1 s of CPU each for a small model). Collective. Where rank 0
+    refuses the plan, every rank checks it and raises the same error."""
+    def graph_of(dtype: str) -> ModelGraph:
+        return captured(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+
+    def check() -> tuple[Plan, list[dict[str, float]]]:
+        chosen = load_and_check(plan, graph_of, cluster, global_batch=global_batch)
+        return chosen, memory_by_stage(chosen, graph_of(chosen.data_parallel.param_dtype), cluster,
+                                       optimizer=optimizer)
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [check()]
+        finally:  # a refusal still reaches the others, which then raise it themselves
+            broadcast_from_zero(box, "checking the plan (rank 0 validates and costs it)")
+    else:
+        broadcast_from_zero(box, "checking the plan (rank 0 validates and costs it)")
+    if box[0] is None:
+        check()
+        raise RuntimeError("global rank 0 refused the plan, but this rank accepts it; see rank 0's error")
+    chosen, by_stage = box[0]
+    return chosen, rank_memory(chosen, by_stage)
 
 
 def _same_on_every_rank(cluster: Cluster) -> Cluster:

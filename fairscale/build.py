@@ -51,7 +51,7 @@ from planner.plan import Plan, PlanError
 from planner.schedule import build_schedule
 from planner.search import cost_plan
 
-__all__ = ["compile_program", "build_module", "predicted_memory"]
+__all__ = ["compile_program", "build_module", "predicted_memory", "memory_by_stage", "rank_memory"]
 
 
 def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
@@ -105,12 +105,20 @@ def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
 
 def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,
                      ) -> dict[str, float]:
-    """Bytes the cost model predicts this rank holds at its peak, per category (``MEMORY_PARTS``),
-    for the runtime fairscale runs (``CostOptions.for_runtime``) and the optimizer given (Adam's two
-    states, SGD's momentum; an optimizer the model does not know leaves ``optimizer`` out).
-    ``graph`` is the annotated capture the plan was costed on. Empty when ranks are not launched."""
+    """Bytes the cost model predicts this rank holds at its peak, per category (``MEMORY_PARTS``):
+    its pipeline rank's entry of :func:`memory_by_stage`. Empty when ranks are not launched."""
     if not dist.is_initialized():
         return {}
+    return rank_memory(plan, memory_by_stage(plan, graph, cluster, optimizer=optimizer))
+
+
+def memory_by_stage(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,
+                    ) -> list[dict[str, float]]:
+    """Per pipeline rank, the bytes the cost model predicts it holds at its peak, per category
+    (``MEMORY_PARTS``), for the runtime fairscale runs (``CostOptions.for_runtime``) and the
+    optimizer given (Adam's two states, SGD's momentum; an optimizer the model does not know leaves
+    ``optimizer`` out). ``graph`` is the annotated capture the plan was costed on. Empty (with a
+    warning) when the cost model cannot cost the plan."""
     kind, states = _optimizer_kind(optimizer)
     options = dataclasses.replace(CostOptions.for_runtime(cluster), optimizer=kind)
     try:
@@ -119,14 +127,23 @@ def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimiz
     except (PlanError, ValueError) as exc:  # the plan was validated already: a prediction must not stop a run
         warnings.warn(f"pm.memory_report() will have no prediction: the cost model cannot cost this plan ({exc})",
                       stacklevel=3)
+        return []
+    out = []
+    for stage in cost.memory_parts:
+        parts = {k: float(stage[k]) for k in MEMORY_PARTS}
+        if states is None:
+            del parts["optimizer"]
+        elif states == 0:
+            parts["optimizer"] = 0.0
+        out.append(parts)
+    return out
+
+
+def rank_memory(plan: Plan, by_stage: list[dict[str, float]]) -> dict[str, float]:
+    """This rank's entry of :func:`memory_by_stage` (its pipeline rank's), or {} without one."""
+    if not by_stage:
         return {}
-    pp_index = RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, dist.get_rank()).coords()[0]
-    parts = {k: float(cost.memory_parts[pp_index][k]) for k in MEMORY_PARTS}
-    if states is None:
-        del parts["optimizer"]
-    elif states == 0:
-        parts["optimizer"] = 0.0
-    return parts
+    return by_stage[RankMesh(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, dist.get_rank()).coords()[0]]
 
 
 def _optimizer_kind(spec: OptimizerSpec | None) -> tuple[str, int | None]:
