@@ -14,7 +14,7 @@
 * ``META_SAVED``: the same tensors one by one, each with the node whose output holds it (what
   tensor parallelism needs to tell a replicated saved input from a sharded one);
 * ``META_SAVED_PARAMS``: the parameters (their ``get_attr`` nodes) the op saves, which a plan
-  casting them per use saves as 16-bit copies.
+  casting them for compute saves as 16-bit copies.
 
 How: each node runs in isolation on detached fake inputs that require grad exactly when the
 producing value does; its backward runs in isolation with fake ``ones`` gradients. Results are

@@ -112,9 +112,9 @@ def runtime_mixed_parts(params: float, *, dp_kind: str, dp: int, param_dtype: st
     ``tests/runtime/test_bf16_memory.py``). Its gradients are fp32 (an fp32 master's, whatever
     the reduce dtype), its optimizer holds only the moments, and the fp32 master is a parameter:
 
-    * ddp keeps the fp32 parameters themselves and casts them per use (``passes.dp.buckets``), so
-      ``P = 4``; the 16-bit copies that its ops save for backward are activations, one set per
-      microbatch in flight (``planner.search.memory.rank_memory_parts``);
+    * ddp keeps the fp32 parameters themselves and casts them for compute (``passes.ops.dp_ops``),
+      so ``P = 4``; the 16-bit copies that its ops save for backward are activations, one set
+      shared by the step's microbatches (``planner.search.memory.rank_memory_parts``);
     * zero1 / zero2 keep the 16-bit parameters and an fp32 master shard: ``P = p + 4/dp``;
     * fsdp keeps an fp32 shard (``P = 4/dp``) and gathers 16-bit units (buffers).
 
@@ -381,8 +381,8 @@ def saved_input_bytes(graph: ModelGraph) -> dict[str, int] | None:
 def saved_param_elements(graph: ModelGraph) -> dict[str, float]:
     """Per layer, elements of the parameters its ops save for backward (``META_SAVED_PARAMS``),
     each parameter once in the graph (a tied weight where it is first saved), 0 for a graph whose
-    capture did not record them. What a plan that casts its parameters per use holds per
-    microbatch in flight as 16-bit copies (``runtime_mixed_parts``: ddp). Example, a Llama
+    capture did not record them. What a plan that keeps fp32 parameters and casts them for compute
+    holds as 16-bit copies during the step (``runtime_mixed_parts``: ddp). Example, a Llama
     block: its linears' and norms' weights, all of its parameters; an embedding saves the ids,
     not its table."""
     by_name = {n.name: n for n in graph.gm.graph.nodes}

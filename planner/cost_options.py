@@ -55,8 +55,8 @@ class CostOptions:
     runtime_mixed_precision: bool = False
     """Under a 16-bit ``param_dtype``, model states as fairscale's runtime holds them
     (``planner.cost_memory.runtime_mixed_parts``: fp32 gradients, the fp32 master counted as a
-    parameter; parameters DDP keeps cast per use, their 16-bit copies saved per microbatch in
-    flight) instead of ZeRO §3.1's 16-bit parameters and gradients with the master in the optimizer."""
+    parameter; DDP's fp32 parameters cast for compute, one set of 16-bit copies per step, saved
+    for backward) instead of ZeRO §3.1's 16-bit parameters and gradients with the master in the optimizer."""
     p2p_scatter_gather: bool = False
     """Pipeline sends between nodes carry 1/tp of the activation per tensor-parallel rank, which
     then all-gather it over NVLink (Megatron-LM's scatter/gather optimization, Narayanan et al.
@@ -73,7 +73,7 @@ class CostOptions:
         * Pipeline sends are posted asynchronously but each receive waits before its compute: not overlapped.
         * ZeRO-2 and FSDP accumulate unsharded gradients over microbatches (``passes.ops.dp_ops.no_sync``).
         * ZeRO-1/2 keep the optimizer's parameter shard as its own tensor (``fairscale.runtime.optim``).
-        * 16-bit plans keep fp32 gradients and masters; DDP casts its fp32 parameters per use.
+        * 16-bit plans keep fp32 gradients and masters; DDP casts its fp32 parameters once a step.
         * FSDP prefetches the next unit's all-gather asynchronously (``FSDPUnit.start_gather``):
           overlapped on GPUs (NCCL runs on its own stream); on CPU ranks gloo's transfer thread
           competes for the same oversubscribed cores, so it is counted as exposed.

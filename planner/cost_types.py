@@ -104,8 +104,8 @@ class LayerFacts:
     (``planner.cost_whole``): every tp rank runs those ops on the full activations."""
     saved_params: float = 0.0
     """Elements of the layer's parameters its ops save for backward, for the whole layer (not per
-    sample; ``planner.cost_memory.saved_param_elements``): a plan that casts parameters per use
-    holds 16-bit copies of these per microbatch in flight."""
+    sample; ``planner.cost_memory.saved_param_elements``): a plan that keeps fp32 parameters
+    and casts them for compute holds 16-bit copies of these through the step."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -44,7 +44,7 @@ place each saved tensor under tensor parallelism (``planner.cost_memory.tp_whole
 META_SAVED_PARAMS = "fs_saved_params"
 """tuple[str, ...]: the nodes (``get_attr``) of the parameters and buffers the node's op saves for
 backward, which ``META_SAVED_BYTES`` leaves out (they are not activations). A plan that casts
-parameters per use saves its cast copies instead (``planner.cost_memory.saved_param_elements``)."""
+parameters for compute saves their 16-bit copies instead (``planner.cost_memory.saved_param_elements``)."""
 META_PARAM = "fs_param"
 """str: on get_attr nodes of parameters and buffers, the state_dict key in the user's model."""
 

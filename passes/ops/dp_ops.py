@@ -24,6 +24,15 @@ Devices: everything runs on the device of the graph's parameters, except an offl
 asynchronous copy from pinned memory before each gather; gradient shards come down into pinned
 memory with a blocking copy (the CPU optimizer reads them next; ``.grad`` may be read by anything).
 
+16-bit casts: a bucket whose parameters are kept in fp32 (ddp, and the replicated parameters of
+the sharded kinds) casts them to ``param_dtype`` once and hands every later microbatch views of
+the same copies, as long as the parameters are unchanged (their version counters) and at most
+until the engine call that made them ends (:func:`release_casts`, called by
+``fairscale.runtime.engine``; a ``.data`` write between calls bumps no version). Casting per
+microbatch kept one set of copies per microbatch in flight: on a 1F1B pipeline's first stage,
+``pp`` times its 16-bit weights. The values, and the gradients flowing back to the fp32
+parameters, are the same either way.
+
 Averaging over ``n`` data-parallel ranks is post-division: sum in ``reduce_dtype``, then divide by
 ``n`` (one rounding in fp32; PyTorch DDP does the same by default).
 
@@ -47,7 +56,7 @@ from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, en
                                   no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
 
 __all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
-           "pending_reductions", "wait_reductions"]
+           "pending_reductions", "wait_reductions", "release_casts"]
 
 # ------------------------------------------------------------------------------------------------
 # DDP / ZeRO-1 / ZeRO-2 buckets
@@ -76,6 +85,8 @@ class DDPBucket(nn.Module):
         """zero1/zero2: replicated flat storage the parameters are views of (set by the pass)."""
         self.params: list[nn.Parameter] = []
         """The bucket's parameters in flat order (set by the pass; a plain list, not registered)."""
+        self.casts: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
+        """(the parameters' versions, their ``param_dtype`` copies) this engine call made (module docstring)."""
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, index={self.index}, params={len(self.keys)}, numel={self.numel}, n={self.n}"
@@ -144,8 +155,9 @@ class _Bucket(torch.autograd.Function):
         ctx.device = params[0].device
         ctx.has_shard = shard is not None
         ctx.tensor_inputs = ((shard,) if shard is not None else ()) + params  # leaves: no reference cycle
-        outs = tuple(p.view_as(p) if p.dtype == bucket.param_dtype else p.to(bucket.param_dtype) for p in params)
-        return outs
+        if all(p.dtype == bucket.param_dtype for p in params):
+            return tuple(p.view_as(p) for p in params)
+        return tuple(c.view_as(c) for c in _casts(bucket, params))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
@@ -170,6 +182,29 @@ class _Bucket(torch.autograd.Function):
         red.targets = targets if ctx.has_shard else (None, *targets)
         enqueue(red)
         return (None, None) + nones
+
+
+_CASTING: list[DDPBucket] = []
+"""Buckets holding 16-bit casts, until :func:`release_casts`."""
+
+
+def _casts(bucket: DDPBucket, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``params`` in the bucket's ``param_dtype``: the copies made earlier in this engine call while
+    the parameters are unchanged, else new ones (module docstring)."""
+    versions = tuple(p._version for p in params)
+    if bucket.casts is None or bucket.casts[0] != versions:
+        if bucket.casts is None:
+            _CASTING.append(bucket)
+        bucket.casts = versions, tuple(p.to(bucket.param_dtype) for p in params)
+    return bucket.casts[1]
+
+
+def release_casts() -> None:
+    """Drop the 16-bit copies the buckets made (the autograd graphs that saved them keep theirs):
+    the engine calls it when each of its calls ends, so no copy outlives the call or a write to
+    the parameters that no version counter sees."""
+    while _CASTING:
+        _CASTING.pop().casts = None
 
 
 def dp_bucket(bucket: DDPBucket, shard: torch.Tensor | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:

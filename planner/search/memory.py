@@ -91,16 +91,16 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
                                        prefetch=cfg.prefetch, grad_dtype=cfg.reduce_dtype, root=root)
     if o.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         buffers += sharded * DTYPE_BYTES[cfg.reduce_dtype]  # the full gradient accumulator between microbatches
-    if as_run and DTYPE_BYTES[cfg.param_dtype] < 4 and not cfg.offload:  # ddp's per-use casts, each microbatch's own
+    if as_run and DTYPE_BYTES[cfg.param_dtype] < 4 and not cfg.offload:  # ddp's casts, one set shared by the step
         cast = params if cfg.dp_kind == "ddp" else whole + own
-        peak += flight * cast_copy_elements(ctx, costs, layers, cast / params if params else 0.0) \
-            * DTYPE_BYTES[cfg.param_dtype]
+        peak += cast_copy_elements(ctx, costs, layers, cast / params if params else 0.0) * DTYPE_BYTES[cfg.param_dtype]
     return {**parts, "activations": peak, "buffers": buffers}
 
 
 def cast_copy_elements(ctx: Context, costs: list[LayerCost], layers: list[int], share: float) -> float:
-    """Elements of the 16-bit copies one microbatch of a rank keeps when ``share`` of its parameters
-    are cast per use (DDP's, ``planner.cost_memory.runtime_mixed_parts``): of each layer's
+    """Elements of the 16-bit copies a rank's step keeps when ``share`` of its parameters are kept in
+    fp32 and cast for compute (DDP's, ``planner.cost_memory.runtime_mixed_parts``; one set shared
+    by the step's microbatches, ``passes.ops.dp_ops``): of each layer's
     parameters on the rank (after the tp split), the part its ops save for backward
     (``LayerFacts.saved_params``). Example: a Llama block saves every weight; an embedding none."""
     held = 0.0

@@ -47,12 +47,14 @@ def eager_bf16(build, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def _plan(case: Case, pp: int, dp: int, tp: int) -> Plan:
+def _plan(case: Case, pp: int, dp: int, tp: int, microbatches: int = 1) -> Plan:
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
     names = [layer.name for layer in graph.layers]
     per = len(names) // pp
     stages = [Stage(layers=", ".join(names[i * per:(i + 1) * per if i < pp - 1 else None])) for i in range(pp)]
-    plan = Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=Schedule(kind="gpipe", microbatches=1, global_batch=BATCH),
+    plan = Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp),
+                schedule=Schedule(kind="gpipe" if microbatches == 1 else "1f1b", microbatches=microbatches,
+                                  global_batch=BATCH),
                 stages=stages if pp > 1 else [],
                 tensor_parallel=TensorParallel(rules=propose_tp_rules(graph.gm, tp=tp).rules if tp > 1 else {}),
                 data_parallel=DataParallel(kind="ddp", param_dtype="bf16"))
@@ -79,8 +81,12 @@ def test_llama_upcasts_are_pins_of_its_fp32_capture():
     assert any("hidden_states.to(torch.float32)" in p for p in pins), pins
 
 
-@pytest.mark.parametrize("mesh", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2)], ids=["one", "dp2", "pp2", "tp2"])
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (2, 1, 1, 4)],
+                         ids=["one", "dp2", "pp2", "tp2", "pp2-1f1b-m4"])
 def test_hf_llama_trains_in_bf16_as_it_computes_in_bf16(mesh):
+    """pp2-1f1b-m4: the stages' DDP buckets cast their fp32 weights once per step and every
+    microbatch reads those copies (``passes.ops.dp_ops``); a copy kept past the optimizer step would
+    run step 2 on step 1's weights."""
     case = _llama()
     ref = eager_bf16(build_llama)  # its own model: the reference steps its weights
     got = fairscale.launch(_train, devices=mesh[0] * mesh[1] * mesh[2], args=(case, _plan(case, *mesh)))[0]
