@@ -421,7 +421,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="See `python -m fairscale demo --help`.")
     p.add_argument("demo_args", nargs=argparse.REMAINDER)
     p.set_defaults(run=_cmd_demo)
-    add_whatif_commands(sub, graph_of=lambda spec: _capture_loaded(spec, print)[1], cluster_of=_cluster,
+    add_whatif_commands(sub, graph_of=lambda spec, dtype: _capture_loaded(spec, print, dtype)[1], cluster_of=_cluster,
                         devices=devices, factory_help=factory_help, usage_error=UsageError)
     return parser
 

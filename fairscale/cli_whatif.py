@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+from fairscale.api import known_dtype
 from fairscale.whatif import diff_plans, what_if
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -19,7 +20,8 @@ from planner.plan import Plan, PlanError
 
 __all__ = ["add_commands"]
 
-GraphOf = Callable[[str], ModelGraph]
+GraphOf = Callable[[str, str], ModelGraph]
+"""(factory spec, compute dtype) -> the model's capture traced as plans of that dtype run it."""
 ClusterOf = Callable[[argparse.Namespace], "Cluster | None"]
 
 
@@ -59,16 +61,18 @@ def _read(path: str, usage: type[Exception]) -> Plan:
     return plan
 
 
-def _graph(plan: Plan, factory: str | None, graph_of: GraphOf, usage: type[Exception], what: str) -> ModelGraph:
+def _graph(plan: Plan, factory: str | None, graph_of: GraphOf, usage: type[Exception], what: str,
+           dtype: str | None = None) -> ModelGraph:
+    """The capture to cost ``plan`` from: traced in ``dtype`` (default: the plan's compute dtype)."""
     spec = factory or plan.model.factory
     if not spec:
         raise usage(f"{what} records no model.factory; give FACTORY (pkg.module:function) to cost it")
-    return graph_of(spec)
+    return graph_of(spec, dtype or known_dtype(plan.data_parallel.param_dtype))
 
 
 def _cmd_diff(args: argparse.Namespace, *, graph_of: GraphOf, cluster_of: ClusterOf, usage: type[Exception]) -> int:
     a, b = _read(args.plan_a, usage), _read(args.plan_b, usage)
-    graph = _graph(a, args.factory, graph_of, usage, args.plan_a)
+    graph = _graph(a, args.factory, graph_of, usage, args.plan_a)  # in A's dtype (B's, where they differ, is scaled)
     cluster = cluster_of(args) or (Cluster.from_dict(a.cluster) if a.cluster else None)
     if cluster is None:
         raise usage(f"{args.plan_a} records no cluster; give --cluster PRESET (and --nodes/--devices)")
@@ -89,7 +93,7 @@ def _cmd_what_if(args: argparse.Namespace, *, graph_of: GraphOf, cluster_of: Clu
     if args.cluster is None and args.devices is None:
         raise usage("what-if needs the other hardware: --cluster PRESET with --nodes K or --devices N")
     plan = _read(args.plan, usage)
-    graph = _graph(plan, args.factory, graph_of, usage, args.plan)
+    graph = _graph(plan, args.factory, graph_of, usage, args.plan, args.dtype)
     cluster = cluster_of(args)
     assert cluster is not None
     print(what_if(plan, graph, cluster, global_batch=args.global_batch, dtype=args.dtype,

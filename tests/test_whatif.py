@@ -78,3 +78,13 @@ def test_the_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkey
     assert "on 8 × NVIDIA A100-SXM4-80GB" in out and "the search would pick" in out
     assert cli.main(["what-if", str(a)]) == 2
     assert "what-if needs the other hardware" in capsys.readouterr().err
+    # costed in another dtype, the plan is costed from the model traced in that dtype (fairscale.api.captured)
+    traced: list[str] = []
+
+    def spy(*args, dtype: str = "fp32", **kwargs):  # type: ignore[no-untyped-def]
+        traced.append(dtype)
+        return captured(*args, dtype=dtype, **kwargs)
+    monkeypatch.setattr(cli, "captured", spy)
+    assert cli.main(["what-if", str(a), "--cluster", "a100-80gb", "--devices", "8", "--dtype", "bf16",
+                     "--no-search"]) == 0
+    assert traced == ["bf16"], traced
