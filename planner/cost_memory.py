@@ -61,7 +61,8 @@ STATE_SHARDED: dict[str, tuple[bool, bool, bool]] = {
 
 def _sharded(dp_kind: str) -> tuple[bool, bool, bool]:
     if dp_kind not in STATE_SHARDED:
-        raise ValueError(f"unknown data-parallel kind {dp_kind!r}; use ddp, zero1, zero2 or fsdp")
+        *others, last = STATE_SHARDED
+        raise ValueError(f"unknown data-parallel kind {dp_kind!r}; use {', '.join(others)} or {last}")
     return STATE_SHARDED[dp_kind]
 
 

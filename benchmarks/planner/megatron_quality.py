@@ -63,8 +63,7 @@ def expert(run: MegatronRun) -> tuple[Breakdown, Cluster, CostOptions]:
 
 def terms(b: Breakdown) -> str:
     """The predicted step split into its terms (seconds, slowest rank)."""
-    bubble = b.bubble * b.pipeline_s
-    return (f"{b.compute_s:7.2f} {b.recompute_s:6.2f} {bubble:6.2f} {b.tp_comm_s:5.2f} {b.p2p_s:5.2f} "
+    return (f"{b.compute_s:7.2f} {b.recompute_s:6.2f} {b.bubble_s:6.2f} {b.tp_comm_s:5.2f} {b.p2p_s:5.2f} "
             f"{b.dp_comm_s:5.2f} {b.optimizer_s:5.2f}")
 
 
