@@ -228,7 +228,10 @@ def build_skip(seed: int = 0) -> Case:
 # ---------------------------------------------------------------------------------------------
 # Hugging Face families (tiny random-init configs; transformers is a test extra)
 
-_HF_COMMON = dict(use_cache=False)
+_HF_COMMON: dict[str, Any] = {}
+"""Settings every family below shares beyond its own: none. ``use_cache=False`` stood here from the
+first day, hiding what a default config does (its key/value cache); removed 2026-11-28 with every
+test that builds these families passing (the corpus builds default configs of its own)."""
 
 
 def build_llama(seed: int = 0, *, layers: int = 2, heads: int = 4, kv_heads: int = 2, dim: int = 64,
