@@ -44,7 +44,7 @@ from planner.annotate import AnnotateError, annotate_graph
 from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
-from planner.graph import META_MODULE, META_PARAM, ModelGraph
+from planner.graph import META_MODULE, META_PARAM, ModelGraph, tied_canonical
 from planner.replicate import replica_map
 from planner.trace_dtype import in_dtype
 from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
@@ -367,7 +367,7 @@ def _model_graph(model: nn.Module, gm: torch.fx.GraphModule, layers: list[Any],
     for name, p in model.named_parameters(remove_duplicate=False):
         shapes[name] = tuple(p.shape)
         dtypes[name] = str(p.dtype).replace("torch.", "")
-    canonical = {k: g[0] for g in tied for k in g}
+    canonical = tied_canonical(tied)
     num = sum(p.numel() for p in model.parameters())
     digest = hashlib.sha256(
         "\n".join(f"{k}:{list(v)}" for k, v in sorted(shapes.items())).encode()).hexdigest()[:16]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from planner.graph import META_LAYER, META_MODULE, META_PARAM, META_SAVED, META_SAVED_PARAMS, META_VAL, ModelGraph
+from planner.graph import (META_LAYER, META_MODULE, META_PARAM, META_SAVED, META_SAVED_PARAMS, META_VAL, ModelGraph,
+                           tied_canonical)
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
 
@@ -387,7 +388,7 @@ def saved_param_elements(graph: ModelGraph) -> dict[str, float]:
     block: its linears' and norms' weights, all of its parameters; an embedding saves the ids,
     not its table."""
     by_name = {n.name: n for n in graph.gm.graph.nodes}
-    tied = {k: g[0] for g in graph.tied for k in g}
+    tied = tied_canonical(graph.tied)
     out = {layer.name: 0.0 for layer in graph.layers}
     seen: set[str] = set()
     for node in graph.gm.graph.nodes:

@@ -60,6 +60,12 @@ def module_class(node: torch.fx.Node) -> str:
     return (cls.__qualname__ if isinstance(cls, type) else str(cls)).rpartition(".")[2]
 
 
+def tied_canonical(tied: list[list[str]]) -> dict[str, str]:
+    """State-dict key of a tied parameter -> the first key of its group (``ModelGraph.tied``), under
+    which it is counted once. Example: ``[["wte.weight", "lm_head.weight"]]`` maps both to ``wte.weight``."""
+    return {k: group[0] for group in tied for k in group}
+
+
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
 """Hugging Face's grouped MoE matmul (``x [S, K]`` sorted by expert, ``w [E, K, N]``, ``offsets [E]``),
 matched by name since transformers registers it."""
