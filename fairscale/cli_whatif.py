@@ -72,18 +72,20 @@ def _graph(plan: Plan, factory: str | None, graph_of: GraphOf, usage: type[Excep
 
 def _cmd_diff(args: argparse.Namespace, *, graph_of: GraphOf, cluster_of: ClusterOf, usage: type[Exception]) -> int:
     a, b = _read(args.plan_a, usage), _read(args.plan_b, usage)
-    graph = _graph(a, args.factory, graph_of, usage, args.plan_a)  # in A's dtype (B's, where they differ, is scaled)
+    graph = _graph(a, args.factory, graph_of, usage, args.plan_a)  # each plan from the trace in its own dtype
+    same_dtype = known_dtype(b.data_parallel.param_dtype) == known_dtype(a.data_parallel.param_dtype)
+    graph_b = None if same_dtype else _graph(b, args.factory, graph_of, usage, args.plan_b)
     cluster = cluster_of(args) or (Cluster.from_dict(a.cluster) if a.cluster else None)
     if cluster is None:
         raise usage(f"{args.plan_a} records no cluster; give --cluster PRESET (and --nodes/--devices)")
     names = (Path(args.plan_a).name, Path(args.plan_b).name)
-    d = diff_plans(a, b, graph, cluster, global_batch=args.global_batch, names=names)
+    d = diff_plans(a, b, graph, cluster, global_batch=args.global_batch, names=names, graph_b=graph_b)
     print(d.text())
     if args.html:
         from fairscale.report.compare import diff_html_report
 
         out = diff_html_report(a, b, graph=graph, cluster=cluster, path=args.html, names=names,
-                               global_batch=args.global_batch)
+                               global_batch=args.global_batch, graph_b=graph_b)
         print(f"wrote {out}")
     return 0
 

@@ -118,11 +118,13 @@ def _fields(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
 
 
 def diff_plans(a: Plan, b: Plan, graph: ModelGraph, cluster: Cluster, *, global_batch: int | None = None,
-               names: tuple[str, str] = ("A", "B")) -> PlanDiff:
+               names: tuple[str, str] = ("A", "B"), graph_b: ModelGraph | None = None) -> PlanDiff:
     """Cost ``a`` and ``b`` for ``graph`` on ``cluster`` (at ``global_batch``, default each plan's
-    own) and say where their step times differ; raises PlanError if either is invalid there."""
+    own) and say where their step times differ; raises PlanError if either is invalid there.
+    ``graph_b``: the capture to cost ``b`` from where it differs from ``a``'s (plans of different
+    compute dtypes are each costed from the model traced in their own: ``fairscale.api.captured``)."""
     ca = cost_plan(a, graph, cluster, global_batch=global_batch)
-    cb = cost_plan(b, graph, cluster, global_batch=global_batch)
+    cb = cost_plan(b, graph if graph_b is None else graph_b, cluster, global_batch=global_batch)
     return PlanDiff(a=ca, b=cb, names=names, fields=_fields(a, b))
 
 

@@ -88,3 +88,11 @@ def test_the_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkey
     assert cli.main(["what-if", str(a), "--cluster", "a100-80gb", "--devices", "8", "--dtype", "bf16",
                      "--no-search"]) == 0
     assert traced == ["bf16"], traced
+    # a diff of plans in two dtypes costs each from the trace in its own dtype
+    c = tmp_path / "c.json"
+    assert cli.main(["plan", "cli_factories:gpt", "--devices", "4", "-o", str(c), "--dtype", "bf16"]) == 0
+    traced.clear()
+    capsys.readouterr()
+    assert cli.main(["diff", str(a), str(c)]) == 0
+    assert traced == ["fp32", "bf16"], traced
+    assert "data_parallel.param_dtype: 'fp32' -> 'bf16'" in capsys.readouterr().out

@@ -84,14 +84,16 @@ def render_diff_html(diff: PlanDiff, a: ReportData, b: ReportData) -> str:
 
 
 def diff_html_report(plan_a: Plan, plan_b: Plan, *, graph: ModelGraph, cluster: Cluster, path: str | Path,
-                     names: tuple[str, str] = ("A", "B"), global_batch: int | None = None) -> Path:
-    """Cost both plans (as ``fairscale.whatif.diff_plans``) and write the side-by-side page to ``path``."""
-    diff = diff_plans(plan_a, plan_b, graph, cluster, global_batch=global_batch, names=names)
+                     names: tuple[str, str] = ("A", "B"), global_batch: int | None = None,
+                     graph_b: ModelGraph | None = None) -> Path:
+    """Cost both plans (as ``fairscale.whatif.diff_plans``, ``graph_b`` for ``plan_b`` where given)
+    and write the side-by-side page to ``path``."""
+    diff = diff_plans(plan_a, plan_b, graph, cluster, global_batch=global_batch, names=names, graph_b=graph_b)
     datas = []
-    for plan, name in ((plan_a, names[0]), (plan_b, names[1])):
+    for plan, name, g in ((plan_a, names[0], graph), (plan_b, names[1], graph if graph_b is None else graph_b)):
         if global_batch:
             plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, global_batch=global_batch))
-        datas.append(report_data(plan, graph, cluster, title=name))
+        datas.append(report_data(plan, g, cluster, title=name))
     path = Path(path)
     path.write_text(render_diff_html(diff, *datas))
     return path
