@@ -40,7 +40,7 @@ from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
 from passes.loss_count import piece_weights
 from passes.ops import comm
-from passes.ops.dp_ops import release_casts
+from passes.ops.dp_ops import cast_mark, release_casts
 from passes.ops.ep_ops import scale_grad
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
@@ -59,11 +59,12 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: ParallelModule, *args: Any, **kwargs: Any) -> Any:
         if self.retired:
             raise RuntimeError(self.retired)
+        mark = cast_mark()
         try:
             with self.mesh.groups.active():
                 return method(self, *args, **kwargs)
         finally:
-            release_casts()  # a data-parallel bucket's 16-bit copies last one call (passes.ops.dp_ops)
+            release_casts(mark)  # a data-parallel bucket's 16-bit copies last one call (passes.ops.dp_ops)
     return run
 
 

@@ -56,7 +56,7 @@ from passes.ops.grad_sync import (async_targets, drop_stale_outside_backward, en
                                   no_sync, pending_reductions, sync_enabled, to_compute, to_store, wait_reductions)
 
 __all__ = ["DDPBucket", "FSDPUnit", "dp_bucket", "fsdp_unshard", "fsdp_reshard", "no_sync", "sync_enabled",
-           "pending_reductions", "wait_reductions", "release_casts"]
+           "pending_reductions", "wait_reductions", "cast_mark", "release_casts"]
 
 # ------------------------------------------------------------------------------------------------
 # DDP / ZeRO-1 / ZeRO-2 buckets
@@ -199,11 +199,17 @@ def _casts(bucket: DDPBucket, params: tuple[torch.Tensor, ...]) -> tuple[torch.T
     return bucket.casts[1]
 
 
-def release_casts() -> None:
-    """Drop the 16-bit copies the buckets made (the autograd graphs that saved them keep theirs):
-    the engine calls it when each of its calls ends, so no copy outlives the call or a write to
-    the parameters that no version counter sees."""
-    while _CASTING:
+def cast_mark() -> int:
+    """Where the buckets cast from now on begin: hand it to :func:`release_casts` when the call ends."""
+    return len(_CASTING)
+
+
+def release_casts(mark: int = 0) -> None:
+    """Drop the 16-bit copies the buckets made since ``mark`` (:func:`cast_mark`; the autograd graphs
+    that saved them keep theirs): the engine calls it when each of its calls ends, so no copy
+    outlives the call or a write to the parameters that no version counter sees, and a call nested
+    in another (one module's forward inside another's) leaves the outer call's copies alone."""
+    while len(_CASTING) > mark:
         _CASTING.pop().casts = None
 
 

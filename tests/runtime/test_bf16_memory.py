@@ -135,5 +135,12 @@ def test_a_bucket_casts_once_and_again_when_its_parameters_change() -> None:
         w.add_(1.0)
     again = dp_ops._casts(bucket, (w,))[0]
     assert again is not first[0] and torch.equal(again, w.detach().to(torch.bfloat16))
+    # a call nested in this one (another module's) drops only the copies it made
+    inner = dp_ops.DDPBucket(kind="ddp", index=1, keys=["w"], shapes=[w.shape], n=1, rank=0, axis="dp",
+                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, shard=None)
+    mark = dp_ops.cast_mark()
+    dp_ops._casts(inner, (w,))
+    dp_ops.release_casts(mark)
+    assert inner.casts is None and bucket.casts is not None
     dp_ops.release_casts()
     assert bucket.casts is None
