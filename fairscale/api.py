@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.arguments import check_all
-from fairscale.build import build_module, memory_by_stage, predicted_memory, rank_memory
+from fairscale.build import build_module, memory_by_stage, rank_memory
 from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
 from fairscale.closed_loop import ClosedLoop, steps_requested
@@ -43,7 +43,7 @@ from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.reshard import reshard
-from fairscale.runtime.startup import broadcast_from_zero
+from fairscale.runtime.startup import broadcast_from_zero, on_zero
 from passes.tp.patterns import propose_tp_rules
 from passes.dp.graph import dtype_of
 from planner.capture import CaptureError, capture
@@ -279,19 +279,24 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     rank_device = resolve_device(device)
     use_device(rank_device)  # before anything below can create a CUDA context on another GPU
     cl = _same_on_every_rank(resolve_cluster(devices, cluster, device=rank_device))
-    predicted: dict[str, float] | None = None
     if plan is None:  # every launched rank takes part: no plan that leaves devices idle
-        graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
-        chosen = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
-                              use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn,
-                                                                         graph=graph),
-                              check_runners_up=False).plan
-        # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
-        # loss scaling, which plan files are refused for in validation and searched plans here
-        refused = [p for name in ("param_dtype", "reduce_dtype")
-                   if (p := fp16_problem(f"data_parallel.{name}", getattr(chosen.data_parallel, name)))]
-        if refused:
-            raise PlanError(refused, source="constraints")
+        def plan_on_zero() -> tuple[Plan, list[dict[str, float]]]:
+            graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
+            found = search_graph(graph, cl, global_batch=global_batch, constraints=constraints, dtype=dtype,
+                                 use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn,
+                                                                            graph=graph),
+                                 check_runners_up=False).plan
+            # the search costs any dtype (fp16 plans compare with published fp16 runs); running one needs
+            # loss scaling, which plan files are refused for in validation and searched plans here
+            refused = [p for name in ("param_dtype", "reduce_dtype")
+                       if (p := fp16_problem(f"data_parallel.{name}", getattr(found.data_parallel, name)))]
+            if refused:
+                raise PlanError(refused, source="constraints")
+            costed = captured(model, example_inputs, loss_fn=loss_fn, dtype=found.data_parallel.param_dtype)
+            return found, memory_by_stage(found, costed, cl, optimizer=optimizer)
+
+        chosen, by_stage = on_zero(plan_on_zero, "planning (rank 0 captures the model and searches)")
+        predicted = rank_memory(chosen, by_stage)
     else:
         chosen, predicted = _checked_on_zero(plan, model, example_inputs, loss_fn, cl, global_batch, optimizer)
         check_compiles_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn,
@@ -302,23 +307,22 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
 
         report = check_on_ranks(model, example_inputs, chosen, loss_fn=loss_fn)
     in_dtype = chosen.data_parallel.param_dtype
-    if predicted is None:
-        predicted = predicted_memory(chosen, captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype), cl,
-                                     optimizer=optimizer)
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
     steps = steps_requested(calibrate, dict(os.environ))
-    if steps:
-        graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype)
-        checker = checker_for(model, example_inputs, loss_fn=loss_fn)
+    if steps:  # the loop re-plans on rank 0 only (ClosedLoop.finish): the capture is made there, when needed
         gb, keep_dtype = pm.global_batch, dtype or in_dtype  # switching keeps the numerics
 
-        def replan(refit: Cluster) -> Plan:
-            return search_graph(graph, refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
-                                use_all_devices=True, compiles=checker, check_runners_up=False).plan
+        def graph_of() -> ModelGraph:
+            return captured(model, example_inputs, loss_fn=loss_fn, dtype=in_dtype)
 
-        ClosedLoop(steps, graph=graph, cluster=cl, replan=replan,
+        def replan(refit: Cluster) -> Plan:
+            return search_graph(graph_of(), refit, global_batch=gb, constraints=constraints, dtype=keep_dtype,
+                                use_all_devices=True, compiles=checker_for(model, example_inputs, loss_fn=loss_fn),
+                                check_runners_up=False).plan
+
+        ClosedLoop(steps, graph_of=graph_of, cluster=cl, replan=replan,
                    switch=lambda old, new, refit: switch_plan(old, new, cluster=refit)).attach(pm)
     return pm
 
@@ -387,10 +391,10 @@ def _checked_on_zero(plan: Plan | str | Path, model: nn.Module, example_inputs: 
                      loss_fn: Callable[..., torch.Tensor] | None, cluster: Cluster, global_batch: int | None,
                      optimizer: OptimizerSpec | None) -> tuple[Plan, dict[str, float]]:
     """``plan`` loaded, validated and re-costed (:func:`load_and_check`) with its predicted memory
-    (``fairscale.build.memory_by_stage``), worked out on global rank 0 and sent to every rank:
-    both cost from the annotated capture, which every rank would otherwise trace and annotate
-    again (8 ranks on 2 cores: about 1 s of CPU each for a small model). Collective. Where rank 0
-    refuses the plan, every rank checks it and raises the same error."""
+    (``fairscale.build.memory_by_stage``), worked out on global rank 0 and sent to every rank
+    (``fairscale.runtime.startup.on_zero``): both cost from the annotated capture, which every
+    rank would otherwise trace and annotate again (8 ranks on 2 cores: about 1 s of CPU each for
+    a small model). Collective."""
     def graph_of(dtype: str) -> ModelGraph:
         return captured(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
 
@@ -399,18 +403,7 @@ def _checked_on_zero(plan: Plan | str | Path, model: nn.Module, example_inputs: 
         return chosen, memory_by_stage(chosen, graph_of(chosen.data_parallel.param_dtype), cluster,
                                        optimizer=optimizer)
 
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [check()]
-        finally:  # a refusal still reaches the others, which then raise it themselves
-            broadcast_from_zero(box, "checking the plan (rank 0 validates and costs it)")
-    else:
-        broadcast_from_zero(box, "checking the plan (rank 0 validates and costs it)")
-    if box[0] is None:
-        check()
-        raise RuntimeError("global rank 0 refused the plan, but this rank accepts it; see rank 0's error")
-    chosen, by_stage = box[0]
+    chosen, by_stage = on_zero(check, "checking the plan (rank 0 validates and costs it)")
     return chosen, rank_memory(chosen, by_stage)
 
 

@@ -51,7 +51,7 @@ from planner.plan import Plan, PlanError
 from planner.schedule import build_schedule
 from planner.search import cost_plan
 
-__all__ = ["compile_program", "build_module", "predicted_memory", "memory_by_stage", "rank_memory"]
+__all__ = ["compile_program", "build_module", "memory_by_stage", "rank_memory"]
 
 
 def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
@@ -101,15 +101,6 @@ def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
     program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device,
                               predicted=predicted)
     return ParallelModule(program, optimizer=optimizer, tf32=tf32)
-
-
-def predicted_memory(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,
-                     ) -> dict[str, float]:
-    """Bytes the cost model predicts this rank holds at its peak, per category (``MEMORY_PARTS``):
-    its pipeline rank's entry of :func:`memory_by_stage`. Empty when ranks are not launched."""
-    if not dist.is_initialized():
-        return {}
-    return rank_memory(plan, memory_by_stage(plan, graph, cluster, optimizer=optimizer))
 
 
 def memory_by_stage(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,

@@ -15,10 +15,11 @@ What happens (:class:`ClosedLoop`, a ``pm.after_step`` hook on every rank):
    ``K`` are: each rank's step and optimizer seconds (``pm.last_timing``), and every wait on a
    collective or a point-to-point batch from the flight record (``passes.ops.flight``, by op, axis,
    group size and bytes). Compute of a rank = step − optimizer − all waits.
-2. The ranks share their timings; every rank derives the same :class:`Measurement`: per term, the
+2. The ranks share their timings and derive the same :class:`Measurement`: per term, the
    median over steps of the slowest rank (compute per pipeline rank; collectives by axis; point to
    point with the pipeline's idle waits; the optimizer).
-3. :func:`refit` fits the cluster's coefficients to it. Compute: one plan's step gives one
+3. Global rank 0 alone (the others get its decision: ``fairscale.runtime.startup.on_zero``)
+   captures the model and :func:`refit` fits the cluster's coefficients to it. Compute: one plan's step gives one
    compute time per pipeline rank, and its mix of FLOPs, bytes and ops is nearly the same for
    every rank (backward ≈ 2× forward in all three), so the data determine one rate, not three:
    the least-squares factor ``k`` with measured ≈ predicted / k over the ranks, applied to peak
@@ -59,6 +60,7 @@ from fairscale.runtime.calibrate import fit_alpha_beta
 from fairscale.runtime.engine import ParallelModule
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.run_cli import ENV_CALIBRATE
+from fairscale.runtime.startup import on_zero
 from passes.ops.flight import RECORDER
 from planner.cluster import Cluster, link_at
 from planner.cost_comm import all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
@@ -351,15 +353,16 @@ class ClosedLoop:
     """Time ``steps`` steps of ``pm`` after one warm-up, refit, re-plan and maybe switch (module docstring).
 
     ``replan(cluster) -> Plan`` searches on the refitted cluster; ``switch(pm, plan, cluster)``
-    is ``fairscale.switch_plan``; ``graph`` is the annotated capture plans are costed on."""
+    is ``fairscale.switch_plan``; ``graph_of()`` gives the annotated capture plans are costed on
+    (called on global rank 0 only, which refits and re-plans for every rank)."""
 
-    def __init__(self, steps: int, *, graph: Any, cluster: Cluster, replan: Callable[[Cluster], Plan],
-                 switch: Callable[[ParallelModule, Plan, Cluster], ParallelModule],
+    def __init__(self, steps: int, *, graph_of: Callable[[], Any], cluster: Cluster,
+                 replan: Callable[[Cluster], Plan], switch: Callable[[ParallelModule, Plan, Cluster], ParallelModule],
                  out: TextIO | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibrate={steps}: time at least one step (calibrate=True times {DEFAULT_STEPS})")
         self.steps = steps
-        self.graph = graph
+        self.graph_of = graph_of
         self.cluster = cluster
         self.replan = replan
         self.switch = switch
@@ -389,17 +392,29 @@ class ClosedLoop:
         pm.closed_loop_report = self.finish(pm)
 
     def finish(self, pm: ParallelModule) -> ClosedLoopReport:
-        """Share the timings, refit, re-plan, and switch ``pm`` if it pays. Collective."""
+        """Share the timings; refit and re-plan on rank 0 and send every rank the decision; switch
+        ``pm`` if it pays. Collective."""
         summaries: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(summaries, rank_summary(self.records, self.calls))
         measured = measure(summaries, pm.mesh)
-        plan = pm.plan
-        before = cost_plan(plan, self.graph, self.cluster)
+        report, cluster = on_zero(lambda: self.decide(pm.plan, measured),
+                                  "re-planning under the refitted cost model (rank 0)")
+        if dist.get_rank() == 0:
+            print(report.text(), file=self.out, flush=True)
+        if report.switched:
+            pm.become(self.switch(pm, report.best, cluster))
+        return report
+
+    def decide(self, plan: Plan, measured: Measurement) -> tuple[ClosedLoopReport, Cluster]:
+        """Refit the cost model to ``measured``, re-plan, and say whether to switch from ``plan``;
+        with the refitted cluster."""
+        graph = self.graph_of()
+        before = cost_plan(plan, graph, self.cluster)
         predicted = predicted_terms(before, plan)
         cluster, fit = refit(self.cluster, predicted, measured)
-        current = cost_plan(plan, self.graph, cluster)
+        current = cost_plan(plan, graph, cluster)
         best = self.replan(cluster)
-        best_s = cost_plan(best, self.graph, cluster).step_time_s
+        best_s = cost_plan(best, graph, cluster).step_time_s
         same = best.to_dict() | {"predicted": None, "cluster": None} == plan.to_dict() | {"predicted": None,
                                                                                          "cluster": None}
         gain = 1 - best_s / current.step_time_s if current.step_time_s > 0 else 0.0
@@ -419,11 +434,7 @@ class ClosedLoop:
                                   refit_predicted=predicted_terms(current, plan), fit=fit,
                                   current_s=current.step_time_s, best_s=best_s, best=best, switched=switch,
                                   decision=decision)
-        if dist.get_rank() == 0:
-            print(report.text(), file=self.out, flush=True)
-        if switch:
-            pm.become(self.switch(pm, best, cluster))
-        return report
+        return report, cluster
 
 
 def steps_requested(calibrate: bool | int | None, environ: dict[str, str]) -> int:

@@ -26,7 +26,7 @@ from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
 from fairscale.testing.reference import Trajectory, compare, train_reference
 from passes.tp.patterns import propose_tp_rules
-from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage, TensorParallel
 from planner.selectors import format_layers
 
 STEPS, BATCH, LR = 3, 8, 1e-3
@@ -129,3 +129,33 @@ def test_planner_choice_trains_exactly():
     reference = train_reference(lambda: _build("gpt", torch.float64), steps=STEPS, global_batch=BATCH, lr=LR)
     got = fairscale.launch(_planner_choice, devices=8, args=(result.plan,))[0]
     compare(reference, got, rtol=1e-10, atol=1e-9)
+
+
+def _search_in_ranks(rank: int, world: int, constraints: dict[str, Any] | None) -> tuple[str, Any, int]:
+    import fairscale.api as api
+
+    searches: list[int] = []
+    search_graph = api.search_graph
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(rank)
+        return search_graph(*args, **kwargs)
+    api.search_graph = counted  # this forked rank's own module
+    case = build("gpt")
+    try:
+        pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                         constraints=constraints)
+    except PlanError as exc:
+        return "refused", str(exc), len(searches)
+    return "built", pm.plan.to_dict(), len(searches)
+
+
+def test_rank_zero_alone_searches_and_a_refusal_reaches_every_rank() -> None:
+    """parallelize without a plan: global rank 0 captures and searches, the others get its plan
+    (8 ranks sharing 2 cores each searched before); where rank 0 refuses, every rank raises the same."""
+    built = fairscale.launch(_search_in_ranks, devices=4, args=(None,))
+    assert [b[0] for b in built] == ["built"] * 4 and all(b[1] == built[0][1] for b in built)
+    assert [b[2] for b in built] == [1, 0, 0, 0]
+    refused = fairscale.launch(_search_in_ranks, devices=4, args=({"data_parallel": {"param_dtype": "fp16"}},))
+    assert [r[0] for r in refused] == ["refused"] * 4 and len({r[1] for r in refused}) == 1, refused
+    assert "fp16" in refused[0][1] and [r[2] for r in refused] == [1] * 4

@@ -22,11 +22,13 @@ import os
 import sys
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["StartupTimeoutError", "broadcast_from_zero", "rendezvous", "startup_timeout", "ENV_STARTUP_TIMEOUT"]
+__all__ = ["StartupTimeoutError", "broadcast_from_zero", "on_zero", "rendezvous", "startup_timeout", "ENV_STARTUP_TIMEOUT"]
+
+T = TypeVar("T")
 
 ENV_STARTUP_TIMEOUT = "FAIRSCALE_STARTUP_TIMEOUT_S"
 DEFAULT_STARTUP_TIMEOUT_S = 1800.0
@@ -106,3 +108,23 @@ def broadcast_from_zero(box: list[Any], what: str) -> None:
         return
     rendezvous(what)
     dist.broadcast_object_list(box, src=0)
+
+
+def on_zero(work: Callable[[], T], what: str) -> T:
+    """``work()`` done once, on global rank 0, and its result sent to every rank. For work that is
+    costly and the same on every rank (a capture, a search, a costing): 8 ranks sharing 2 cores
+    would each do it again. Where rank 0 raises, every other rank does the work itself, to raise
+    the same error (an exception does not travel). Collective."""
+    box: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box = [work()]
+        finally:  # a failure still reaches the others, which then raise it themselves
+            broadcast_from_zero(box, what)
+    else:
+        broadcast_from_zero(box, what)
+    if box[0] is None:
+        work()
+        raise RuntimeError(f"global rank 0 failed {what}, but this rank did not; see rank 0's error")
+    return box[0]
+
