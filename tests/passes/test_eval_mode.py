@@ -114,7 +114,13 @@ def test_every_rule_has_a_case() -> None:
     assert set(EVAL_RULES) == set(CASES) | set(STRUCTURAL)
 
 
-@pytest.mark.parametrize("op", [op for op in CASES if op is not aten.add_.Tensor], ids=str)
+def _op_id(op: object) -> str:
+    """An op's name in a test id: an aten overload's (``aten.dropout.default``), a runtime function's
+    qualified name (never its address, which differs between processes)."""
+    return str(op) if isinstance(op, torch._ops.OpOverload) else f"{op.__module__}.{op.__qualname__}"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("op", [op for op in CASES if op is not aten.add_.Tensor], ids=_op_id)
 def test_the_rewrite_computes_the_ops_eval_mode_and_changes_no_state(op: Any) -> None:
     build, inputs, want = CASES[op]
     root, g = Root(), torch.fx.Graph()
@@ -131,7 +137,7 @@ def test_the_rewrite_computes_the_ops_eval_mode_and_changes_no_state(op: Any) ->
             assert getattr(ev, str(n.target)) is getattr(root, str(n.target))
 
 
-@pytest.mark.parametrize("op", list(STRUCTURAL), ids=str)
+@pytest.mark.parametrize("op", list(STRUCTURAL), ids=_op_id)
 def test_fused_attention_kernels_lose_their_dropout(op: Any) -> None:
     index, args = STRUCTURAL[op]
     g = torch.fx.Graph()
