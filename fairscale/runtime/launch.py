@@ -27,8 +27,9 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
-import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -59,12 +60,6 @@ class RankFailedError(RuntimeError):
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -198,7 +193,11 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
             "processes")
 
     ctx = mp.get_context("fork")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    # The ranks meet in a file store in a directory of this launch's own: a TCP store's port, picked
+    # free here and bound later by rank 0, could be taken in between by another launch on the
+    # machine, whose ranks would then rendezvous with these.
+    store_dir = tempfile.mkdtemp(prefix="fairscale-launch-")
+    init_method = f"file://{store_dir}/store"
     procs, conns = [], []
     for rank in range(devices):
         parent_end, child_end = ctx.Pipe(duplex=False)
@@ -214,6 +213,7 @@ def launch(fn: Callable[..., Any], devices: int, *, args: Sequence[Any] = (), kw
         return _collect(procs, conns, timeout_s=timeout_s, grace_s=grace_s)
     finally:  # an interrupt, or any error of the launcher itself: no rank outlives the launch
         _stop(procs)
+        shutil.rmtree(store_dir, ignore_errors=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
