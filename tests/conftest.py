@@ -14,3 +14,9 @@ os.environ["FAIRSCALE_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"
 # its point-to-point is matched per rank pair in order, without tags, and checked for NCCL's
 # rendezvous deadlocks, on gloo.
 os.environ.setdefault("FAIRSCALE_NCCL_CHECK", "1")
+
+
+def pytest_xdist_auto_num_workers(config) -> int:  # type: ignore[no-untyped-def]
+    """``-n auto`` (pyproject's addopts): a worker per core this process may run on, at most 4. Each
+    worker's multi-rank tests fork up to 8 ranks; more workers than cores only time-share them."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
