@@ -144,28 +144,46 @@ def activation_bytes(saved_per_microbatch: float, in_flight: float) -> float:
 
 
 def unshard_buffer_bytes(unit_params: list[float], *, param_dtype: str, reshard_after_forward: bool,
-                         prefetch: bool, grad_dtype: str | None = None, root: float = 0.0) -> float:
-    """Peak bytes of gathered (unsharded) FSDP parameters plus their unsharded gradients.
+                         prefetch: bool, grad_dtype: str | None = None, root: float = 0.0,
+                         reduce_in_flight: bool = True) -> float:
+    """Peak bytes of gathered (unsharded) FSDP parameters plus their unsharded gradients, as the
+    runtime holds them (``passes.ops.dp_ops``; FSDP paper, Zhao et al. 2023, §3.2-3.3).
 
-    With ``reshard_after_forward`` a unit's full parameters live only while it runs: the peak is
-    the largest unit, plus the next one when prefetching, plus one unit of full gradients waiting
-    for its reduce-scatter (FSDP paper, Zhao et al. 2023, §3.2-3.3). Without it every unit stays
-    gathered from its forward to its backward, so the peak is all units' parameters plus one
-    unit's gradients. ``unit_params`` are element counts; parameters in bytes of ``param_dtype``,
-    the gradient unit in ``grad_dtype`` (the reduce dtype; default ``param_dtype``). ``root``: the
-    elements of the root unit, which is never resharded after forward (``passes.dp.fsdp``, as
-    PyTorch's FSDP2: backward needs it first), so it stays gathered beside them (not in ``unit_params``).
-    """
+    ``unit_params``: the units' element counts in forward order; parameters in bytes of
+    ``param_dtype``, gradients in ``grad_dtype`` (the reduce dtype; default ``param_dtype``).
+    ``root``: the elements of the root unit, which is never resharded after forward (as PyTorch's
+    FSDP2: backward needs it first), so it stays gathered until its own backward, the last.
+
+    With ``reshard_after_forward`` a unit's parameters live only while it runs: in forward, unit k
+    and (``prefetch``) unit k+1; in backward, unit k and the unit before it, prefetched, beside the
+    gradient of the unit after it while its reduce-scatter is in flight (``reduce_in_flight``:
+    asynchronous, dp > 1; at most one). When unit k's backward is done its parameters are freed and
+    that reduce-scatter finished before its own gradient buffer is made. Without it every unit stays
+    gathered from its forward to its backward."""
     if not unit_params and not root:
         return 0.0
     b = DTYPE_BYTES[param_dtype]
     g = DTYPE_BYTES[grad_dtype or param_dtype]
-    largest = sorted(unit_params, reverse=True) or [0.0]
-    if reshard_after_forward:
-        gathered = root + largest[0] + (largest[1] if prefetch and len(largest) > 1 else 0.0)
-    else:
-        gathered = root + sum(unit_params)
-    return gathered * b + max(largest[0], root) * g
+    u = list(unit_params)
+    n = len(u)
+
+    def ahead(k: int) -> float:  # a unit's neighbour gathered beside it (prefetched), in forward or backward
+        return u[k] if prefetch and 0 <= k < n else 0.0
+
+    def flight(k: int) -> float:  # the gradient of unit k, still in its reduce-scatter
+        return u[k] * g if reduce_in_flight and k < n else 0.0
+
+    peak = 0.0
+    for k in range(n):
+        if reshard_after_forward:
+            forward = root + u[k] + ahead(k + 1)
+            running, made = root + u[k] + ahead(k - 1), root + ahead(k - 1)
+        else:
+            forward = running = root + sum(u[:k + 1])
+            made = root + sum(u[:k])
+        peak = max(peak, forward * b, running * b + flight(k + 1), made * b + u[k] * g)
+    # the root's backward runs last, beside the first unit's gradient in flight; then its own gradient
+    return max(peak, root * b + (flight(0) if n else 0.0), root * g)
 
 
 # --- activations kept for backward under recompute ------------------------------------------------

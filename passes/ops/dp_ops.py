@@ -366,21 +366,25 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         u: FSDPUnit = ctx.unit
-        flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
-        u.free()  # every backward op that read the gathered parameters has run
+        # every backward op that read the gathered parameters has run: they are freed, and the last
+        # unit's reduce-scatter finished (at most one unit's gradient in flight), before this unit's
+        # gradient buffer is made; the other order held both, and two gradients, at that moment
+        u.free()
         if not sync_enabled():
+            flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
             if u.acc is None:
                 UNSHARD.add(nbytes(flat))
             u.acc = flat if u.acc is None else u.acc.add_(flat)
             return None, None
+        targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
+        if targets is not None:
+            _finish_units(torch._C._current_graph_task_id())
+        flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
         if u.acc is not None:
             flat.add_(u.acc)
             UNSHARD.sub(nbytes(u.acc))
             u.acc = None
         red = _UnitReduction(u, flat)
-        targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
-        if targets is not None:
-            _finish_units(torch._C._current_graph_task_id())  # at most one unit's gradient in flight
         red.start(async_op=targets is not None)
         if targets is None:
             return None, red.finish()[0]

@@ -42,9 +42,9 @@ class Totals:
         freed = self.act - self.min_act
         self.rho = self.rec_time / freed if freed > 0 else 0.0
         self._costs = costs
-        self._buffers: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._buffers: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
 
-    def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float, float]:
+    def buffers(self, ctx: Context, cfg: Config) -> tuple[float, float, float, float]:
         # what fsdp_buffer_terms reads: the dp degree only as "more than one"
         key = (cfg.dp_kind, cfg.reshard, cfg.prefetch, cfg.dp > 1, cfg.offload, cfg.units, cfg.microbatches > 1,
                cfg.param_dtype, cfg.reduce_dtype)
@@ -161,11 +161,10 @@ def bounds(ctx: Context, cfg: Config, tot: Totals) -> tuple[float, float]:
             return math.inf, ctx.cap * 1.0000001
     # what the dp axis gathers and reduces: no tied weight a sharded kind keeps whole, no expert
     dp_params = max(0.0, tot.params - tot.tied - (tot.experts if cfg.ep > 1 else 0.0)) / pp
-    extra, fixed_bytes, unit = tot.buffers(ctx, cfg)
-    floor = 0.0
+    extra, _, unit, beyond = tot.buffers(ctx, cfg)
+    fixed_bytes, floor = unit * beyond, 0.0
     if pp > 1 and unit:  # a rank may hold a single unit: only the one holding the largest is known to gather it
-        gathered = DTYPE_BYTES[cfg.param_dtype] if cfg.reshard else 0.0  # kept: already in extra
-        floor = unit * (gathered + DTYPE_BYTES[cfg.reduce_dtype] + per_param + extra)
+        floor = unit * (beyond + per_param + extra)
         fixed_bytes = 0.0
     mem_lb = max((per_param + extra) * params + tot.min_act / pp + fixed_bytes, floor)
     groups = flight_groups(cfg.kind, pp, m, v)

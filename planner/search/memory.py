@@ -88,7 +88,8 @@ def rank_memory_parts(ctx: Context, cfg: Config, costs: list[LayerCost], rank: i
     if _fsdp(cfg):
         named, root = rank_unit_parts(ctx.units(cfg.units), [f.params for f in ctx.facts], costs, layers)
         buffers = unshard_buffer_bytes(named, param_dtype=cfg.param_dtype, reshard_after_forward=cfg.reshard,
-                                       prefetch=cfg.prefetch, grad_dtype=cfg.reduce_dtype, root=root)
+                                       prefetch=cfg.prefetch, grad_dtype=cfg.reduce_dtype, root=root,
+                                       reduce_in_flight=cfg.dp > 1)
     if o.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         buffers += sharded * DTYPE_BYTES[cfg.reduce_dtype]  # the full gradient accumulator between microbatches
     if as_run and DTYPE_BYTES[cfg.param_dtype] < 4 and not cfg.offload:  # ddp's casts, one set shared by the step
@@ -110,26 +111,30 @@ def cast_copy_elements(ctx: Context, costs: list[LayerCost], layers: list[int], 
     return held * share
 
 
-def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float]:
-    """Buffers for the search's fast paths as (bytes per parameter element the rank holds, fixed
-    bytes of a rank holding every unit, elements of the largest unit): FSDP without reshard
-    keeps every gathered parameter (per element), with it the two largest units (fixed), plus one
-    unit of full gradients either way; a runtime that accumulates unsharded gradients holds a full
-    gradient per element. The rank holding the largest unit ``U`` needs at least ``U·(p + g)``
-    bytes of buffers (resharded) or ``U·g`` beyond its per-element ``p`` (kept)."""
+def fsdp_buffer_terms(ctx: Context, cfg: Config, costs: list[LayerCost]) -> tuple[float, float, float, float]:
+    """The buffers for the search's fast paths, as (bytes per parameter element the rank holds,
+    fixed bytes of a rank holding every unit, elements ``U`` of the largest unit, bytes per element
+    of ``U`` that the rank holding it holds at least, beyond the per-element term).
+
+    A runtime that accumulates unsharded gradients holds a full gradient per element. FSDP without
+    reshard holds every gathered parameter at the end of forward (per element). The fixed bytes
+    are what the partition plans stages with, never below :func:`unshard_buffer_bytes`: the two
+    largest units gathered (resharded) and one unit's gradient. The last term is for the bounds,
+    never above it: the largest unit is gathered once and its gradient made once, so its rank
+    holds at least ``U·max(p, g)`` (the neighbours beside it at those moments depend on the order)."""
     per = 0.0
     if ctx.options.accumulate_unsharded and cfg.microbatches > 1 and cfg.dp > 1 \
             and (_fsdp(cfg) or cfg.dp_kind == "zero2"):
         per += DTYPE_BYTES[cfg.reduce_dtype]
     if not _fsdp(cfg):
-        return per, 0.0, 0.0
+        return per, 0.0, 0.0, 0.0
     b, g = DTYPE_BYTES[cfg.param_dtype], DTYPE_BYTES[cfg.reduce_dtype]
     units = sorted(units_on(ctx, cfg, costs, list(range(len(costs)))), reverse=True) \
         or [max(c.params for c in costs)]
     if not cfg.reshard:
-        return per + b, units[0] * g, units[0]
+        return per + b, units[0] * g, units[0], max(0.0, g - b)
     second = units[1] if cfg.prefetch and len(units) > 1 else 0.0
-    return per, (units[0] + second) * b + units[0] * g, units[0]
+    return per, (units[0] + second) * b + units[0] * g, units[0], max(b, g)
 
 
 def choose_recompute(ctx: Context, cfg: Config) -> frozenset[int]:

@@ -94,7 +94,7 @@ class SegmentModel:
         self.host_per_param = 0.0
         if cfg.offload:  # states live on the host; the device keeps only unshard buffers
             self.host_per_param, self.per_param = self.per_param, 0.0
-        extra, self.buffers, _ = fsdp_buffer_terms(ctx, cfg, costs)
+        extra, self.buffers, _, _ = fsdp_buffer_terms(ctx, cfg, costs)
         self.per_param += extra
         self.cap = ctx.cap / cfg.v
         self.sends = [0.0 if ctx.options.overlap_p2p else stage_send(ctx, cfg, c.output)[0] for c in costs]

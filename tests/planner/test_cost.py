@@ -111,13 +111,23 @@ def test_model_states_follow_zero_accounting():
 
 
 def test_fsdp_unshard_buffers():
-    # units of 10, 20, 30 elements in bf16
+    # units of 10, 20, 30 elements (forward order) in bf16; the peak is in the backward of the middle
+    # unit: it and the first (prefetched) gathered, beside the last unit's gradient in its reduce-scatter
     assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=True,
-                                prefetch=True) == 160  # (30 + 20 prefetched + 30 grads) · 2
+                                prefetch=True) == 120  # (20 + 10 + 30 grads) · 2
     assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=True,
-                                prefetch=False) == 120  # (30 + 30) · 2
+                                prefetch=False) == 100  # (20 + 30 grads) · 2
+    # the last unit's backward with nothing in flight: it and the first, prefetched, then its gradient
+    assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=True, prefetch=True,
+                                reduce_in_flight=False) == 100  # (30 + 20) · 2, or (20 + 30 grads) · 2
+    # kept gathered: all three after forward, then two beside the last unit's gradient
     assert unshard_buffer_bytes([10, 20, 30], param_dtype="bf16", reshard_after_forward=False,
-                                prefetch=True) == 180  # (60 + 30) · 2
+                                prefetch=True) == 120  # 60 · 2, or (10 + 20 + 30 grads) · 2
+    # the root stays gathered through every unit's backward; its own gradient comes last, alone
+    assert unshard_buffer_bytes([10], param_dtype="bf16", reshard_after_forward=True, prefetch=True,
+                                grad_dtype="fp32", root=15) == 15 * 2 + 10 * 4  # the unit's gradient made
+    assert unshard_buffer_bytes([10], param_dtype="bf16", reshard_after_forward=True, prefetch=True,
+                                grad_dtype="fp32", root=100) == 100 * 4
 
 
 # --- pipeline ------------------------------------------------------------------------------------
