@@ -65,6 +65,8 @@ from passes.program import StagedProgram
 from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
 from passes.dp.graph import DTYPES
+from passes.loss_count import sum_problem
+from passes.loss_weights import token_counter
 from planner.capture import CaptureError, capture
 from planner.dtype_pins import mixed_ops, mixed_problem
 from planner.graph import META_MODULE, ModelGraph
@@ -183,6 +185,13 @@ def _compile(graph: ModelGraph, plan: Plan, stages: Sequence[int], dp_index: int
         compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index, program=program)
 
 
+def _loss_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
+    """A loss the plan's pieces (dp × microbatches) cannot add up exactly (``passes.loss_count.sum_problem``)."""
+    problem = sum_problem(token_counter(graph.gm), plan.mesh.dp, plan.schedule.microbatches)
+    return Refusal(reason=problem, pass_name="the loss's weighting (passes.loss_weights)",
+                   hint="set mesh.dp to 1 and schedule.microbatches to 1, or change the loss") if problem else None
+
+
 class CompileChecker:
     """Compile checks of plans for one model and example batch; a search's ``compiles`` hook.
 
@@ -237,7 +246,7 @@ class CompileChecker:
                 self._verdicts[key] = graph
             else:  # a model on meta: its programs hold no weights, so they are kept for the next plans
                 splits = self._splits.setdefault(id(graph), {}) if _on_meta(graph) else None
-                self._verdicts[key] = graph_refusal(graph, plan, splits=splits)
+                self._verdicts[key] = graph_refusal(graph, plan, splits=splits) or _loss_refusal(graph, plan)
         return self._verdicts[key]
 
     def adopt(self, graph: ModelGraph) -> None:

@@ -135,15 +135,14 @@ class DataParallelRunner:
             with ctx:
                 loss = self.gm(*part)
                 (loss * weights[m]).backward()
-            share = loss.detach().to(torch.float64) * weights[m]
-            total = share if total is None else total + share
+            share = loss.detach().to(torch.float64) * weights[m] if weights[m] else None  # no labels: 0, not 0·nan
+            total = share if total is None else total if share is None else total + share
         RECORDER.context = f"step {self._steps}, optimizer"
         self._steps += 1
         if clip_norm is not None:
             self._grad_norm = self.optimizer.clip_grad_norm_(clip_norm)
         self.optimizer.step()
-        assert total is not None, "microbatches must be >= 1"
-        return self._mean(total)
+        return self._mean(total if total is not None else torch.zeros((), dtype=torch.float64))
 
     def _weights(self, batch: Sequence[Any], parts: list[Sequence[Any]], *, local: bool) -> list[float] | None:
         """This rank's pieces' weights when the loss is a token mean whose pieces count different

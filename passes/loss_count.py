@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-__all__ = ["TokenCounter", "piece_weights"]
+__all__ = ["TokenCounter", "piece_weights", "sum_problem"]
 
 
 @dataclass
@@ -32,23 +32,34 @@ class TokenCounter:
     exact: bool = True
     """True when the graph's output IS the token mean (pieces can be reweighted); False when the
     token mean is one part of a larger loss (pieces must count the same labels, or the step is refused)."""
+    kind: str = "mean"
+    """``mean``: the loss averages over the labels it counts (pieces weigh by their counts);
+    ``sum``: it adds over the batch's rows (every piece weighs ``dp``; nothing to count)."""
 
-    def __call__(self, batch: Sequence[Any]) -> int | tuple[int, ...]:
+    def __call__(self, batch: Sequence[Any]) -> int | float | tuple[Any, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
         return self.count_all([batch])[0]
 
     def count_all(self, pieces: Sequence[Sequence[Any]]) -> list[Any]:
         """Each piece's count, read to the host at once: one host sync per call, however many pieces."""
+        if self.kind == "sum":
+            return [1] * len(pieces)
         with torch.no_grad():
             counts = torch.stack([self.gm(*[piece[i] for i in self.batch_inputs]) for piece in pieces]).tolist()
-        return [c if isinstance(c, int) else tuple(c) for c in counts]
+        return [tuple(c) if isinstance(c, list) else c for c in counts]
 
 def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int) -> list[float] | None:
     """Weights of dp rank ``dp_index``'s pieces in the step's loss, from ``counts[d][i]`` (the
     labels piece ``i`` of dp rank ``d`` counts): ``dp * n / N`` each, or None when every piece
-    counts the same (the plain mean is the token mean then). Raises when the token mean is part
-    of a larger loss (``counter.exact`` False) and the pieces differ: no weights make that exact."""
+    counts the same (the plain mean is the token mean then); ``dp`` each for a sum over the batch.
+    Raises when the token mean is part of a larger loss (``counter.exact`` False) and the pieces
+    differ, or a sum is part of one and there are pieces: no weights make that exact."""
     dp, m = len(counts), len(counts[0])
+    if counter.kind == "sum":
+        problem = sum_problem(counter, dp, m)
+        if problem:
+            raise ValueError(problem)
+        return [float(dp)] * m  # the sum of the pieces: dp averages the ranks' gradients, so each weighs dp
     flat = [n for row in counts for n in row]
     if len(set(flat)) <= 1:
         return None
@@ -63,3 +74,15 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
             "num_items_in_batch does)")
     total = sum(flat)  # > 0: the counts differ
     return [dp * n / total for n in counts[dp_index]]
+
+
+def sum_problem(counter: TokenCounter | None, dp: int, m: int) -> str | None:
+    """Why a step cut into ``dp`` x ``m`` pieces cannot compute a loss that adds a sum over the
+    batch to other terms (known before any batch: the compile check refuses such a plan), or None."""
+    if counter is None or counter.kind != "sum" or counter.exact or dp * m == 1:
+        return None
+    return (f"the loss adds a sum over the batch ({counter.loss}) to other terms, and the step is cut into "
+            f"{dp * m} pieces (dp={dp} x {m} microbatches): the pieces' sums add up, the other terms average, "
+            "and no weights of the pieces' losses make both exact. Return the sum alone as the loss, use "
+            "reduction=\"mean\" (and scale the learning rate), or train on one piece (dp=1, one microbatch)")
+

@@ -15,8 +15,14 @@ are computed from batch inputs alone (Hugging Face's shift: pad with ``-100``, s
 returns a :class:`TokenCounter`, a small graph of the labels' ops that counts a piece's labels
 not ignored; the runtime (``fairscale.runtime.engine`` and ``pipeline``) weighs each
 microbatch's loss by ``dp * n_i / N`` instead of ``1 / microbatches`` (dp averages gradients over
-its ranks). Any other loss (no such node, class weights, labels that depend on parameters) gets ``None``
-and the plain mean, which is exact for losses that are means over the rows of the batch.
+its ranks). A class-weighted token mean (``cross_entropy(..., weight=w)``) is ``S / W`` with ``W`` the sum of
+the weights of the labels not ignored: the same reweighting, with ``n_i`` that sum (a float).
+A loss that is a SUM over the batch (a loss op's ``reduction="sum"``, or ``reduction="none"``
+then ``.sum()``) is the sum of its pieces' losses, not their mean: each piece weighs ``dp``
+(``kind="sum"``; dp averages gradients over its ranks), where the plain mean made the step
+``1 / (dp · microbatches)`` of it. Any other loss (no such node, labels that depend on parameters)
+gets ``None`` and the plain mean, which is exact for losses that are means over the rows of the
+batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor).
 
 A token mean INSIDE a larger loss (``ce + 0.01 * aux``, a sum of two token means) cannot be
 reweighted by pieces: the other terms have their own weights. Its counter is returned with
@@ -43,24 +49,38 @@ _PASS_THROUGH = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, ate
                  aten.alias.default, aten.view.default, aten.reshape.default, aten.squeeze.default,
                  aten.contiguous.default, aten.detach.default}
 """Ops between the loss node and the graph's output that keep the loss's value."""
-_MEAN = 1
-"""``torch.nn._reduction``'s enum for ``reduction="mean"``."""
+_NONE, _MEAN, _SUM = 0, 1, 2
+"""``torch.nn._reduction``'s enum for ``reduction="none"``, ``"mean"`` and ``"sum"``."""
+_REDUCED = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+            aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default, aten.kl_div.default,
+            aten.soft_margin_loss.default, aten.multi_margin_loss.default, aten.multilabel_margin_loss.default}
+"""Other loss ops with a ``reduction``: their mean is a mean over rows, their sum a sum over the batch."""
+_FULL_SUMS = {aten.sum.default}
+"""A sum of every element, at the graph's output, of a loss op's ``reduction="none"`` terms."""
 
 
 def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
-    """The counter of ``gm``'s loss if it is a token mean or contains one (module docstring), else None."""
+    """The counter of ``gm``'s loss if it is a token mean, a sum over the batch, or contains one
+    (module docstring), else None."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     value = out.args[0]
     while isinstance(value, (tuple, list)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, torch.fx.Node):
         return None
-    while value.op == "call_function" and value.target in _PASS_THROUGH:
-        value = value.args[0]
+    value = _through(value)
+    if value.op == "call_function" and value.target in _FULL_SUMS and isinstance(value.args[0], torch.fx.Node) \
+            and _reduction(_through(value.args[0])) == _NONE and len(value.args) == 1:
+        return _summed(str(_through(value.args[0]).target), exact=True)
+    if _reduction(value) == _SUM:
+        return _summed(str(value.target), exact=True)
     if value.op == "call_function" and value.target in _TOKEN_MEAN:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
+    sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM]
+    if sums:
+        return _summed(", ".join(str(n.target) for n in sums), exact=False)
     inner = [(n, found) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
              for found in [_labels_of(n)] if found is not None]
     if not inner:
@@ -68,17 +88,47 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
 
 
-_Labels = tuple[torch.fx.Node, int, set[torch.fx.Node]]
-"""A token mean's labels node, its ignore_index, and the nodes the labels are computed from."""
+def _through(value: torch.fx.Node) -> torch.fx.Node:
+    """``value`` past the casts and views that keep a loss's value."""
+    while value.op == "call_function" and value.target in _PASS_THROUGH and isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+    return value
+
+
+def _kwargs(node: torch.fx.Node) -> dict[str, object]:
+    assert callable(node.target)
+    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    return dict(norm.kwargs) if norm is not None else {}
+
+
+def _reduction(node: torch.fx.Node) -> int | None:
+    """A loss op's reduction (``_NONE``, ``_MEAN``, ``_SUM``), None for any other node."""
+    if node.op != "call_function" or (node.target not in _TOKEN_MEAN and node.target not in _REDUCED):
+        return None
+    return int(_kwargs(node).get("reduction", _MEAN))  # type: ignore[call-overload]
+
+
+def _summed(loss: str, *, exact: bool) -> TokenCounter:
+    """The record of a loss that adds over the batch's rows: no labels to count (each piece weighs ``dp``)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(aten.scalar_tensor.default, (1,), {"dtype": torch.int64}))
+    return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=[], ignore_index=-100,
+                        loss=loss, exact=exact, kind="sum")
+
+
+_Labels = tuple[torch.fx.Node, int, set[torch.fx.Node], torch.fx.Node | None]
+"""A token mean's labels node, its ignore_index, the nodes the labels are computed from, and its
+class weights (None: every label weighs 1)."""
 
 
 def _labels_of(value: torch.fx.Node) -> _Labels | None:
-    """The labels of the mean token loss ``value``; None for another reduction, class weights, or
-    labels that are not a function of the batch alone."""
-    assert callable(value.target)
-    norm = normalize_function(value.target, tuple(value.args), dict(value.kwargs), normalize_to_only_use_kwargs=True)
-    kwargs = norm.kwargs if norm is not None else {}
-    if kwargs.get("weight") is not None or kwargs.get("reduction", _MEAN) != _MEAN:
+    """The labels of the mean token loss ``value``; None for another reduction, class weights that
+    are not constants or parameters, or labels that are not a function of the batch alone."""
+    kwargs = _kwargs(value)
+    if kwargs.get("reduction", _MEAN) != _MEAN:
+        return None
+    weight = kwargs.get("weight")
+    if weight is not None and not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr"):
         return None
     target = kwargs.get("target")
     if not isinstance(target, torch.fx.Node):
@@ -93,15 +143,17 @@ def _labels_of(value: torch.fx.Node) -> _Labels | None:
         if node.op not in ("placeholder", "call_function"):
             return None  # labels computed from parameters or buffers: not a function of the batch
         stack.extend(node.all_input_nodes)
-    return target, int(kwargs.get("ignore_index", -100)), seen
+    return target, int(kwargs.get("ignore_index", -100)), seen, weight  # type: ignore[call-overload]
 
 
 def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact: bool) -> TokenCounter:
     """A counter graph: the ops ``labels`` are computed with, then each one's count of labels kept
-    (one int64 scalar, or a vector of one count per token mean when there are several)."""
-    seen = set().union(*(ancestors for _, _, ancestors in labels))
+    (one scalar, or a vector of one count per token mean when there are several): int64, or the
+    sum of the kept labels' class weights in float64 where a token mean has them."""
+    seen = set().union(*(ancestors for _, _, ancestors, _ in labels))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     graph = torch.fx.Graph()
+    root = torch.nn.Module()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     inputs = []
     for node in gm.graph.nodes:
@@ -109,8 +161,33 @@ def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact:
             env[node] = graph.node_copy(node, lambda x: env[x])
             if node.op == "placeholder":
                 inputs.append(placeholders.index(node))
-    counts = [graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (env[t], ignore)),))
-              for t, ignore, _ in labels]
+    weighted = any(w is not None for *_, w in labels)
+    counts = []
+    for i, (t, ignore, _, weight) in enumerate(labels):
+        kept = graph.call_function(aten.ne.Scalar, (env[t], ignore))
+        if weight is None:
+            count = graph.call_function(aten.sum.default, (kept,))
+        else:  # the class weights of the labels kept: w[label] where not ignored, else 0
+            root.register_buffer(f"class_weight_{i}", _attr(gm, str(weight.target)), persistent=False)
+            w = graph.call_method("to", (graph.get_attr(f"class_weight_{i}"),
+                                         graph.call_function(getattr, (env[t], "device"))))
+            safe = graph.call_function(aten.where.ScalarOther, (kept, env[t], 0))
+            picked = graph.call_function(aten.index.Tensor, (w, [safe]))
+            count = graph.call_function(aten.sum.default, (graph.call_function(aten.where.ScalarOther,
+                                                                                 (kept, picked, 0.0)),))
+        if weighted:
+            count = graph.call_function(aten._to_copy.default, (count,), {"dtype": torch.float64})
+        counts.append(count)
     graph.output(counts[0] if len(counts) == 1 else graph.call_function(aten.stack.default, (counts,)))
-    return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs,
+    return TokenCounter(gm=torch.fx.GraphModule(root, graph), batch_inputs=inputs,
                         ignore_index=labels[0][1], loss=loss, exact=exact)
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
+    """The tensor at ``target`` (a get_attr node's dotted path) of ``gm``: a constant the capture
+    lifted, or a parameter (shared, so the counter reads its current value)."""
+    obj: object = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    assert isinstance(obj, torch.Tensor)
+    return obj.detach()

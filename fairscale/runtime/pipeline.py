@@ -284,8 +284,10 @@ class PipelineExecutor:
             if self._weights is None:
                 loss = torch.stack([x.double() for x in losses]).sum() / self.schedule.microbatches
             else:
+                # a piece that counts no labels weighs 0, and its own mean is 0/0: left out, not 0·nan
                 mbs = self._state.loss_microbatches
-                loss = torch.stack([x.double() * self._weights[mb] for x, mb in zip(losses, mbs)]).sum()
+                kept = [x.double() * self._weights[mb] for x, mb in zip(losses, mbs) if self._weights[mb]]
+                loss = torch.stack(kept).sum() if kept else loss
         comm.broadcast_(loss, self.axis, src_rank=self.schedule.stage_rank(len(self.program.stages) - 1))
         if self.dp_axis is not None and comm.group_size(self.dp_axis) > 1:
             comm.all_reduce_(loss, self.dp_axis)

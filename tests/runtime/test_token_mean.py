@@ -5,6 +5,8 @@ mean over the labels not ignored. Cut into dp slices and microbatches that count
 numbers of labels, the plain mean of the pieces' means is not the batch's mean: every such plan
 trained silently to other numbers (Hugging Face BERT / RoBERTa / DistilBERT with masked-LM labels,
 under dp4 and microbatches). The step now weighs each microbatch by its share of the labels.
+The same for class-weighted cross entropy (by the labels' class weights) and for losses that sum
+over the batch (every piece weighs dp), which had trained silently wrong too.
 """
 
 from __future__ import annotations
@@ -76,8 +78,99 @@ def test_hugging_face_shifted_labels_are_counted_after_the_shift() -> None:
 def test_other_losses_keep_the_plain_mean() -> None:
     model = nn.Linear(4, 3)
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
-    summed = capture(model, (x, y), loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="sum"), annotate=False)
-    assert token_counter(summed.gm) is None
+    for loss_fn in (lambda out, t: F.mse_loss(out, F.one_hot(t, 3).float()),
+                    lambda out, t: F.cross_entropy(out, t, reduction="none").mean()):
+        assert token_counter(capture(model, (x, y), loss_fn=loss_fn, annotate=False).gm) is None
+
+
+# --- losses that are not a plain mean over rows: class weights, sums ----------------------------
+
+CLASS_WEIGHT = torch.tensor([1.0, 5.0, 0.2, 3.0])
+ROW_LOSSES = {  # name: (loss_fn, counter kind; None: the plain mean)
+    "class-weighted": (lambda out, y: F.cross_entropy(out, y, weight=CLASS_WEIGHT), "mean"),
+    "class-weighted-ignore": (lambda out, y: F.cross_entropy(out, y, weight=CLASS_WEIGHT, ignore_index=3), "mean"),
+    "sum": (lambda out, y: F.cross_entropy(out, y, reduction="sum"), "sum"),
+    "none-then-sum": (lambda out, y: F.cross_entropy(out, y, reduction="none").sum(), "sum"),
+    "mse-sum": (lambda out, y: F.mse_loss(out, F.one_hot(y, 4).float(), reduction="sum"), "sum"),
+}
+
+
+def _mlp_case(loss: str) -> Case:
+    def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        labels = torch.tensor([0, 0, 0, 0, 0, 1, 2, 3] * (n // 8))  # classes of different weights per piece
+        return torch.randn(n, 16, generator=g), labels[torch.randperm(n, generator=g)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return Case(loss, model, batch, ROW_LOSSES[loss][0])
+
+
+def test_class_weights_and_sums_are_recognized() -> None:
+    for name, (_, kind) in ROW_LOSSES.items():
+        case = _mlp_case(name)
+        batch = case.make_batch(0, BATCH)
+        counter = token_counter(capture(case.model, batch, loss_fn=case.loss_fn, annotate=False).gm)
+        assert counter is not None and counter.kind == kind and counter.exact, name
+        if name.startswith("class-weighted"):  # the sum of the kept labels' weights
+            kept = batch[1] != (3 if name.endswith("ignore") else -100)
+            assert counter(batch) == pytest.approx(float(CLASS_WEIGHT[batch[1][kept]].sum())), name
+
+
+ROW_PLANS = {"dp4": Plan(mesh=Mesh(dp=4), schedule=Schedule(kind="1f1b", microbatches=1)),
+             "dp4x2mb": Plan(mesh=Mesh(dp=4), schedule=Schedule(kind="1f1b", microbatches=2)),
+             "pp2xdp2": Plan(mesh=Mesh(pp=2, dp=2), schedule=Schedule(kind="1f1b", microbatches=2),
+                             stages=[Stage(layers="0, 1"), Stage(layers="2")])}
+
+
+def _row_rank(rank: int, world: int) -> dict[tuple[str, str], tuple[list[float], dict[str, np.ndarray]]]:
+    out = {}
+    for loss in ROW_LOSSES:
+        for name, plan in ROW_PLANS.items():
+            case = _mlp_case(loss)
+            pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                                       plan=plan, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+            losses, grads = [], {}
+            for step in range(STEPS):
+                losses.append(pm.train_step(case.make_batch(step, BATCH)))
+                if step == 0:
+                    grads = {k: v.numpy() for k, v in pm.full_grads().items()}
+            out[(loss, name)] = (losses, grads)
+    return out
+
+
+def test_class_weighted_and_summed_losses_match_one_process() -> None:
+    """``CrossEntropyLoss(weight=...)`` is the mean weighted by the labels' class weights, and a
+    ``reduction="sum"`` loss the sum over the batch: the plain mean of the pieces' losses had made
+    the first wrong by a few percent and the second ``1 / (dp · microbatches)`` of itself, silently
+    (found by a review on code the project did not write)."""
+    got = fairscale.launch(_row_rank, devices=4)[0]
+    for loss in ROW_LOSSES:
+        ref = train_reference(lambda: _mlp_case(loss), steps=STEPS, global_batch=BATCH,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        for name in ROW_PLANS:
+            losses, grads = got[(loss, name)]
+            compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
+
+
+def _sum_aux_rank(rank: int, world: int) -> list[float]:
+    case = _mlp_case("sum")
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH),
+                               loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="sum") + out.pow(2).mean(),
+                               plan=ROW_PLANS["dp4"], optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    return [pm.train_step(case.make_batch(0, BATCH))]
+
+
+def test_a_sum_beside_a_mean_is_refused_before_launch() -> None:
+    from planner.search import NoCompilablePlan
+
+    case = _mlp_case("sum")
+    with pytest.raises(NoCompilablePlan, match="the loss's weighting .* adds a sum over the batch .* Return the sum"):
+        fairscale.search(case.model, case.make_batch(0, BATCH), devices=4,
+                         loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="sum") + out.pow(2).mean(),
+                         constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1}})
+    with pytest.raises(Exception) as info:  # and parallelize refuses it on every rank, before building
+        fairscale.launch(_sum_aux_rank, devices=4)
+    assert "adds a sum over the batch" in str(info.value) and "the plan does not compile" in str(info.value)
 
 
 def _rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, np.ndarray]]:
