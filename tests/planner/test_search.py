@@ -163,6 +163,11 @@ def test_bad_constraints_are_reported_with_what_is_allowed(small):
         search(small, c, global_batch=8, constraints={"data_parallel": {"kind": "ddp", "offload": True}})
     with pytest.raises(PlanError, match="no configuration satisfies the constraints: dp=4 does not divide"):
         search(small, c, global_batch=6, constraints={"dp": 4})
+    # a schedule kind that cannot run the asked microbatches says why (was: "(none enumerated)")
+    with pytest.raises(PlanError, match=r"pp=4 dp=1 tp=1, 2 microbatch\(es\): 1f1b with pp\(4\) needs at least 4 "
+                                        r"microbatches, got 2.*or kind \"gpipe\""):
+        search(small, c, global_batch=8, constraints={"mesh": {"pp": 4, "dp": 1, "tp": 1},
+                                                      "schedule": {"kind": "1f1b", "microbatches": 2}})
 
 
 def test_progress_is_reported(small):
