@@ -73,7 +73,8 @@ def compile_rank(graph: ModelGraph, plan: Plan, *, stages: Iterable[int], dp_ind
         gm = insert_recompute_pass(gm, plan)
         # weights shared by several stages stay whole: the pipeline sums their copies' gradients
         gm = shard_data_parallel_pass(gm, plan, dp_index=dp_index, dp_size=plan.mesh.dp,
-                                      replicate=program.shared_keys(s), ep_size=plan.mesh.ep, device=device)
+                                      replicate=program.shared_keys(s), ep_size=plan.mesh.ep, device=device,
+                                      model_keys=graph.param_shapes)
         modules[s] = verify_pass(gm, where=f"for stage {s}")
     if owned:
         program.release(modules)  # the rank keeps its compiled stages; no reference to the capture's tensors

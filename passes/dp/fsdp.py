@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Collection
+from typing import Any, Collection
 
 import torch
 import torch.fx
@@ -44,33 +44,43 @@ from planner.plan import DataParallel
 __all__ = ["rewrite_fsdp", "assign_units"]
 
 
-def assign_units(keys: list[str], selector: str) -> dict[str, str]:
-    """user key -> unit name (a selected module path, or ``""`` for the root unit)."""
+def assign_units(keys: list[str], selector: str, *, model_keys: Collection[str] | None = None) -> dict[str, str]:
+    """user key -> unit name (a selected module path, or ``""`` for the root unit).
+
+    The selector is checked against the whole model, ``model_keys`` (default ``keys``): a pipeline
+    stage where it selects no module is all root unit, as the plan docs say of the modules the
+    selector misses (and as the planner counts units, ``planner.search.units``); only a selector
+    that selects nothing anywhere is refused, since the whole model would then be one unit."""
     if not selector.strip():
         return {k: "" for k in keys}
     from planner.selectors import parse_selector
 
     sel = parse_selector(selector)
-    out: dict[str, str] = {}
-    for key in keys:
-        parts = key.split(".")
-        owner = ""
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:i])
-            if sel.matches(prefix):
-                owner = prefix
-                break
-        out[key] = owner
-    if all(v == "" for v in out.values()):
-        raise ValueError(f"data_parallel.units = {selector!r} selects no module holding parameters; "
-                         f"parameters are e.g. {keys[:4]}")
+    out = {key: _owner(key, sel) for key in keys}
+    everywhere = list(keys) if model_keys is None else list(model_keys)
+    if all(_owner(key, sel) == "" for key in everywhere):
+        raise ValueError(f"data_parallel.units = {selector!r} selects no module holding parameters in the model, "
+                         f"so it would be one root unit; parameters are e.g. {everywhere[:4]}: select the "
+                         f"repeated blocks (e.g. \"layers.*\"), or leave units empty for one unit on purpose")
     return out
+
+
+def _owner(key: str, sel: Any) -> str:
+    """The innermost module selected by ``sel`` that holds parameter ``key``; "" for none."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if sel.matches(prefix):
+            return prefix
+    return ""
 
 
 def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, dp_size: int, axis: str,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  place: Placement, replicate: Collection[str] = (),
-                 experts: ExpertGroup | None = None) -> torch.fx.GraphModule:
+                 experts: ExpertGroup | None = None, model_keys: Collection[str] | None = None) -> torch.fx.GraphModule:
+    """``model_keys``: every parameter key of the model ``gm`` is a stage of (default: ``gm``'s own),
+    what ``data_parallel.units`` is checked against (:func:`assign_units`)."""
     layout = fresh_layout(gm)
     graph = copy.deepcopy(gm.graph)
     params = find_params(gm, graph, layout)
@@ -93,7 +103,7 @@ def rewrite_fsdp(gm: torch.fx.GraphModule, cfg: DataParallel, *, dp_index: int, 
                        reduce_dtype=reduce_dtype, place=place)
         for u in plain:
             layout.keys[u.attr] = u.key
-    owner = assign_units([u.key for u in trainable], cfg.units)
+    owner = assign_units([u.key for u in trainable], cfg.units, model_keys=model_keys)
     groups: dict[str, list[ParamUse]] = {}
     for use in trainable:  # in order of first use, so units come out in forward order
         groups.setdefault(owner[use.key], []).append(use)

@@ -53,7 +53,7 @@ __all__ = ["shard_data_parallel_pass", "no_sync", "DataParallelInfo", "META_DP"]
 def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel, *, dp_index: int, dp_size: int,
                              axis: str = "dp", replicate: Collection[str] = (), ep_size: int = 1,
                              expert_axis: str = "ep_rep", device: torch.device | str | None = None,
-                             ) -> torch.fx.GraphModule:
+                             model_keys: Collection[str] | None = None) -> torch.fx.GraphModule:
     """Rewrite ``gm`` for rank ``dp_index`` of ``dp_size`` data-parallel ranks per ``plan.data_parallel``.
 
     Args:
@@ -76,6 +76,9 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
             device arguments baked into the capture's nodes are rewritten to it. With
             ``data_parallel.offload`` the tensors the optimizer steps (ZeRO master shards, FSDP
             flat shards) and so its state stay in host memory, pinned when ``device`` is CUDA.
+        model_keys: fsdp: the parameter keys of the whole model when ``gm`` is one pipeline stage of
+            it. ``data_parallel.units`` must select a module somewhere in the model, not in every
+            stage: a stage it selects nothing in is all root unit. Default: ``gm``'s own keys.
     """
     cfg = plan.data_parallel if isinstance(plan, Plan) else plan
     if cfg.kind not in DP_KINDS:
@@ -100,7 +103,8 @@ def shard_data_parallel_pass(gm: torch.fx.GraphModule, plan: Plan | DataParallel
     place = placement(device, offload=cfg.offload, tensors=list(gm.parameters()))
     if cfg.kind == "fsdp":
         result = rewrite_fsdp(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
-                              reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts, place=place)
+                              reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts, place=place,
+                              model_keys=model_keys)
     else:
         result = _rewrite_buckets(gm, cfg, dp_index=dp_index, dp_size=dp_size, axis=axis, param_dtype=param_dtype,
                                   reduce_dtype=reduce_dtype, replicate=set(replicate), experts=experts, place=place)

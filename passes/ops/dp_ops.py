@@ -254,6 +254,13 @@ class FSDPUnit(nn.Module):
         """(Work, shard version) of an in-flight prefetch all-gather."""
         self.gathered_version: int | None = None
         """``flat._version`` the gathered buffer was made from; None when freed."""
+        self.holders = 0
+        """Recorded forwards whose autograd graph holds views of ``full`` and has not run this unit's
+        backward yet (:class:`_Hold`). A unit nothing re-gathers in backward (not resharded after
+        forward) is freed only when the last of them is done: a pipeline stage runs F0 F1 B0 B1, and
+        microbatch 1's backward still reads the buffer microbatch 0's backward is done with."""
+        self.held_version: int | None = None
+        """``flat._version`` the holders' views were gathered from."""
         self.next_fwd: FSDPUnit | None = None
         self.prev_bwd: FSDPUnit | None = None
 
@@ -297,6 +304,7 @@ class FSDPUnit(nn.Module):
         # .data: collectives write in place; autograd must not see a version bump on saved views
         work = comm.all_gather_flat(self.full.data, shard, self.axis, async_op=True)
         self.pending = (work, version, shard)
+        self._overwrote(version)
 
     def gather(self) -> None:
         """Make ``full`` hold the current parameters (waiting on a prefetch if one is in flight)."""
@@ -312,6 +320,17 @@ class FSDPUnit(nn.Module):
         self._alloc()
         comm.all_gather_flat(self.full.data, self._shard_for_comm(), self.axis)
         self.gathered_version = version
+        self._overwrote(version)
+
+    def _overwrote(self, version: int) -> None:
+        """The buffer now holds (or is being gathered from) shard version ``version``. If the shard
+        changed (an optimizer step) under graphs that still hold views of the old values, the write
+        bypassed autograd (``.data``): bump the buffer's version by hand, so a backward of such a
+        graph fails as PyTorch's does for a parameter changed in place, instead of silently using
+        the new values."""
+        if self.holders and self.held_version != version:
+            torch.autograd.graph.increment_version(self.full)
+            self.held_version = version
 
 
 class _UnitReduction:
@@ -341,6 +360,31 @@ class _UnitReduction:
         return (to_store(self.out.div_(u.n), u.flat),)
 
 
+class _Hold:
+    """One recorded forward's claim on its unit's gathered buffer (:attr:`FSDPUnit.holders`).
+
+    Released by that forward's ``fsdp_unshard`` backward or, for a graph dropped without a backward
+    (a loss kept only for logging, a step that raised), when autograd frees the graph and with it
+    the ctx that owns this object. Releasing on drop frees nothing: the buffer stays gathered, as
+    after any forward without a backward, until the next backward that ends a unit's last hold."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self.unit: FSDPUnit | None = unit
+        if unit.holders == 0:
+            unit.held_version = unit.gathered_version
+        unit.holders += 1
+
+    def release(self) -> None:
+        if self.unit is not None:
+            self.unit.holders -= 1
+            self.unit = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
 def _finish_units(task: int) -> None:
     """Finish the running backward's unit reductions still in flight (in launch order)."""
     finish_where(task, lambda red: isinstance(red, _UnitReduction))
@@ -349,11 +393,13 @@ def _finish_units(task: int) -> None:
 @group_function
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: FSDPUnit, flat: torch.Tensor, recorded: bool) -> Any:
         drop_stale_outside_backward()
         ctx.unit = unit
         ctx.tensor_inputs = (flat,)
         unit.gather()
+        if recorded:  # a backward may read the views: hold the buffer until it has run
+            ctx.hold = _Hold(unit)
         if unit.prefetch and unit.next_fwd is not None:
             unit.next_fwd.start_gather()
         outs, start = [], 0
@@ -366,16 +412,21 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         u: FSDPUnit = ctx.unit
-        # every backward op that read the gathered parameters has run: they are freed, and the last
-        # unit's reduce-scatter finished (at most one unit's gradient in flight), before this unit's
-        # gradient buffer is made; the other order held both, and two gradients, at that moment
-        u.free()
+        # every backward op of this forward that read the gathered parameters has run: they are
+        # freed, and the last unit's reduce-scatter finished (at most one unit's gradient in flight),
+        # before this unit's gradient buffer is made; the other order held both, and two gradients,
+        # at that moment. A unit that is re-gathered in backward (fsdp_reshard) is freed now; one
+        # that is not stays gathered while another forward's graph still holds views of it (the
+        # other microbatches of a pipeline step, or of a gradient accumulation)
+        ctx.hold.release()
+        if u.reshard or u.holders == 0:
+            u.free()
         if not sync_enabled():
             flat = flat_grads(grads, u.shapes, u.padded, u.reduce_dtype, u.compute_device)
             if u.acc is None:
                 UNSHARD.add(nbytes(flat))
             u.acc = flat if u.acc is None else u.acc.add_(flat)
-            return None, None
+            return None, None, None
         targets = async_targets(ctx) if u.async_reduce and comm.group_size(u.axis) > 1 else None
         if targets is not None:
             _finish_units(torch._C._current_graph_task_id())
@@ -387,10 +438,10 @@ class _Unshard(torch.autograd.Function):
         red = _UnitReduction(u, flat)
         red.start(async_op=targets is not None)
         if targets is None:
-            return None, red.finish()[0]
+            return None, red.finish()[0], None
         red.targets = targets
         enqueue(red)
-        return None, None
+        return None, None, None
 
 
 @group_function
@@ -418,7 +469,10 @@ class _Reshard(torch.autograd.Function):
 def fsdp_unshard(unit: FSDPUnit, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """All-gather the unit's flat shard and return its members as views of the gathered buffer
     (in ``param_dtype``); in backward, reduce-scatter their gradients into ``flat``'s gradient."""
-    return _Unshard.apply(unit, flat)
+    # autograd records the call exactly when grad mode is on and ``flat`` requires grad; only then
+    # can a backward read the views, so only then does the forward hold the buffer (not under
+    # no_grad / inference_mode: nothing would ever release it)
+    return _Unshard.apply(unit, flat, torch.is_grad_enabled() and flat.requires_grad)
 
 
 def cast_floating(x: Any, dtype: torch.dtype) -> Any:
