@@ -34,7 +34,8 @@ class TokenCounter:
     token mean is one part of a larger loss (pieces must count the same labels, or the step is refused)."""
     kind: str = "mean"
     """``mean``: the loss averages over the labels it counts (pieces weigh by their counts);
-    ``sum``: it adds over the batch's rows (every piece weighs ``dp``; nothing to count)."""
+    ``sum``: it adds over the batch's rows (every piece weighs ``dp``; nothing to count);
+    ``opaque``: a token mean whose class weights the model computes (no piece weights known)."""
 
     def __call__(self, batch: Sequence[Any]) -> int | float | tuple[Any, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
@@ -55,7 +56,7 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
     Raises when the token mean is part of a larger loss (``counter.exact`` False) and the pieces
     differ, or a sum is part of one and there are pieces: no weights make that exact."""
     dp, m = len(counts), len(counts[0])
-    if counter.kind == "sum":
+    if counter.kind in ("sum", "opaque"):
         problem = sum_problem(counter, dp, m)
         if problem:
             raise ValueError(problem)
@@ -78,9 +79,16 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
 
 def sum_problem(counter: TokenCounter | None, dp: int, m: int) -> str | None:
     """Why a step cut into ``dp`` x ``m`` pieces cannot compute a loss that adds a sum over the
-    batch to other terms (known before any batch: the compile check refuses such a plan), or None."""
-    if counter is None or counter.kind != "sum" or counter.exact or dp * m == 1:
+    batch to other terms, or a mean weighted by class weights the model computes (known before any
+    batch: the compile check refuses such a plan), or None."""
+    if counter is None or counter.kind == "mean" or counter.exact or dp * m == 1:
         return None
+    if counter.kind == "opaque":
+        return (f"the loss is a class-weighted mean ({counter.loss}): the step is cut into {dp * m} pieces "
+                f"(dp={dp} x {m} microbatches), whose weights in the batch's loss are the sums of their labels' "
+                "class weights, which the model computes, so they cannot be counted before the step. Pass the "
+                "class weights as a constant tensor or a buffer (cross_entropy(..., weight=self.class_weight)), "
+                "or train on one piece (dp=1, one microbatch)")
     return (f"the loss adds a sum over the batch ({counter.loss}) to other terms, and the step is cut into "
             f"{dp * m} pieces (dp={dp} x {m} microbatches): the pieces' sums add up, the other terms average, "
             "and no weights of the pieces' losses make both exact. Return the sum alone as the loss, use "

@@ -81,6 +81,11 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM]
     if sums:
         return _summed(", ".join(str(n.target) for n in sums), exact=False)
+    opaque = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
+              and _reduction(n) == _MEAN and _labels_of(n) is None and _kwargs(n).get("weight") is not None]
+    if opaque:  # class weights computed in the model: the pieces' weights cannot be counted
+        return _summed(", ".join(f"{n.target} with computed class weights" for n in opaque), exact=False,
+                       kind="opaque")
     inner = [(n, found) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
              for found in [_labels_of(n)] if found is not None]
     if not inner:
@@ -108,12 +113,13 @@ def _reduction(node: torch.fx.Node) -> int | None:
     return int(_kwargs(node).get("reduction", _MEAN))  # type: ignore[call-overload]
 
 
-def _summed(loss: str, *, exact: bool) -> TokenCounter:
-    """The record of a loss that adds over the batch's rows: no labels to count (each piece weighs ``dp``)."""
+def _summed(loss: str, *, exact: bool, kind: str = "sum") -> TokenCounter:
+    """The record of a loss that adds over the batch's rows (each piece weighs ``dp``), or
+    (``opaque``) one whose pieces' weights cannot be known: nothing to count."""
     graph = torch.fx.Graph()
     graph.output(graph.call_function(aten.scalar_tensor.default, (1,), {"dtype": torch.int64}))
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=[], ignore_index=-100,
-                        loss=loss, exact=exact, kind="sum")
+                        loss=loss, exact=exact, kind=kind)
 
 
 _Labels = tuple[torch.fx.Node, int, set[torch.fx.Node], torch.fx.Node | None]

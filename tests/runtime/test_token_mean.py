@@ -279,3 +279,13 @@ def test_the_data_parallel_runner_weighs_pieces_by_their_labels(local: bool) -> 
     assert abs(loss - ref.losses[0]) < 1e-5 * abs(ref.losses[0]), (loss, ref.losses[0])
     for k, v in ref.params.items():
         assert torch.allclose(torch.from_numpy(params[k]), v, atol=1e-5), k
+
+
+def test_class_weights_the_model_computes_are_refused_before_launch() -> None:
+    from planner.search import NoCompilablePlan
+
+    case = _mlp_case("class-weighted")
+    with pytest.raises(NoCompilablePlan, match="class-weighted mean .* cannot be counted before the step"):
+        fairscale.search(case.model, case.make_batch(0, BATCH), devices=4,
+                         loss_fn=lambda out, y: F.cross_entropy(out, y, weight=out.detach().abs().mean(0)),
+                         constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1}})
