@@ -59,14 +59,13 @@ import torch.fx
 from torch import nn
 
 from fairscale.capture_cache import batch_key, model_key, rank_capture, trace_dtype
+from fairscale.loss_check import loss_problem
 from fairscale.runtime.engine import microbatch_example
 from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
 from passes.stage_classes import stage_classes
 from passes.tp.normalize import to_aten
 from passes.dp.graph import DTYPES
-from passes.loss_count import sum_problem
-from passes.loss_weights import token_counter
 from planner.capture import CaptureError, capture
 from planner.dtype_pins import mixed_ops, mixed_problem
 from planner.graph import META_MODULE, ModelGraph
@@ -185,13 +184,6 @@ def _compile(graph: ModelGraph, plan: Plan, stages: Sequence[int], dp_index: int
         compile_rank(graph, plan, stages=stages, dp_index=dp_index, tp_index=tp_index, program=program)
 
 
-def _loss_refusal(graph: ModelGraph, plan: Plan) -> Refusal | None:
-    """A loss the plan's pieces (dp × microbatches) cannot add up exactly (``passes.loss_count.sum_problem``)."""
-    problem = sum_problem(token_counter(graph.gm), plan.mesh.dp, plan.schedule.microbatches)
-    return Refusal(reason=problem, pass_name="the loss's weighting (passes.loss_weights)",
-                   hint="set mesh.dp to 1 and schedule.microbatches to 1, or change the loss") if problem else None
-
-
 class CompileChecker:
     """Compile checks of plans for one model and example batch; a search's ``compiles`` hook.
 
@@ -207,6 +199,7 @@ class CompileChecker:
         self._graphs: dict[tuple[Any, ...], ModelGraph | Refusal] = {}
         self._verdicts: dict[str, Refusal | None] = {}
         self._splits: dict[int, dict[tuple[Any, ...], StagedProgram]] = {}  # id(graph) -> its programs
+        self._rows: dict[int, str | None] = {}  # rows per piece -> the loss check's verdict
         self._planned: ModelGraph | None = None
         self._planned_key: tuple[Any, ...] | None = None
 
@@ -246,8 +239,14 @@ class CompileChecker:
                 self._verdicts[key] = graph
             else:  # a model on meta: its programs hold no weights, so they are kept for the next plans
                 splits = self._splits.setdefault(id(graph), {}) if _on_meta(graph) else None
-                self._verdicts[key] = graph_refusal(graph, plan, splits=splits) or _loss_refusal(graph, plan)
+                self._verdicts[key] = graph_refusal(graph, plan, splits=splits) or self._loss_refusal(graph, plan)
         return self._verdicts[key]
+
+    def _loss_refusal(self, graph: ModelGraph, plan: Plan) -> Refusal | None:
+        """A loss the plan's pieces (dp × microbatches) cannot add up to the batch's (``fairscale.loss_check``)."""
+        problem = loss_problem(self.model, self.example_inputs, self.loss_fn, graph.gm, plan, self._rows)
+        return Refusal(reason=problem, pass_name="the loss check (fairscale.loss_check)",
+                       hint="set mesh.dp to 1 and schedule.microbatches to 1, or change the loss") if problem else None
 
     def adopt(self, graph: ModelGraph) -> None:
         """Take ``graph``, the capture the search planned from this checker's model, batch and loss,

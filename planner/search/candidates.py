@@ -93,9 +93,9 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
             for m in ms:
                 schedules = _schedules(pp, m, L, fixed, cuts, short_pipelines)
                 if not schedules and fixed.kind is not None:  # say why the asked kind offers nothing here
-                    why = [msg for _, msg in KINDS[fixed.kind].problems(pp, m, fixed.virtual_stages or 1)]
+                    broken = [msg for _, msg in KINDS[fixed.kind].problems(pp, m, fixed.virtual_stages or 1)]
                     notes.append(f"pp={pp} dp={dp} tp={tp}, {m} microbatch(es): " + (
-                        "; ".join(why) or f"schedule kind {fixed.kind!r} offers no schedule for it"))
+                        "; ".join(broken) or f"schedule kind {fixed.kind!r} offers no schedule for it"))
                 for kind, v in schedules:
                     for dp_kind, reshard in _dp_kinds(dp, fixed):
                         for sp in ([False, True] if tp > 1 else [False]):

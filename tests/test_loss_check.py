@@ -1,0 +1,100 @@
+"""A loss that is not computed row by row is refused for plans that cut the batch (fairscale.loss_check).
+
+A contrastive loss with in-batch negatives under dp2 trained silently to other numbers (each rank
+saw only its own rows as negatives: 3.45 against 5.22 at the first step), and so did a sum over the
+rows written by hand (at 1 / dp of its gradient). The compile check now computes the loss of two
+pieces of the plan's rows against both together on the example batch, so the search keeps the
+batch whole for such a model and a hand-written plan that cuts it is refused before launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fairscale
+from fairscale.loss_check import row_problem
+from passes.loss_weights import token_counter
+from planner.capture import capture
+from planner.plan import PlanError
+
+
+class Contrastive(nn.Module):
+    """CLIP-style: two towers, cross entropy over the in-batch similarity matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        za, zb = F.normalize(self.a(x), dim=-1), F.normalize(self.b(y), dim=-1)
+        return F.cross_entropy(za @ zb.t() / 0.1, torch.arange(x.shape[0]))
+
+
+class RowWise(nn.Module):
+    """Batch norm and dropout in training mode, a token mean with ignored labels: row by row in eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y, ignore_index=3)
+
+
+def _batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _problem(model: nn.Module, batch: tuple[Any, ...], loss_fn: Any = None, rows: int = 2) -> str | None:
+    counter = token_counter(capture(model, batch, loss_fn=loss_fn, annotate=False).gm)
+    return row_problem(model, batch, loss_fn, counter, rows)
+
+
+def test_row_by_row_losses_pass_and_coupled_or_hand_summed_ones_do_not() -> None:
+    torch.manual_seed(0)
+    x, y = _batch()
+    assert _problem(RowWise(), (x, y)) is None
+    assert _problem(nn.Linear(16, 4), (x, y), loss_fn=F.cross_entropy) is None
+    assert _problem(nn.Linear(16, 4), (x, y), loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="sum")) is None
+    coupled = _problem(Contrastive(), (x, torch.randn(8, 16)))
+    assert coupled is not None and "not computed row by row" in coupled and "keeps the batch whole" in coupled
+    by_hand = _problem(nn.Linear(16, 4), (x, y), loss_fn=lambda out, t: (out - F.one_hot(t, 4)).pow(2).sum())
+    assert by_hand is not None and "the mean of the pieces' losses" in by_hand
+    model = RowWise()
+    assert model.training and _problem(model, (x, y)) is None and model.training  # the flags come back
+
+
+def test_the_search_never_cuts_the_batch_of_a_contrastive_loss() -> None:
+    """On 2 devices every mesh's best plan cuts the batch (dp2; pp2 with 2 microbatches) and the
+    search gives a refused mesh up whole, so it refuses with the reason; a pipeline of one microbatch
+    keeps the batch whole and compiles."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    with pytest.raises(PlanError, match="not computed row by row"):
+        fairscale.search(Contrastive(), batch, devices=2)
+    result = fairscale.search(Contrastive(), batch, devices=2,
+                              constraints={"mesh": {"pp": 2}, "schedule": {"kind": "gpipe", "microbatches": 1}})
+    assert (result.plan.mesh.pp, result.plan.mesh.dp, result.plan.schedule.microbatches) == (2, 1, 1), result.table()
+
+
+def _contrastive_dp2(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    try:
+        fairscale.parallelize(Contrastive(), example_inputs=(torch.randn(8, 16), torch.randn(8, 16)),
+                              constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}},
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    except PlanError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_parallelize_refuses_a_plan_that_cuts_a_coupled_batch_on_every_rank() -> None:
+    messages = fairscale.launch(_contrastive_dp2, devices=2)
+    assert all("not computed row by row" in m for m in messages), messages
