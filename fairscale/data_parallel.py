@@ -135,8 +135,9 @@ class DataParallelRunner:
             with ctx:
                 loss = self.gm(*part)
                 (loss * weights[m]).backward()
-            share = loss.detach().to(torch.float64) * weights[m] if weights[m] else None  # no labels: 0, not 0·nan
-            total = share if total is None else total if share is None else total + share
+            if weights[m]:  # a piece that counts no labels weighs 0, and its own mean is 0/0: left out, not 0·nan
+                share = loss.detach().to(torch.float64) * weights[m]
+                total = share if total is None else total + share
         RECORDER.context = f"step {self._steps}, optimizer"
         self._steps += 1
         if clip_norm is not None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from passes.loss_count import TokenCounter, sum_problem
+from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
 from planner.capture import LossModule
 from planner.plan import Plan
@@ -102,18 +102,19 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batch: 
 
 
 def _combine(counter: TokenCounter | None, losses: list[float], pieces: list[tuple[Any, ...]]) -> float | None:
-    """The batch's loss as the runtime makes it from the pieces' ``losses`` (None: no rule to check
-    against: a token mean beside other terms, class weights the model computes, no labels counted)."""
+    """The batch's loss as the runtime makes it from the pieces' ``losses``: their weights of
+    ``passes.loss_count.piece_weights``, as for one dp rank holding every piece. None where there
+    is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other terms
+    that count differently, class weights the model computes), several token means, no labels."""
     if counter is None:
         return sum(losses) / len(losses)
-    if counter.kind == "sum":
-        return sum(losses) if counter.exact else None
-    if counter.kind != "mean":
+    counts = counter.count_all(pieces)
+    if any(isinstance(n, tuple) for n in counts) or (counter.kind == "mean" and not any(counts)):
         return None
-    counts = [float(n) if not isinstance(n, tuple) else None for n in counter.count_all(pieces)]
-    if any(n is None for n in counts) or (not counter.exact and len(set(counts)) > 1):
+    try:
+        weights = piece_weights(counter, [counts], 0)
+    except ValueError:
         return None
-    total = sum(n for n in counts if n)
-    if not total:
-        return None
-    return sum(n * v for n, v in zip(counts, losses) if n) / total
+    if weights is None:  # every piece counts the same: the plain mean
+        return sum(losses) / len(losses)
+    return sum(w * v for w, v in zip(weights, losses) if w)

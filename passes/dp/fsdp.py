@@ -58,7 +58,7 @@ def assign_units(keys: list[str], selector: str, *, model_keys: Collection[str] 
     sel = parse_selector(selector)
     out = {key: _owner(key, sel) for key in keys}
     everywhere = list(keys) if model_keys is None else list(model_keys)
-    if all(_owner(key, sel) == "" for key in everywhere):
+    if not any(out.values()) and not any(_owner(key, sel) for key in model_keys or ()):
         raise ValueError(f"data_parallel.units = {selector!r} selects no module holding parameters in the model, "
                          f"so it would be one root unit; parameters are e.g. {everywhere[:4]}: select the "
                          f"repeated blocks (e.g. \"layers.*\"), or leave units empty for one unit on purpose")
