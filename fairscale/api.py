@@ -203,7 +203,7 @@ def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | No
     A plan may leave devices idle when that is faster (a batch that does not split over them);
     ``result.plan.predicted.notes`` says how many and why.
     """
-    example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, devices=devices)
+    example_inputs, _ = check_all(model, example_inputs, loss_fn=loss_fn, devices=devices)
     cl = resolve_cluster(devices, cluster)
     graph = captured(model, example_inputs, loss_fn=loss_fn, dtype=planning_dtype(cl, constraints, dtype))
     return search_graph(graph, cl, global_batch=global_batch, constraints=constraints,
@@ -241,7 +241,11 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
             compiled for every rank before any rank builds its module (``PlanCompileError``,
             the same on every rank, if the passes refuse it).
         cluster: what to plan for (default: detected GPUs, else CPU ranks).
-        optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3).
+        optimizer: an optimizer class or ``functools.partial`` of one (default Adam, lr 1e-3), or
+            an optimizer built over ``model``'s parameters, with parameter groups if it has them
+            (weight decay for some parameters only): each rank's ``pm.optimizer`` gets the same
+            groups and options over its shards (:mod:`fairscale.runtime.optim_groups`); the
+            instance itself is not stepped.
         global_batch: samples per step (default: the example batch's size).
         constraints: fields the search must keep (ignored when ``plan`` is given).
         dtype: compute dtype for the search (see :func:`search`; ignored when ``plan`` is given).
@@ -268,7 +272,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         The rank holds its own share of the weights once (``fairscale.build``): neither the module
         nor this process's caches keep a reference to the capture or the user's model.
     """
-    example_inputs = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
+    example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs on every rank: call it inside fairscale.launch(fn, devices=N), "
                            "`python -m fairscale run --devices N script.py`, or torchrun; to inspect a plan "

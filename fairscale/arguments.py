@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
+
 __all__ = ["check_all", "check_model", "check_example_inputs", "check_loss_fn", "check_optimizer", "check_devices"]
 
 
@@ -56,21 +58,23 @@ def check_loss_fn(loss_fn: Any) -> None:
                         f"got {_got(loss_fn)}")
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """An optimizer class or a ``functools.partial`` of one: each rank builds it over its own shards."""
-    if optimizer is None:
-        return
+def check_optimizer(optimizer: Any, model: nn.Module | None = None) -> Any:
+    """An optimizer class, a ``functools.partial`` of one, or an optimizer built over ``model``'s
+    parameters (read into its groups, ``fairscale.runtime.optim_groups``): each rank builds it over
+    its own shards. Returns the spec the ranks build from."""
+    if optimizer is None or isinstance(optimizer, OptimizerGroups):
+        return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
-        options = ", ".join(f"{k}={v!r}" for k, v in optimizer.defaults.items()
-                            if k in ("lr", "momentum", "weight_decay", "betas", "eps"))
-        cls = type(optimizer)
-        raise TypeError(f"optimizer must be an optimizer class or functools.partial of one, because each rank builds "
-                        f"it over its own parameter shards; got a {cls.__name__} instance: pass "
-                        f"functools.partial({cls.__module__}.{cls.__qualname__}, {options})")
+        if model is None:
+            raise TypeError("an optimizer instance is read against the model it was built over; pass the class "
+                            "or functools.partial of one here")
+        return optimizer_groups(optimizer, model)
     func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
     if not (isinstance(func, type) and issubclass(func, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer subclass or functools.partial of one, e.g. "
-                        f"functools.partial(torch.optim.AdamW, lr=3e-4); got {_got(optimizer)}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer subclass, a functools.partial of one (e.g. "
+                        f"functools.partial(torch.optim.AdamW, lr=3e-4)), or an optimizer built over the model's "
+                        f"parameters; got {_got(optimizer)}")
+    return optimizer
 
 
 def check_devices(devices: Any) -> None:
@@ -79,11 +83,11 @@ def check_devices(devices: Any) -> None:
 
 
 def check_all(model: Any, example_inputs: Any, *, loss_fn: Any = None, optimizer: Any = None,
-              devices: Any = None) -> tuple[Any, ...]:
-    """Every check above; returns the example batch as a tuple."""
+              devices: Any = None) -> tuple[tuple[Any, ...], Any]:
+    """Every check above; returns the example batch as a tuple and the optimizer's spec."""
     check_model(model)
     batch = check_example_inputs(example_inputs)
     check_loss_fn(loss_fn)
-    check_optimizer(optimizer)
+    spec = check_optimizer(optimizer, model)
     check_devices(devices)
-    return batch
+    return batch, spec

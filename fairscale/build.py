@@ -40,6 +40,7 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from fairscale.runtime.startup import rendezvous
 from passes import compile_rank
@@ -139,7 +140,11 @@ def rank_memory(plan: Plan, by_stage: list[dict[str, float]]) -> dict[str, float
 
 def _optimizer_kind(spec: OptimizerSpec | None) -> tuple[str, int | None]:
     """(cost-model optimizer, per-element state tensors: None when the cost model does not know it)."""
-    cls, kwargs = (spec.func, spec.keywords) if isinstance(spec, functools.partial) else (spec, {})
+    if isinstance(spec, OptimizerGroups):
+        momentum = any(o.get("momentum", 0) for o in spec.options)
+        cls, kwargs = spec.cls, {"momentum": momentum}
+    else:
+        cls, kwargs = (spec.func, spec.keywords) if isinstance(spec, functools.partial) else (spec, {})
     if cls is None or (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
         return "adam", 2
     if isinstance(cls, type) and issubclass(cls, torch.optim.SGD):

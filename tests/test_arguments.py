@@ -37,19 +37,43 @@ def test_a_model_without_parameters_or_not_a_module() -> None:
         fairscale.search(lambda x: x, (torch.randn(2, 3),), devices=2)
 
 
-def test_an_optimizer_instance_says_how_to_pass_it(case) -> None:
-    opt = torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(TypeError, match=r"got a SGD instance: pass functools.partial\(torch.optim.sgd.SGD, lr=0.1, "
-                                        r"momentum=0.9, weight_decay=0"):
-        fairscale.parallelize(case.model, 2, example_inputs=case.make_batch(0, 4), loss_fn=case.loss_fn,
-                              optimizer=opt)
-    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer subclass or functools.partial"):
+def test_an_optimizer_instance_is_read_into_its_groups_or_refused_with_why(case) -> None:
+    from fairscale.arguments import check_optimizer
+
+    model = case.model
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95))
+    spec = check_optimizer(opt, model)
+    assert spec.cls is torch.optim.AdamW and [o["weight_decay"] for o in spec.options] == [0.1, 0.0]
+    assert spec.options[0]["betas"] == (0.9, 0.95) and spec.defaults["lr"] == 3e-4
+    names = dict(model.named_parameters(remove_duplicate=False))  # tied names too
+    assert {n for n, g in spec.group_of.items() if g == 0} == {n for n, p in names.items() if p.dim() >= 2}
+    assert set(spec.group_of) == set(names)
+
+    with pytest.raises(ValueError, match=r"the trainable parameter\(s\) .* are in none of its 1 group\(s\); torch "
+                                         r"would compute their gradients and never update them"):
+        check_optimizer(torch.optim.SGD(decay, lr=0.1), model)
+    stranger = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"optimizer.param_groups\[0\] holds a tensor of shape \(2, 2\) that is not "
+                                         r"a parameter of the model"):
+        check_optimizer(torch.optim.SGD(stranger.parameters(), lr=0.1), model)
+    stepped = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    loss = case.loss_fn(model(case.make_batch(0, 4)[0]), case.make_batch(0, 4)[1])
+    loss.backward()
+    stepped.step()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"this SGD has state .* resume with pm.save_checkpoint"):
+        check_optimizer(stepped, model)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer subclass, a functools.partial"):
         fairscale.parallelize(case.model, 2, example_inputs=case.make_batch(0, 4), loss_fn=case.loss_fn,
                               optimizer="adam")
     # the accepted forms pass the check (and then need launched ranks)
-    with pytest.raises(RuntimeError, match="parallelize runs on every rank"):
-        fairscale.parallelize(case.model, 2, example_inputs=case.make_batch(0, 4), loss_fn=case.loss_fn,
-                              optimizer=functools.partial(torch.optim.AdamW, lr=3e-4))
+    for accepted in (functools.partial(torch.optim.AdamW, lr=3e-4), opt):
+        with pytest.raises(RuntimeError, match="parallelize runs on every rank"):
+            fairscale.parallelize(case.model, 2, example_inputs=case.make_batch(0, 4), loss_fn=case.loss_fn,
+                                  optimizer=accepted)
 
 
 def test_devices_and_loss_fn(case) -> None:

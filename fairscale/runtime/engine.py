@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
+from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.program import RankProgram
@@ -47,10 +48,11 @@ from passes.ops.gauge import UNSHARD as _UNSHARD
 
 __all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
 
-OptimizerSpec = Callable[..., torch.optim.Optimizer]
+OptimizerSpec = Union[Callable[..., torch.optim.Optimizer], OptimizerGroups]
 """An optimizer class or a ``functools.partial`` of one with its options, e.g.
-``functools.partial(torch.optim.AdamW, lr=3e-4)``. Sharded data-parallel kinds construct it over
-this rank's shards."""
+``functools.partial(torch.optim.AdamW, lr=3e-4)``, or the groups of an optimizer the user built
+over the model (:class:`fairscale.runtime.optim_groups.OptimizerGroups`). Sharded data-parallel
+kinds construct it over this rank's shards."""
 
 
 def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -449,6 +451,8 @@ class ParallelModule:
 def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
     if spec is None:
         return torch.optim.Adam, {"lr": 1e-3}
+    if isinstance(spec, OptimizerGroups):
+        return spec.cls, {"groups": spec}
     if isinstance(spec, functools.partial):
         if spec.args:
             raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")

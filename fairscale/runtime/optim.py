@@ -39,6 +39,7 @@ from passes.ops import comm
 from planner.modpath import fetch_attr
 from passes.dp.info import DataParallelInfo, dp_info
 from passes.layout import find_layout
+from fairscale.runtime.optim_groups import OptimizerGroups, Segments, group_runs
 
 __all__ = ["DataParallelOptimizer", "ELEMENTWISE", "GradPiece", "merge_grad_norm_parts", "reduce_grad_norm",
            "clip_coefficient"]
@@ -51,7 +52,7 @@ class DataParallelOptimizer:
     """Wrap ``optimizer_cls`` (any torch.optim optimizer) around the tensors this rank updates."""
 
     def __init__(self, gm: torch.fx.GraphModule, optimizer_cls: Callable[..., torch.optim.Optimizer],
-                 **kwargs: Any) -> None:
+                 groups: OptimizerGroups | None = None, **kwargs: Any) -> None:
         self.gm = gm
         self.info = dp_info(gm)
         kind = self.info.kind
@@ -63,9 +64,40 @@ class DataParallelOptimizer:
                 "use kind='ddp', or pass allow_non_elementwise=True if its update is elementwise")
         self.params = self._params()
         self._pieces: list[GradPiece] | None = None
-        # a pipeline stage may hold no trainable parameter (Whisper's interleaved stage of a
-        # parameterless layer); torch.optim refuses an empty list, but takes one empty group
-        self.optimizer = optimizer_cls(self.params or [{"params": []}], **kwargs)
+        self._segments: Segments | None = None
+        if groups is not None:
+            self.optimizer = self._grouped(groups)
+        else:
+            # a pipeline stage may hold no trainable parameter (Whisper's interleaved stage of a
+            # parameterless layer); torch.optim refuses an empty list, but takes one empty group
+            self.optimizer = optimizer_cls(self.params or [{"params": []}], **kwargs)
+
+    def _grouped(self, spec: OptimizerGroups) -> torch.optim.Optimizer:
+        """The user's groups over this stage's tensors, a flat tensor spanning groups as segments
+        (``fairscale.runtime.optim_groups``)."""
+        def group_of(key: str) -> int:
+            if key not in spec.group_of:
+                raise ValueError(f"{key} is trained on this rank but is in none of the optimizer's groups")
+            return spec.group_of[key]
+
+        pieces: dict[int, list[tuple[str, int, int]]] = {}
+        for piece in self.grad_pieces():
+            pieces.setdefault(id(piece.param), []).append((piece.key, piece.start, piece.stop))
+        groups: list[list[torch.Tensor]] = [[] for _ in spec.options]
+        split: dict[torch.Tensor, list[tuple[torch.Tensor, int, int]]] = {}
+        for p in self.params:
+            runs = group_runs(p, pieces.get(id(p), []), group_of)
+            if len(runs) == 1:
+                groups[runs[0][2]].append(p)
+                continue
+            flat = p.detach().view(-1)
+            split[p] = [(flat[a:b], a, b) for a, b, _ in runs]
+            for (view, _, _), (_, _, g) in zip(split[p], runs):
+                groups[g].append(view)
+        optimizer = spec.build(groups)
+        if split:
+            self._segments = Segments(optimizer, split)
+        return optimizer
 
     def _params(self) -> list[torch.nn.Parameter]:
         if self.info.kind == "ddp":
@@ -80,13 +112,16 @@ class DataParallelOptimizer:
 
     @property
     def state(self) -> Any:
-        return self.optimizer.state
+        """The optimizer's state by the tensors in ``params`` (segments seen whole)."""
+        return self._segments if self._segments is not None else self.optimizer.state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         place = self.info.placement
         if place.store != place.compute and place.compute.type == "cuda":
             # offloaded: the host steps shards that asynchronous copies to the GPU may still be reading
             torch.cuda.current_stream(place.compute).synchronize()
+        if self._segments is not None:
+            self._segments.refresh_grads()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         for bucket in self.info.buckets:
             if bucket.shard is not None:
@@ -95,7 +130,9 @@ class DataParallelOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self.gm.parameters():  # zero1 also holds full averaged grads on the replicas
+        # zero1 also holds full averaged grads on the replicas; a segmented tensor's own gradient
+        # is not the optimizer's (its segments hold views of it)
+        for p in [*self.gm.parameters(), *self.params]:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None

@@ -166,7 +166,7 @@ def plan_case(case: Case, kind: str, *, devices: int = 4) -> Plan:
 
     batch = case.make_batch(0, GLOBAL_BATCH)
     if PLANS[kind] is None:  # what parallelize(model, devices=N) searches when given no plan, in its steps
-        batch = check_all(case.model, batch, loss_fn=case.loss_fn, devices=devices)
+        batch, _ = check_all(case.model, batch, loss_fn=case.loss_fn, devices=devices)
         graph = captured(case.model, batch, loss_fn=case.loss_fn)
         return search_graph(graph, resolve_cluster(devices, device=torch.device("cpu")), use_all_devices=True,
                             compiles=checker_for(case.model, batch, loss_fn=case.loss_fn)).plan
