@@ -144,10 +144,25 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
     key = (graph.fingerprint, id(graph), json.dumps(cluster.to_dict(), sort_keys=True), gb, ckey, dtype, top_k,
            use_all_devices, compiles is not None, check_runners_up)
     if key not in _SEARCHES:
-        def run(dtype: str | None) -> SearchResult:
+        def plain(dtype: str | None, constraints: dict[str, Any] | Plan | None = constraints) -> SearchResult:
             return plan_for(graph, cluster, global_batch=gb, constraints=constraints, tp_rules=tp_rules_of(graph),
                             dtype=dtype, top_k=top_k, progress=progress, use_all_devices=use_all_devices,
                             compiles=compiles, check_runners_up=check_runners_up)
+
+        def run(dtype: str | None) -> SearchResult:
+            found: SearchResult | None = None
+            try:
+                found = plain(dtype)
+            except NoCompilablePlan as refused:
+                error = refused
+            if isinstance(compiles, CompileChecker) and compiles.rows_coupled:
+                refused = found.refused if found is not None else error.refused
+                found = _with_whole_batch(found, lambda c: plain(dtype, c), constraints, compiles.rows_coupled)
+                if found is not None and found.refused is not refused:
+                    found.refused[:0] = [c for c in refused if c not in found.refused]
+            if found is None:
+                raise error
+            return found
         try:
             _SEARCHES[key] = run(dtype)
         except NoCompilablePlan:
@@ -160,6 +175,28 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
             for c in (found.best, *found.runners_up):
                 c.plan.predicted.notes.append(blocker)
     return _SEARCHES[key]
+
+
+def _with_whole_batch(found: SearchResult | None, again: Callable[[dict[str, Any]], SearchResult],
+                      constraints: dict[str, Any] | Plan | None, why: str) -> SearchResult | None:
+    """The faster of ``found`` and the search again with the batch kept whole (mesh.dp 1, one
+    microbatch), after the loss check refused plans that cut it (``why``): the search gives a refused
+    mesh up whole, so a pipeline or tensor-parallel mesh that runs with one microbatch was lost."""
+    fixed = parse_constraints(constraints)
+    if fixed.dp not in (None, 1) or fixed.microbatches not in (None, 1):
+        return found  # the user fixed a cut
+    whole = constraints.to_dict() if isinstance(constraints, Plan) else dict(constraints or {})
+    whole["mesh"] = {**whole.get("mesh", {}), "dp": 1}
+    whole["schedule"] = {**whole.get("schedule", {}), "microbatches": 1}
+    try:
+        other = again(whole)
+    except PlanError:  # nothing fits or compiles with the batch whole
+        return found
+    if found is not None and found.best.plan.predicted.step_time_s <= other.best.plan.predicted.step_time_s:
+        return found
+    for c in (other.best, *other.runners_up):
+        c.plan.predicted.notes.append(f"searched with the batch whole (mesh.dp 1, one microbatch): {why}")
+    return other
 
 
 def _default_dtype_blocker(cluster: Cluster, constraints: dict[str, Any] | Plan | None, dtype: str | None,

@@ -200,6 +200,8 @@ class CompileChecker:
         self._verdicts: dict[str, Refusal | None] = {}
         self._splits: dict[int, dict[tuple[Any, ...], StagedProgram]] = {}  # id(graph) -> its programs
         self._rows: dict[int, str | None] = {}  # rows per piece -> the loss check's verdict
+        self.rows_coupled: str | None = None
+        """The loss check's first refusal (the loss couples the batch's rows), once one was made."""
         self._planned: ModelGraph | None = None
         self._planned_key: tuple[Any, ...] | None = None
 
@@ -245,6 +247,7 @@ class CompileChecker:
     def _loss_refusal(self, graph: ModelGraph, plan: Plan) -> Refusal | None:
         """A loss the plan's pieces (dp × microbatches) cannot add up to the batch's (``fairscale.loss_check``)."""
         problem = loss_problem(self.model, self.example_inputs, self.loss_fn, graph.gm, plan, self._rows)
+        self.rows_coupled = self.rows_coupled or problem
         return Refusal(reason=problem, pass_name="the loss check (fairscale.loss_check)",
                        hint="set mesh.dp to 1 and schedule.microbatches to 1, or change the loss") if problem else None
 

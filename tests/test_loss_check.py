@@ -72,16 +72,50 @@ def test_row_by_row_losses_pass_and_coupled_or_hand_summed_ones_do_not() -> None
 
 
 def test_the_search_never_cuts_the_batch_of_a_contrastive_loss() -> None:
-    """On 2 devices every mesh's best plan cuts the batch (dp2; pp2 with 2 microbatches) and the
-    search gives a refused mesh up whole, so it refuses with the reason; a pipeline of one microbatch
-    keeps the batch whole and compiles."""
+    """On 2 devices every mesh's best plan cuts the batch (dp2; pp2 with 2 microbatches), and the
+    search gives a refused mesh up whole; after the loss check's refusal it searches again with the
+    batch whole and finds the pipeline of one microbatch, saying why. A cut the user fixed stays
+    refused, with the reason."""
     torch.manual_seed(0)
     batch = (torch.randn(8, 16), torch.randn(8, 16))
+    result = fairscale.search(Contrastive(), batch, devices=2, dtype="fp32")
+    plan = result.plan
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (1, 1), result.table()
+    assert any("searched with the batch whole" in n and "not computed row by row" in n
+               for n in plan.predicted.notes), plan.predicted.notes
+    assert any("not computed row by row" in c.refused for c in result.refused), result.table()
     with pytest.raises(PlanError, match="not computed row by row"):
-        fairscale.search(Contrastive(), batch, devices=2)
-    result = fairscale.search(Contrastive(), batch, devices=2,
-                              constraints={"mesh": {"pp": 2}, "schedule": {"kind": "gpipe", "microbatches": 1}})
-    assert (result.plan.mesh.pp, result.plan.mesh.dp, result.plan.schedule.microbatches) == (2, 1, 1), result.table()
+        fairscale.search(Contrastive(), batch, devices=2, constraints={"mesh": {"dp": 2}})
+    with pytest.raises(PlanError, match="not computed row by row"):
+        fairscale.search(Contrastive(), batch, devices=2, constraints={"schedule": {"microbatches": 2}})
+
+
+def _contrastive_searched(rank: int, world: int) -> tuple[tuple[int, int, int, int], list[float]]:
+    torch.manual_seed(0)
+    pm = fairscale.parallelize(Contrastive(), example_inputs=(torch.randn(8, 16), torch.randn(8, 16)),
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+    mesh = pm.plan.mesh
+    losses = [pm.train_step((torch.randn(8, 16, generator=torch.Generator().manual_seed(s)), torch.randn(8, 16)))
+              for s in range(3)]
+    return (mesh.pp, mesh.dp, mesh.tp, pm.plan.schedule.microbatches), losses
+
+
+def test_parallelize_without_a_plan_keeps_a_contrastive_batch_whole_and_trains_exactly() -> None:
+    """On 2 ranks the search used to refuse everything; it now finds a plan of both devices with
+    the batch whole, and training matches one process."""
+    (mesh, losses), _ = fairscale.launch(_contrastive_searched, devices=2)
+    assert mesh[1] == 1 and mesh[3] == 1 and mesh[0] * mesh[2] == 2, mesh
+    torch.manual_seed(0)
+    model, _x, _y = Contrastive(), torch.randn(8, 16), torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 16, generator=torch.Generator().manual_seed(s)), torch.randn(8, 16))
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
 
 
 def _contrastive_dp2(rank: int, world: int) -> str:
