@@ -6,7 +6,8 @@ backpropagate inside forward."""
 from __future__ import annotations
 
 import io
-import socket
+import os
+import tempfile
 
 import pytest
 import torch
@@ -20,10 +21,11 @@ from fairscale.nn.model_parallel.initialize import destroy_model_parallel, initi
 STEPS, BATCH, CHUNKS, LR = 2, 8, 4, 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous() -> str:
+    """A file of its own for each launch's RPC rendezvous: a TCP port picked free and bound later
+    could be taken by another test's launch meanwhile (the suite runs several workers)."""
+    folder = tempfile.mkdtemp(prefix="fs-rpc-")
+    return f"file://{os.path.join(folder, 'store')}"
 
 
 def _layers() -> list[nn.Module]:
@@ -75,11 +77,11 @@ def _step(ctx: object, model: nn.Module) -> None:
         model.optimizer.zero_grad()
 
 
-def _run(rank: int, world: int, port: int, balance: list[int], checkpoint: str, wrapper: bool) -> bytes:
+def _run(rank: int, world: int, init_method: str, balance: list[int], checkpoint: str, wrapper: bool) -> bytes:
     from fairscale.nn.pipe import AsyncPipe, PipeRPCWrapper
 
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world,
-                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method))
     initialize_model_parallel(1, world)
     worker_map = {r: f"w{r}" for r in range(world)}
     layers = [m.double() for m in _layers()]
@@ -125,7 +127,7 @@ CASES = [([2, 3], "except_last", False), ([1, 2, 2], "always", False), ([2, 2, 1
 def test_async_pipe_trains_like_one_process(balance, checkpoint, wrapper) -> None:
     world = len(balance)
     results = [torch.load(io.BytesIO(r), weights_only=False)
-               for r in fairscale.launch(_run, devices=world, args=(_free_port(), balance, checkpoint, wrapper))]
+               for r in fairscale.launch(_run, devices=world, args=(_rendezvous(), balance, checkpoint, wrapper))]
     want = _reference()
     got = {k: v for r in results for k, v in r["state"].items()}
     assert set(got) == set(want)
