@@ -10,12 +10,10 @@ import pytest
 import torch
 
 import fairscale
-from fairscale.api import captured
-from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
+from fairscale.testing.plans import even_plan
 from fairscale.testing.reference import Trajectory, compare, train_reference
-from passes.tp.patterns import propose_tp_rules
-from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from planner.plan import Plan
 
 BATCH, LR = 8, 1e-3
 
@@ -35,17 +33,7 @@ def _shared():
 
 
 def _plan(pp: int, dp: int, tp: int, kind: str) -> Plan:
-    case = _shared()
-    graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
-    names = [layer.name for layer in graph.layers]
-    per = len(names) // pp
-    stages = [Stage(layers=", ".join(names[i * per:(i + 1) * per if i < pp - 1 else None])) for i in range(pp)]
-    plan = Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=Schedule(kind="1f1b", microbatches=BATCH // dp, global_batch=BATCH),
-                stages=stages if pp > 1 else [],
-                tensor_parallel=TensorParallel(rules=propose_tp_rules(graph.gm, tp=tp).rules if tp > 1 else {}),
-                data_parallel=DataParallel(kind=kind, units="layers.*" if kind == "fsdp" else ""))
-    checker_for(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).check(plan)
-    return plan
+    return even_plan(_shared(), BATCH, pp, dp, tp, kind, microbatches=BATCH // dp)
 
 
 def _run(rank: int, world: int, plan: Plan, steps: range, path: str, mode: str) -> Trajectory:
