@@ -13,8 +13,9 @@ Usage (nanoGPT's ``configure_optimizers``, Hugging Face's no-decay groups)::
 its class, its defaults, each group's options and the group of every parameter name. The
 instance itself is not used again (``pm.optimizer`` steps the ranks' tensors). Each stage
 optimizer of a rank then has the user's groups, in the user's order, with the user's options,
-empty where the stage holds none of a group's parameters: on a rank with one pipeline stage,
-``pm.optimizer.param_groups[g]`` is group ``g``, so schedulers with one factor per group work.
+empty where the stage holds none of a group's parameters, and ``pm.optimizer.param_groups[g]`` is
+group ``g`` (across a rank's interleaved stages, ``fairscale.runtime.stage_optimizers.UserGroup``),
+so schedulers with one factor per group work.
 
 A flat tensor the optimizer steps (a ZeRO bucket's master shard, an FSDP unit's shard) holds
 parameters of several groups. It is stepped as segments (:class:`Segments`): views of its runs of

@@ -9,8 +9,11 @@ and shards, its data-parallel kind). Training scripts treat ``pm.optimizer`` as 
         sched.step()
 
 so :class:`StageOptimizers` is a real ``torch.optim.Optimizer`` (schedulers check ``isinstance``),
-whose ``param_groups`` are the stage optimizers' own group dicts: a scheduler that writes
-``group["lr"]`` writes the stage optimizer's value. Step hooks (``register_step_pre_hook``,
+whose ``param_groups`` are the user's groups, as in one process: every stage optimizer has the same
+groups in the same order (one, or the user's, ``fairscale.runtime.optim_groups``). With one local
+stage they are its own group dicts; a rank running several (interleaved virtual stages) sees one
+:class:`UserGroup` per group, which reads the first stage's value and writes every stage's, so a
+scheduler with one factor per group runs under any schedule. Step hooks (``register_step_pre_hook``,
 global ones too) run around :meth:`step` as for any optimizer.
 
 It keeps its identity when the closed loop switches the running plan (``ParallelModule.become``
@@ -25,6 +28,7 @@ resume under any plan are ``pm.save_checkpoint`` / ``fairscale.load_checkpoint``
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -51,8 +55,10 @@ class StageOptimizers(torch.optim.Optimizer):
         self._patch_step_function()  # wraps the class's step with the step hooks, as Optimizer does
 
     @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
+    def param_groups(self) -> list[Any]:
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [UserGroup(list(gs)) for gs in zip(*(o.param_groups for o in self.optimizers))]
 
     @property  # type: ignore[override]
     def state(self) -> dict[torch.Tensor, Any]:
@@ -101,3 +107,35 @@ class StageOptimizers(torch.optim.Optimizer):
     def __repr__(self) -> str:
         kinds = ", ".join(type(o.optimizer).__name__ for o in self.optimizers) or "none"
         return f"StageOptimizers({len(self.optimizers)} stage optimizer(s): {kinds})"
+
+
+class UserGroup(MutableMapping[str, Any]):
+    """One of the user's parameter groups across a rank's stage optimizers (interleaved stages):
+    reads the first stage's value, writes every stage's; ``params`` lists them all."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self._groups = groups
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "params":
+            return [p for g in self._groups for p in g["params"]]
+        return self._groups[0][key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise TypeError("a parameter group's params follow the plan's layout; they cannot be replaced")
+        for g in self._groups:
+            g[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        for g in self._groups:
+            del g[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups[0])
+
+    def __len__(self) -> int:
+        return len(self._groups[0])
+
+    def __repr__(self) -> str:
+        return f"UserGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} }, {len(self._groups)} stages)"

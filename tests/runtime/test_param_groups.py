@@ -60,8 +60,9 @@ def _reference(steps: int) -> Trajectory:
     return out
 
 
-def _plan(pp: int, dp: int, tp: int, kind: str) -> Plan:
-    return even_plan(_shared(), BATCH, pp, dp, tp, kind, microbatches=max(1, BATCH // (2 * dp)))
+def _plan(pp: int, dp: int, tp: int, kind: str, virtual: int = 1) -> Plan:
+    return even_plan(_shared(), BATCH, pp, dp, tp, kind, microbatches=max(1, BATCH // (2 * dp)), virtual=virtual,
+                     schedule="interleaved" if virtual > 1 else "1f1b")
 
 
 PLANS = {
@@ -71,6 +72,7 @@ PLANS = {
     "dp4-fsdp": (1, 4, 1, "fsdp"),
     "pp2xdp2-fsdp": (2, 2, 1, "fsdp"),
     "dp2xtp2-zero1": (1, 2, 2, "zero1"),
+    "pp2xdp2-interleaved-zero2": (2, 2, 1, "zero2", 2),  # two stage optimizers per rank, one set of groups
 }
 
 
@@ -102,7 +104,7 @@ def test_groups_train_as_in_one_process(trained, name):
     reference = _reference(3)
     got, lrs = trained[name]
     compare(reference, got, rtol=1e-10, atol=1e-9)
-    # one pipeline stage per rank: the groups are the user's, in the user's order
+    # the user's groups, in the user's order, however many stages a rank runs
     assert lrs[-1] == pytest.approx([1e-2 / 4, 3e-2 * 0.125])
 
 
