@@ -42,6 +42,7 @@ from fairscale.runtime.state_stream import iter_full_state
 from passes.loss_count import piece_weights
 from passes.ops import comm
 from passes.ops.dp_ops import cast_mark, release_casts
+from passes.ops.fsdp_retain import regather_on_backward
 from passes.ops.ep_ops import scale_grad
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
@@ -301,6 +302,8 @@ class ParallelModule:
         weights = self._weights(batch, microbatches=1)
         out = self.modules[0](*self._local(batch))
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
+        if self._optimizers[0].info.units:  # a second backward (retain_graph=True) finds them gathered
+            regather_on_backward(loss, self._optimizers[0].info.units)
         # A token mean over dp slices that count different labels: this rank's gradient weighs
         # dp * n_r / N (the average over dp is then the batch's token mean); the value stays this
         # rank's own mean, as torch DDP's would.
