@@ -8,10 +8,11 @@ in-batch negatives of a contrastive loss, a batch statistic or a product of two 
 the loss, a router's capacity) or sums over them by hand (``(out - y).pow(2).sum()``, or a fixed
 divisor) is not: cut into pieces it trains silently to other numbers.
 
-:func:`row_problem` checks it on the example batch, as the plan would cut it: two pieces of the
-plan's rows per piece, each piece's loss against the loss of both together, in eval mode (no
-dropout, batch norm on its running statistics: how the runtime treats those is another matter),
-without gradients and from the same random state. A model on the meta device is not checked.
+:func:`row_problem` checks it on the example batch, cut as the plan would cut it but into at most
+:data:`CHECK_ROWS` rows per piece: two pieces, each piece's loss against the loss of both together,
+in eval mode (no dropout, batch norm on its running statistics: how the runtime treats those is
+another matter), without gradients and from the same random state. A model on the meta device is
+not checked.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from passes.loss_weights import token_counter
 from planner.capture import LossModule
 from planner.plan import Plan
 
-__all__ = ["loss_problem", "row_problem"]
+__all__ = ["loss_problem", "row_problem", "CHECK_ROWS"]
+
+CHECK_ROWS = 2
+"""Rows per piece the check runs at most (four rows' forwards in all, whatever the batch): a loss that
+couples its rows differs already between two rows together and apart, and every plan whose pieces
+hold at least this many rows shares one verdict (one check per model in a search, not one per
+piece size)."""
 
 
 def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
@@ -40,7 +47,7 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
     first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     if problem or dp * m == 1 or first is None:
         return problem
-    rows = first.shape[0] // (dp * m)
+    rows = min(first.shape[0] // (dp * m), CHECK_ROWS)
     if rows not in verdicts:
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows)
     return verdicts[rows]
