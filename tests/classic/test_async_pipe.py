@@ -6,8 +6,6 @@ backpropagate inside forward."""
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 
 import pytest
 import torch
@@ -19,13 +17,6 @@ import fairscale
 from fairscale.nn.model_parallel.initialize import destroy_model_parallel, initialize_model_parallel
 
 STEPS, BATCH, CHUNKS, LR = 2, 8, 4, 0.1
-
-
-def _rendezvous() -> str:
-    """A file of its own for each launch's RPC rendezvous: a TCP port picked free and bound later
-    could be taken by another test's launch meanwhile (the suite runs several workers)."""
-    folder = tempfile.mkdtemp(prefix="fs-rpc-")
-    return f"file://{os.path.join(folder, 'store')}"
 
 
 def _layers() -> list[nn.Module]:
@@ -124,10 +115,13 @@ CASES = [([2, 3], "except_last", False), ([1, 2, 2], "always", False), ([2, 2, 1
 
 
 @pytest.mark.parametrize("balance,checkpoint,wrapper", CASES)
-def test_async_pipe_trains_like_one_process(balance, checkpoint, wrapper) -> None:
+def test_async_pipe_trains_like_one_process(balance, checkpoint, wrapper, tmp_path) -> None:
+    # the RPC rendezvous in a file of its own: a TCP port picked free and bound later could be
+    # taken by another test's launch meanwhile (the suite runs several workers)
+    rendezvous = f"file://{tmp_path / 'rpc-store'}"
     world = len(balance)
     results = [torch.load(io.BytesIO(r), weights_only=False)
-               for r in fairscale.launch(_run, devices=world, args=(_rendezvous(), balance, checkpoint, wrapper))]
+               for r in fairscale.launch(_run, devices=world, args=(rendezvous, balance, checkpoint, wrapper))]
     want = _reference()
     got = {k: v for r in results for k, v in r["state"].items()}
     assert set(got) == set(want)
