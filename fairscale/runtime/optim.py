@@ -87,8 +87,8 @@ class DataParallelOptimizer:
         split: dict[torch.Tensor, list[tuple[torch.Tensor, int, int]]] = {}
         for p in self.params:
             runs = group_runs(p, pieces.get(id(p), []), group_of)
-            if len(runs) == 1:
-                groups[runs[0][2]].append(p)
+            if len(runs) <= 1:  # none: a shard of padding only, whose zeros any group keeps zero
+                groups[runs[0][2] if runs else 0].append(p)
                 continue
             flat = p.detach().view(-1)
             split[p] = [(flat[a:b], a, b) for a, b, _ in runs]

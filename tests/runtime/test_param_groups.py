@@ -149,3 +149,31 @@ def test_resume_under_another_plan_keeps_each_groups_state(tmp_path):
     _, got = fairscale.launch(_save_then_resume, devices=WORLD,
                               args=(_plan(1, 4, 1, "fsdp"), _plan(2, 2, 1, "zero2"), str(tmp_path / "ckpt")))[0]
     compare(reference, got, rtol=1e-10, atol=1e-9)
+
+
+def test_runs_and_segment_state_in_one_process():
+    """The pieces of a shard become runs of one group (padding joins the run before it); a shard's
+    state reads whole and writes back per segment, each with its own copy of Adam's step."""
+    from fairscale.runtime.optim_groups import Segments, group_runs
+
+    group = {"w": 0, "b": 1, "v": 0}.__getitem__
+    flat = torch.zeros(12)
+    assert group_runs(flat, [("w", 0, 4), ("b", 4, 6), ("v", 6, 9)], group) == [(0, 4, 0), (4, 6, 1), (6, 12, 0)]
+    assert group_runs(flat, [("b", 0, 3), ("b", 3, 5)], group) == [(0, 12, 1)]
+    assert group_runs(flat, [("w", 0, 0)], group) == []  # a shard of padding only
+    p = torch.nn.Parameter(torch.randn(12))
+    view = p.detach().view(-1)
+    segments = [(view[0:4], 0, 4), (view[4:12], 4, 12)]
+    opt = torch.optim.Adam([{"params": [segments[0][0]]}, {"params": [segments[1][0]], "lr": 0.0}], lr=0.1)
+    state = Segments(opt, {p: segments})
+    p.grad = torch.ones(12)
+    state.refresh_grads()
+    before = p.detach().clone()
+    opt.step()
+    assert not torch.equal(p[:4], before[:4]) and torch.equal(p[4:], before[4:])  # groups, in place
+    whole = state[p]
+    assert whole["exp_avg"].shape == (12,) and float(whole["step"]) == 1.0 and list(state) == [p]
+    state[p] = {"exp_avg": torch.arange(12.0), "exp_avg_sq": torch.ones(12), "step": torch.tensor(5.0)}
+    assert torch.equal(opt.state[segments[1][0]]["exp_avg"], torch.arange(4.0, 12.0))
+    opt.state[segments[0][0]]["step"] += 1
+    assert float(opt.state[segments[1][0]]["step"]) == 5.0  # not shared between segments
