@@ -84,6 +84,10 @@ def init_distributed(*, rank: int, world_size: int, init_method: str, backend: s
         torch.cuda.set_device(resolve_device_for_backend("nccl"))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    # gloo connects each pair of ranks in init; a rank whose pairs are done may go on and even exit
+    # (a script that does nothing collective) while a slower rank still reads its handshake, which
+    # then fails with "Connection closed by peer". No rank leaves init before all have connected.
+    dist.barrier()
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: Sequence[Any],
