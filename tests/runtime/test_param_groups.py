@@ -177,3 +177,28 @@ def test_runs_and_segment_state_in_one_process():
     assert torch.equal(opt.state[segments[1][0]]["exp_avg"], torch.arange(4.0, 12.0))
     opt.state[segments[0][0]]["step"] += 1
     assert float(opt.state[segments[1][0]]["step"]) == 5.0  # not shared between segments
+
+
+def _switch(rank: int, world: int, first: Plan, second: Plan) -> tuple[list[float], list[list[float]], Trajectory]:
+    case = _shared()
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                               plan=first, optimizer=_optimizer(case.model))
+    sched = _scheduler(pm.optimizer)
+    losses, lrs = [], []
+    for step in range(3):
+        if step == 2:
+            pm = fairscale.switch_plan(pm, second)
+        losses.append(pm.train_step(case.make_batch(step, BATCH)))
+        sched.step()
+        lrs.append([g["lr"] for g in pm.optimizer.param_groups])
+    return losses, lrs, Trajectory(losses=losses, params=pm.state_dict())
+
+
+def test_a_live_plan_switch_keeps_the_groups_and_their_scheduler():
+    """zero2 (segments) to an interleaved pipeline (two stage optimizers per rank) mid-run: the
+    scheduler the user attached keeps driving each group, and training matches one process."""
+    reference = _reference(3)
+    losses, lrs, got = fairscale.launch(_switch, devices=WORLD,
+                                        args=(_plan(1, 4, 1, "zero2"), _plan(2, 2, 1, "zero2", 2)))[0]
+    compare(reference, got, rtol=1e-10, atol=1e-9)
+    assert lrs[-1] == pytest.approx([1e-2 / 4, 3e-2 * 0.125])
