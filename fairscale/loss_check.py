@@ -11,8 +11,15 @@ divisor) is not: cut into pieces it trains silently to other numbers.
 :func:`row_problem` checks it on the example batch, cut as the plan would cut it but into at most
 :data:`CHECK_ROWS` rows per piece: two pieces, each piece's loss against the loss of both together,
 in eval mode (no dropout, batch norm on its running statistics: how the runtime treats those is
-another matter), without gradients and from the same random state. A model on the meta device is
-not checked.
+another matter), from the same random state. A model on the meta device is not checked.
+
+The losses alone are not enough: a mean over a number of terms that differs between the pieces
+(``logits[mask]`` then a mean, as ``ElectraForPreTraining`` does with an attention mask) gives
+about the same value whichever way its terms are weighed while they are all about equal, as at
+initialization (0.6913 against 0.6913 for binary cross entropy at ``log 2``), but its gradient is
+off by the pieces' share (5% there; 21% of the gradient when it trained under dp2). So the
+gradients are compared too, each as one random projection per parameter tensor (a few numbers,
+not a copy of the gradient), combined with the same weights as the losses.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from torch import nn
 
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
+from planner.batch_stats import source_line
 from planner.capture import LossModule
+from planner.graph import META_MODULE
 from planner.plan import Plan
 
 __all__ = ["loss_problem", "row_problem", "CHECK_ROWS"]
@@ -49,14 +58,16 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         return problem
     rows = min(first.shape[0] // (dp * m), CHECK_ROWS)
     if rows not in verdicts:
-        verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows)
+        verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm)
     return verdicts[rows]
 
 
 def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
-                counter: TokenCounter | None, rows: int) -> str | None:
+                counter: TokenCounter | None, rows: int, *, gm: torch.fx.GraphModule | None = None) -> str | None:
     """Why the loss is not the combination of its pieces' losses on ``rows``-row pieces of the
-    example batch (module docstring), or None (it is, or it cannot be checked here)."""
+    example batch, or whose gradient is not (module docstring), or None (it is, or it cannot be
+    checked here). ``gm``, the model's capture, lets the message name a selection whose size
+    depends on the data."""
     batch = tuple(example_inputs)
     tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0]
     if rows < 1 or not tensors or any(t.shape[0] < 2 * rows for t in tensors) \
@@ -65,24 +76,57 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
     whole = _rows(batch, 0, 2 * rows)
     pieces = [_rows(batch, 0, rows), _rows(batch, rows, 2 * rows)]
     try:
-        values = [_loss(model, loss_fn, b) for b in (whole, *pieces)]
+        runs = [_loss(model, loss_fn, b) for b in (whole, *pieces)]
+        weights = _weights(counter, pieces)
     except Exception:  # noqa: BLE001 - a model that cannot run on these rows eagerly is not judged here
         return None
-    combined = _combine(counter, values[1:], pieces)
-    if combined is None:
+    if weights is None:
         return None
-    got, want = values[0], combined
+    got, want = runs[0][0], sum(w * v for w, (v, _) in zip(weights, runs[1:]) if w)
     tol = 1e-3 if torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32 else 5e-2
-    if abs(got - want) <= tol * max(abs(got), abs(want)) + 1e-6:
-        return None
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
            "sum": "the sum of the pieces' losses"}[None if counter is None else counter.kind]
-    return (f"the loss is not computed row by row: on the example batch, rows 0-{2 * rows - 1} give {got:.6g}, "
-            f"but {how} (rows 0-{rows - 1}, {rows}-{2 * rows - 1}) is {want:.6g}. Cut into pieces (dp x "
-            "microbatches), the step would train to other numbers: the loss couples the rows (in-batch "
-            "negatives of a contrastive loss, a batch statistic, a product of batch means) or sums over them by "
-            "hand. Use a plan that keeps the batch whole (mesh.dp 1 and schedule.microbatches 1: tensor "
+    span = f"rows 0-{rows - 1}, {rows}-{2 * rows - 1}"
+    if abs(got - want) > tol * max(abs(got), abs(want)) + 1e-6:
+        found = f"on the example batch, rows 0-{2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
+    else:
+        off = _gradient_error(runs[0][1], [(w, g) for w, (_, g) in zip(weights, runs[1:])])
+        if off is None or off <= tol:
+            return None
+        found = (f"on the example batch, rows 0-{2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, but "
+                 f"their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
+                 "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
+                 "alike while their terms are about equal, as at initialization)")
+    site = _selection_site(gm) if gm is not None else ""
+    return (f"the loss is not computed row by row: {found}. Cut into pieces (dp x microbatches), the step would "
+            "train to other numbers: the loss couples the rows (in-batch negatives of a contrastive loss, a batch "
+            "statistic, a product of batch means, a mean over a data-dependent selection) or sums over them by "
+            f"hand.{site} Use a plan that keeps the batch whole (mesh.dp 1 and schedule.microbatches 1: tensor "
             "parallelism, or a pipeline of one microbatch), or make the loss a mean over rows")
+
+
+def _gradient_error(whole: torch.Tensor | None, pieces: list[tuple[float, torch.Tensor | None]]) -> float | None:
+    """How far the pieces' gradient projections, weighed, are from the whole batch's, relative to
+    the larger; None when there is no gradient to compare."""
+    if whole is None or any(g is None for _, g in pieces):
+        return None
+    combined = sum((w * g for w, g in pieces if w and g is not None), torch.zeros_like(whole))
+    scale = max(float(whole.norm()), float(combined.norm()))
+    return float((whole - combined).norm()) / scale if scale > 0 else None
+
+
+def _selection_site(gm: torch.fx.GraphModule) -> str:
+    """`` It selects at module M, op O, source S.`` for the first op of ``gm`` whose output size
+    depends on the data (``x[mask]``, ``masked_select``, ``nonzero``), or ''."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+            where = f"module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
+            line = source_line(node)
+            return f" The batch's rows are selected by the data at {where}" + (f", source {line}" if line else "") + "."
+    return ""
 
 
 def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:
@@ -94,27 +138,38 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batch: tuple[Any, ...]) -> float:
-    """The loss of ``batch``, in eval mode, without gradients, from a fixed random state; the
-    modules' training flags are restored after."""
+def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+          batch: tuple[Any, ...]) -> tuple[float, torch.Tensor | None]:
+    """The loss of ``batch`` and its gradient's projection (one random projection per parameter
+    tensor, from fixed seeds: the same for every batch), in eval mode, from a fixed random state;
+    the modules' training flags are restored after, and no ``.grad`` is touched."""
     flags = [(m, m.training) for m in model.modules()]
+    params = [p for p in model.parameters() if p.requires_grad]
     try:
         model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return float(LossModule(model, loss_fn)(*batch).double())
+            loss = LossModule(model, loss_fn)(*batch)
+            value = float(loss.detach().double())
+            if not params or not loss.requires_grad:
+                return value, None
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        projection = [float((g.double() * torch.randn(g.shape, generator=torch.Generator().manual_seed(i),
+                                                      dtype=torch.float64).to(g.device)).sum())
+                      if g is not None else 0.0 for i, g in enumerate(grads)]
+        return value, torch.tensor(projection, dtype=torch.float64)
     finally:
         for m, training in flags:
             m.training = training
 
 
-def _combine(counter: TokenCounter | None, losses: list[float], pieces: list[tuple[Any, ...]]) -> float | None:
-    """The batch's loss as the runtime makes it from the pieces' ``losses``: their weights of
+def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float] | None:
+    """The pieces' weights as the runtime makes the batch's loss from them: those of
     ``passes.loss_count.piece_weights``, as for one dp rank holding every piece. None where there
     is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other terms
     that count differently, class weights the model computes), several token means, no labels."""
     if counter is None:
-        return sum(losses) / len(losses)
+        return [1 / len(pieces)] * len(pieces)
     counts = counter.count_all(pieces)
     if any(isinstance(n, tuple) for n in counts) or (counter.kind == "mean" and not any(counts)):
         return None
@@ -122,6 +177,4 @@ def _combine(counter: TokenCounter | None, losses: list[float], pieces: list[tup
         weights = piece_weights(counter, [counts], 0)
     except ValueError:
         return None
-    if weights is None:  # every piece counts the same: the plain mean
-        return sum(losses) / len(losses)
-    return sum(w * v for w, v in zip(weights, losses) if w)
+    return [1 / len(pieces)] * len(pieces) if weights is None else weights
