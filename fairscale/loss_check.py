@@ -36,13 +36,13 @@ from planner.capture import LossModule
 from planner.graph import META_MODULE
 from planner.plan import Plan
 
-__all__ = ["loss_problem", "row_problem", "CHECK_ROWS"]
+__all__ = ["loss_problem", "row_problem", "count_problem", "CHECK_ROWS"]
 
 CHECK_ROWS = 2
-"""Rows per piece the check runs at most (four rows' forwards in all, whatever the batch): a loss that
-couples its rows differs already between two rows together and apart, and every plan whose pieces
-hold at least this many rows shares one verdict (one check per model in a search, not one per
-piece size)."""
+"""Rows per piece the row check runs at most (four rows' forwards in all, whatever the batch): a
+loss that couples its rows differs already between two rows together and apart, and every plan
+whose pieces hold at least this many rows shares one verdict (one check per model in a search, not
+one per piece size)."""
 
 
 def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
@@ -56,10 +56,40 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
     first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     if problem or dp * m == 1 or first is None:
         return problem
+    if counter is not None and counter.kind == "mean" and not counter.exact:
+        problem = count_problem(gm, counter, example_inputs, dp, m)
+        if problem:
+            return problem
     rows = min(first.shape[0] // (dp * m), CHECK_ROWS)
     if rows not in verdicts:
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm)
     return verdicts[rows]
+
+
+def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_inputs: Sequence[Any], dp: int,
+                  m: int) -> str | None:
+    """The runtime's refusal of a step (``passes.loss_count.piece_weights``), made before launch on
+    the example batch cut as the plan cuts it: a token mean beside other terms (BERT's masked-LM
+    plus next-sentence loss) whose pieces count different numbers of labels. Every step of such
+    data would be refused on the ranks; a batch whose pieces count alike (start and end positions
+    of question answering, none ignored) passes here and trains."""
+    batch = tuple(example_inputs)
+    first = next(t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if first.shape[0] % (dp * m):
+        return None
+    rows = first.shape[0] // (dp * m)
+    try:
+        counts = counter.count_all([_rows(batch, k * rows, (k + 1) * rows) for k in range(dp * m)])
+        piece_weights(counter, [counts[d * m:(d + 1) * m] for d in range(dp)], 0)
+    except ValueError as e:
+        node = next((n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in counter.loss), None)
+        line = source_line(node) if node is not None else ""
+        where = "" if node is None else (f" (module {node.meta.get(META_MODULE) or '<model top level>'}, op "
+                                         f"{node.target}" + (f", source {line}" if line else "") + ")")
+        return f"on the example batch, {e}; the first token mean is at{where or ' the loss'}"
+    except Exception:  # noqa: BLE001 - labels it cannot count here are counted on the ranks
+        return None
+    return None
 
 
 def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,

@@ -11,6 +11,13 @@ an attention mask takes ``logits[mask]`` and averages binary cross entropy over 
 At initialization every token's loss is about ``log 2``, so the pieces' mean of means matched the
 batch's mean (0.69133 against 0.69129), and pp2 x tp2, pp2 x dp2 and FSDP over 4 ranks trained to
 other numbers (gradients 11-21% off). The check compares the gradients too now.
+
+A token mean beside other terms (HF ``BertForPreTraining``: masked-LM plus next-sentence loss;
+``*ForQuestionAnswering`` with positions past the sequence, which its loss ignores) cannot be
+reweighted when the pieces count different labels, and the runtime refuses such a step on every
+rank. With masked-LM labels that is every step: ``parallelize(model, devices=4)`` searched a dp4
+plan and crashed at its first step. The example batch is now counted as the plan cuts it, before
+launch: such a plan is refused there, and the search keeps the batch whole.
 """
 
 from __future__ import annotations
@@ -112,6 +119,36 @@ def test_a_mean_over_a_data_sized_selection_is_caught_by_its_gradient_and_named(
     assert not [p for p in model.parameters() if p.grad is not None]  # the check leaves .grad alone
     with pytest.raises(PlanError, match="gradients differ by"):
         fairscale.plan(model, batch, devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+
+
+class MaskedLMPlusRowLoss(nn.Module):
+    """BertForPreTraining's loss in small: a token mean over the labels kept plus a per-row term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.lm, self.cls = nn.Embedding(32, 16), nn.Linear(16, 32), nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, nsp: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        mlm = F.cross_entropy(self.lm(h).flatten(0, 1), labels.flatten())
+        return mlm + F.cross_entropy(self.cls(h[:, 0]), nsp)
+
+
+def test_a_token_mean_beside_other_terms_is_counted_on_the_example_batch_before_launch() -> None:
+    torch.manual_seed(0)
+    ids = _padded()[0]
+    kept = torch.arange(8)[None] < torch.arange(1, 9)[:, None]  # row i keeps i + 1 labels
+    masked = torch.where(kept, ids, torch.full_like(ids, -100))
+    nsp = torch.randint(0, 2, (8,))
+    with pytest.raises(PlanError, match="on the example batch, the loss is a token mean") as info:
+        fairscale.plan(MaskedLMPlusRowLoss(), (ids, masked, nsp), devices=2,
+                       constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    assert "op aten.cross_entropy_loss.default, source test_loss_check.py:" in str(info.value), str(info.value)
+    searched = fairscale.plan(MaskedLMPlusRowLoss(), (ids, masked, nsp), devices=2)
+    assert searched.mesh.dp * searched.schedule.microbatches == 1, searched.mesh
+    even = fairscale.plan(MaskedLMPlusRowLoss(), (ids, ids, nsp), devices=2,  # no label ignored: it trains
+                          constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    assert even.mesh.dp == 2
 
 
 def test_the_search_never_cuts_the_batch_of_a_contrastive_loss() -> None:
