@@ -8,6 +8,10 @@ Grouping (the rule, in words)::
     node in an ancestor of a container     -> glue: joins the next layer that runs (mask, positions)
     any other node                         -> the shallowest module path that is not an ancestor
                                               of a container (embed_tokens, lm_head)
+    no container at all                    -> the children of the deepest module every node runs
+                                              in (a wrapper's ``inner.albert``, ``inner.predictions``
+                                              rather than one layer ``inner``); nodes of that
+                                              module's own forward (the loss) are glue
     a module outside the containers that owns no parameters (rotary_emb, dropout) is glue too
     a layer that runs again after another layer started (a module called twice) -> the running layer
 
@@ -61,15 +65,26 @@ def _is_ancestor(path: str, container: str) -> bool:
     return path == container or container.startswith(f"{path}.") or path == ""
 
 
-def _layer_of(path: str, containers: list[str]) -> str | None:
+def _common_root(paths: Iterable[str]) -> str:
+    """The deepest module path that every non-empty path is in, when at least two of its children
+    run nodes; '' otherwise (HF ALBERT under a wrapper: ``inner``, whose children ``albert`` and
+    ``predictions`` are the layers, as they are without the wrapper)."""
+    split = [p.split(".") for p in set(paths) if p]
+    root: list[str] = []
+    while len(below := {p[len(root)] for p in split if len(p) > len(root)}) == 1:
+        root.append(below.pop())
+    return ".".join(root) if len(below) > 1 else ""
+
+
+def _layer_of(path: str, containers: list[str], root: str = "") -> str | None:
     for c in containers:
         if _inside(path, c):
             rest = path[len(c) + 1:] if c else path
             return f"{c}.{rest.split('.', 1)[0]}" if c else rest.split(".", 1)[0]
-    if any(_is_ancestor(path, c) for c in containers) or not path:
+    if any(_is_ancestor(path, c) for c in containers) or not path or _is_ancestor(path, root):
         return None
     parts = path.split(".")
-    for depth in range(1, len(parts) + 1):
+    for depth in range(root.count(".") + 2 if root else 1, len(parts) + 1):
         prefix = ".".join(parts[:depth])
         if not any(_is_ancestor(prefix, c) for c in containers):
             return prefix
@@ -89,12 +104,13 @@ def group_layers(gm: torch.fx.GraphModule, model: nn.Module) -> tuple[list[Layer
     param_keys = {k for k, _ in model.named_parameters(remove_duplicate=False)}
     compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     containers = _containers(n.meta.get(META_MODULE, "") for n in compute)
+    root = "" if containers else _common_root(n.meta.get(META_MODULE, "") for n in compute)
     order: list[str] = []
     owner: dict[torch.fx.Node, str] = {}
     pending: list[torch.fx.Node] = []
     owns: dict[str, bool] = {}
     for node in compute:
-        name = _layer_of(node.meta.get(META_MODULE, ""), containers)
+        name = _layer_of(node.meta.get(META_MODULE, ""), containers, root)
         if name is not None and not any(_inside(name, c) for c in containers):
             if name not in owns:
                 owns[name] = _owns_params(model, name)

@@ -110,7 +110,11 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                                                       bucket_mb=fixed.bucket_mb or 25.0, units=unit,
                                                       offload=bool(fixed.offload), ep=ep))
     if fixed.pp and fixed.pp > L:
-        notes.append(f"pp={fixed.pp} is more than the {L} layers")
+        names = ", ".join(f.name for f in ctx.facts[:4]) + (", ..." if L > 4 else "")
+        notes.append(f"pp={fixed.pp} is more than the {L} layer(s) a pipeline can cut this model into "
+                     f"(module {names}): stages are cut between the children of a repeated block (a "
+                     "ModuleList: model.layers.0, model.layers.1, ...), or, without one, between the modules "
+                     f"the model's forward calls; use mesh.pp of at most {L}")
     return out, notes
 
 
