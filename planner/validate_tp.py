@@ -157,15 +157,36 @@ def _attention_modules(graph: ModelGraph) -> list[tuple[Layer, list[str]]]:
 
 def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], tp: int) -> list[str]:
     """Attention layers whose heads the rules split although tp does not divide their heads and
-    kv heads (an MLP-only rule splits no heads)."""
-    bad: dict[tuple[int, int], list[str]] = {}
+    kv heads (an MLP-only rule splits no heads), each naming the first such attention's module, op
+    and source line, and what to do (multi-query attention, one kv head, trains exactly with the
+    MLP split and the attention whole)."""
+    bad: dict[tuple[int, int], list[tuple[Layer, list[str]]]] = {}
     for layer, inside in _attention_modules(graph):
         att = layer.attention or {}
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))
         if not (heads % tp or kv % tp):  # whole heads on every rank, whatever the rules split
             continue
         if any(style != "replicate" and any(sel.matches(m) for m in inside) for _, sel, style in parsed):
-            bad.setdefault((heads, kv), []).append(layer.name)
-    return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers(layers)} "
-            f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}); each tp rank "
-            "must hold whole heads, so use a tp that divides both" for (heads, kv), layers in bad.items()]
+            bad.setdefault((heads, kv), []).append((layer, inside))
+    return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers([l.name for l, _ in found])} "
+            f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}){_heads_site(graph, found[0][1])}; "
+            "each tp rank must hold whole heads, so use a tp that divides both, or keep the attention whole: "
+            "tensor_parallel.rules for the other modules only (the MLP), none for the attention's"
+            for (heads, kv), found in bad.items()]
+
+
+def _heads_site(graph: ModelGraph, inside: list[str]) -> str:
+    """`` at module M (Class), op O, source file.py:N``: the attention's op with the most forward
+    FLOPs among ``inside`` (its modules), or ''."""
+    from planner.capture_errors import node_site
+    from planner.graph import META_FLOPS_FWD, META_MODULE
+
+    members = set(inside)
+    nodes = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.meta.get(META_MODULE) in members]
+    if not nodes:
+        return ""
+    node = max(nodes, key=lambda n: n.meta.get(META_FLOPS_FWD) or 0)
+    path = str(node.meta[META_MODULE])
+    where = node_site(node)
+    return (f" at module {path} ({graph.modules.get(path, '?')}), op {node.target}"
+            + (f", source {where[0].rpartition('/')[2]}:{where[1]}" if where else ""))

@@ -226,14 +226,18 @@ def test_tp_must_divide_sharded_dimensions(llama: ModelGraph) -> None:
         "tensor_parallel.rules.lm_head: vocab_loss splits lm_head.weight (128, 64) along dim 0 (128 output "
         "features), but 128 % tp(3) = 2",
         "mesh.tp: tp(3) does not divide the attention heads of model.layers.[0-3] (heads 4 % 3 = 1, kv_heads "
-        "2 % 3 = 2); each tp rank must hold whole heads, so use a tp that divides both"]
+        "2 % 3 = 2) at module model.layers.0.self_attn.q_proj (Linear), op aten.linear.default, "
+        "source modeling_llama.py:243; each tp rank must hold whole heads, so use a tp that divides both, or keep "
+        "the attention whole: tensor_parallel.rules for the other modules only (the MLP), none for the attention's"]
 
 
 def test_tp_must_divide_kv_heads(llama: ModelGraph) -> None:
     plan = edit(llama, lambda p: setattr(p, "mesh", Mesh(pp=2, dp=1, tp=4)))
     assert problems(plan, llama) == [
         "mesh.tp: tp(4) does not divide the attention heads of model.layers.[0-3] (heads 4 % 4 = 0, kv_heads "
-        "2 % 4 = 2); each tp rank must hold whole heads, so use a tp that divides both"]
+        "2 % 4 = 2) at module model.layers.0.self_attn.q_proj (Linear), op aten.linear.default, "
+        "source modeling_llama.py:243; each tp rank must hold whole heads, so use a tp that divides both, or keep "
+        "the attention whole: tensor_parallel.rules for the other modules only (the MLP), none for the attention's"]
 
 
 def test_tp_style_must_fit_the_module(llama: ModelGraph, gpt2: ModelGraph, mixtral: ModelGraph) -> None:
@@ -428,7 +432,9 @@ def test_heads_only_matter_when_attention_is_sharded(gpt2: ModelGraph) -> None:
     attn = Plan(mesh=Mesh(tp=8), tensor_parallel=TensorParallel(rules={"h.*.attn.c_attn": "colwise"}))
     assert problems(attn, gpt2, devices=8) == [
         "mesh.tp: tp(8) does not divide the attention heads of transformer.h.[0-1] (heads 4 % 8 = 4, kv_heads "
-        "4 % 8 = 4); each tp rank must hold whole heads, so use a tp that divides both"]
+        "4 % 8 = 4) at module transformer.h.0.attn.c_attn (Conv1D), op aten.addmm.default, source "
+        "pytorch_utils.py:119; each tp rank must hold whole heads, so use a tp that divides both, or keep "
+        "the attention whole: tensor_parallel.rules for the other modules only (the MLP), none for the attention's"]
 
 
 def test_every_problem_of_a_plan_file_at_once(llama: ModelGraph, tmp_path) -> None:
