@@ -45,6 +45,7 @@ from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph, tied_canonical
+from planner.host_random import watch_host_random
 from planner.replicate import replica_map
 from planner.trace_dtype import in_dtype
 from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
@@ -212,20 +213,30 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     failures: list[Failure] = []
     gm: torch.fx.GraphModule | None = None
     used = order[0]
-    for used in order:
-        try:
-            with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
-                if used == "export":
-                    gm = export_trace(LossModule(model, loss_fn, fp32_loss=dtype is not None), batch)
-                else:
-                    gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules), concrete_args=concrete_args)
-            break
-        except CaptureError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - collected and re-raised with guidance below
-            failures.append(Failure(f"torch.{used}", exc))
+    with watch_host_random(model) as drawn:
+        for used in order:
+            try:
+                with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
+                    if used == "export":
+                        gm = export_trace(LossModule(model, loss_fn, fp32_loss=dtype is not None), batch)
+                    else:
+                        gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules),
+                                      concrete_args=concrete_args)
+                break
+            except CaptureError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised with guidance below
+                failures.append(Failure(f"torch.{used}", exc))
     if gm is None:
         raise _capture_error(model, failures)
+    if drawn.sites or drawn.moved:
+        raise CaptureError(
+            f"could not capture {type(model).__name__}: it draws random numbers outside torch while it runs, "
+            f"{drawn.describe()}. A trace keeps the numbers drawn then as constants, so every step and every "
+            "rank would reuse them (one SpecAugment mask for the whole run, say) where the model draws new ones "
+            "at each call. What to do: draw them with torch (torch.rand, torch.bernoulli: the graph keeps the "
+            "random op), or turn that random step off for training (Hugging Face audio models: set "
+            "config.mask_time_prob and config.mask_feature_prob to 0, or apply_spec_augment=False)")
     traced = time.perf_counter()
     _annotate_paths(gm)
     tied = _tied_groups(model)

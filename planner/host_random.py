@@ -1,0 +1,88 @@
+"""Random numbers a model draws outside torch while it is traced (numpy, Python's ``random``).
+
+A trace records torch ops; a value numpy draws during the trace enters the graph as a constant.
+Hugging Face's audio models draw their SpecAugment time masks with ``np.random``
+(``_compute_mask_indices``): captured, one mask drawn at plan time was reused at every step and
+on every rank, where the model draws a new one at each call (eager losses 0.69439, 0.69405,
+0.69459 for one batch; the graph's 0.69406 every time). :func:`watch_host_random` records such
+draws during a trace, so the capture can refuse the model before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["HostRandom", "watch_host_random"]
+
+_SKIP = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (np, torch, contextlib, functools))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP += tuple(os.path.join(_ROOT, package) + os.sep for package in ("planner", "passes", "fairscale"))
+
+
+@dataclass
+class HostRandom:
+    """What the watched code drew: call sites of numpy's global random functions, and whether the
+    global states of numpy and ``random`` moved (a draw the wrappers did not see)."""
+
+    sites: list[str] = field(default_factory=list)
+    """``numpy.random.rand at module inner.wav2vec2 (Wav2Vec2Model), modeling_wav2vec2.py:210``."""
+    moved: list[str] = field(default_factory=list)
+    """``numpy.random`` / ``random``: global states that changed."""
+
+    def describe(self) -> str:
+        return self.sites[0] if self.sites else f"op {self.moved[0]}.* (its global state moved; where was not recorded)"
+
+
+def _site(name: str, model: nn.Module) -> str:
+    paths = {id(m): p for p, m in model.named_modules()}
+    frame: FrameType | None = sys._getframe(2)
+    line, module = "", ""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not line and not path.startswith(_SKIP + ("<",)):
+            line = f"{os.path.basename(path)}:{frame.f_lineno}"
+        owner = frame.f_locals.get("self")
+        if line and isinstance(owner, nn.Module) and id(owner) in paths:
+            module = f" at module {paths[id(owner)] or '<model top level>'} ({type(owner).__name__})"
+            break
+        frame = frame.f_back
+    return f"op numpy.random.{name}{module}" + (f", source {line}" if line else "")
+
+
+@contextlib.contextmanager
+def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
+    """Record the random draws outside torch of the code run inside (module docstring)."""
+    found = HostRandom()
+    legacy = np.random.mtrand._rand
+    patched: dict[str, Any] = {}
+    for name in getattr(np.random, "__all__", []):
+        fn = getattr(np.random, name, None)
+        if getattr(fn, "__self__", None) is legacy and name not in ("get_state", "set_state", "seed"):
+            def wrap(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+                found.sites.append(_site(_name, model))
+                return _fn(*args, **kwargs)
+            patched[name] = fn
+            setattr(np.random, name, wrap)
+    np_state: Any = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield found
+    finally:
+        for name, fn in patched.items():
+            setattr(np.random, name, fn)
+        after: Any = np.random.get_state()
+        if after[2] != np_state[2] or not np.array_equal(after[1], np_state[1]):
+            found.moved.append("numpy.random")
+        if random.getstate() != py_state:
+            found.moved.append("random")
