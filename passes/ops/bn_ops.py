@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from passes.ops import comm
+from passes.ops.groups import group_function
 
 __all__ = ["batch_norm_sync", "batch_norm_local", "instance_norm_sync", "instance_norm_local"]
 
@@ -59,6 +60,7 @@ def _sum_all(t: torch.Tensor, axis: str | None) -> torch.Tensor:
     return t
 
 
+@group_function  # backward all-reduces over the forward's groups, also in loss.backward() outside pm
 class _BatchNorm(torch.autograd.Function):
     """Normalization with the statistics of the axis group's global batch; returns (y, mean, var, N)."""
 

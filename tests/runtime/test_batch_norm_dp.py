@@ -60,6 +60,25 @@ def _engine(family: str, plan: Plan) -> dict[str, Any]:
     return dict(losses=losses, norms=norms, state=_numpy(pm.state_dict()), report=pm.report())
 
 
+def _plain_loop(family: str, plan: Plan) -> dict[str, Any]:
+    """The ordinary PyTorch loop: ``loss.backward()`` runs outside the module, so the sync batch
+    norm's backward all-reduce must find the forward's dp group (it raised "ran outside the module")."""
+    case = _case(family)
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
+                               optimizer=functools.partial(torch.optim.Adam, lr=LR))
+    losses, norms = [], []
+    for step in range(STEPS):
+        pm.optimizer.zero_grad()
+        loss = pm(*case.make_batch(step, BATCH))
+        loss.backward()
+        norms.append(float(pm.clip_grad_norm_(CLIP)))
+        pm.optimizer.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)  # each dp rank's mean over its equal share of the rows
+        losses.append(float(total) / torch.distributed.get_world_size())
+    return dict(losses=losses, norms=norms, state=_numpy(pm.state_dict()))
+
+
 def _refusal(fn: Callable[[], Any]) -> str:
     try:
         fn()
@@ -70,6 +89,8 @@ def _refusal(fn: Callable[[], Any]) -> str:
 
 def _rank(rank: int, world: int, graphs: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if world == 2:  # first: the runner below binds a process-wide "dp" group, which would hide a lost mesh
+        out["engine-plain-loop"] = _plain_loop("resnet", Plan(mesh=Mesh(dp=2)))
     for family, graph in graphs.items():
         case = _case(family)
         for kind, options in KINDS.items():
@@ -202,6 +223,11 @@ def test_engine_plan_matches_one_process_and_reports_sync():
     refs, results = _runs(2)
     _assert_run(results[0]["engine-sync"], refs["resnet"], "engine dp2")
     assert "batch norm: sync: statistics over the dp group's global batch" in results[0]["engine-sync"]["report"]
+
+
+def test_engine_plain_loop_backward_outside_the_module_is_exact():
+    refs, results = _runs(2)
+    _assert_run(results[0]["engine-plain-loop"], refs["resnet"], "plain loop dp2")
 
 
 def test_engine_tensor_parallel_batch_norm_on_a_column_shard_is_exact():
