@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from passes.ops.groups import AxisGroups, current
+
 __all__ = ["recompute_call", "RETAIN_LISTENERS", "RECOMPUTE_LISTENERS"]
 
 _SAVE_IN_SELECTIVE = {
@@ -89,12 +91,15 @@ def _both(first: Any, second: Any) -> Iterator[None]:
         yield
 
 
-def _contexts(kind: str) -> tuple[Any, Any]:
+def _contexts(kind: str, table: AxisGroups) -> tuple[Any, Any]:
+    # the recompute runs inside backward, which the plain loop calls outside the module: the
+    # region's collectives (tp, sp, fsdp) must run over the groups its forward ran over
     if kind != "selective":
-        return contextlib.nullcontext(), _RecomputeWatch() if RECOMPUTE_LISTENERS else contextlib.nullcontext()
+        watch = _RecomputeWatch() if RECOMPUTE_LISTENERS else contextlib.nullcontext()
+        return contextlib.nullcontext(), _both(table.active(), watch)
     fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
     return (_both(fwd, _CacheWatch()) if RETAIN_LISTENERS else fwd,
-            _both(rec, _RecomputeWatch()) if RECOMPUTE_LISTENERS else rec)
+            _both(table.active(), _both(rec, _RecomputeWatch()) if RECOMPUTE_LISTENERS else rec))
 
 
 def recompute_call(fn: Callable[..., Any], kind: str, *args: Any) -> Any:
@@ -103,6 +108,5 @@ def recompute_call(fn: Callable[..., Any], kind: str, *args: Any) -> Any:
         listener(args)
     if kind not in ("full", "selective"):
         raise ValueError(f"recompute kind must be 'full' or 'selective', got {kind!r}")
-    if kind == "full" and not RECOMPUTE_LISTENERS:
-        return checkpoint(fn, *args, use_reentrant=False)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: _contexts(kind))
+    table = current()
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: _contexts(kind, table))

@@ -34,6 +34,11 @@ def _case():
     return case
 
 
+def _recomputed(plan: Plan) -> Plan:
+    return Plan(mesh=plan.mesh, schedule=plan.schedule, tensor_parallel=plan.tensor_parallel,
+                recompute={"layers.*": "full"})
+
+
 def _plans() -> dict[str, Plan]:
     case = _case()
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
@@ -67,6 +72,12 @@ def _ranks(rank: int, world: int, plans: dict[str, Plan]) -> dict[str, object]:
         out[f"{name} alone"] = ([_step(pm, s) for s in range(STEPS)], pm.state_dict())
         del pm
         gc.collect()
+    # recompute re-runs a layer's forward, tp all-reduces included, inside the plain loop's
+    # loss.backward(): outside the module, over the groups of the forward (it had raised)
+    pm = _module(_recomputed(plans["dp2xtp2"]))
+    out["dp2xtp2 recompute alone"] = ([_step(pm, s) for s in range(STEPS)], pm.state_dict())
+    del pm
+    gc.collect()
     pms = {name: _module(plan) for name, plan in plans.items()}  # both, the second built last
     for name in pms:
         pms[name].comm_counter.reset()
@@ -101,6 +112,14 @@ def test_each_module_trains_as_it_does_alone(runs, name) -> None:
         assert together[0] == alone[0], f"rank {rank}: {name}'s losses changed beside the other module"
         for key, value in alone[1].items():
             assert torch.equal(together[1][key], value), f"{name}: {key} differs"
+
+
+def test_recompute_in_the_plain_loop_runs_over_the_forwards_groups(runs) -> None:
+    for rank, out in enumerate(runs):
+        plain, recomputed = out["dp2xtp2 alone"], out["dp2xtp2 recompute alone"]
+        assert recomputed[0] == pytest.approx(plain[0], rel=1e-12, abs=0), f"rank {rank}"
+        for key, value in plain[1].items():
+            assert torch.allclose(recomputed[1][key], value, rtol=1e-10, atol=1e-12), f"{key} differs"
 
 
 def test_each_module_counts_its_own_collectives(runs) -> None:
