@@ -42,6 +42,7 @@ from fairscale.runtime.calibrate_gpu import gpu_cluster
 from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
+from fairscale.runtime.launch import init_distributed, under_torchrun
 from fairscale.runtime.reshard import reshard
 from fairscale.runtime.startup import broadcast_from_zero, on_zero
 from passes.tp.patterns import propose_tp_rules
@@ -310,6 +311,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         nor this process's caches keep a reference to the capture or the user's model.
     """
     example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
+    if not dist.is_initialized() and under_torchrun():  # torchrun initializes nothing; fairscale.train does too
+        init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs on every rank: call it inside fairscale.launch(fn, devices=N), "
                            "`python -m fairscale run --devices N script.py`, or torchrun; to inspect a plan "

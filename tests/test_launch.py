@@ -63,3 +63,40 @@ def _tensors(rank, world):
 def test_tensors_come_back_by_value_after_the_rank_exits():
     results = fairscale.launch(_tensors, devices=2)
     assert [r["w"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+import fairscale
+from fairscale.testing.models import build
+
+case = build("mlp")
+pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, 4), loss_fn=case.loss_fn)
+losses = [pm.train_step(case.make_batch(step, 4)) for step in range(2)]
+json.dump(dict(losses=losses, world=torch.distributed.get_world_size()), open(sys.argv[1], "w"))
+"""
+
+
+def test_parallelize_under_torchrun_initializes_the_process_group(tmp_path):
+    """torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* and initializes nothing: a script that
+    calls parallelize directly (as under `fairscale run`) had raised "call it inside ... or torchrun"."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out.json")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 1 and len(out["losses"]) == 2
