@@ -15,7 +15,7 @@ Two comparisons:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -50,7 +50,7 @@ def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:
 def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: int = 8, lr: float = 1e-2,
                     clip_norm: float | None = None,
                     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-                    ) -> Trajectory:
+                    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> Trajectory:
     """Train ``build()``'s model for ``steps`` optimizer steps on the full global batch, in one process.
 
     Args:
@@ -58,10 +58,12 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
             clip_norm)`` before the step, recording the returned norms in ``grad_norms``.
         optimizer: ``optimizer(params)`` makes the optimizer (default :func:`make_optimizer` with
             ``lr``). Clipping tests want SGD: Adam's update barely depends on the gradient's scale.
+        scheduler: ``scheduler(optimizer)`` makes a learning-rate scheduler, stepped after each step.
     """
     case = build()
     wrapped = LossModule(case.model, case.loss_fn)
     opt = optimizer(case.model.parameters()) if optimizer is not None else make_optimizer(case.model.parameters(), lr)
+    sched = scheduler(opt) if scheduler is not None else None
     out = Trajectory()
     for step in range(steps):
         batch = case.make_batch(step, global_batch)
@@ -74,6 +76,8 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
         if clip_norm is not None:
             out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(case.model.parameters(), clip_norm)))
         opt.step()
+        if sched is not None:
+            sched.step()
         out.losses.append(loss.item())
     out.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
     return out

@@ -13,8 +13,7 @@ import torch
 import fairscale
 from fairscale.testing.models import build
 from fairscale.testing.plans import even_plan
-from fairscale.testing.reference import Trajectory, compare
-from planner.capture import LossModule
+from fairscale.testing.reference import Trajectory, compare, train_reference
 from planner.plan import Plan
 
 BATCH, WORLD = 8, 4
@@ -31,10 +30,11 @@ def _shared():
     return _case()
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """nanoGPT's groups, with a learning rate of their own too."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+def _optimizer(params) -> torch.optim.Optimizer:
+    """nanoGPT's groups, with a learning rate of their own too (over ``model.parameters()``)."""
+    params = list(params)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5},
                               {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}], lr=1e-2, betas=(0.9, 0.95))
 
@@ -43,21 +43,9 @@ def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRS
     return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** s])
 
 
-def _reference(steps: int) -> Trajectory:
-    case = _case()
-    wrapped = LossModule(case.model, case.loss_fn)
-    opt = _optimizer(case.model)
-    sched = _scheduler(opt)
-    out = Trajectory()
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = wrapped(*case.make_batch(step, BATCH))
-        loss.backward()
-        opt.step()
-        sched.step()
-        out.losses.append(loss.item())
-    out.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
-    return out
+def _reference(steps: int, scheduler: bool = True) -> Trajectory:
+    return train_reference(_case, steps=steps, global_batch=BATCH, optimizer=_optimizer,
+                           scheduler=_scheduler if scheduler else None)
 
 
 def _plan(pp: int, dp: int, tp: int, kind: str, virtual: int = 1) -> Plan:
@@ -81,7 +69,7 @@ def _train(rank: int, world: int, plans: list[Plan], steps: int) -> list[tuple[T
     out = []
     for plan in plans:
         pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                                   plan=plan, optimizer=_optimizer(case.model))
+                                   plan=plan, optimizer=_optimizer(case.model.parameters()))
         sched = _scheduler(pm.optimizer)
         losses, lrs = [], []
         for step in range(steps):
@@ -110,42 +98,27 @@ def test_groups_train_as_in_one_process(trained, name):
 
 def test_the_groups_differ_so_the_test_can_fail():
     """Decay on every tensor (one group) trains elsewhere: the groups above are not a no-op."""
-    case = _case()
-    wrapped = LossModule(case.model, case.loss_fn)
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.5)
-    for step in range(3):
-        opt.zero_grad(set_to_none=True)
-        wrapped(*case.make_batch(step, BATCH)).backward()
-        opt.step()
+    one_group = train_reference(_case, steps=3, global_batch=BATCH, optimizer=functools.partial(
+        torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.5))
     reference = _reference(3)
-    assert max((reference.params[k] - v).abs().max().item() for k, v in case.model.state_dict().items()) > 1e-4
+    assert max((reference.params[k] - v).abs().max().item() for k, v in one_group.params.items()) > 1e-4
 
 
 def _save_then_resume(rank: int, world: int, first: Plan, second: Plan, path: str) -> tuple[list[float], Trajectory]:
     case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                               plan=first, optimizer=_optimizer(case.model))
+                               plan=first, optimizer=_optimizer(case.model.parameters()))
     before = [pm.train_step(case.make_batch(step, BATCH)) for step in range(2)]
     pm.save_checkpoint(path)
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                               plan=second, optimizer=_optimizer(case.model))
+                               plan=second, optimizer=_optimizer(case.model.parameters()))
     pm.load_checkpoint(path)
     after = [pm.train_step(case.make_batch(step, BATCH)) for step in range(2, 4)]
     return before, Trajectory(losses=before + after, params=pm.state_dict())
 
 
 def test_resume_under_another_plan_keeps_each_groups_state(tmp_path):
-    case = _case()
-    wrapped = LossModule(case.model, case.loss_fn)
-    opt = _optimizer(case.model)  # no scheduler: the checkpoint carries each group's options
-    reference = Trajectory()
-    for step in range(4):
-        opt.zero_grad(set_to_none=True)
-        loss = wrapped(*case.make_batch(step, BATCH))
-        loss.backward()
-        opt.step()
-        reference.losses.append(loss.item())
-    reference.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+    reference = _reference(4, scheduler=False)  # no scheduler: the checkpoint carries each group's options
     _, got = fairscale.launch(_save_then_resume, devices=WORLD,
                               args=(_plan(1, 4, 1, "fsdp"), _plan(2, 2, 1, "zero2"), str(tmp_path / "ckpt")))[0]
     compare(reference, got, rtol=1e-10, atol=1e-9)
@@ -182,7 +155,7 @@ def test_runs_and_segment_state_in_one_process():
 def _switch(rank: int, world: int, first: Plan, second: Plan) -> tuple[list[float], list[list[float]], Trajectory]:
     case = _shared()
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                               plan=first, optimizer=_optimizer(case.model))
+                               plan=first, optimizer=_optimizer(case.model.parameters()))
     sched = _scheduler(pm.optimizer)
     losses, lrs = [], []
     for step in range(3):
