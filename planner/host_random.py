@@ -25,9 +25,12 @@ from torch import nn
 
 __all__ = ["HostRandom", "watch_host_random"]
 
-_SKIP = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (np, torch, contextlib, functools))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (np, torch))
 _SKIP += tuple(os.path.join(_ROOT, package) + os.sep for package in ("planner", "passes", "fairscale"))
+# contextlib and functools are single files in the standard library's folder, which also holds
+# site-packages where Python is installed without a virtual environment: skip the files, not the folder
+_SKIP += tuple(m.__file__ or "<none>" for m in (contextlib, functools))
 
 
 @dataclass

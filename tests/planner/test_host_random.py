@@ -9,6 +9,7 @@ the numpy call, the module and the source line.
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -81,3 +82,18 @@ def test_hf_wav2vec2_spec_augment_is_refused_and_trains_without_it() -> None:
            "modeling_wav2vec2.py:" in str(info.value), str(info.value)
     model.inner.config.mask_time_prob = 0.0
     capture(model, batch, annotate=False)
+
+
+def test_library_code_is_not_skipped_where_site_packages_lies_in_the_standard_library_folder() -> None:
+    """CI installs into the interpreter's own site-packages (``.../lib/python3.11/site-packages``),
+    inside the folder of ``functools``: skipping that folder skipped transformers' frames, and the
+    refusal named the test's line instead of ``modeling_wav2vec2.py``."""
+    import functools
+    import sysconfig
+
+    from planner import host_random
+
+    library = os.path.join(os.path.dirname(functools.__file__), "site-packages", "transformers", "modeling.py")
+    assert not library.startswith(host_random._SKIP)
+    assert not os.path.join(sysconfig.get_paths()["purelib"], "transformers", "x.py").startswith(host_random._SKIP)
+    assert functools.__file__.startswith(host_random._SKIP)
