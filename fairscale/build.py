@@ -40,6 +40,7 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.modes import modes_of
 from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from fairscale.runtime.startup import rendezvous
@@ -75,6 +76,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
         raise ValueError(f"global batch {gb} does not split into dp({m.dp}) × microbatches({micro}) "
                          f"= {m.dp * micro} equal microbatches")
     rows = gb // (m.dp * micro)
+    modes = modes_of(model)  # what the capture bakes into the rank graphs
     graph = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, dtype=trace_dtype(plan))
     rendezvous("capturing the model")  # the collectives below wait for the slowest capture
     if not any(p.is_meta for p in graph.gm.parameters()):
@@ -89,7 +91,8 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        device=rank_device, global_batch=gb, microbatch_rows=rows,
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
                        token_counter=token_counter(graph.gm),
-                       model=weakref.ref(model), eval_modules=eval_modules, predicted_memory=dict(predicted or {}),
+                       model=weakref.ref(model), modes=modes, eval_modules=eval_modules,
+                       predicted_memory=dict(predicted or {}),
                        example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 
 

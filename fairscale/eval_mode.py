@@ -32,6 +32,7 @@ from torch import nn
 
 from fairscale.capture_cache import rank_capture, trace_dtype
 from fairscale.runtime.engine import microbatch_example
+from fairscale.runtime.modes import compiled_modes
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph
 
@@ -65,8 +66,9 @@ def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule])
                            "gone: keep a reference to the model passed to fairscale.parallelize while training")
     example, loss_fn = microbatch_example(program.example_inputs, program.microbatch_rows), program.loss_fn
     dtype = trace_dtype(program.plan)
-    reason = eval_difference(rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm,  # the stages' own
-                             _capture_in_eval_mode(model, example, loss_fn, dtype))
+    with compiled_modes(model, program.modes):  # the stages' own, whatever mode the user set since
+        trained = rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm
+    reason = eval_difference(trained, _capture_in_eval_mode(model, example, loss_fn, dtype))
     if reason is not None:
         raise EvalModeError(f"pm.evaluate cannot run {type(model).__name__} in eval mode from its training graph: "
                             f"{reason}. Its Python code takes another path when self.training is False; evaluate "

@@ -31,6 +31,7 @@ from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
+from fairscale.runtime.modes import ModeError, all_eval, mode_change
 from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
@@ -139,6 +140,7 @@ class ParallelModule:
         self.modules = program.modules
         self._token_counter = program.token_counter
         self._evaluator: PipelineExecutor | None = None
+        self._eval_modules: dict[int, torch.fx.GraphModule] | None = None
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
         cls, kwargs = _optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
@@ -182,6 +184,11 @@ class ParallelModule:
         """
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm!r}; it must be a positive number (or None for no clipping)")
+        change = self._mode_change()
+        if change is not None:
+            raise ModeError(f"pm.train_step runs the mode its graphs were compiled in, and {change}: set the mode back "
+                            "(model.train() or model.eval()) before training, or set it before fairscale.parallelize; "
+                            "validate with pm.evaluate(batch), or model.eval() and pm(*batch) under torch.no_grad()")
         loss = self._step(batch, clip_norm=clip_norm, measure_memory=measure_memory)
         for hook in list(self.after_step):  # outside the mesh's groups: a hook may switch the plan
             hook(self, loss)
@@ -220,13 +227,24 @@ class ParallelModule:
         batch has the training batch's size. Raises ``EvalModeError`` for a model whose code
         branches on ``self.training`` (:mod:`fairscale.eval_mode`)."""
         if self._evaluator is None:
+            self._evaluator = PipelineExecutor(self.program, self.schedule, modules=self._eval_graphs(),
+                                               device=self.device)
+        return self._evaluator.eval_step(self._local(batch), weights=self._weights(batch))
+
+    def _eval_graphs(self) -> dict[int, torch.fx.GraphModule]:
+        """This rank's stage graphs rewritten to eval mode (``fairscale.eval_mode``), made once."""
+        if self._eval_modules is None:
             program = self.rank_program
             if program.eval_modules is None:
                 raise RuntimeError("this module was compiled without an eval-mode rewrite; build it with "
                                    "fairscale.parallelize (or fairscale.build.build_module)")
-            modules = program.eval_modules(program, self.modules)
-            self._evaluator = PipelineExecutor(self.program, self.schedule, modules=modules, device=self.device)
-        return self._evaluator.eval_step(self._local(batch), weights=self._weights(batch))
+            self._eval_modules = program.eval_modules(program, self.modules)
+        return self._eval_modules
+
+    def _mode_change(self) -> str | None:
+        """How the user's model's train/eval modes differ from the compiled ones (``runtime.modes``)."""
+        model = self._user_model()
+        return None if model is None else mode_change(model, self.rank_program.modes)
 
     def _weights(self, batch: Sequence[Any], microbatches: int | None = None) -> list[float] | None:
         """Each of this rank's microbatches' weight in the step's loss when the loss is a token
@@ -299,8 +317,16 @@ class ParallelModule:
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
                 f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
                 "schedule interleaves: use pm.train_step(batch)")
+        modules, change = self.modules, self._mode_change()
+        if change is not None:
+            model = self._user_model()
+            if torch.is_grad_enabled() or model is None or not all_eval(model):
+                raise ModeError(f"pm(batch) runs the mode its graphs were compiled in, and {change}: after "
+                                "model.eval(), call pm(*batch) under torch.no_grad() (it then runs in eval mode) or "
+                                "use pm.evaluate(batch); set the mode back (model.train()) before training")
+            modules = self._eval_graphs()
         weights = self._weights(batch, microbatches=1)
-        out = self.modules[0](*self._local(batch))
+        out = modules[0](*self._local(batch))
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
         if self._optimizers[0].info.units:  # a second backward (retain_graph=True) finds them gathered
             regather_on_backward(loss, self._optimizers[0].info.units)
@@ -408,6 +434,7 @@ class ParallelModule:
         self.retired = why
         release_mesh(self.mesh, self.device_mesh)
         self.modules = {}
+        self._eval_modules = None
         self._optimizers = []
         self.optimizer = StageOptimizers([], self.mesh.groups)
         self.executor = None  # type: ignore[assignment]

@@ -63,6 +63,9 @@ class RankProgram:
     another plan from it)."""
     loss_fn: Callable[..., Any] | None = None
     """The user's loss function, as ``parallelize`` took it."""
+    modes: tuple[bool, ...] = ()
+    """Every module's ``training`` flag when the model was captured (``fairscale.runtime.modes``):
+    the mode the rank graphs run; empty when not recorded."""
     eval_modules: Callable[[RankProgram, dict[int, torch.fx.GraphModule]], dict[int, torch.fx.GraphModule]] | None = None
     """The face's rewrite of this rank's stage graphs to eval mode, called as ``f(program, modules)``
     on ``pm.evaluate``'s first call (``fairscale.eval_mode.eval_modules``); None: not available."""
