@@ -99,12 +99,16 @@ class NoCompilablePlan(PlanError):
 
     def __init__(self, refused: list[Candidate]) -> None:
         self.refused = refused
-        lines = [f"no plan that fits in memory compiles: the passes refused all {len(refused)} candidate(s) "
-                 "(each mesh's best; a refused mesh is given up whole)"]
-        for c in refused[:8]:
-            lines.append(f"{c.summary()}: {c.refused}")
-        if len(refused) > 8:
-            lines.append(f"... and {len(refused) - 8} more")
+        head = (f"every plan that fits in memory was refused before launch: all {len(refused)} candidate(s) "
+                "(each mesh's best; a refused mesh is given up whole)")
+        reasons = {c.refused for c in refused}
+        if len(reasons) == 1 and len(refused) > 1:  # the model's loss, say: the reason once, not once per mesh
+            meshes = "; ".join(c.summary() for c in refused[:8]) + (" ..." if len(refused) > 8 else "")
+            lines = [head, f"{meshes}: all for one reason: {reasons.pop()}"]
+        else:
+            lines = [head] + [f"{c.summary()}: {c.refused}" for c in refused[:8]]
+            if len(refused) > 8:
+                lines.append(f"... and {len(refused) - 8} more")
         super().__init__(lines, source="search")
 
 

@@ -70,7 +70,15 @@ def test_nothing_compiles_raises_with_every_reason() -> None:
         run(lambda plan: f"stage split: cut before in-place relu_ (mesh pp={plan.mesh.pp})")
     err = info.value
     assert err.refused and len({mesh(c.plan) for c in err.refused}) == len(err.refused)
-    assert "no plan that fits in memory compiles" in str(err) and "cut before in-place relu_" in str(err)
+    assert "every plan that fits in memory was refused before launch" in str(err) and "cut before in-place relu_" in str(err)
+
+
+def test_one_reason_for_every_mesh_is_said_once() -> None:
+    with pytest.raises(NoCompilablePlan) as info:
+        run(lambda plan: "the loss couples the rows")
+    assert len(info.value.refused) > 1
+    assert str(info.value).count("the loss couples the rows") == 1
+    assert "all for one reason: the loss couples the rows" in str(info.value)
 
 
 def test_a_constrained_search_whose_only_mesh_is_refused_says_why() -> None:
