@@ -34,7 +34,8 @@ from fairscale.runtime import watchdog
 from fairscale.runtime.device import collective_device
 from fairscale.runtime.state import load_sharded_state_dict, sharded_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "commit_checkpoint", "dp_mesh", "CheckpointSaveError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path", "commit_checkpoint", "prepare_save", "dp_mesh",
+           "CheckpointSaveError"]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -106,6 +107,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def prepare_save(path: Path) -> Path:
+    """Rank 0 makes ``path``'s parent and clears debris of an interrupted save, and every rank learns
+    whether it could before anything is written (a failure on rank 0 alone, a file where the
+    directory goes, had left the others in a barrier until the collective timeout); raises
+    :class:`CheckpointSaveError` on every rank if not. Returns the directory DCP writes into. Collective."""
+    tmp = path.with_name(path.name + ".tmp")
+    problem = [_place(path, tmp) if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0, device=collective_device())
+    if problem[0] is not None:
+        raise CheckpointSaveError(problem[0])
+    return tmp
+
+
+def _place(path: Path, tmp: Path) -> str | None:
+    """Make ``path``'s parent and clear debris of an interrupted save at ``tmp``; why not, or None."""
+    for p in (path, tmp, path.with_name(path.name + ".prev")):
+        if p.exists() and not p.is_dir():
+            return (f"cannot save a checkpoint at {path}: {p} is a file, and a checkpoint is a directory; nothing "
+                    "was written: pass the path of a directory (new, or a checkpoint to replace)")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # debris of an interrupted save, never a complete checkpoint
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot save a checkpoint at {path}: {exc}; nothing was written"
+    return None
+
+
 def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, optimizer: Any = None,
                     mesh: DeviceMesh | None = None) -> Path:
     """Save parameters (and optimizer state) of this rank's graph to the directory ``path``. Collective."""
@@ -114,12 +144,7 @@ def save_checkpoint(path: str | os.PathLike[str], gm: torch.fx.GraphModule, *, o
 
     path = Path(path)
     mesh = mesh or dp_mesh()
-    tmp = path.with_name(path.name + ".tmp")
-    if _rank() == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # debris of an interrupted save; never a complete checkpoint
-        path.parent.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    tmp = prepare_save(path)
     state = sharded_state_dict(gm, mesh, optimizer=optimizer)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))

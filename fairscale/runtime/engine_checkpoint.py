@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -31,8 +30,7 @@ import torch
 import torch.fx
 import torch.distributed as dist
 
-from fairscale.runtime.checkpoint import CheckpointSaveError, checkpoint_path, commit_checkpoint
-from fairscale.runtime.device import collective_device
+from fairscale.runtime.checkpoint import checkpoint_path, commit_checkpoint, prepare_save
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.optim import DataParallelOptimizer
 from fairscale.runtime.state import (held_keys, load_full_state_dict, load_optimizer_state_dict, param_layout,
@@ -112,34 +110,13 @@ def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: Ra
     import torch.distributed.checkpoint as dcp  # (imported here, not at the top: ~1 s that planning never needs)
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    # rank 0 prepares the place and every rank learns whether it could, before anything is written:
-    # a failure on rank 0 alone (a file where the directory goes) had left the others in a barrier
-    problem = [_prepare(path, tmp) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(problem, src=0, device=collective_device())
-    if problem[0] is not None:
-        raise CheckpointSaveError(problem[0])
+    tmp = prepare_save(path)
     dcp.save(full_state_share(stages, mesh, tied), storage_writer=dcp.FileSystemWriter(str(tmp)))
     dist.barrier()
     if dist.get_rank() == 0:
         commit_checkpoint(tmp, path)
     dist.barrier()
     return path
-
-
-def _prepare(path: Path, tmp: Path) -> str | None:
-    """Make ``path``'s parent and clear debris of an interrupted save at ``tmp``; why not, or None."""
-    for p in (path, tmp, path.with_name(path.name + ".prev")):
-        if p.exists() and not p.is_dir():
-            return (f"cannot save a checkpoint at {path}: {p} is a file, and a checkpoint is a directory; nothing "
-                    "was written: pass the path of a directory (new, or a checkpoint to replace)")
-    try:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # debris of an interrupted save, never a complete checkpoint
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot save a checkpoint at {path}: {exc}; nothing was written"
-    return None
 
 
 def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:

@@ -142,3 +142,24 @@ def test_full_state_dict_roundtrip_and_tied_keys():
             np.testing.assert_array_equal(before[k], v.numpy())
             np.testing.assert_array_equal(after[k], v.numpy())
     assert results[1]["fsdp_reshard"][1] == {}  # rank0_only by default
+
+
+def test_a_file_at_the_checkpoint_path_is_refused_on_every_rank(tmp_path):
+    """The runtime's own save (not only ``pm.save_checkpoint``): a file where the checkpoint goes was
+    found by rank 0 alone, in the commit after the write, while the others waited in a barrier."""
+    case, graph = _graph(2)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the user's notes")
+
+    def run(rank, world):
+        r = DataParallelRunner.build(graph, config(FAMILY, "zero2"), torch.optim.Adam, lr=1e-2)
+        r.train_step(case.make_batch(0, GLOBAL_BATCH))
+        with pytest.raises(CheckpointSaveError, match=f"{notes} is a file, and a checkpoint is a directory; nothing "
+                                                      "was written"):
+            save_checkpoint(notes, r.gm, optimizer=r.optimizer)
+        save_checkpoint(tmp_path / "ckpt", r.gm, optimizer=r.optimizer)  # the ranks are still in step
+        return r.train_step(case.make_batch(1, GLOBAL_BATCH))
+
+    losses = fairscale.launch(run, devices=2, collective_timeout_s=30)
+    assert losses[0] == losses[1] and notes.read_text() == "the user's notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "notes.txt"]
