@@ -129,4 +129,5 @@ def group_function(cls: type) -> type:
 
     cls.forward = staticmethod(remembering_forward)  # type: ignore[attr-defined]
     cls.backward = staticmethod(backward_under_forward_groups)  # type: ignore[attr-defined]
+    cls.remembers_groups = True  # type: ignore[attr-defined]  # what tests/passes/test_group_functions.py checks
     return cls
