@@ -15,7 +15,7 @@ from planner.tp_styles import (STYLES, TP_STYLES, module_kind, module_shard_prob
                                param_shapes_by_module, split_dim)
 from planner.validate_fields import check_choice, check_conflicts, check_matches, module_names, parse_field
 
-__all__ = ["check_tensor_parallel", "check_experts", "heads_problems", "tied_layout"]
+__all__ = ["check_tensor_parallel", "check_experts", "heads_problems", "head_splitting_rules", "tied_layout"]
 
 
 def check_tensor_parallel(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> None:
@@ -160,19 +160,36 @@ def heads_problems(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], t
     kv heads (an MLP-only rule splits no heads), each naming the first such attention's module, op
     and source line, and what to do (multi-query attention, one kv head, trains exactly with the
     MLP split and the attention whole)."""
-    bad: dict[tuple[int, int], list[tuple[Layer, list[str]]]] = {}
+    bad = _head_splits(graph, parsed, tp)
+    return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers([l.name for l, _ in found])} "
+            f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}){_heads_site(graph, found[0][1])}; "
+            "each tp rank must hold whole heads, so use a tp that divides both, or keep the attention whole: "
+            "tensor_parallel.rules for the other modules only (the MLP), none for the attention's"
+            for (heads, kv), (found, _) in bad.items()]
+
+
+def head_splitting_rules(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], tp: int) -> set[str]:
+    """The rules (their selector texts) of :func:`heads_problems`: those that split the heads of an
+    attention whose heads or kv heads ``tp`` does not divide."""
+    return {text for _, texts in _head_splits(graph, parsed, tp).values() for text in texts}
+
+
+def _head_splits(graph: ModelGraph, parsed: list[tuple[str, Selector, str]], tp: int
+                 ) -> dict[tuple[int, int], tuple[list[tuple[Layer, list[str]]], set[str]]]:
+    """(heads, kv heads) -> the attention layers whose heads the rules split although ``tp`` does
+    not divide them (each with its modules), and the rules that split them."""
+    bad: dict[tuple[int, int], tuple[list[tuple[Layer, list[str]]], set[str]]] = {}
     for layer, inside in _attention_modules(graph):
         att = layer.attention or {}
         heads, kv = att.get("heads", 0), att.get("kv_heads", att.get("heads", 0))
         if not (heads % tp or kv % tp):  # whole heads on every rank, whatever the rules split
             continue
-        if any(style != "replicate" and any(sel.matches(m) for m in inside) for _, sel, style in parsed):
-            bad.setdefault((heads, kv), []).append((layer, inside))
-    return [f"mesh.tp: tp({tp}) does not divide the attention heads of {format_layers([l.name for l, _ in found])} "
-            f"(heads {heads} % {tp} = {heads % tp}, kv_heads {kv} % {tp} = {kv % tp}){_heads_site(graph, found[0][1])}; "
-            "each tp rank must hold whole heads, so use a tp that divides both, or keep the attention whole: "
-            "tensor_parallel.rules for the other modules only (the MLP), none for the attention's"
-            for (heads, kv), found in bad.items()]
+        texts = {text for text, sel, style in parsed if style != "replicate" and any(sel.matches(m) for m in inside)}
+        if texts:
+            layers, found = bad.setdefault((heads, kv), ([], set()))
+            layers.append((layer, inside))
+            found |= texts
+    return bad
 
 
 def _heads_site(graph: ModelGraph, inside: list[str]) -> str:

@@ -73,7 +73,8 @@ def rules_function(graph: ModelGraph, rules: TPRules | None) -> Callable[[int], 
     def at(tp: int) -> dict[str, str]:
         if tp not in cache:  # a TPRules keeps the detector's reasons for what it left out
             got = fn(tp) if tp > 1 else {}
-            cache[tp] = one_layout_per_tied(graph, got if isinstance(got, DetectedRules) else dict(got))
+            got = got if isinstance(got, DetectedRules) else dict(got)
+            cache[tp] = whole_heads(graph, one_layout_per_tied(graph, got), tp)
         return cache[tp]
     return at
 
@@ -103,6 +104,24 @@ def one_layout_per_tied(graph: ModelGraph, rules: dict[str, str]) -> dict[str, s
     note = (f"rules {sorted(dropped)} left out: they gave a tied weight two layouts (the modules that read it "
             "must split it alike or all keep it whole)")
     return DetectedRules(out, reason=f"{reason}; {note}" if reason else note)
+
+
+def whole_heads(graph: ModelGraph, rules: dict[str, str], tp: int) -> dict[str, str]:
+    """Proposed ``rules`` without those that split the heads of an attention whose heads or kv heads
+    ``tp`` does not divide (multi-query attention: one kv head): that attention is kept whole and
+    the rest (the MLP) is still split, which trains exactly, where the whole degree had been
+    refused. The reason is added to the detector's ``reason``, as :func:`one_layout_per_tied` does."""
+    from planner.selectors import parse_selector
+    from planner.validate_tp import head_splitting_rules
+
+    dropped = head_splitting_rules(graph, [(text, parse_selector(text), style) for text, style in rules.items()], tp)
+    if not dropped:
+        return rules
+    reason = getattr(rules, "reason", "")
+    note = (f"rules {sorted(dropped)} left out at tp {tp}: they split attention heads that tp {tp} does not divide "
+            "(each tp rank must hold whole heads), so that attention is kept whole")
+    return DetectedRules({k: v for k, v in rules.items() if k not in dropped},
+                         reason=f"{reason}; {note}" if reason else note)
 
 
 def make_context(graph: ModelGraph, cluster: Cluster, *, global_batch: int, rules: TPRules | None,
