@@ -199,7 +199,7 @@ class CompileChecker:
         self._graphs: dict[tuple[Any, ...], ModelGraph | Refusal] = {}
         self._verdicts: dict[str, Refusal | None] = {}
         self._splits: dict[int, dict[tuple[Any, ...], StagedProgram]] = {}  # id(graph) -> its programs
-        self._rows: dict[int, str | None] = {}  # rows per piece -> the loss check's verdict
+        self._rows: dict[Any, str | None] = {}  # rows per piece (or 'proof') -> the loss check's verdict
         self.rows_coupled: str | None = None
         """The loss check's first refusal (the loss couples the batch's rows), once one was made."""
         self._planned: ModelGraph | None = None

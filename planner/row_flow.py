@@ -1,0 +1,184 @@
+"""Does each row of the batch reach the loss on its own? A proof on the captured graph, no run.
+
+A step cut into pieces (dp slices, microbatches) is the batch's step only when every row's terms
+depend on that row alone until the loss combines them (``fairscale.loss_check``). That check ran
+the model eagerly on four rows of the example batch, forward and backward, which is most of what
+planning costs on a real model (Hugging Face's GPT-2 with its default config and a batch of 8 ×
+1024 tokens: 55 s of 63 s in ``fairscale.plan`` on two cores). :func:`rows_independent` proves
+the same thing from the ATen graph alone, when it can, by following the batch's dimension
+through every op::
+
+    tokens (B, S)  ─embedding─►  (B, S, D)  ─linear, attention, norm─►  (B, S, V)
+        ─view(-1, V)─►  (B·S, V)  rows in blocks of S  ─cross_entropy (mean)─►  loss
+
+A value's state is :class:`Rows` (``dim`` holds the batch: index ``i`` belongs to row
+``i // block``, and every element depends on its row and on no other), ``None`` (the same whatever
+the batch: parameters, constants, their functions) or :class:`Reduced` (a mean over all rows,
+allowed only in a linear combination at the end). An op without a rule here, or one that mixes
+rows (a reduction over the batch's dimension, ``a @ b.T`` of two batch values, a slice or an index
+along it, an in-place op), ends the proof: the answer is then "not proven" and the eager check
+decides, so a gap here costs time, never a wrong answer. Only two shapes of loss are proven, the
+two the runtime combines exactly without counting anything else:
+
+* **a token mean**: the graph's output is one ``cross_entropy`` / ``nll_loss`` with reduction mean
+  over values whose rows are the batch's (``passes.loss_weights.token_counter`` then weighs the
+  pieces by their labels);
+* **means**: the output is a linear combination, with constant coefficients, of full means
+  (``x.mean()``, ``mse_loss``) of row-wise values, each piece's mean over its equal share of rows.
+
+Sums over the batch, several token means, batch norm in training: not proven here (the eager check
+and ``passes.loss_count`` judge them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+import operator
+
+from planner.row_rules import (COMPUTE_RULES, NOOP, POINTWISE, TOKEN_KEY, Reduced, Rows, Rule, State, Unproven, args,
+                               op_name, pointwise)
+from planner.row_shapes import SHAPE_RULES
+
+__all__ = ["Rows", "Reduced", "rows_independent", "row_states", "same_but_rows", "live_nodes"]
+
+
+def rows_independent(gm: torch.fx.GraphModule, *, token_mean: bool) -> bool:
+    """Whether every row of the batch reaches ``gm``'s loss on its own and the loss combines the rows
+    as the runtime combines pieces (module docstring): ``token_mean`` when the loss is one token
+    mean (``passes.loss_weights.token_counter`` found it, ``exact``), else a linear combination of
+    means. False means not proven (the eager check then decides), never "coupled"."""
+    try:
+        states = row_states(gm)
+    except Exception:  # noqa: BLE001 - an op without a rule, or one this module misreads: not proven
+        return False
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    while isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if token_mean:
+        while value.op == "call_function" and op_name(value) in _KEEPS_VALUE and len(value.all_input_nodes) == 1:
+            value = value.all_input_nodes[0]
+        return bool(states.get(TOKEN_KEY) == value.name)
+    return isinstance(states.get(value.name), Reduced) and TOKEN_KEY not in states
+
+
+_KEEPS_VALUE = {"to", "_to_copy", "clone", "alias", "view", "reshape", "squeeze", "contiguous", "detach"}
+"""Ops between a token mean and the graph's output that keep its value (as ``passes.loss_weights``)."""
+
+
+def live_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes the output depends on, in graph order: the output's ancestors and every in-place
+    op's (whose write another reader may see), with the in-place ops. Hugging Face's models leave
+    dead ops behind (``torch.arange(batch_size)`` unsqueezed for a mask function nothing calls)."""
+    roots = [n for n in gm.graph.nodes if n.op == "output"
+             or n.op == "call_function" and op_name(n).endswith("_") and not op_name(n).startswith("_")]
+    seen: set[torch.fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return [n for n in gm.graph.nodes if n in seen]
+
+
+def row_states(gm: torch.fx.GraphModule) -> dict[str, State]:
+    """Node name -> state (module docstring), for every live node (:func:`live_nodes`); raises
+    :class:`planner.row_rules.Unproven` at the first op that mixes rows or has no rule. The batch
+    is every placeholder holding a tensor of one or more dims (the runtime slices dim 0 of each)."""
+    states: dict[str, State] = {}
+    for node in live_nodes(gm):
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            states[node.name] = Rows(0) if isinstance(val, torch.Tensor) and val.dim() > 0 else None
+        elif node.op == "get_attr":
+            states[node.name] = None
+        elif node.op == "call_function":
+            states[node.name] = op_state(node, states)
+        elif node.op == "output":
+            continue
+        else:  # call_module / call_method: not an ATen graph
+            raise Unproven(node, f"{node.op} has no rule (an ATen graph from torch.export is analysed)")
+    return states
+
+
+# --- two captures ----------------------------------------------------------------------------------
+
+
+_SHAPE_ARGS = {"view", "reshape", "_unsafe_view", "expand", "unflatten"}
+"""Ops whose size arguments may scale with the batch between two captures."""
+
+
+def same_but_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int, rows_b: int) -> str | None:
+    """Why ``a`` (captured on ``rows_a`` rows) and ``b`` (on ``rows_b``) are not one graph up to the
+    batch's size, or None when they are: the same ops on the same values, where the only constants
+    that differ are sizes of reshapes and expands that scale with the rows. A constant that follows
+    the batch's size elsewhere (``x * x.shape[0]``, ``torch.arange(len(x))``, a branch on it) is
+    invisible in one capture, which is why :func:`rows_independent`'s proof needs both."""
+    nodes_a, nodes_b = live_nodes(a), live_nodes(b)
+    if len(nodes_a) != len(nodes_b):
+        return f"{len(nodes_a)} nodes on {rows_a} rows, {len(nodes_b)} on {rows_b}"
+    index_a = {n.name: i for i, n in enumerate(nodes_a)}
+    index_b = {n.name: i for i, n in enumerate(nodes_b)}
+
+    def same(x: Any, y: Any, scales: bool) -> bool:
+        if isinstance(x, torch.fx.Node) or isinstance(y, torch.fx.Node):
+            return isinstance(x, torch.fx.Node) and isinstance(y, torch.fx.Node) \
+                and index_a.get(x.name) == index_b.get(y.name)
+        if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
+            return isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y) \
+                and all(same(u, v, scales) for u, v in zip(x, y))
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, int) and not isinstance(x, bool) and x != y:
+            return scales and x > 0 and x * rows_b == y * rows_a
+        return bool(x == y) or (isinstance(x, float) and x != x and y != y)
+
+    for x, y in zip(nodes_a, nodes_b):
+        scales = x.op == "call_function" and op_name(x) in _SHAPE_ARGS
+        if (x.op, x.target) != (y.op, y.target) or x.kwargs.keys() != y.kwargs.keys() \
+                or not same(list(x.args), list(y.args), scales) \
+                or not all(same(x.kwargs[k], y.kwargs[k], scales) for k in x.kwargs):
+            return f"{x.format_node()} on {rows_a} rows is {y.format_node()} on {rows_b}"
+    return None
+
+
+_RULES: dict[str, Rule] = {**COMPUTE_RULES, **SHAPE_RULES}
+assert not set(_RULES) & POINTWISE, "an op is elementwise or has its own rule, not both"
+
+
+def op_state(node: torch.fx.Node, states: dict[str, State]) -> State:
+    if node.target is operator.getitem:
+        whole = states[_first(node).name]
+        if whole is None:
+            return None
+        if isinstance(whole, tuple):
+            return whole[args(node)[1]]
+        raise Unproven(node, "getitem of a single value")
+    inputs = [states[n.name] for n in node.all_input_nodes]
+    if all(s is None for s in inputs):
+        return None  # a function of the parameters and constants alone, whatever the op
+    name = op_name(node)
+    if name in NOOP:
+        return inputs[0] if name == "detach_" else None
+    if node.op == "call_function" and name.endswith("_") and not name.startswith("_"):
+        raise Unproven(node, "an in-place op (its input's other readers would see the write)")
+    rule = _RULES.get(name)
+    if rule is None:
+        if name in POINTWISE:
+            return pointwise(node, states, name)
+        raise Unproven(node, f"no rule for {name}")
+    return rule(node, states)
+
+
+def _first(node: torch.fx.Node) -> torch.fx.Node:
+    arg = node.args[0]
+    if not isinstance(arg, torch.fx.Node):
+        raise Unproven(node, "getitem of a constant")
+    return arg
