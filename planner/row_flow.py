@@ -16,8 +16,8 @@ A value's state is :class:`Rows` (``dim`` holds the batch: index ``i`` belongs t
 the batch: parameters, constants, their functions) or :class:`Reduced` (a mean over all rows,
 allowed only in a linear combination at the end). An op without a rule here, or one that mixes
 rows (a reduction over the batch's dimension, ``a @ b.T`` of two batch values, a slice or an index
-along it, an in-place op), ends the proof: the answer is then "not proven" and the eager check
-decides, so a gap here costs time, never a wrong answer. Only two shapes of loss are proven, the
+along it, an in-place op whose write another reader may see), ends the proof: the answer is then
+"not proven" and the eager check decides, so a gap here costs time, never a wrong answer. Only two shapes of loss are proven, the
 two the runtime combines exactly without counting anything else:
 
 * **a token mean**: the graph's output is one ``cross_entropy`` / ``nll_loss`` with reduction mean
@@ -111,8 +111,10 @@ def row_states(gm: torch.fx.GraphModule) -> dict[str, State]:
 # --- two captures ----------------------------------------------------------------------------------
 
 
-_SHAPE_ARGS = {"view", "reshape", "_unsafe_view", "expand", "unflatten"}
-"""Ops whose size arguments may scale with the batch between two captures."""
+_SIZE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "unflatten": 2, "ones": 0, "zeros": 0,
+             "full": 0, "new_ones": 1, "new_zeros": 1, "new_full": 1}
+"""Op -> the position of its size argument, whose ints may scale with the batch between two captures
+(nothing else of the node may differ: ``full(size, fill)``'s fill must not)."""
 
 
 def same_but_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int, rows_b: int) -> str | None:
@@ -141,10 +143,11 @@ def same_but_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int,
         return bool(x == y) or (isinstance(x, float) and x != x and y != y)
 
     for x, y in zip(nodes_a, nodes_b):
-        scales = x.op == "call_function" and op_name(x) in _SHAPE_ARGS
+        at = _SIZE_ARG.get(op_name(x), -1) if x.op == "call_function" else -1
         if (x.op, x.target) != (y.op, y.target) or x.kwargs.keys() != y.kwargs.keys() \
-                or not same(list(x.args), list(y.args), scales) \
-                or not all(same(x.kwargs[k], y.kwargs[k], scales) for k in x.kwargs):
+                or len(x.args) != len(y.args) \
+                or not all(same(u, v, i == at) for i, (u, v) in enumerate(zip(x.args, y.args))) \
+                or not all(same(x.kwargs[k], y.kwargs[k], k == "size") for k in x.kwargs):
             return f"{x.format_node()} on {rows_a} rows is {y.format_node()} on {rows_b}"
     return None
 
@@ -168,13 +171,30 @@ def op_state(node: torch.fx.Node, states: dict[str, State]) -> State:
     if name in NOOP:
         return inputs[0] if name == "detach_" else None
     if node.op == "call_function" and name.endswith("_") and not name.startswith("_"):
-        raise Unproven(node, "an in-place op (its input's other readers would see the write)")
+        if not _sole_fresh_reader(node):
+            raise Unproven(node, "an in-place op whose write another reader may see")
+        name = name[:-1]  # on a fresh value nothing else reads, it is its functional op
     rule = _RULES.get(name)
     if rule is None:
         if name in POINTWISE:
             return pointwise(node, states, name)
         raise Unproven(node, f"no rule for {name}")
     return rule(node, states)
+
+
+_MAY_ALIAS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "slice", "select", "narrow", "expand",
+              "unsqueeze", "squeeze", "alias", "detach", "split", "chunk", "unflatten", "flatten", "as_strided",
+              "diagonal", "unbind", "contiguous", "to", "type_as", "view_as", "expand_as", "reshape_as"}
+"""Ops whose output may share its input's storage: an in-place write to it writes the input too."""
+
+
+def _sole_fresh_reader(node: torch.fx.Node) -> bool:
+    """Whether in-place ``node`` writes a value only it reads, computed into storage of its own (not
+    a view, a parameter or an input): then no other reader sees the write (``relu_`` after a norm,
+    ``out += identity``)."""
+    target = node.args[0] if node.args else None
+    return isinstance(target, torch.fx.Node) and target.op == "call_function" and len(target.users) == 1 \
+        and target.target is not operator.getitem and op_name(target) not in _MAY_ALIAS
 
 
 def _first(node: torch.fx.Node) -> torch.fx.Node:

@@ -50,7 +50,7 @@ State = Any  # Rows | Reduced | None | tuple of states (an op with several outpu
 POINTWISE = {
     "add", "sub", "rsub", "mul", "div", "pow", "neg", "tanh", "silu", "gelu", "relu", "sigmoid", "rsqrt", "sqrt",
     "exp", "log", "abs", "where", "le", "lt", "ge", "gt", "eq", "ne", "masked_fill", "clamp", "clamp_min",
-    "clamp_max", "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "type_as", "logical_not",
+    "clamp_max", "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "logical_not",
     "logical_and", "logical_or", "maximum", "minimum", "erf", "cos", "sin", "reciprocal", "square", "log1p",
     "expm1", "softplus", "hardtanh", "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6",
     "bitwise_and", "bitwise_or", "bitwise_not", "lerp", "detach", "lift_fresh_copy", "_assert_tensor_metadata",
@@ -355,6 +355,13 @@ def broadcast_free(arg: torch.fx.Node, dim: int, ndim: int) -> bool:
         if not (0 <= at < len(shape)) or shape[at] == 1:
             return True
         name = op_name(arg) if arg.op == "call_function" else ""
+        if name in _UNIFORM:
+            return True
+        if name == "embedding" and at < len(shape) - 1:  # ids constant along a dim: their rows too
+            source = args(arg)[1]
+            if isinstance(source, torch.fx.Node):
+                dim, ndim, arg = at, len(shape) - 1, source
+                continue
         source = args(arg)[0] if name in _KEEPS else None
         if not isinstance(source, torch.fx.Node):
             return False
@@ -367,6 +374,9 @@ def broadcast_free(arg: torch.fx.Node, dim: int, ndim: int) -> bool:
         arg = source
 
 
+_UNIFORM = {"ones", "zeros", "full", "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like",
+            "scalar_tensor"}
+"""Ops that fill every element with one value."""
 _KEEPS = {"expand", "to", "_to_copy", "clone", "contiguous", "alias", "detach"}
 """Ops whose output holds its input's values where the input's dims are kept (for :func:`broadcast_free`)."""
 
@@ -382,6 +392,33 @@ def _broadcast_tensors(node: torch.fx.Node, states: dict[str, State]) -> State:
     return tuple(rows for _ in vals)
 
 
+def _per_sample(spatial: int, mixes_channels: bool) -> Rule:
+    """Ops on (N, C, *spatial) inputs that act on each sample alone: convolutions (which mix the
+    channels too, so they need the batched form) and pools (which need only the batch's dim
+    outside the ``spatial`` dims they pool)."""
+    def rule(node: torch.fx.Node, states: dict[str, State]) -> State:
+        rows = same_as_first(node, states)
+        ndim = len(shape_of(args(node)[0]))
+        if rows is None:
+            return None
+        if (rows.dim != 0 or ndim != spatial + 2) if mixes_channels else rows.dim >= ndim - spatial:
+            raise Unproven(node, "the batch's dim is among the dims it mixes")
+        return (rows, rows) if isinstance(node.meta.get("val"), (list, tuple)) else rows
+    return rule
+
+
+def _type_as(node: torch.fx.Node, states: dict[str, State]) -> State:
+    """``type_as(self, other)``: ``self``'s values in ``other``'s dtype (``other``'s values unread)."""
+    return state_of(args(node)[0], states)
+
+
+def _group_norm(node: torch.fx.Node, states: dict[str, State]) -> State:
+    rows = same_as_first(node, states)
+    if rows is not None and rows.dim != 0:
+        raise Unproven(node, "group norm normalizes across the batch's dim")
+    return (rows, rows, rows) if isinstance(node.meta.get("val"), (list, tuple)) else rows
+
+
 Rule = Callable[[torch.fx.Node, dict[str, State]], State]
 
 COMPUTE_RULES: dict[str, Rule] = {
@@ -390,6 +427,15 @@ COMPUTE_RULES: dict[str, Rule] = {
     "native_layer_norm": _native_layer_norm,
     "scaled_dot_product_attention": _sdpa, "cross_entropy_loss": _token_mean, "nll_loss": _token_mean,
     "nll_loss_nd": _token_mean, "broadcast_tensors": _broadcast_tensors,
+    "conv1d": _per_sample(1, True), "conv2d": _per_sample(2, True), "conv3d": _per_sample(3, True),
+    "conv_transpose1d": _per_sample(1, True), "conv_transpose2d": _per_sample(2, True),
+    "conv_transpose3d": _per_sample(3, True),
+    "max_pool1d": _per_sample(1, False), "max_pool2d": _per_sample(2, False), "max_pool3d": _per_sample(3, False),
+    "avg_pool1d": _per_sample(1, False), "avg_pool2d": _per_sample(2, False), "avg_pool3d": _per_sample(3, False),
+    "max_pool2d_with_indices": _per_sample(2, False), "adaptive_avg_pool1d": _per_sample(1, False),
+    "adaptive_avg_pool2d": _per_sample(2, False), "adaptive_max_pool2d": _per_sample(2, False),
+    "upsample_nearest2d": _per_sample(2, False), "upsample_bilinear2d": _per_sample(2, False),
+    "group_norm": _group_norm, "native_group_norm": _group_norm, "type_as": _type_as,
     **{name: _softmax for name in _SOFTMAX},
     **{name.split(".")[0]: _reduce for name in _REDUCE},
     **{name: _mean_loss for name in _MEANS if name != "mean"},

@@ -7,8 +7,8 @@ from math import prod
 import torch
 import torch.fx
 
-from planner.row_rules import (Rows, Rule, State, Unproven, args, kwargs_of, norm_dim, op_name, rows_of, same_as_first,
-                               shape_of, state_of)
+from planner.row_rules import (Rows, Rule, State, Unproven, args, broadcast_free, kwargs_of, norm_dim, op_name, rows_of,
+                               same_as_first, shape_of, state_of)
 
 __all__ = ["SHAPE_RULES"]
 
@@ -114,6 +114,17 @@ def _along(node: torch.fx.Node, states: dict[str, State]) -> State:
     return rows
 
 
+def _stack(node: torch.fx.Node, states: dict[str, State]) -> State:
+    parts = list(args(node)[0])
+    out = shape_of(node)
+    dim = norm_dim(int(args(node)[1] if len(args(node)) > 1 else kwargs_of(node).get("dim", 0)), len(out))
+    kinds = {rows_of(node, p, states) for p in parts} - {None}
+    if len(kinds) != 1 or any(state_of(p, states) is None for p in parts):
+        raise Unproven(node, "the parts hold the batch differently, or a batch-free part is among them")
+    rows = next(k for k in kinds if k is not None)
+    return Rows(rows.dim + 1 if dim <= rows.dim else rows.dim, rows.block)
+
+
 def _whole(given: tuple[object, ...], size: int) -> bool:
     """Whether ``slice(self, dim, start, end, step)`` keeps every index (``x[:, 1:]`` slices dim 0 whole first)."""
     start, end, step = (list(given[2:5]) + [None, None, None])[:3]
@@ -131,7 +142,8 @@ def _cat(node: torch.fx.Node, states: dict[str, State]) -> State:
     rows = next(k for k in kinds if k is not None)
     if rows.dim == dim:
         raise Unproven(node, "cat along the batch's dim")
-    if any(state_of(p, states) is None and prod(shape_of(p)) for p in parts):  # row i gets its i-th slice
+    if any(state_of(p, states) is None and prod(shape_of(p)) and not broadcast_free(p, rows.dim, len(out))
+           for p in parts):  # row i would get the part's i-th slice (a class token expanded to the batch is one value)
         raise Unproven(node, "a batch-free part beside the batch's rows")
     return rows
 
@@ -144,6 +156,6 @@ SHAPE_RULES: dict[str, Rule] = {
     "unsqueeze": _unsqueeze, "squeeze": _squeeze, "expand": _expand,
     "slice": _along, "select": _along, "split": _along, "split_with_sizes": _along, "chunk": _along,
     "unsafe_split": _along, "narrow": _along, "pad": _along, "constant_pad_nd": _along, "index_select": _along,
-    "cat": _along,
+    "cat": _along, "stack": _stack,
 }
 """ATen op -> its rule, for the ops that move or cut dims."""

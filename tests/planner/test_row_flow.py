@@ -105,6 +105,14 @@ ROWWISE: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "where on a mask": lambda m, h: torch.where(h > 0, h, 0.1 * h),
     "gelu, tanh, sigmoid": lambda m, h: F.gelu(h) + torch.tanh(h) * torch.sigmoid(h),
     "expand a batch-free row": lambda m, h: h + m.lin.bias.view(1, 1, D).expand(h.shape[0], S, D),
+    "a mask of ones the batch's size": lambda m, h: h * torch.ones(h.shape[0], S, 1),
+    "in place on a fresh value": lambda m, h: F.relu(m.norm(h), inplace=True),
+    "a class token expanded to the batch": lambda m, h: torch.cat([m.lin.bias.view(1, 1, D).expand(h.shape[0], 1, D),
+                                                                   h[:, 1:]], dim=1),
+    "type_as": lambda m, h: h + torch.ones(S, D).triu().type_as(h),
+    "stack": lambda m, h: torch.stack([h, h * 2], dim=0).sum(0) + torch.stack([h, h], dim=2).mean(2),
+    "conv, group norm and pool per sample": lambda m, h: F.avg_pool1d(
+        F.group_norm(F.conv1d(h.transpose(1, 2), m.lin.weight.unsqueeze(-1)), 2), 1).transpose(1, 2),
 }
 
 
@@ -134,8 +142,13 @@ COUPLED: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "max over rows": lambda m, h: h - h.amax(0),
     "top-k over tokens": lambda m, h: h * (h.flatten(0, 1).sum(-1).topk(2).values.sum()),
     "in place": lambda m, h: h.add_(h.mean(0)),
+    "in place through a view another reads": lambda m, h: h + h.view(-1, D).mul_(h.view(-1, D).mean(0)).view(h.shape),
     "batch norm": lambda m, h: F.batch_norm(h.transpose(1, 2), None, None, training=True).transpose(1, 2),
     "a python branch on the size": lambda m, h: h * 2 if h.shape[0] > 2 else h,
+    "filled with the batch's size": lambda m, h: h * torch.full((h.shape[0], S, 1), float(h.shape[0])),
+    "a convolution across the rows": lambda m, h: F.conv1d(h.permute(2, 0, 1), torch.ones(h.shape[0], h.shape[0], 1))
+    .permute(1, 2, 0),
+    "group norm across the rows": lambda m, h: F.group_norm(h.transpose(0, 1), 1).transpose(0, 1),
 }
 
 
@@ -188,6 +201,26 @@ def test_other_losses_are_left_to_the_eager_check(name: str) -> None:
 def test_a_token_mean_language_model_is_proven() -> None:
     torch.manual_seed(0)
     model, batch = TinyLM(), _tokens()
+    assert _proven(model, batch)
+    _agrees_with_eager(model, batch)
+
+
+class TokenTypes(nn.Module):
+    """BERT's embeddings: token type ids from a buffer of zeros expanded to the batch's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words, self.types, self.out = nn.Embedding(V, D), nn.Embedding(2, D), nn.Linear(D, V)
+        self.register_buffer("type_ids", torch.zeros(1, S, dtype=torch.long), persistent=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.words(ids) + self.types(self.type_ids.expand(ids.shape[0], S))
+        return F.cross_entropy(self.out(h).view(-1, V), labels.view(-1))
+
+
+def test_embeddings_of_ids_expanded_to_the_batch_are_proven() -> None:
+    torch.manual_seed(0)
+    model, batch = TokenTypes(), _tokens()
     assert _proven(model, batch)
     _agrees_with_eager(model, batch)
 
