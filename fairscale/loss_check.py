@@ -208,8 +208,12 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
           batch: tuple[Any, ...]) -> tuple[float, torch.Tensor | None]:
     """The loss of ``batch`` and its gradient's projection (one random projection per parameter
     tensor, from fixed seeds: the same for every batch), in eval mode, from a fixed random state;
-    the modules' training flags are restored after, and no ``.grad`` is touched."""
+    the modules' training flags and buffers are restored after (a forward that counts its calls, or
+    keeps an average, had left the check's three runs in the model the ranks then copied), and no
+    ``.grad`` is touched."""
     flags = [(m, m.training) for m in model.modules()]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         model.eval()
@@ -227,6 +231,10 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
     finally:
         for m, training in flags:
             m.training = training
+        with torch.no_grad():
+            for m, name, b, value in buffers:
+                m._buffers[name] = b  # a forward that rebinds the buffer, or writes it in place
+                b.copy_(value)
 
 
 def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float] | None:

@@ -212,3 +212,30 @@ def _contrastive_dp2(rank: int, world: int) -> str:
 def test_parallelize_refuses_a_plan_that_cuts_a_coupled_batch_on_every_rank() -> None:
     messages = fairscale.launch(_contrastive_dp2, devices=2)
     assert all("not computed row by row" in m for m in messages), messages
+
+
+def test_the_eager_check_leaves_the_models_buffers_as_they_were() -> None:
+    """A forward that counts its calls or keeps an average of its activations: the check's three
+    eager runs had stayed in the model (the ranks then started from a counter of 3 on rank 0)."""
+    import torch.nn.functional as F
+
+    from fairscale.loss_check import row_problem
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+            self.register_buffer("avg", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            self.avg = 0.9 * self.avg + 0.1 * x.mean(0).detach()  # rebinds the buffer
+            return F.mse_loss(self.lin(x), y)
+
+    model = Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.randn(4, 4), torch.randn(4, 4))
+    assert row_problem(model, batch, None, None, 2) is None
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), {k: after[k] for k in ("calls", "avg")}
