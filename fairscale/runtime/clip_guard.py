@@ -9,6 +9,9 @@ coefficient on every rank, a silent difference from one process. Once a Parallel
 * given exactly a live ParallelModule's parameters, it is ``pm.clip_grad_norm_(max_norm,
   norm_type, error_if_nonfinite=...)``: the norm of the whole model, every element once, the same on every rank
   (collective: every rank calls it, as every rank runs the same script);
+* given the parameters of the model it was built from (``model.parameters()``, as nanoGPT and
+  most loops write it; frozen ones may be left out), the same: those tensors get no gradients
+  once parallelized, so torch's function had returned 0 and clipped nothing, silently;
 * given some of them, or some mixed with other tensors, it raises and says what to call instead;
 * anything else goes to torch's own function unchanged.
 
@@ -46,7 +49,20 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     given = {id(p) for p in params}
     for pm in list(_LIVE):
+        if pm.retired:
+            continue
         own = {id(p) for p in pm.parameters()}
+        model = pm._user_model()
+        if model is not None and given & (users := {id(p) for p in model.parameters()}):
+            trainable = {id(p) for p in model.parameters() if p.requires_grad}
+            if given - users or not trainable <= given:
+                raise RuntimeError(
+                    "torch.nn.utils.clip_grad_norm_ was given some of the parameters of a model passed to "
+                    "fairscale.parallelize" + (" and other tensors" if given - users else "") + ": its training "
+                    "runs on the ParallelModule's slices and shards, and these tensors get no gradients. Clip "
+                    "the whole model with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
+                    "pm.clip_grad_norm_(max_norm) (or pm.train_step(batch, clip_norm=max_norm))")
+            return pm.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
         if not own & given:
             continue
         if own != given:
