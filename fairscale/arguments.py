@@ -7,7 +7,9 @@ range`` in the annotator, for a bare tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -68,7 +70,8 @@ def check_optimizer(optimizer: Any, model: nn.Module | None = None) -> Any:
         if model is None:
             raise TypeError("an optimizer instance is read against the model it was built over; pass the class "
                             "or functools.partial of one here")
-        return optimizer_groups(optimizer, model)
+        groups = optimizer_groups(optimizer, model)
+        return dataclasses.replace(groups, source=weakref.ref(optimizer))  # build_module disowns it
     func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
     if not (isinstance(func, type) and issubclass(func, torch.optim.Optimizer)):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer subclass, a functools.partial of one (e.g. "

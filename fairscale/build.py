@@ -42,6 +42,7 @@ from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.modes import modes_of
 from fairscale.runtime.optim_groups import OptimizerGroups
+from fairscale.runtime.user_optimizer import disown, watch
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
 from fairscale.runtime.startup import rendezvous
 from passes import compile_rank
@@ -104,7 +105,12 @@ def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
     validation or compile check (``fairscale.parallelize`` does those first)."""
     program = compile_program(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, device=device,
                               predicted=predicted)
-    return ParallelModule(program, optimizer=optimizer, tf32=tf32)
+    pm = ParallelModule(program, optimizer=optimizer, tf32=tf32)
+    instance = optimizer.source() if isinstance(optimizer, OptimizerGroups) and optimizer.source else None
+    if instance is not None:  # the user's own instance no longer trains anything: keep it from use
+        disown(instance)
+        watch(pm.optimizer, optimizer.source, optimizer.options)  # type: ignore[union-attr, arg-type]
+    return pm
 
 
 def memory_by_stage(plan: Plan, graph: ModelGraph, cluster: Cluster, *, optimizer: OptimizerSpec | None = None,

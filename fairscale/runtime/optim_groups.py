@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,6 +48,8 @@ class OptimizerGroups:
     """Each group's options, everything but ``params``, in the user's order."""
     group_of: dict[str, int]
     """Every name of every parameter in a group (tied names too) -> its group's index."""
+    source: Callable[[], torch.optim.Optimizer | None] | None = field(default=None, compare=False, repr=False)
+    """A weak reference to the instance read (``fairscale.runtime.user_optimizer``), if any."""
 
     def build(self, groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
         """The optimizer over ``groups[g]`` with group ``g``'s options (empty groups kept)."""

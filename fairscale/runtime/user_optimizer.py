@@ -1,0 +1,88 @@
+"""The optimizer a script built over its model and gave to ``fairscale.parallelize``, kept from use.
+
+``parallelize`` reads the instance into groups (:mod:`fairscale.runtime.optim_groups`) and each rank
+steps an optimizer of its own over its slices and shards: ``pm.optimizer``. The instance holds the
+model's own tensors, which get no gradients once parallelized, so a loop that went on with it::
+
+    pm = fairscale.parallelize(model, example_inputs=batch, optimizer=opt)
+    sched = get_linear_schedule_with_warmup(opt, ...)     # or built before parallelize
+    ...
+    opt.step(); sched.step(); opt.zero_grad()
+
+trained nothing (every loss the same), or, stepping ``pm.optimizer`` with the scheduler still on
+the instance, trained at the starting learning rate, without a word. Now:
+
+* the instance's ``step()`` and ``zero_grad()`` raise, saying to use ``pm.optimizer``
+  (:func:`disown`);
+* ``pm.optimizer.step()`` raises, before it steps, when an option of the instance's groups (a
+  scheduler's ``lr``, a hand-set weight decay) changed since ``parallelize`` read it, naming the
+  group, the option and both values (:func:`watch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["UserOptimizerError", "disown", "watch"]
+
+_USE = ("set options on pm.optimizer.param_groups, attach learning-rate schedulers to pm.optimizer, and "
+        "call pm.optimizer.step() / pm.optimizer.zero_grad() (or pm.train_step(batch))")
+
+
+class UserOptimizerError(RuntimeError):
+    """The optimizer given to ``fairscale.parallelize`` was used as if it trained the model."""
+
+
+def disown(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer``'s ``step`` and ``zero_grad`` raise."""
+    name = type(optimizer).__name__
+    why = (f"this {name} was given to fairscale.parallelize, which trains the model's slices and shards with "
+           f"pm.optimizer; this {name}'s tensors are the model's own, which get no gradients once parallelized, "
+           f"so %s would do nothing: {_USE}")
+
+    def refuse_step(*_: Any) -> None:
+        raise UserOptimizerError(why % "its step()")
+
+    def refuse_zero_grad(*_: Any, **__: Any) -> None:
+        raise UserOptimizerError(why % "its zero_grad()")
+
+    if not getattr(optimizer, "_fairscale_disowned", False):
+        optimizer.register_step_pre_hook(refuse_step)
+        optimizer.zero_grad = refuse_zero_grad  # type: ignore[method-assign]
+        optimizer._fairscale_disowned = True  # type: ignore[attr-defined]
+
+
+def watch(stepped: torch.optim.Optimizer, source: Callable[[], torch.optim.Optimizer | None],
+          options: tuple[dict[str, Any], ...]) -> None:
+    """Before each step of ``stepped`` (``pm.optimizer``), raise if the groups of the instance
+    ``source`` refers to no longer have ``options`` (what ``parallelize`` read)."""
+    options = tuple({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in options)
+
+    def check(*_: Any) -> None:
+        opt = source()
+        if opt is None:
+            return
+        for g, (group, was) in enumerate(zip(opt.param_groups, options)):
+            now = {k: v for k, v in group.items() if k != "params"}
+            for key in sorted(set(now) | set(was)):
+                if key not in was or key not in now or not _same(now[key], was[key]):
+                    change = (f"gained {key!r} = {now[key]!r} (a learning-rate scheduler attached to it?)"
+                              if key not in was else f"lost {key!r}" if key not in now else
+                              f"has {key!r} = {now[key]!r}, where fairscale.parallelize read {was[key]!r}")
+                    raise UserOptimizerError(
+                        f"param_groups[{g}] of the {type(opt).__name__} given to fairscale.parallelize {change}: that "
+                        f"optimizer does not train the model (pm.optimizer does, from the options it had then), so "
+                        f"the change would be lost; {_USE}")
+
+    stepped.register_step_pre_hook(check)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an option whose == does not give a bool
+        return a is b

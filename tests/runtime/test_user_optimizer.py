@@ -1,0 +1,91 @@
+"""The optimizer a script gave ``fairscale.parallelize`` is kept from use (``fairscale.runtime.user_optimizer``).
+
+``pm.optimizer`` trains the ranks' slices and shards; the instance holds the model's own tensors,
+which get no gradients once parallelized. A Hugging Face-style loop that went on with it
+(``optimizer.step(); scheduler.step(); optimizer.zero_grad()``) trained nothing, every loss the
+same, and a scheduler left on the instance while ``pm.optimizer`` stepped trained at the starting
+learning rate, both without a word. Now the instance's ``step``/``zero_grad`` raise, and
+``pm.optimizer.step()`` raises before stepping when the instance's options changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fairscale
+from fairscale.testing.models import build
+from planner.plan import Mesh, Plan, Schedule
+
+BATCH = 8
+PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "(not refused)"
+
+
+def _parallelized(warmup: bool):
+    case = build("mlp")
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4) if warmup else None
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
+                               plan=PLAN, optimizer=opt)
+    return case, opt, sched, pm
+
+
+def _rank(rank: int, world: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    case, opt, sched, pm = _parallelized(warmup=True)  # a warmup scheduler built before parallelize
+    batch = case.make_batch(1, BATCH)
+    pm.train_step(batch)  # nothing changed on the instance yet: trains
+    pm(*batch).backward()
+    out["opt.step()"] = _refused(opt.step)
+    out["opt.zero_grad()"] = _refused(opt.zero_grad)
+    sched.step()  # the scheduler drives the instance, which trains nothing
+    out["scheduler on the instance"] = _refused(pm.optimizer.step)
+
+    case, opt, _, pm = _parallelized(warmup=False)
+    opt.param_groups[0]["weight_decay"] = 0.5  # set by hand on the wrong optimizer
+    out["hand-set option"] = _refused(lambda: pm.train_step(case.make_batch(1, BATCH)))
+
+    case, opt, _, pm = _parallelized(warmup=False)  # the documented way trains on
+    sched = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lambda s: 0.5 ** s)
+    for step in range(2):
+        pm.train_step(case.make_batch(step, BATCH))
+        sched.step()
+    out["lr after two scheduled steps"] = pm.optimizer.param_groups[0]["lr"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, object]]:
+    return fairscale.launch(_rank, devices=2, timeout_s=600)
+
+
+def test_stepping_the_instance_given_to_parallelize_is_refused(runs) -> None:
+    for out in runs:
+        for call in ("step()", "zero_grad()"):
+            text = out[f"opt.{call}"]
+            assert text.startswith("UserOptimizerError: this AdamW was given to fairscale.parallelize, which trains "
+                                   "the model's slices and shards with pm.optimizer; "), text
+            assert f"so its {call} would do nothing: " in text and "pm.optimizer.step()" in text, text
+
+
+def test_a_changed_option_on_the_instance_is_refused_before_pm_optimizer_steps(runs) -> None:
+    for out in runs:
+        text = out["scheduler on the instance"]
+        assert text.startswith("UserOptimizerError: param_groups[0] of the AdamW given to fairscale.parallelize has "
+                               "'lr' = 0.005, where fairscale.parallelize read 0.0025: "), text
+        assert "attach learning-rate schedulers to pm.optimizer" in text, text
+        text = out["hand-set option"]
+        assert "has 'weight_decay' = 0.5, where fairscale.parallelize read 0.01" in text, text
+
+
+def test_schedulers_on_pm_optimizer_still_drive_training(runs) -> None:
+    for out in runs:
+        assert out["lr after two scheduled steps"] == pytest.approx(1e-2 * 0.25)
