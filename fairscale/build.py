@@ -40,6 +40,7 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.frozen import trainable_of
 from fairscale.runtime.modes import modes_of
 from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.user_optimizer import disown, watch
@@ -93,6 +94,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        tied=[list(g) for g in graph.tied], report=render_report(plan, graph),
                        token_counter=token_counter(graph.gm),
                        model=weakref.ref(model), modes=modes, eval_modules=eval_modules,
+                       trainable=trainable_of(model),
                        predicted_memory=dict(predicted or {}),
                        example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 

@@ -32,7 +32,8 @@ from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
 from fairscale.runtime.modes import ModeError, all_eval, mode_change
-from fairscale.runtime.optim_groups import OptimizerGroups
+from fairscale.runtime.frozen import check_trainable
+from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.program import RankProgram
@@ -142,7 +143,7 @@ class ParallelModule:
         self._evaluator: PipelineExecutor | None = None
         self._eval_modules: dict[int, torch.fx.GraphModule] | None = None
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
-        cls, kwargs = _optimizer_parts(optimizer)
+        cls, kwargs = optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
         self.optimizer = StageOptimizers(self._optimizers, self.mesh.groups)
         self._grad_norm: torch.Tensor | None = None
@@ -189,6 +190,7 @@ class ParallelModule:
             raise ModeError(f"pm.train_step runs the mode its graphs were compiled in, and {change}: set the mode back "
                             "(model.train() or model.eval()) before training, or set it before fairscale.parallelize; "
                             "validate with pm.evaluate(batch), or model.eval() and pm(*batch) under torch.no_grad()")
+        check_trainable(self._user_model(), self.rank_program.trainable, "pm.train_step")
         loss = self._step(batch, clip_norm=clip_norm, measure_memory=measure_memory)
         for hook in list(self.after_step):  # outside the mesh's groups: a hook may switch the plan
             hook(self, loss)
@@ -325,6 +327,8 @@ class ParallelModule:
                                 "model.eval(), call pm(*batch) under torch.no_grad() (it then runs in eval mode) or "
                                 "use pm.evaluate(batch); set the mode back (model.train()) before training")
             modules = self._eval_graphs()
+        if torch.is_grad_enabled():
+            check_trainable(self._user_model(), self.rank_program.trainable, "pm(batch)")
         weights = self._weights(batch, microbatches=1)
         out = modules[0](*self._local(batch))
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
@@ -476,18 +480,6 @@ class ParallelModule:
         """Bytes each collective of this module moved on this rank (ring volumes) since its counter
         (``pm.comm_counter``) was reset."""
         return self.comm_counter.summary()
-
-
-def _optimizer_parts(spec: OptimizerSpec | None) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
-    if spec is None:
-        return torch.optim.Adam, {"lr": 1e-3}
-    if isinstance(spec, OptimizerGroups):
-        return spec.cls, {"groups": spec}
-    if isinstance(spec, functools.partial):
-        if spec.args:
-            raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return spec.func, dict(spec.keywords)
-    return spec, {}
 
 
 def _chunks(batch: Sequence[Any], m: int) -> list[list[Any]]:

@@ -26,6 +26,7 @@ as the user's optimizer would. Padding joins the run before it; its gradient is 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["OptimizerGroups", "optimizer_groups", "Segments", "group_runs"]
+__all__ = ["OptimizerGroups", "optimizer_groups", "optimizer_parts", "Segments", "group_runs"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,19 @@ def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> Opti
                          "group, or freeze them (p.requires_grad_(False)) before fairscale.parallelize")
     options = tuple({k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups)
     return OptimizerGroups(cls=cls, defaults=dict(optimizer.defaults), options=options, group_of=group_of)
+
+
+def optimizer_parts(spec: Any) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class and keyword options of ``parallelize``'s ``optimizer`` (default Adam, lr 1e-3)."""
+    if spec is None:
+        return torch.optim.Adam, {"lr": 1e-3}
+    if isinstance(spec, OptimizerGroups):
+        return spec.cls, {"groups": spec}
+    if isinstance(spec, functools.partial):
+        if spec.args:
+            raise ValueError("pass optimizer options by keyword: functools.partial(torch.optim.AdamW, lr=3e-4)")
+        return spec.func, dict(spec.keywords)
+    return spec, {}
 
 
 def group_runs(param: torch.Tensor, pieces: list[tuple[str, int, int]],

@@ -66,6 +66,9 @@ class RankProgram:
     modes: tuple[bool, ...] = ()
     """Every module's ``training`` flag when the model was captured (``fairscale.runtime.modes``):
     the mode the rank graphs run; empty when not recorded."""
+    trainable: tuple[tuple[str, bool], ...] = ()
+    """Every parameter's name and ``requires_grad`` when the model was compiled
+    (``fairscale.runtime.frozen``): which parameters the rank trains; empty when not recorded."""
     eval_modules: Callable[[RankProgram, dict[int, torch.fx.GraphModule]], dict[int, torch.fx.GraphModule]] | None = None
     """The face's rewrite of this rank's stage graphs to eval mode, called as ``f(program, modules)``
     on ``pm.evaluate``'s first call (``fairscale.eval_mode.eval_modules``); None: not available."""
