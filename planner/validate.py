@@ -20,6 +20,7 @@ import re
 from typing import Any, Sequence
 
 from planner.batch_stats import find_batch_stat_ops, microbatch_problem, min_rows, rows_problem, unsupported_problem
+from planner.buffer_writes import buffer_write_problem, find_buffer_writes
 from planner.graph import ModelGraph
 from planner.plan import BATCH_NORM_MODES, READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
 from planner.schedule_kinds import KINDS
@@ -65,6 +66,9 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     _check_data_parallel(plan, graph, problems, runnable=runnable)
     _check_recompute(plan, graph, problems)
     _check_batch_norm(plan, graph, problems)
+    if graph is not None and (cut := buffer_write_problem(find_buffer_writes(graph.gm), dp=plan.mesh.dp,
+                                                           microbatches=plan.schedule.microbatches)) is not None:
+        problems.append(cut)
     broken = {_section(p) for p in schema_problems}
     broken |= {d for s in broken for d in _READS.get(s, ())}
     problems = list(schema_problems) + [p for p in problems if _section(p) not in broken]

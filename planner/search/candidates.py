@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from planner.batch_stats import find_batch_stat_ops, microbatch_problem, min_rows
+from planner.buffer_writes import buffer_write_problem, find_buffer_writes
 from planner.cluster import default_compute_dtype
 from planner.graph import ModelGraph
 from planner.plan import PlanError
@@ -65,6 +66,11 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
     one_microbatch = bool(stats) and fixed.batch_norm != "local"
     if one_microbatch and fixed.microbatches is not None and fixed.microbatches > 1:
         raise PlanError([microbatch_problem(stats, fixed.microbatches)], source="constraints")
+    writes = find_buffer_writes(graph.gm)  # updated once per step in one process: the batch stays whole
+    if (cut := buffer_write_problem(writes, dp=fixed.dp or 1, microbatches=fixed.microbatches or 1,
+                                    where="constraints")) is not None:
+        raise PlanError([cut], source="constraints")
+    one_microbatch = one_microbatch or bool(writes)
     rows = min_rows(stats)
     out: list[Config] = []
     for tp in ([fixed.tp] if fixed.tp else allowed_tp):
@@ -78,6 +84,9 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                 continue
             if dp is None:
                 notes.append(f"dp={fixed.dp or N // (tp * pp)} does not divide the global batch {B}")
+                continue
+            if writes and dp > 1:
+                notes.append(str(buffer_write_problem(writes, dp=dp, microbatches=1)))
                 continue
             per = B // dp
             ms = divisors(per) if fixed.microbatches is None else (

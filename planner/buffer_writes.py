@@ -1,0 +1,105 @@
+"""Buffers the model's forward writes in place (a step counter, an EMA of activations), found in a graph.
+
+One process runs the forward once per step on the whole batch, so such a buffer is updated once, from
+the whole batch. Data parallelism runs it on every dp rank's slice, and microbatching once per
+microbatch: a counter advances ``microbatches`` times per step, an EMA of a batch mean averages
+slices (each dp rank its own, so the ranks' copies part, and the checkpoint keeps rank 0's). The
+runtime cannot merge arbitrary updates, so plans that cut the batch are refused for such models,
+naming the buffer and the line that writes it::
+
+    for w in find_buffer_writes(graph.gm):
+        print(w.buffer, w.source)        # ema  model.py:14 `self.ema.mul_(0.9).add_(0.1 * h.mean(0))`
+
+Batch statistics' running buffers (BatchNorm, InstanceNorm) are not counted here: ``passes.dp.batch_norm``
+synchronizes them (``planner.batch_stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from planner.batch_stats import find_batch_stat_ops, source_line
+from planner.graph import META_MODULE
+
+__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem"]
+
+_PREFIX = "model."  # the capture's root holds the user's model as ``model`` (planner.capture)
+
+
+@dataclass(frozen=True)
+class BufferWrite:
+    """One in-place write of the forward to a buffer of the model."""
+
+    buffer: str
+    """The buffer's name in the user's model (``model.state_dict()`` key)."""
+    module: str
+    """Path of the module whose code writes it ('' = the model itself)."""
+    source: str
+    """The user's line that writes it (``model.py:14 `...```), or '' when not recorded."""
+
+    def describe(self) -> str:
+        return f"{self.buffer}{' (' + self.source + ')' if self.source else ''}"
+
+
+def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
+    """Every buffer an in-place aten op of ``gm`` writes (the op's first argument, through the
+    chain of in-place results), except batch statistics' running buffers, one entry per buffer."""
+    stat_modules = {op.module for op in find_batch_stat_ops(gm)}
+    root: dict[torch.fx.Node, str] = {}  # node -> the buffer it aliases
+    out: dict[str, BufferWrite] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _fetch(gm, str(node.target))
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                root[node] = str(node.target)
+            continue
+        if node.op != "call_function" or not _writes_first(node.target) or not node.args:
+            continue
+        target = node.args[0]
+        if not isinstance(target, torch.fx.Node) or target not in root:
+            continue
+        buffer = root[target]
+        root[node] = buffer
+        name = buffer[len(_PREFIX):] if buffer.startswith(_PREFIX) else buffer
+        owner = name.rpartition(".")[0]
+        if owner in stat_modules or name in out:
+            continue
+        out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")), source=source_line(node))
+    return list(out.values())
+
+
+def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "") -> str | None:
+    """The refusal of a plan that cuts the batch (``dp`` ranks or ``microbatches``) for a model whose
+    forward writes buffers; None when it keeps the batch whole or there are none. ``where`` names
+    what set the cut (default the plan field: ``mesh.dp``, else ``schedule.microbatches``)."""
+    if not writes or (dp <= 1 and microbatches <= 1):
+        return None
+    where = where or ("mesh.dp" if dp > 1 else "schedule.microbatches")
+    cuts = " and ".join(c for c in (f"dp={dp} ranks" if dp > 1 else "", f"{microbatches} microbatches"
+                                    if microbatches > 1 else "") if c)
+    shown = ", ".join(w.describe() for w in writes[:4]) + (f" and {len(writes) - 4} more" if len(writes) > 4 else "")
+    return (f"{where}: the model's forward writes the buffer(s) {shown} in place, and a plan with {cuts} runs the "
+            "forward on each slice of the batch: the update would run once per slice and microbatch, from that "
+            "slice alone (each dp rank's copy its own), where one process runs it once per step on the whole "
+            "batch. Use mesh.dp 1 and schedule.microbatches 1 (pipeline and tensor parallelism keep the batch "
+            "whole), or move the update out of forward into the training loop")
+
+
+def _writes_first(target: object) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    info = target._schema.arguments[0].alias_info
+    return info is not None and info.is_write
+
+
+def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

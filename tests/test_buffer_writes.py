@@ -1,0 +1,105 @@
+"""A model whose forward writes a buffer in place (a step counter, an EMA of activations) is refused
+plans that cut the batch, and the search keeps its batch whole (``planner.buffer_writes``).
+
+One process updates such a buffer once per step from the whole batch. Under dp each rank had
+updated its own copy from its slice, and under microbatches once per microbatch: after two steps
+with dp=2 the counter read 5 and the EMA was off by 120% in ``pm.state_dict()`` (rank 0's copy,
+which the build-time checks had also advanced), with 2 microbatches 7 and 170%, and nothing said
+so. Batch norm's running statistics stay synchronized by ``passes.dp.batch_norm``, not refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fairscale
+from fairscale.api import captured, resolve_cluster
+from fairscale.testing.batch_norm_models import build_resnet
+from planner.buffer_writes import find_buffer_writes
+from planner.plan import Mesh, Plan, PlanError, Schedule
+from planner.validate import validate_plan
+
+BATCH = 8
+
+
+class Tracker(nn.Module):
+    """Counts its training calls and keeps an EMA of its hidden activations' batch mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        self.calls += 1
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return F.mse_loss(self.down(h), y)
+
+
+def _model() -> Tracker:
+    torch.manual_seed(0)
+    return Tracker().double()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 8, generator=g, dtype=torch.float64), torch.randn(BATCH, 4, generator=g,
+                                                                                 dtype=torch.float64)
+
+
+def _refusal(dp: int, microbatches: int) -> str:
+    graph = captured(_model(), _batch(0))
+    plan = Plan(mesh=Mesh(dp=dp), schedule=Schedule(kind="1f1b", microbatches=microbatches, global_batch=BATCH))
+    with pytest.raises(PlanError) as info:
+        validate_plan(plan, graph, resolve_cluster(dp, "a100-80gb"), devices=dp)
+    return str(info.value)
+
+
+def test_the_written_buffers_are_found_with_their_lines_and_batch_norm_is_not() -> None:
+    writes = find_buffer_writes(captured(_model(), _batch(0)).gm)
+    assert [w.buffer for w in writes] == ["calls", "ema"]
+    assert writes[0].source.endswith("`self.calls += 1`"), writes[0].source
+    assert writes[1].source.endswith("`self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))`"), writes[1].source
+    case = build_resnet()  # num_batches_tracked += 1 and the running statistics: the batch-norm pass's
+    assert find_buffer_writes(captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn).gm) == []
+
+
+def test_plans_that_cut_the_batch_are_refused_naming_the_buffers() -> None:
+    text = _refusal(dp=2, microbatches=1)
+    assert "mesh.dp: the model's forward writes the buffer(s) calls (test_buffer_writes.py:" in text, text
+    assert "a plan with dp=2 ranks runs the forward on each slice of the batch" in text, text
+    assert "Use mesh.dp 1 and schedule.microbatches 1" in text, text
+    text = _refusal(dp=1, microbatches=2)
+    assert "schedule.microbatches: the model's forward writes the buffer(s) calls" in text, text
+    assert "a plan with 2 microbatches" in text, text
+
+
+def _rank(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], str]:
+    pm = fairscale.parallelize(_model(), example_inputs=_batch(0),
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    losses = [pm.train_step(_batch(step)) for step in range(2)]
+    return losses, pm.state_dict(), f"dp={pm.plan.mesh.dp} microbatches={pm.plan.schedule.microbatches}"
+
+
+def test_the_searched_plan_keeps_the_batch_whole_and_trains_exactly() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(2):
+        opt.zero_grad()
+        loss = model(*_batch(step))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    losses, state, cut = fairscale.launch(_rank, devices=2, timeout_s=600)[0]
+    assert cut == "dp=1 microbatches=1"
+    assert losses == pytest.approx(want, rel=1e-12)
+    assert int(state["calls"]) == 2
+    assert torch.allclose(state["ema"], model.ema, rtol=1e-12, atol=0)
