@@ -26,6 +26,7 @@ from torch import nn
 
 from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
+from fairscale.runtime.batch_form import check_batch_form
 from fairscale.runtime.clip_guard import guard_clip_grad_norm
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
@@ -231,7 +232,7 @@ class ParallelModule:
         if self._evaluator is None:
             self._evaluator = PipelineExecutor(self.program, self.schedule, modules=self._eval_graphs(),
                                                device=self.device)
-        return self._evaluator.eval_step(self._local(batch), weights=self._weights(batch))
+        return self._evaluator.eval_step(self._local(batch, "pm.evaluate"), weights=self._weights(batch))
 
     def _eval_graphs(self) -> dict[int, torch.fx.GraphModule]:
         """This rank's stage graphs rewritten to eval mode (``fairscale.eval_mode``), made once."""
@@ -268,9 +269,10 @@ class ParallelModule:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _local(self, batch: Sequence[Any]) -> tuple[Any, ...]:
+    def _local(self, batch: Sequence[Any], call: str = "pm.train_step") -> tuple[Any, ...]:
         """This rank's dp slice of the global ``batch``, on its device (copied without blocking).
         The first batch is checked to be the same on every rank (``runtime.batch_check``)."""
+        check_batch_form(batch, call)
         if not self._batch_checked:
             check_same_batch(batch, device=self.device)
             self._batch_checked = True
@@ -312,8 +314,9 @@ class ParallelModule:
         return {name for k in later for name in program.aliases.get(k, [k])}
 
     @_on_mesh
-    def __call__(self, *batch: Any) -> torch.Tensor:
+    def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
         """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""
+        check_batch_form(batch, "pm(*batch)", named)
         if self.plan.mesh.pp > 1 or self.plan.schedule.microbatches > 1:
             raise RuntimeError(
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
