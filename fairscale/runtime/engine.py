@@ -37,6 +37,7 @@ from fairscale.runtime.frozen import check_trainable
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
+from fairscale.runtime.pipeline_io import split_microbatches
 from fairscale.runtime.program import RankProgram
 from fairscale.runtime.stage_optimizers import StageOptimizers
 from fairscale.runtime.state import full_grads as _full_grads
@@ -333,7 +334,7 @@ class ParallelModule:
         if torch.is_grad_enabled():
             check_trainable(self._user_model(), self.rank_program.trainable, "pm(batch)")
         weights = self._weights(batch, microbatches=1)
-        out = modules[0](*self._local(batch))
+        out = modules[0](*split_microbatches(self._local(batch), 1, self.program, self.local_stages)[0])
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
         if self._optimizers[0].info.units:  # a second backward (retain_graph=True) finds them gathered
             regather_on_backward(loss, self._optimizers[0].info.units)

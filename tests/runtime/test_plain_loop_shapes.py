@@ -1,0 +1,64 @@
+"""``pm(*batch)`` in the plain loop checks the batch against the shapes the plan was captured for, as
+``train_step`` does (``fairscale.runtime.pipeline_io.split_microbatches``).
+
+A DataLoader's smaller last batch or a collator that pads to the longest sequence had reached the
+rank graph, whose shapes are fixed at capture: the step crashed inside aten (``shape '[4, 32, 4,
+16]' is invalid for input of size 6144``) or, for a graph whose fixed sizes happened to fit, ran on
+a reshaped batch. It is now refused before the forward, saying which dim differs and what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fairscale
+from fairscale.testing.models import build
+from planner.plan import Mesh, Plan, Schedule
+
+BATCH = 8
+PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "(not refused)"
+
+
+def _rank(rank: int, world: int) -> dict[str, object]:
+    case = build("gpt")
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=PLAN,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    x, y = case.make_batch(1, BATCH)
+    out = {"last batch": _refused(lambda: pm(x[:6], y[:6]).backward()),
+           "shorter sequence": _refused(lambda: pm(x[:, :12], y[:, :12]).backward())}
+    case.model.eval()
+    with torch.no_grad():
+        out["validation, last batch"] = _refused(lambda: pm(x[:6], y[:6]))
+    case.model.train()
+    loss = pm(x, y)
+    loss.backward()
+    out["then the right shape"] = float(loss.detach())
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, object]]:
+    return fairscale.launch(_rank, devices=2, timeout_s=600)
+
+
+def test_a_batch_of_other_shapes_is_refused_before_the_forward(runs) -> None:
+    for out in runs:
+        for key in ("last batch", "validation, last batch"):
+            assert out[key].startswith("PipelineError: microbatch input 0 has shape [3, 32] but stage 0 was captured "
+                                       "for [4, 32]: 3 rows per microbatch instead of 4"), out[key]
+        text = out["shorter sequence"]
+        assert text.startswith("PipelineError: microbatch input 0 has shape [4, 12] but stage 0 was captured for "
+                               "[4, 32]: dim 1 is 12, not 32"), text
+        assert "pad or cut dim 1 to 32" in text, text
+        assert isinstance(out["then the right shape"], float)
