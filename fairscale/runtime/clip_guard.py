@@ -30,6 +30,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
+from fairscale.runtime.scaler_guard import guard_grad_scaler
+
 __all__ = ["guard_clip_grad_norm", "clip_grad_norm_"]
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -40,6 +42,7 @@ def guard_clip_grad_norm(pm: Any) -> None:
     """Route torch's ``clip_grad_norm_`` for ``pm``'s parameters to ``pm.clip_grad_norm_``."""
     _LIVE.add(pm)
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    guard_grad_scaler(pm)  # torch.amp.GradScaler(...).unscale_(pm.optimizer) too (fairscale.runtime.scaler_guard)
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
