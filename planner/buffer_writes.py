@@ -48,7 +48,6 @@ class BufferWrite:
 def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
     """Every buffer an in-place aten op of ``gm`` writes (the op's first argument, through the
     chain of in-place results), except batch statistics' running buffers, one entry per buffer."""
-    stat_modules = {op.module for op in find_batch_stat_ops(gm)}
     root: dict[torch.fx.Node, str] = {}  # node -> the buffer it aliases
     out: dict[str, BufferWrite] = {}
     for node in gm.graph.nodes:
@@ -65,11 +64,12 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
         buffer = root[target]
         root[node] = buffer
         name = buffer[len(_PREFIX):] if buffer.startswith(_PREFIX) else buffer
-        owner = name.rpartition(".")[0]
-        if owner in stat_modules or name in out:
-            continue
-        out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")), source=source_line(node))
-    return list(out.values())
+        if name not in out:
+            out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")), source=source_line(node))
+    if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
+        return []
+    stat_modules = {op.module for op in find_batch_stat_ops(gm)}
+    return [w for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
 
 
 def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "") -> str | None:
