@@ -277,8 +277,9 @@ class _Annotator:
                 outs.append(s)
                 continue
             shape, stride, offset, dtype, rg, alias = s
-            if alias >= 0:
-                t = flat[alias].detach().as_strided(shape, stride, offset)
+            if alias >= 0:  # set_, not as_strided: a view may change the dtype (aten.real, view_as_complex)
+                t = torch.empty(0, dtype=dtype, device=self.device).set_(
+                    flat[alias].untyped_storage(), offset, shape, stride)
             else:
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
             outs.append(t.requires_grad_(True) if rg else t)
