@@ -151,7 +151,7 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
     got, want = runs[0][0], sum(w * v for w, (v, _) in zip(weights, runs[1:]) if w)
     tol = 1e-3 if torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32 else 5e-2
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
-           "sum": "the sum of the pieces' losses"}[None if counter is None else counter.kind]
+           "sum": "the sum of the pieces' losses"}[None if counter is None or len(set(weights)) == 1 else counter.kind]
     span = f"rows 0-{rows - 1}, {rows}-{2 * rows - 1}"
     if abs(got - want) > tol * max(abs(got), abs(want)) + 1e-6:
         found = f"on the example batch, rows 0-{2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
@@ -240,12 +240,14 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
 def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float] | None:
     """The pieces' weights as the runtime makes the batch's loss from them: those of
     ``passes.loss_count.piece_weights``, as for one dp rank holding every piece. None where there
-    is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other terms
-    that count differently, class weights the model computes), several token means, no labels."""
+    is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other terms,
+    or several token means, that count differently; class weights the model computes), no labels.
+    Several token means that count alike in every piece (CLIP's two cross entropies over
+    ``arange(rows)``) are averaged, as the runtime does, and checked."""
     if counter is None:
         return [1 / len(pieces)] * len(pieces)
     counts = counter.count_all(pieces)
-    if any(isinstance(n, tuple) for n in counts) or (counter.kind == "mean" and not any(counts)):
+    if counter.kind == "mean" and not any(c for n in counts for c in (n if isinstance(n, tuple) else (n,))):
         return None
     try:
         weights = piece_weights(counter, [counts], 0)
