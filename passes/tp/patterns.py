@@ -89,7 +89,7 @@ class TPProposal:
         if not self.refused:
             return ""
         items = sorted(self.refused.items())
-        head = "; ".join(f"{m}: {why}" if m != "*" else why for m, why in items[:3])
+        head = "; ".join(f"module {m}: {why}" if m != "*" else why for m, why in items[:3])
         return head + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
 
 

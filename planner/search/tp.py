@@ -108,7 +108,7 @@ def tp_refusal(graph: ModelGraph, tp_rules: dict[str, str], tp: int, *, devices:
         return f"tp must divide the {per_node} devices of a node and the {devices} devices"
     reason = getattr(tp_rules, "reason", "")
     if not tp_rules:
-        return (f"no tensor-parallel rules at tp={tp}: {reason}" if reason else
+        return (f"no tensor-parallel rules at tp={tp}: {reason}. {_REMEDY}" if reason else
                 "tp > 1 needs tensor_parallel rules, and none were given or found: no Linear, Conv1D or Embedding "
                 f"module of the model pairs up for tensor parallelism; its largest op is{_site(graph)}. "
                 f"{_REMEDY}")
