@@ -163,7 +163,7 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
                  f"their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
                  "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
                  "alike while their terms are about equal, as at initialization)")
-    site = _selection_site(gm) if gm is not None else ""
+    site = (_selection_site(gm) or _loss_site(gm, counter)) if gm is not None else ""
     return (f"the loss is not computed row by row: {found}. Cut into pieces (dp x microbatches), the step would "
             "train to other numbers: the loss couples the rows (in-batch negatives of a contrastive loss, a batch "
             "statistic, a product of batch means, a mean over a data-dependent selection) or sums over them by "
@@ -193,6 +193,23 @@ def _selection_site(gm: torch.fx.GraphModule) -> str:
             line = source_line(node)
             return f" The batch's rows are selected by the data at {where}" + (f", source {line}" if line else "") + "."
     return ""
+
+
+def _loss_site(gm: torch.fx.GraphModule, counter: TokenCounter | None) -> str:
+    """`` The loss is computed at module M, op O, source S.`` for the first loss op ``counter``
+    names (else the op that returns the loss), or ''."""
+    ops = set(counter.loss.split(", ")) if counter is not None else set()
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in ops), None)
+    if node is None:
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        while isinstance(out, (tuple, list)) and out:
+            out = out[0]
+        node = out if isinstance(out, torch.fx.Node) and out.op == "call_function" else None
+    if node is None:
+        return ""
+    line = source_line(node)
+    return (f" The loss is computed at module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
+            + (f", source {line}" if line else "") + ".")
 
 
 def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:

@@ -20,6 +20,7 @@ from torch import nn
 
 import fairscale
 from fairscale.loss_check import row_problem
+from fairscale.testing.corpus_run import refusal_gaps
 from passes.loss_weights import token_counter
 from planner.capture import capture
 from planner.plan import PlanError
@@ -79,8 +80,11 @@ def test_hf_clip_default_config_is_refused_where_the_plan_cuts_the_batch() -> No
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     model, batch = Clip(), (torch.randint(0, 61, (8, 8), generator=g), torch.randn(8, 3, 8, 8, generator=g))
-    with pytest.raises(PlanError, match="not computed row by row"):
+    with pytest.raises(PlanError, match="not computed row by row") as info:
         fairscale.plan(model, batch, devices=4, constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1}})
+    message = str(info.value)  # where: the loss op and its line in the model's source
+    assert "op aten.cross_entropy_loss.default, source modeling_clip.py:" in message, message
+    assert refusal_gaps(message) == [], (refusal_gaps(message), message)
     plan = fairscale.plan(model, batch, devices=4, constraints={"mesh": {"pp": 2, "dp": 1, "tp": 2}})
     assert plan.schedule.microbatches == 1, plan.schedule
 
