@@ -24,6 +24,7 @@ not a copy of the gradient), combined with the same weights as the losses.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -142,7 +143,8 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
     whole = _rows(batch, 0, 2 * rows)
     pieces = [_rows(batch, 0, rows), _rows(batch, rows, 2 * rows)]
     try:
-        runs = [_loss(model, loss_fn, b) for b in (whole, *pieces)]
+        probe = _probe(model)
+        runs = [_loss(probe, loss_fn, b) for b in (whole, *pieces)]
         weights = _weights(counter, pieces)
     except Exception:  # noqa: BLE001 - a model that cannot run on these rows eagerly is not judged here
         return None
@@ -210,6 +212,18 @@ def _loss_site(gm: torch.fx.GraphModule, counter: TokenCounter | None) -> str:
     line = source_line(node)
     return (f" The loss is computed at module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
             + (f", source {line}" if line else "") + ".")
+
+
+def _probe(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to run in eval mode: an eval-mode forward may change the model it runs
+    (HF ``RwkvModel`` divides weights in place and flips ``layers_are_rescaled``, which the next
+    training forward undoes with an in-place multiply: in a rank's capture, an in-place write to a
+    parameter), and planning must leave the user's model as it was. The model itself where it
+    cannot be copied."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - a model deepcopy refuses is checked in place, as before
+        return model
 
 
 def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:
