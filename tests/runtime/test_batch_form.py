@@ -9,33 +9,22 @@ failed deep inside aten (``Unable to cast x to Tensor``); ``pm(**batch)`` failed
 from __future__ import annotations
 
 import pytest
-import torch
 
 import fairscale
 from fairscale.testing.models import build
-from planner.plan import Mesh, Plan, Schedule
 
-BATCH = 8
-PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "(not refused)"
+from refusals import BATCH, DP2, refused
 
 
 def _rank(rank: int, world: int) -> dict[str, object]:
     case = build("mlp")
-    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=PLAN)
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=DP2)
     x, y = case.make_batch(1, BATCH)
     named = {"inputs": x, "labels": y}
-    return {"train_step(dict)": _refused(lambda: pm.train_step(named)),
-            "pm(**dict)": _refused(lambda: pm(**named)),
-            "evaluate(dict)": _refused(lambda: pm.evaluate(named)),
-            "train_step(tensor)": _refused(lambda: pm.train_step(x)),
+    return {"train_step(dict)": refused(lambda: pm.train_step(named)),
+            "pm(**dict)": refused(lambda: pm(**named)),
+            "evaluate(dict)": refused(lambda: pm.evaluate(named)),
+            "train_step(tensor)": refused(lambda: pm.train_step(x)),
             "then a tuple": pm.train_step((x, y))}
 
 

@@ -16,18 +16,8 @@ import torch
 
 import fairscale
 from fairscale.testing.models import build
-from planner.plan import Mesh, Plan, Schedule
 
-BATCH = 8
-PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "(not refused)"
+from refusals import BATCH, DP2, refused
 
 
 def _rank(rank: int, world: int) -> dict[str, object]:
@@ -35,19 +25,19 @@ def _rank(rank: int, world: int) -> dict[str, object]:
     case = build("gpt")
     model, batch = case.model, case.make_batch(0, BATCH)
     model.wpe.weight.requires_grad_(False)  # before parallelize: compiled frozen
-    pm = fairscale.parallelize(model, example_inputs=batch, loss_fn=case.loss_fn, plan=PLAN,
+    pm = fairscale.parallelize(model, example_inputs=batch, loss_fn=case.loss_fn, plan=DP2,
                                optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     pm.train_step(batch)
     model.wte.weight.requires_grad_(False)
-    out["train_step after freezing"] = _refused(lambda: pm.train_step(batch))
-    out["pm() after freezing"] = _refused(lambda: pm(*batch))
+    out["train_step after freezing"] = refused(lambda: pm.train_step(batch))
+    out["pm() after freezing"] = refused(lambda: pm(*batch))
     with torch.no_grad():
-        out["pm() under no_grad"] = _refused(lambda: pm(*batch))
+        out["pm() under no_grad"] = refused(lambda: pm(*batch))
     model.wte.weight.requires_grad_(True)
     model.wpe.weight.requires_grad_(True)
-    out["train_step after unfreezing"] = _refused(lambda: pm.train_step(batch))
+    out["train_step after unfreezing"] = refused(lambda: pm.train_step(batch))
     model.wpe.weight.requires_grad_(False)
-    out["flags as compiled"] = _refused(lambda: pm.train_step(batch))
+    out["flags as compiled"] = refused(lambda: pm.train_step(batch))
     return out
 
 

@@ -18,18 +18,11 @@ import torch
 
 import fairscale
 from planner.plan import Mesh, Plan, Schedule
+from refusals import refused
 from test_evaluate import Jittery, _double, _resnet
 
 BATCH, STEPS = 4, 2
 PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1))
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "(not refused)"
 
 
 def _rank(rank: int, world: int) -> dict[str, object]:
@@ -49,8 +42,8 @@ def _rank(rank: int, world: int) -> dict[str, object]:
         torch.distributed.all_reduce(val)  # each rank's mean over its equal share of the rows
         vals.append(float(val) / world)
         if step == 0:
-            out["train_step in eval mode"] = _refused(lambda: pm.train_step(batch(7)))
-            out["pm() with autograd in eval mode"] = _refused(lambda: pm(*batch(7)))
+            out["train_step in eval mode"] = refused(lambda: pm.train_step(batch(7)))
+            out["pm() with autograd in eval mode"] = refused(lambda: pm(*batch(7)))
         model.train()
     out["vals"], out["state"] = vals, pm.state_dict()
 
@@ -58,13 +51,13 @@ def _rank(rank: int, world: int) -> dict[str, object]:
     jittery = Jittery()
     pm = fairscale.parallelize(jittery, example_inputs=(torch.randn(4, 4), torch.randn(4, 1)), plan=PLAN)
     jittery.eval()  # as a script does before validating: the proof still compares against training mode
-    out["evaluate after model.eval()"] = _refused(lambda: pm.evaluate((torch.randn(4, 4), torch.randn(4, 1))))
+    out["evaluate after model.eval()"] = refused(lambda: pm.evaluate((torch.randn(4, 4), torch.randn(4, 1))))
 
     model, make, loss_fn = _resnet()
     model.eval()  # compiled in eval mode (as Hugging Face's from_pretrained returns a model)
     pm = fairscale.parallelize(model, example_inputs=batch(0), loss_fn=loss_fn, plan=PLAN)
     model.train()
-    out["train_step compiled in eval mode"] = _refused(lambda: pm.train_step(batch(0)))
+    out["train_step compiled in eval mode"] = refused(lambda: pm.train_step(batch(0)))
     return out
 
 

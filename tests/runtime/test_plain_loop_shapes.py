@@ -16,30 +16,20 @@ import torch
 
 import fairscale
 from fairscale.testing.models import build
-from planner.plan import Mesh, Plan, Schedule
 
-BATCH = 8
-PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "(not refused)"
+from refusals import BATCH, DP2, refused
 
 
 def _rank(rank: int, world: int) -> dict[str, object]:
     case = build("gpt")
-    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=PLAN,
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=DP2,
                                optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     x, y = case.make_batch(1, BATCH)
-    out = {"last batch": _refused(lambda: pm(x[:6], y[:6]).backward()),
-           "shorter sequence": _refused(lambda: pm(x[:, :12], y[:, :12]).backward())}
+    out = {"last batch": refused(lambda: pm(x[:6], y[:6]).backward()),
+           "shorter sequence": refused(lambda: pm(x[:, :12], y[:, :12]).backward())}
     case.model.eval()
     with torch.no_grad():
-        out["validation, last batch"] = _refused(lambda: pm(x[:6], y[:6]))
+        out["validation, last batch"] = refused(lambda: pm(x[:6], y[:6]))
     case.model.train()
     loss = pm(x, y)
     loss.backward()

@@ -15,18 +15,8 @@ import torch
 
 import fairscale
 from fairscale.testing.models import build
-from planner.plan import Mesh, Plan, Schedule
 
-BATCH = 8
-PLAN = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH))
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return "(not refused)"
+from refusals import BATCH, DP2, refused
 
 
 def _parallelized(warmup: bool):
@@ -34,7 +24,7 @@ def _parallelized(warmup: bool):
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4) if warmup else None
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                               plan=PLAN, optimizer=opt)
+                               plan=DP2, optimizer=opt)
     return case, opt, sched, pm
 
 
@@ -44,14 +34,14 @@ def _rank(rank: int, world: int) -> dict[str, object]:
     batch = case.make_batch(1, BATCH)
     pm.train_step(batch)  # nothing changed on the instance yet: trains
     pm(*batch).backward()
-    out["opt.step()"] = _refused(opt.step)
-    out["opt.zero_grad()"] = _refused(opt.zero_grad)
+    out["opt.step()"] = refused(opt.step)
+    out["opt.zero_grad()"] = refused(opt.zero_grad)
     sched.step()  # the scheduler drives the instance, which trains nothing
-    out["scheduler on the instance"] = _refused(pm.optimizer.step)
+    out["scheduler on the instance"] = refused(pm.optimizer.step)
 
     case, opt, _, pm = _parallelized(warmup=False)
     opt.param_groups[0]["weight_decay"] = 0.5  # set by hand on the wrong optimizer
-    out["hand-set option"] = _refused(lambda: pm.train_step(case.make_batch(1, BATCH)))
+    out["hand-set option"] = refused(lambda: pm.train_step(case.make_batch(1, BATCH)))
 
     case, opt, _, pm = _parallelized(warmup=False)  # the documented way trains on
     sched = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lambda s: 0.5 ** s)
@@ -67,7 +57,7 @@ def runs() -> list[dict[str, object]]:
     return fairscale.launch(_rank, devices=2, timeout_s=600)
 
 
-def test_stepping_the_instance_given_to_parallelize_is_refused(runs) -> None:
+def test_stepping_the_instance_given_to_parallelize_isrefused(runs) -> None:
     for out in runs:
         for call in ("step()", "zero_grad()"):
             text = out[f"opt.{call}"]
