@@ -120,10 +120,8 @@ def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_input
         piece_weights(counter, [counts[d * m:(d + 1) * m] for d in range(dp)], 0)
     except ValueError as e:
         node = next((n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in counter.loss), None)
-        line = source_line(node) if node is not None else ""
-        where = "" if node is None else (f" (module {node.meta.get(META_MODULE) or '<model top level>'}, op "
-                                         f"{node.target}" + (f", source {line}" if line else "") + ")")
-        return f"on the example batch, {e}; the first token mean is at{where or ' the loss'}"
+        where = f" ({_site(node)})" if node is not None else " the loss"
+        return f"on the example batch, {e}; the first token mean is at{where}"
     except Exception:  # noqa: BLE001 - labels it cannot count here are counted on the ranks
         return None
     return None
@@ -191,9 +189,7 @@ def _selection_site(gm: torch.fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "call_function" and isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
-            where = f"module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
-            line = source_line(node)
-            return f" The batch's rows are selected by the data at {where}" + (f", source {line}" if line else "") + "."
+            return f" The batch's rows are selected by the data at {_site(node)}."
     return ""
 
 
@@ -207,11 +203,14 @@ def _loss_site(gm: torch.fx.GraphModule, counter: TokenCounter | None) -> str:
         while isinstance(out, (tuple, list)) and out:
             out = out[0]
         node = out if isinstance(out, torch.fx.Node) and out.op == "call_function" else None
-    if node is None:
-        return ""
+    return "" if node is None else f" The loss is computed at {_site(node)}."
+
+
+def _site(node: torch.fx.Node) -> str:
+    """``module M, op O, source S`` of ``node`` (no source where the capture kept none)."""
     line = source_line(node)
-    return (f" The loss is computed at module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
-            + (f", source {line}" if line else "") + ".")
+    return (f"module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
+            + (f", source {line}" if line else ""))
 
 
 def _probe(model: nn.Module) -> nn.Module:
@@ -239,8 +238,9 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
           batch: tuple[Any, ...]) -> tuple[float, torch.Tensor | None]:
     """The loss of ``batch`` and its gradient's projection (one random projection per parameter
     tensor, from fixed seeds: the same for every batch), in eval mode, from a fixed random state;
-    the modules' training flags and buffers are restored after (a forward that counts its calls, or
-    keeps an average, had left the check's three runs in the model the ranks then copied), and no
+    the modules' training flags and buffers are restored after, so that each of the check's runs
+    starts from the same buffers (a forward that counts its calls, or keeps an average, would carry
+    one run into the next, and into the user's model where :func:`_probe` could not copy it), and no
     ``.grad`` is touched."""
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
