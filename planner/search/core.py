@@ -98,12 +98,8 @@ def one_layout_per_tied(graph: ModelGraph, rules: dict[str, str]) -> dict[str, s
         for text in texts:
             dropped.append(text)
             del out[text]
-    if not dropped:
-        return rules
-    reason = getattr(rules, "reason", "")
-    note = (f"rules {sorted(dropped)} left out: they gave a tied weight two layouts (the modules that read it "
-            "must split it alike or all keep it whole)")
-    return DetectedRules(out, reason=f"{reason}; {note}" if reason else note)
+    return _without(rules, set(dropped), f"rules {sorted(dropped)} left out: they gave a tied weight two layouts "
+                    "(the modules that read it must split it alike or all keep it whole)")
 
 
 def whole_heads(graph: ModelGraph, rules: dict[str, str], tp: int) -> dict[str, str]:
@@ -115,11 +111,16 @@ def whole_heads(graph: ModelGraph, rules: dict[str, str], tp: int) -> dict[str, 
     from planner.validate_tp import head_splitting_rules
 
     dropped = head_splitting_rules(graph, [(text, parse_selector(text), style) for text, style in rules.items()], tp)
+    return _without(rules, dropped, f"rules {sorted(dropped)} left out at tp {tp}: they split attention heads that "
+                    f"tp {tp} does not divide (each tp rank must hold whole heads), so that attention is kept whole")
+
+
+def _without(rules: dict[str, str], dropped: set[str], note: str) -> dict[str, str]:
+    """``rules`` less ``dropped``, with ``note`` added to the detector's ``reason`` (so a refusal of
+    tensor parallelism can say it); ``rules`` itself when nothing is dropped."""
     if not dropped:
         return rules
     reason = getattr(rules, "reason", "")
-    note = (f"rules {sorted(dropped)} left out at tp {tp}: they split attention heads that tp {tp} does not divide "
-            "(each tp rank must hold whole heads), so that attention is kept whole")
     return DetectedRules({k: v for k, v in rules.items() if k not in dropped},
                          reason=f"{reason}; {note}" if reason else note)
 
