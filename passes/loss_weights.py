@@ -38,6 +38,7 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
+from planner.graph import past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -45,10 +46,6 @@ aten = torch.ops.aten
 
 _TOKEN_MEAN = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
                aten.nll_loss_forward.default}
-_PASS_THROUGH = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
-                 aten.alias.default, aten.view.default, aten.reshape.default, aten.squeeze.default,
-                 aten.contiguous.default, aten.detach.default}
-"""Ops between the loss node and the graph's output that keep the loss's value."""
 _NONE, _MEAN, _SUM = 0, 1, 2
 """``torch.nn._reduction``'s enum for ``reduction="none"``, ``"mean"`` and ``"sum"``."""
 _REDUCED = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
@@ -68,10 +65,10 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         value = value[0]
     if not isinstance(value, torch.fx.Node):
         return None
-    value = _through(value)
+    value = past_value_keeping(value)
     if value.op == "call_function" and value.target in _FULL_SUMS and isinstance(value.args[0], torch.fx.Node) \
-            and _reduction(_through(value.args[0])) == _NONE and len(value.args) == 1:
-        return _summed(str(_through(value.args[0]).target), exact=True)
+            and _reduction(past_value_keeping(value.args[0])) == _NONE and len(value.args) == 1:
+        return _summed(str(past_value_keeping(value.args[0]).target), exact=True)
     if _reduction(value) == _SUM:
         return _summed(str(value.target), exact=True)
     if value.op == "call_function" and value.target in _TOKEN_MEAN:
@@ -91,13 +88,6 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     if not inner:
         return None
     return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
-
-
-def _through(value: torch.fx.Node) -> torch.fx.Node:
-    """``value`` past the casts and views that keep a loss's value."""
-    while value.op == "call_function" and value.target in _PASS_THROUGH and isinstance(value.args[0], torch.fx.Node):
-        value = value.args[0]
-    return value
 
 
 def _kwargs(node: torch.fx.Node) -> dict[str, object]:

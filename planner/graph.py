@@ -60,6 +60,21 @@ def module_class(node: torch.fx.Node) -> str:
     return (cls.__qualname__ if isinstance(cls, type) else str(cls)).rpartition(".")[2]
 
 
+_aten = torch.ops.aten
+VALUE_KEEPING = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default, _aten.clone.default,
+                 _aten.alias.default, _aten.view.default, _aten.reshape.default, _aten.squeeze.default,
+                 _aten.contiguous.default, _aten.detach.default}
+"""Ops that keep their input's value (casts, copies, views), as between a loss and the graph's output."""
+
+
+def past_value_keeping(node: torch.fx.Node) -> torch.fx.Node:
+    """``node`` past the :data:`VALUE_KEEPING` ops that produced it: the loss a graph returns
+    through a cast or a view (read by ``passes.loss_weights`` and ``planner.row_flow``)."""
+    while node.op == "call_function" and node.target in VALUE_KEEPING and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
 def tied_canonical(tied: list[list[str]]) -> dict[str, str]:
     """State-dict key of a tied parameter -> the first key of its group (``ModelGraph.tied``), under
     which it is counted once. Example: ``[["wte.weight", "lm_head.weight"]]`` maps both to ``wte.weight``."""

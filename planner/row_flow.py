@@ -39,6 +39,7 @@ import torch.fx
 
 import operator
 
+from planner.graph import past_value_keeping
 from planner.row_rules import (COMPUTE_RULES, NOOP, POINTWISE, TOKEN_KEY, Reduced, Rows, Rule, State, Unproven, args,
                                op_name, pointwise)
 from planner.row_shapes import SHAPE_RULES
@@ -61,15 +62,9 @@ def rows_independent(gm: torch.fx.GraphModule, *, token_mean: bool) -> bool:
         value = value[0]
     if not isinstance(value, torch.fx.Node):
         return False
-    if token_mean:
-        while value.op == "call_function" and op_name(value) in _KEEPS_VALUE and len(value.all_input_nodes) == 1:
-            value = value.all_input_nodes[0]
-        return bool(states.get(TOKEN_KEY) == value.name)
+    if token_mean:  # the token mean the counter found, past the casts and views it looked through
+        return bool(states.get(TOKEN_KEY) == past_value_keeping(value).name)
     return isinstance(states.get(value.name), Reduced) and TOKEN_KEY not in states
-
-
-_KEEPS_VALUE = {"to", "_to_copy", "clone", "alias", "view", "reshape", "squeeze", "contiguous", "detach"}
-"""Ops between a token mean and the graph's output that keep its value (as ``passes.loss_weights``)."""
 
 
 def live_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
