@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale.arguments import check_all
+from fairscale.arguments import check_all, check_allocated
 from fairscale.build import build_module, memory_by_stage, rank_memory
 from fairscale.calibrate_host import measure_runtime_host
 from fairscale.capture_cache import model_key
@@ -311,6 +311,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         nor this process's caches keep a reference to the capture or the user's model.
     """
     example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
+    check_allocated(model)
     if not dist.is_initialized() and under_torchrun():  # torchrun initializes nothing; fairscale.train does too
         init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")
     if not dist.is_initialized():

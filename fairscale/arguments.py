@@ -17,7 +17,8 @@ from torch import nn
 
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
 
-__all__ = ["check_all", "check_model", "check_example_inputs", "check_loss_fn", "check_optimizer", "check_devices"]
+__all__ = ["check_all", "check_model", "check_allocated", "check_example_inputs", "check_loss_fn", "check_optimizer",
+           "check_devices"]
 
 
 def _got(value: Any) -> str:
@@ -33,6 +34,17 @@ def check_model(model: Any) -> None:
     if next(model.parameters(), None) is None:
         raise ValueError(f"model ({type(model).__name__}) has no parameters, so there is nothing to train or "
                          "parallelize; pass the module that owns the weights")
+
+
+def check_allocated(model: nn.Module) -> None:
+    """A model to train holds its weights: one built on ``meta`` is for planning only."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"model ({type(model).__name__}) has {len(meta)} parameters or buffers on the meta device "
+                         f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}), and parallelize trains real "
+                         "weights. Plan a model on meta with fairscale.plan or `python -m fairscale plan`; to train "
+                         "it, allocate and initialize it first (fairscale.runtime.init.materialize_meta(model, "
+                         "seed=...) replays its construction under that seed), then call parallelize")
 
 
 def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:

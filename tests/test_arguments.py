@@ -37,6 +37,18 @@ def test_a_model_without_parameters_or_not_a_module() -> None:
         fairscale.search(lambda x: x, (torch.randn(2, 3),), devices=2)
 
 
+def test_a_model_on_meta_is_planned_but_not_parallelized() -> None:
+    """It had crashed inside the stage split (KeyError: 'val') after planning on rank 0."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    batch = (torch.randn(8, 8), torch.arange(8) % 4)
+    loss_fn = torch.nn.functional.cross_entropy
+    assert fairscale.plan(model, batch, devices=2, loss_fn=loss_fn).mesh.size == 2
+    with pytest.raises(ValueError, match=r"model \(Sequential\) has 4 parameters or buffers on the meta device "
+                                         r"\(0.weight, 0.bias, 2.weight, ...\).*materialize_meta\(model, seed=...\)"):
+        fairscale.parallelize(model, example_inputs=batch, loss_fn=loss_fn, devices=2)
+
+
 def test_an_optimizer_instance_is_read_into_its_groups_or_refused_with_why(case) -> None:
     from fairscale.arguments import check_optimizer
 
