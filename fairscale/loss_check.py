@@ -11,7 +11,12 @@ divisor) is not: cut into pieces it trains silently to other numbers.
 :func:`row_problem` checks it on the example batch, cut as the plan would cut it but into at most
 :data:`CHECK_ROWS` rows per piece: two pieces, each piece's loss against the loss of both together,
 in eval mode (no dropout, batch norm on its running statistics: how the runtime treats those is
-another matter), from the same random state. A model on the meta device is not checked.
+another matter), from the same random state, on the user's model itself unless its forward writes
+a parameter (then on a copy). Where neither the proof on the graph (``planner.row_flow``, tried
+first) nor this check can judge the loss (the model does not run in eval mode on those rows, no
+rows of the batch count labels that can be weighed), a plan that cuts the batch is refused too:
+it would combine the pieces on trust. A model on the meta device is planned, never run, and not
+checked.
 
 The losses alone are not enough: a mean over a number of terms that differs between the pieces
 (``logits[mask]`` then a mean, as ``ElectraForPreTraining`` does with an attention mask) gives
@@ -29,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
@@ -65,7 +71,7 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts["proof"] = None if proven_row_by_row(model, example_inputs, loss_fn) else "not proven"
     if verdicts["proof"] is None:
         return None
-    rows = min(first.shape[0] // (dp * m), CHECK_ROWS)
+    rows = max(1, min(first.shape[0] // (dp * m), CHECK_ROWS))
     if rows not in verdicts:
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm)
     return verdicts[rows]
@@ -130,45 +136,77 @@ def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_input
 def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
                 counter: TokenCounter | None, rows: int, *, gm: torch.fx.GraphModule | None = None) -> str | None:
     """Why the loss is not the combination of its pieces' losses on ``rows``-row pieces of the
-    example batch, or whose gradient is not (module docstring), or None (it is, or it cannot be
-    checked here). ``gm``, the model's capture, lets the message name a selection whose size
-    depends on the data."""
+    example batch, or whose gradient is not (module docstring), or why that cannot be checked here
+    (the model does not run on these rows in eval mode, no rows of the batch count labels alike):
+    a plan that cuts the batch is refused then too, since the runtime would combine the pieces on
+    trust. None: it is. ``gm``, the model's capture, lets the message name a selection whose size
+    depends on the data. A model on meta is not checked (it is planned, never run: ``parallelize``
+    refuses it)."""
     batch = tuple(example_inputs)
     tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if rows < 1 or not tensors or any(t.shape[0] < 2 * rows for t in tensors) \
-            or any(p.is_meta for p in model.parameters()):
+    if not tensors or any(p.is_meta for p in model.parameters()):
         return None
-    whole = _rows(batch, 0, 2 * rows)
-    pieces = [_rows(batch, 0, rows), _rows(batch, rows, 2 * rows)]
+    have = min(t.shape[0] for t in tensors)
+    if have < 2:
+        return _unchecked(f"the example batch has {have} row", "give an example batch of at least 2 rows")
+    rows = max(1, min(rows, have // 2))
     try:
-        probe = _probe(model)
-        runs = [_loss(probe, loss_fn, b) for b in (whole, *pieces)]
-        weights = _weights(counter, pieces)
-    except Exception:  # noqa: BLE001 - a model that cannot run on these rows eagerly is not judged here
-        return None
-    if weights is None:
-        return None
+        lo, weights = _window(counter, batch, rows)
+    except ValueError as e:
+        return _unchecked(str(e), "give an example batch with labels in every row")
+    whole = _rows(batch, lo, lo + 2 * rows)
+    pieces = [_rows(batch, lo, lo + rows), _rows(batch, lo + rows, lo + 2 * rows)]
+    try:
+        runs = _runs(model, loss_fn, (whole, *pieces))
+    except Exception as e:  # noqa: BLE001 - said in the refusal
+        said = (str(e).strip().splitlines() or [""])[0][:300]
+        return _unchecked(f"the model raised {type(e).__name__} in eval mode on rows {lo}-{lo + 2 * rows - 1} "
+                          f"of the example batch ({said})", "make the model's forward run in eval mode too")
     got, want = runs[0][0], sum(w * v for w, (v, _) in zip(weights, runs[1:]) if w)
     tol = 1e-3 if torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32 else 5e-2
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
            "sum": "the sum of the pieces' losses"}[None if counter is None or len(set(weights)) == 1 else counter.kind]
-    span = f"rows 0-{rows - 1}, {rows}-{2 * rows - 1}"
+    span = f"rows {lo}-{lo + rows - 1}, {lo + rows}-{lo + 2 * rows - 1}"
     if abs(got - want) > tol * max(abs(got), abs(want)) + 1e-6:
-        found = f"on the example batch, rows 0-{2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
+        found = f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
     else:
         off = _gradient_error(runs[0][1], [(w, g) for w, (_, g) in zip(weights, runs[1:])])
         if off is None or off <= tol:
             return None
-        found = (f"on the example batch, rows 0-{2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, but "
-                 f"their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
+        found = (f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, "
+                 f"but their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
                  "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
                  "alike while their terms are about equal, as at initialization)")
     site = (_selection_site(gm) or _loss_site(gm, counter)) if gm is not None else ""
     return (f"the loss is not computed row by row: {found}. Cut into pieces (dp x microbatches), the step would "
             "train to other numbers: the loss couples the rows (in-batch negatives of a contrastive loss, a batch "
             "statistic, a product of batch means, a mean over a data-dependent selection) or sums over them by "
-            f"hand.{site} Use a plan that keeps the batch whole (mesh.dp 1 and schedule.microbatches 1: tensor "
-            "parallelism, or a pipeline of one microbatch), or make the loss a mean over rows")
+            f"hand.{site} {_KEEP_WHOLE}, or make the loss a mean over rows")
+
+
+_KEEP_WHOLE = ("Use a plan that keeps the batch whole (mesh.dp 1 and schedule.microbatches 1: tensor parallelism, "
+               "or a pipeline of one microbatch)")
+
+
+def _unchecked(why: str, remedy: str) -> str:
+    """The refusal of a batch-cutting plan whose loss neither the proof on the graph
+    (``planner.row_flow``) nor the eager check could judge, because ``why``."""
+    return (f"the loss could not be checked to be computed row by row: the graph does not prove it "
+            f"(planner.row_flow) and the eager check cannot run: {why}. Cut into pieces (dp x microbatches), the "
+            f"step might train to other numbers. {_KEEP_WHOLE}, or {remedy}")
+
+
+def _window(counter: TokenCounter | None, batch: tuple[Any, ...], rows: int) -> tuple[int, list[float]]:
+    """The first row ``lo`` of the example batch from which two ``rows``-row pieces can be weighed
+    as the runtime weighs them (:func:`_weights`), and their weights; ValueError (why) if none can."""
+    n = min(t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0)
+    why = ""
+    for lo in range(0, n - 2 * rows + 1, rows):
+        try:
+            return lo, _weights(counter, [_rows(batch, lo, lo + rows), _rows(batch, lo + rows, lo + 2 * rows)])
+        except ValueError as e:
+            why = why or str(e)
+    raise ValueError(f"no two adjacent {rows}-row pieces of the example batch can be weighed: {why}")
 
 
 def _gradient_error(whole: torch.Tensor | None, pieces: list[tuple[float, torch.Tensor | None]]) -> float | None:
@@ -213,16 +251,52 @@ def _site(node: torch.fx.Node) -> str:
             + (f", source {line}" if line else ""))
 
 
-def _probe(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` to run in eval mode: an eval-mode forward may change the model it runs
-    (HF ``RwkvModel`` divides weights in place and flips ``layers_are_rescaled``, which the next
-    training forward undoes with an in-place multiply: in a rank's capture, an in-place write to a
-    parameter), and planning must leave the user's model as it was. The model itself where it
-    cannot be copied."""
+def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+          batches: Sequence[tuple[Any, ...]]) -> list[tuple[float, torch.Tensor | None]]:
+    """:func:`_loss` of each batch, on the user's model itself where its forward writes no
+    parameter, else on a copy. An eval-mode forward may change the model it runs (HF ``RwkvModel``
+    divides weights in place and flips ``layers_are_rescaled``, which the next training forward
+    undoes with an in-place multiply: in a rank's capture, an in-place write to a parameter), and
+    planning must leave the user's model as it was; a copy of every model would double its memory
+    on the planning rank (a 13B model in fp32 on one 80 GB GPU: out of memory where it trained).
+    So the runs stop before a parameter's first write (:class:`_NoParameterWrites`) and start again
+    on a copy; what they rebind on a module (a flag, a cache) is put back."""
     try:
-        return copy.deepcopy(model)
-    except Exception:  # noqa: BLE001 - a model deepcopy refuses is checked in place, as before
-        return model
+        with _NoParameterWrites(model):
+            return [_loss(model, loss_fn, b) for b in batches]
+    except _ParameterWrite:
+        pass
+    try:
+        probe = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - said in the refusal
+        raise RuntimeError(f"its forward writes a parameter in place and it cannot be copied to run on "
+                           f"({type(e).__name__}: {e})") from e
+    return [_loss(probe, loss_fn, b) for b in batches]
+
+
+class _ParameterWrite(Exception):
+    """An op was about to write a parameter's storage."""
+
+
+class _NoParameterWrites(TorchDispatchMode):
+    """Raises :class:`_ParameterWrite` before any ATen op writes the storage of one of ``model``'s
+    parameters (``w.div_(2)`` under ``no_grad``, ``w.data.copy_(...)``): the op does not run."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.storages:
+                    raise _ParameterWrite(str(func))
+        return func(*args, **kwargs)
 
 
 def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:
@@ -238,11 +312,11 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
           batch: tuple[Any, ...]) -> tuple[float, torch.Tensor | None]:
     """The loss of ``batch`` and its gradient's projection (one random projection per parameter
     tensor, from fixed seeds: the same for every batch), in eval mode, from a fixed random state;
-    the modules' training flags and buffers are restored after, so that each of the check's runs
-    starts from the same buffers (a forward that counts its calls, or keeps an average, would carry
-    one run into the next, and into the user's model where :func:`_probe` could not copy it), and no
-    ``.grad`` is touched."""
-    flags = [(m, m.training) for m in model.modules()]
+    the modules' attributes (their training flags, what the forward rebinds: a flag, a cache) and
+    buffers are restored after, so that each of the check's runs starts from the same state (a
+    forward that counts its calls, or keeps an average, would carry one run into the next, and into
+    the user's model), and no ``.grad`` is touched."""
+    attributes = [(m, dict(m.__dict__)) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -260,28 +334,29 @@ def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                       if g is not None else 0.0 for i, g in enumerate(grads)]
         return value, torch.tensor(projection, dtype=torch.float64)
     finally:
-        for m, training in flags:
-            m.training = training
+        for m, saved in attributes:
+            m.__dict__.clear()
+            m.__dict__.update(saved)
         with torch.no_grad():
             for m, name, b, value in buffers:
                 m._buffers[name] = b  # a forward that rebinds the buffer, or writes it in place
                 b.copy_(value)
 
 
-def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float] | None:
+def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float]:
     """The pieces' weights as the runtime makes the batch's loss from them: those of
-    ``passes.loss_count.piece_weights``, as for one dp rank holding every piece. None where there
-    is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other terms,
-    or several token means, that count differently; class weights the model computes), no labels.
-    Several token means that count alike in every piece (CLIP's two cross entropies over
-    ``arange(rows)``) are averaged, as the runtime does, and checked."""
+    ``passes.loss_count.piece_weights``, as for one dp rank holding every piece. ValueError where
+    there is no rule to check against: pieces it cannot weigh (a token mean or a sum beside other
+    terms, or several token means, that count differently; class weights the model computes), no
+    labels counted. Several token means that count alike in every piece (CLIP's two cross
+    entropies over ``arange(rows)``) are averaged, as the runtime does, and checked."""
     if counter is None:
         return [1 / len(pieces)] * len(pieces)
-    counts = counter.count_all(pieces)
-    if counter.kind == "mean" and not any(c for n in counts for c in (n if isinstance(n, tuple) else (n,))):
-        return None
     try:
-        weights = piece_weights(counter, [counts], 0)
-    except ValueError:
-        return None
+        counts = counter.count_all(pieces)
+    except Exception as e:  # noqa: BLE001 - said in the refusal
+        raise ValueError(f"their labels cannot be counted ({type(e).__name__}: {e})") from e
+    if counter.kind == "mean" and not any(c for n in counts for c in (n if isinstance(n, tuple) else (n,))):
+        raise ValueError("they count no labels (every one ignored)")
+    weights = piece_weights(counter, [counts], 0)
     return [1 / len(pieces)] * len(pieces) if weights is None else weights
