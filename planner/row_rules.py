@@ -268,6 +268,41 @@ def _softmax(node: torch.fx.Node, states: dict[str, State]) -> State:
     return rows
 
 
+def _along(at: int, default: int | None = None) -> Callable[[torch.fx.Node, dict[str, State]], State]:
+    """Ops along some dims of their first input (scans, sorts, top-k, flip, roll), given at argument
+    ``at`` (or as ``dim``/``dims``, else ``default``): row by row unless one of them holds the batch."""
+    def rule(node: torch.fx.Node, states: dict[str, State]) -> State:
+        rows = same_as_first(node, states)
+        given: Any = args(node)[at] if len(args(node)) > at else kwargs_of(node).get("dim", kwargs_of(node).get("dims"))
+        if given is None:
+            given = [] if default is None else default
+        dims = list(given) if isinstance(given, (list, tuple)) else [given]
+        if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            raise Unproven(node, "no dim given (the input flattened)")
+        if rows is not None and rows.dim in {norm_dim(d, len(shape_of(args(node)[0]))) for d in dims}:
+            raise Unproven(node, f"{op_name(node)} along the batch's dim")
+        return tuple(rows for _ in node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else rows
+    return rule
+
+
+def _einsum(node: torch.fx.Node, states: dict[str, State]) -> State:
+    """``einsum(equation, operands)`` with an explicit output: row by row where every operand that
+    holds the batch holds it at one letter (one block), which the output keeps and no batch-free
+    operand has (``bhid,bhjd->bhij``); a contraction over it, or an ellipsis, is not proven."""
+    equation, operands = args(node)[0], args(node)[1]
+    terms, _, out = str(equation).replace(" ", "").partition("->")
+    inputs = terms.split(",")
+    if not out and "->" not in str(equation) or "." in terms + out or len(inputs) != len(operands):
+        raise Unproven(node, "an einsum with an ellipsis or without its output's letters")
+    held = {(term[r.dim], r.block) for term, x in zip(inputs, operands) if (r := rows_of(node, x, states))}
+    if len(held) != 1:
+        raise Unproven(node, "operands hold the batch at different letters")
+    (letter, block), = held
+    if letter not in out or any(letter in term for term, x in zip(inputs, operands) if state_of(x, states) is None):
+        raise Unproven(node, "the batch's letter is contracted or met by a batch-free operand")
+    return Rows(out.index(letter), block)
+
+
 def _reduce(node: torch.fx.Node, states: dict[str, State]) -> State:
     name = op_name(node)
     overload = f"{name}.{getattr(node.target, '_overloadname', '')}"
@@ -437,6 +472,9 @@ COMPUTE_RULES: dict[str, Rule] = {
     "upsample_nearest2d": _per_sample(2, False), "upsample_bilinear2d": _per_sample(2, False),
     "group_norm": _group_norm, "native_group_norm": _group_norm, "type_as": _type_as,
     **{name: _softmax for name in _SOFTMAX},
+    **{name: _along(1) for name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "flip")},
+    "sort": _along(1, -1), "argsort": _along(1, -1), "topk": _along(2, -1), "kthvalue": _along(2, -1),
+    "roll": _along(2), "einsum": _einsum,
     **{name.split(".")[0]: _reduce for name in _REDUCE},
     **{name: _mean_loss for name in _MEANS if name != "mean"},
 }

@@ -111,6 +111,13 @@ ROWWISE: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
                                                                    h[:, 1:]], dim=1),
     "type_as": lambda m, h: h + torch.ones(S, D).triu().type_as(h),
     "stack": lambda m, h: torch.stack([h, h * 2], dim=0).sum(0) + torch.stack([h, h], dim=2).mean(2),
+    "cumsum and cummax over seq": lambda m, h: h.cumsum(1) / S + h.cummax(1).values,
+    "sort, argsort and top-k over features": lambda m, h: h.sort(-1).values + h.argsort(-1, descending=True)
+    + h.topk(2, dim=-1).values.sum(-1, keepdim=True),
+    "flip and roll over seq": lambda m, h: h.flip(1) + h.roll(1, 1),
+    "einsum attention and projection": lambda m, h: torch.einsum(
+        "b i j, b j d -> b i d", torch.einsum("bid,bjd->bij", h, h).softmax(-1), h) + torch.einsum(
+        "bsd,ed->bse", h, m.lin.weight),
     "conv, group norm and pool per sample": lambda m, h: F.avg_pool1d(
         F.group_norm(F.conv1d(h.transpose(1, 2), m.lin.weight.unsqueeze(-1)), 2), 1).transpose(1, 2),
 }
@@ -139,6 +146,11 @@ COUPLED: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "the rows up to the batch's size": lambda m, h: h[0:h.shape[0]],
     "rows interleaved by a reshape": lambda m, h: h.transpose(0, 1).reshape(h.shape),
     "sorted over rows": lambda m, h: h.sort(0).values,
+    "einsum over rows": lambda m, h: torch.einsum("bsd,csd->bsd", h, h),
+    "einsum contracting rows": lambda m, h: h + torch.einsum("bsd,bsd->sd", h, h),
+    "argsorted over rows": lambda m, h: h * h.argsort(0),
+    "a scan over rows and seq": lambda m, h: h.flatten(0, 1).cummax(0).values.view(h.shape),
+    "rolled over everything": lambda m, h: h.roll(1),
     "max over rows": lambda m, h: h - h.amax(0),
     "top-k over tokens": lambda m, h: h * (h.flatten(0, 1).sum(-1).topk(2).values.sum()),
     "in place": lambda m, h: h.add_(h.mean(0)),
