@@ -268,21 +268,36 @@ def _softmax(node: torch.fx.Node, states: dict[str, State]) -> State:
     return rows
 
 
-def _along(at: int, default: int | None = None) -> Callable[[torch.fx.Node, dict[str, State]], State]:
-    """Ops along some dims of their first input (scans, sorts, top-k, flip, roll), given at argument
-    ``at`` (or as ``dim``/``dims``, else ``default``): row by row unless one of them holds the batch."""
-    def rule(node: torch.fx.Node, states: dict[str, State]) -> State:
-        rows = same_as_first(node, states)
-        given: Any = args(node)[at] if len(args(node)) > at else kwargs_of(node).get("dim", kwargs_of(node).get("dims"))
-        if given is None:
-            given = [] if default is None else default
-        dims = list(given) if isinstance(given, (list, tuple)) else [given]
-        if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-            raise Unproven(node, "no dim given (the input flattened)")
-        if rows is not None and rows.dim in {norm_dim(d, len(shape_of(args(node)[0]))) for d in dims}:
-            raise Unproven(node, f"{op_name(node)} along the batch's dim")
-        return tuple(rows for _ in node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else rows
-    return rule
+ALONG: dict[str, tuple[int, int | None]] = {
+    **{name: (1, None) for name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "flip")},
+    "sort": (1, -1), "argsort": (1, -1), "topk": (2, -1), "kthvalue": (2, -1), "roll": (2, None),
+}
+"""Ops along some dims of their first input (scans, sorts, top-k, flip, roll): the argument that
+gives the dims (or ``dim``/``dims``), and the default dim."""
+
+
+def along_dims(node: torch.fx.Node) -> set[int] | None:
+    """The dims of ``node``'s first input that an :data:`ALONG` op works along; None where it gives
+    none (``roll`` without dims flattens its input)."""
+    at, default = ALONG[op_name(node)]
+    given: Any = args(node)[at] if len(args(node)) > at else kwargs_of(node).get("dim", kwargs_of(node).get("dims"))
+    if given is None:
+        given = [] if default is None else default
+    dims = list(given) if isinstance(given, (list, tuple)) else [given]
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    return {norm_dim(d, len(shape_of(args(node)[0]))) for d in dims}
+
+
+def _along(node: torch.fx.Node, states: dict[str, State]) -> State:
+    """An :data:`ALONG` op: row by row unless one of its dims holds the batch."""
+    rows = same_as_first(node, states)
+    dims = along_dims(node)
+    if dims is None:
+        raise Unproven(node, "no dim given (the input flattened)")
+    if rows is not None and rows.dim in dims:
+        raise Unproven(node, f"{op_name(node)} along the batch's dim")
+    return tuple(rows for _ in node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else rows
 
 
 def _einsum(node: torch.fx.Node, states: dict[str, State]) -> State:
@@ -382,33 +397,35 @@ def _sdpa(node: torch.fx.Node, states: dict[str, State]) -> State:
 
 def broadcast_free(arg: torch.fx.Node, dim: int, ndim: int) -> bool:
     """Whether batch-free ``arg``, broadcast to ``ndim`` dims, is the same all along ``dim``: absent
-    or of size 1 there, or expanded from size 1 there (a causal mask expanded to the batch's size),
-    through ops that keep its values."""
-    while True:
-        shape = shape_of(arg)
-        at = dim - (ndim - len(shape))
-        if not (0 <= at < len(shape)) or shape[at] == 1:
-            return True
-        name = op_name(arg) if arg.op == "call_function" else ""
-        if name in _UNIFORM:
-            return True
-        if name == "embedding" and at < len(shape) - 1:  # ids constant along a dim: their rows too
-            source = args(arg)[1]
-            if isinstance(source, torch.fx.Node):
-                dim, ndim, arg = at, len(shape) - 1, source
-                continue
-        source = args(arg)[0] if name in _KEEPS else None
-        if not isinstance(source, torch.fx.Node):
-            return False
-        if name == "expand":  # expand adds leading dims: align from the right
-            dim, ndim = at - (len(shape) - len(shape_of(source))), len(shape_of(source))
-            if dim < 0:
-                return True
-        else:
-            dim, ndim = at, len(shape)
-        arg = source
+    or of size 1 there, filled with one value, expanded from size 1 there (a causal mask expanded
+    to the batch's size), or computed from such values by ops that work position by position along
+    ``dim``: elementwise ones but random ones, and scans, sorts and the like along other dims (OPT's
+    positions, a cumsum of ones the batch's size)."""
+    shape = shape_of(arg)
+    at = dim - (ndim - len(shape))
+    if not (0 <= at < len(shape)) or shape[at] == 1:
+        return True
+    name = op_name(arg) if arg.op == "call_function" else ""
+    if name in _UNIFORM:
+        return True
+    tensors = [a for a in _flat_args(arg) if isinstance(a, torch.fx.Node)] if name else []
+    if name == "embedding" and at < len(shape) - 1:  # ids constant along a dim: their rows too
+        return isinstance(args(arg)[1], torch.fx.Node) and broadcast_free(args(arg)[1], at, len(shape) - 1)
+    if name == "expand":  # expand adds leading dims: align from the right
+        source = args(arg)[0]
+        inner = at - (len(shape) - len(shape_of(source)))
+        return inner < 0 or broadcast_free(source, inner, len(shape_of(source)))
+    if name == "unsqueeze":  # at is not the new dim: that has size 1
+        return broadcast_free(args(arg)[0], at - (at > norm_dim(args(arg)[1], len(shape))), len(shape) - 1)
+    if name in _KEEPS or (name in ALONG and at not in (along_dims(arg) or {at})):
+        return bool(tensors) and tensors[0] is args(arg)[0] and broadcast_free(tensors[0], at, len(shape))
+    if name in POINTWISE and name not in _RANDOM:
+        return bool(tensors) and all(broadcast_free(t, at, len(shape)) for t in tensors)
+    return False
 
 
+_RANDOM = {"dropout"}
+"""Elementwise ops that draw a random number per element."""
 _UNIFORM = {"ones", "zeros", "full", "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like",
             "scalar_tensor"}
 """Ops that fill every element with one value."""
@@ -472,9 +489,7 @@ COMPUTE_RULES: dict[str, Rule] = {
     "upsample_nearest2d": _per_sample(2, False), "upsample_bilinear2d": _per_sample(2, False),
     "group_norm": _group_norm, "native_group_norm": _group_norm, "type_as": _type_as,
     **{name: _softmax for name in _SOFTMAX},
-    **{name: _along(1) for name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "flip")},
-    "sort": _along(1, -1), "argsort": _along(1, -1), "topk": _along(2, -1), "kthvalue": _along(2, -1),
-    "roll": _along(2), "einsum": _einsum,
+    **{name: _along for name in ALONG}, "einsum": _einsum,
     **{name.split(".")[0]: _reduce for name in _REDUCE},
     **{name: _mean_loss for name in _MEANS if name != "mean"},
 }

@@ -115,6 +115,8 @@ ROWWISE: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "sort, argsort and top-k over features": lambda m, h: h.sort(-1).values + h.argsort(-1, descending=True)
     + h.topk(2, dim=-1).values.sum(-1, keepdim=True),
     "flip and roll over seq": lambda m, h: h.flip(1) + h.roll(1, 1),
+    "positions from a cumsum of ones the batch's size": lambda m, h: h + torch.where(
+        torch.ones(h.shape[0], S).cumsum(1) > 2, 1.0, 0.0).unsqueeze(-1).to(h.dtype),
     "einsum attention and projection": lambda m, h: torch.einsum(
         "b i j, b j d -> b i d", torch.einsum("bid,bjd->bij", h, h).softmax(-1), h) + torch.einsum(
         "bsd,ed->bse", h, m.lin.weight),
@@ -141,6 +143,7 @@ COUPLED: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "rolled rows": lambda m, h: h.roll(1, 0),
     "flipped rows": lambda m, h: h.flip(0),
     "cumsum over rows": lambda m, h: h.cumsum(0),
+    "positions numbered over the batch": lambda m, h: h + torch.ones(h.shape[0], S).cumsum(0).unsqueeze(-1),
     "cat along rows": lambda m, h: torch.cat([h[1:], h[:1]], 0),
     "some rows sliced": lambda m, h: torch.cat([h[:1], h[:-1]], 0),
     "the rows up to the batch's size": lambda m, h: h[0:h.shape[0]],
