@@ -8,7 +8,8 @@ reads the weights training is updating, without a copy. One table, :data:`EVAL_R
 each training-dependent op becomes:
 
 * the dropout family (``aten.dropout``, ``native_dropout``, ``feature_dropout``, ``alpha_dropout``,
-  ``feature_alpha_dropout``, the tensor-parallel ``tp_ops.sharded_dropout``) and ``rrelu_with_noise``:
+  ``feature_alpha_dropout``, the tensor-parallel ``tp_ops.sharded_dropout``), ``rrelu_with_noise``
+  and the recurrent layers (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``: dropout between layers):
   their ``train`` argument becomes ``False``; scaled dot-product attention (and its flash / efficient
   kernels): ``dropout_p`` becomes 0;
 * batch norm with running statistics (``aten.batch_norm``, ``native_batch_norm``,
@@ -135,6 +136,8 @@ EVAL_RULES: dict[Any, Rule] = {
     bn_ops.instance_norm_sync: _to_aten_norm(aten.instance_norm.default, False),
     bn_ops.instance_norm_local: _to_aten_norm(aten.instance_norm.default, False),
     aten.add_.Tensor: _drop_batch_count,
+    **{getattr(aten, rnn).input: _set_arg(6, "train") for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+    **{getattr(aten, rnn).data: _set_arg(7, "train") for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
 }
 """Training-dependent op -> its eval-mode rewrite (see the module docstring)."""
 

@@ -17,7 +17,7 @@ from passes.ops import bn_ops, tp_ops
 from planner.capture import capture
 
 aten = torch.ops.aten
-C = 3
+C, H = 3, 5
 
 
 class Root(nn.Module):
@@ -31,6 +31,13 @@ class Root(nn.Module):
         self.register_buffer("bn_num_batches_tracked", torch.tensor(7))
         self.register_buffer("other", torch.zeros(()))
         self.register_buffer("noise", torch.zeros(2, C, 4))
+        for gates in (1, 3, 4):  # two recurrent layers of width H on features of 4: rnn, gru, lstm
+            for layer in range(2):
+                for name, shape in (("w_ih", (gates * H, 4 if layer == 0 else H)), ("w_hh", (gates * H, H)),
+                                    ("b_ih", (gates * H,)), ("b_hh", (gates * H,))):
+                    self.register_buffer(f"rnn{gates}_{name}_{layer}", torch.randn(shape, generator=g) * 0.5)
+        self.register_buffer("h0", torch.zeros(2, 2, H))
+        self.register_buffer("batch_sizes", torch.tensor([2, 2, 2]))
 
 
 X = torch.randn(2, C, 4, generator=torch.Generator().manual_seed(1))
@@ -63,6 +70,32 @@ def _call(op: Any, *rest: Any, inputs: int = 1, first: bool = False) -> Callable
         out = g.call_function(op, (*xs, *args))
         return g.call_function(operator.getitem, (out, 0)) if first else out
     return build
+
+
+RNNS = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+def _rnn_args(kind: str, x: Any, get: Callable[[str], Any], train: bool, packed: bool) -> tuple[Any, ...]:
+    """``aten.<kind>.input`` (batch first) or ``.data`` (packed: ``x`` is the data) arguments: two
+    layers, dropout 0.5 between them."""
+    gates = RNNS[kind]
+    params = [get(f"rnn{gates}_{n}_{layer}") for layer in range(2) for n in ("w_ih", "w_hh", "b_ih", "b_hh")]
+    hx = [get("h0"), get("h0")] if kind == "lstm" else get("h0")
+    if packed:
+        return (x, get("batch_sizes"), hx, params, True, 2, 0.5, train, False)
+    return (x, hx, params, True, 2, 0.5, train, False, True)
+
+
+def _rnn(kind: str, packed: bool) -> tuple[Callable[[torch.fx.Graph], torch.fx.Node], tuple[torch.Tensor, ...],
+                                          Callable[..., torch.Tensor]]:
+    op = getattr(getattr(aten, kind), "data" if packed else "input")
+
+    def build(g: torch.fx.Graph) -> torch.fx.Node:
+        out = g.call_function(op, _rnn_args(kind, g.placeholder("x0"), g.get_attr, True, packed))
+        return g.call_function(operator.getitem, (out, 0))
+
+    x = X.transpose(0, 1).reshape(-1, 4) if packed else X  # (batch 2, seq 3, 4), packed: 3 steps of 2
+    return build, (x,), lambda r, x: op(*_rnn_args(kind, x, lambda n: getattr(r, n), False, packed))[0]
 
 
 def _bn_eval(r: Root, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +135,8 @@ CASES: dict[Any, tuple[Callable[[torch.fx.Graph], torch.fx.Node], tuple[torch.Te
     bn_ops.instance_norm_sync: (_norm(bn_ops.instance_norm_sync, True, axis=True), (X,), _in_eval),
     bn_ops.instance_norm_local: (_norm(bn_ops.instance_norm_local, True), (X,), _in_eval),
     aten.add_.Tensor: (_call(aten.add_.Tensor, 1, inputs=0), (), None),  # on num_batches_tracked: below
+    **{getattr(aten, kind).input: _rnn(kind, False) for kind in RNNS},
+    **{getattr(aten, kind).data: _rnn(kind, True) for kind in RNNS},
 }
 # CUDA-only kernels: the rewrite is checked on the graph (they cannot run here)
 STRUCTURAL = {
