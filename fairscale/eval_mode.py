@@ -36,7 +36,7 @@ from fairscale.runtime.modes import compiled_modes
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph
 
-__all__ = ["EvalModeError", "eval_modules"]
+__all__ = ["EvalModeError", "eval_modules", "capture_in_eval_mode"]
 
 
 class EvalModeError(ValueError):
@@ -44,7 +44,7 @@ class EvalModeError(ValueError):
     ``self.training``), so the compiled ranks cannot evaluate it."""
 
 
-def _capture_in_eval_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
+def capture_in_eval_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
                           dtype: torch.dtype | None) -> torch.fx.GraphModule:
     """:func:`fairscale.capture_cache.rank_capture` of ``model`` with every module in eval mode;
     each module's own flag is restored afterwards."""
@@ -68,7 +68,7 @@ def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule])
     dtype = trace_dtype(program.plan)
     with compiled_modes(model, program.modes):  # the stages' own, whatever mode the user set since
         trained = rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm
-    reason = eval_difference(trained, _capture_in_eval_mode(model, example, loss_fn, dtype))
+    reason = eval_difference(trained, capture_in_eval_mode(model, example, loss_fn, dtype))
     if reason is not None:
         raise EvalModeError(f"pm.evaluate cannot run {type(model).__name__} in eval mode from its training graph: "
                             f"{reason}. Its Python code takes another path when self.training is False; evaluate "

@@ -43,7 +43,8 @@ from planner.capture import LossModule
 from planner.graph import META_MODULE
 from planner.plan import Plan
 
-__all__ = ["loss_problem", "row_problem", "count_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
+__all__ = ["loss_problem", "row_problem", "count_problem", "eval_path_problem", "proven_row_by_row", "CHECK_ROWS",
+           "PROOF_ROWS"]
 
 CHECK_ROWS = 2
 """Rows per piece the row check runs at most (four rows' forwards in all, whatever the batch): a
@@ -71,6 +72,10 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts["proof"] = None if proven_row_by_row(model, example_inputs, loss_fn) else "not proven"
     if verdicts["proof"] is None:
         return None
+    if "eval path" not in verdicts:  # the eager check runs in eval mode: is that the loss that trains?
+        verdicts["eval path"] = eval_path_problem(model, example_inputs, loss_fn)
+    if verdicts["eval path"]:
+        return verdicts["eval path"]
     rows = max(1, min(first.shape[0] // (dp * m), CHECK_ROWS))
     if rows not in verdicts:
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm)
@@ -107,6 +112,32 @@ def proven_row_by_row(model: nn.Module, example_inputs: Sequence[Any],
     if counter is not None and (counter.kind != "mean" or not counter.exact):
         return False  # a sum, or a token mean beside other terms: passes.loss_count and the eager check judge it
     return same_but_rows(a, b, small, large) is None and rows_independent(a, token_mean=counter is not None)
+
+
+def eval_path_problem(model: nn.Module, example_inputs: Sequence[Any],
+                      loss_fn: Callable[..., torch.Tensor] | None) -> str | None:
+    """Why the eager check, which runs the model in eval mode, cannot judge the loss that trains:
+    the model's Python code takes another path in eval mode (``if self.training: loss = loss +
+    aux``, where ``aux`` is a load-balancing term over the whole batch), found by comparing its
+    training capture, rewritten to eval mode, with its eval-mode capture
+    (``passes.eval_mode.eval_difference``, as ``pm.evaluate`` does); None where they agree, or
+    where the model cannot be captured on these rows (the eager check then runs as it would)."""
+    from fairscale.capture_cache import rank_capture
+    from fairscale.eval_mode import capture_in_eval_mode
+    from passes.eval_mode import eval_difference
+
+    batch = _rows(tuple(example_inputs), 0, PROOF_ROWS[0])
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    try:
+        trained = rank_capture(model, batch, loss_fn=loss_fn).gm
+        reason = eval_difference(trained, capture_in_eval_mode(model, batch, loss_fn, None))
+    except Exception:  # noqa: BLE001 - not captured: the eager check decides as before
+        return None
+    return None if reason is None else _unchecked(
+        f"its code takes another path in eval mode, where the eager check runs it ({reason})",
+        "make the branch on self.training leave the loss alone (as dropout does), so that the eager check "
+        "judges the loss that trains")
 
 
 def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_inputs: Sequence[Any], dp: int,
@@ -192,7 +223,7 @@ def _unchecked(why: str, remedy: str) -> str:
     """The refusal of a batch-cutting plan whose loss neither the proof on the graph
     (``planner.row_flow``) nor the eager check could judge, because ``why``."""
     return (f"the loss could not be checked to be computed row by row: the graph does not prove it "
-            f"(planner.row_flow) and the eager check cannot run: {why}. Cut into pieces (dp x microbatches), the "
+            f"(planner.row_flow) and the eager check cannot judge it: {why}. Cut into pieces (dp x microbatches), the "
             f"step might train to other numbers. {_KEEP_WHOLE}, or {remedy}")
 
 

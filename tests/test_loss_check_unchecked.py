@@ -44,6 +44,18 @@ class Classifier(nn.Module):
         return F.cross_entropy(h, y, ignore_index=-100)
 
 
+class TrainingOnlyAux(Classifier):
+    """A load-balancing term over the whole batch, added in training only (fairseq's and the Switch
+    Transformer's MoE habit): it couples the rows, and an eval-mode run never sees it."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(x, y)
+        if self.training:
+            share = self.lin(x).softmax(-1).mean(0)
+            loss = loss + 0.1 * (share * share).sum() * share.numel()
+        return loss
+
+
 def _batch(ignored_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -89,3 +101,13 @@ def test_the_check_runs_on_the_users_model_and_leaves_its_attributes_as_they_wer
     _plan(model, _batch(), DP2)
     assert RAN_ON and set(RAN_ON) == {id(model)}  # no copy: the planning rank holds the weights once
     assert model.calls == 0 and model.training
+
+
+def test_a_coupling_term_added_in_training_only_is_refused_for_a_plan_that_cuts_the_batch() -> None:
+    """The eager check runs in eval mode: without comparing the two modes' graphs it saw a row-by-row
+    loss, and dp2 trained to other numbers."""
+    with pytest.raises(PlanError) as e:
+        _plan(TrainingOnlyAux(), _batch(), DP2)
+    said = str(e.value)
+    assert "takes another path in eval mode" in said and "test_loss_check_unchecked.py" in said, said
+    assert _plan(TrainingOnlyAux(), _batch()).mesh.dp == 1
