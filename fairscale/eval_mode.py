@@ -32,7 +32,7 @@ from torch import nn
 
 from fairscale.capture_cache import rank_capture, trace_dtype
 from fairscale.runtime.engine import microbatch_example
-from fairscale.runtime.modes import compiled_modes
+from fairscale.runtime.modes import attributes_kept, compiled_modes
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph
 
@@ -47,14 +47,11 @@ class EvalModeError(ValueError):
 def capture_in_eval_mode(model: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
                           dtype: torch.dtype | None) -> torch.fx.GraphModule:
     """:func:`fairscale.capture_cache.rank_capture` of ``model`` with every module in eval mode;
-    each module's own flag is restored afterwards."""
-    flags = {m: m.training for m in model.modules()}
-    try:
+    each module's flag is put back afterwards (``fairscale.runtime.modes.attributes_kept``; the
+    capture itself leaves what the forward rebinds as it was)."""
+    with attributes_kept(model):
         model.eval()
         return rank_capture(model, example, loss_fn=loss_fn, dtype=dtype).gm
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
 
 
 def eval_modules(program: RankProgram, modules: dict[int, torch.fx.GraphModule]) -> dict[int, torch.fx.GraphModule]:

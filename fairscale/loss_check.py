@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fairscale.loss_check_mode import checking_mode, eval_path
+from fairscale.runtime.modes import attributes_kept
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
@@ -43,8 +45,7 @@ from planner.capture import LossModule
 from planner.graph import META_MODULE
 from planner.plan import Plan
 
-__all__ = ["loss_problem", "row_problem", "count_problem", "eval_path_problem", "proven_row_by_row", "CHECK_ROWS",
-           "PROOF_ROWS"]
+__all__ = ["loss_problem", "row_problem", "count_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
 
 CHECK_ROWS = 2
 """Rows per piece the row check runs at most (four rows' forwards in all, whatever the batch): a
@@ -72,13 +73,13 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts["proof"] = None if proven_row_by_row(model, example_inputs, loss_fn) else "not proven"
     if verdicts["proof"] is None:
         return None
-    if "eval path" not in verdicts:  # the eager check runs in eval mode: is that the loss that trains?
-        verdicts["eval path"] = eval_path_problem(model, example_inputs, loss_fn)
-    if verdicts["eval path"]:
-        return verdicts["eval path"]
+    if "eval path" not in verdicts:  # where the model parts from its training path in eval mode, if it does
+        verdicts["eval path"] = None if any(p.is_meta for p in model.parameters()) else \
+            eval_path(model, _rows(tuple(example_inputs), 0, PROOF_ROWS[0]), loss_fn)
     rows = max(1, min(first.shape[0] // (dp * m), CHECK_ROWS))
     if rows not in verdicts:
-        verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm)
+        verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm,
+                                     eval_path=verdicts["eval path"])
     return verdicts[rows]
 
 
@@ -114,32 +115,6 @@ def proven_row_by_row(model: nn.Module, example_inputs: Sequence[Any],
     return same_but_rows(a, b, small, large) is None and rows_independent(a, token_mean=counter is not None)
 
 
-def eval_path_problem(model: nn.Module, example_inputs: Sequence[Any],
-                      loss_fn: Callable[..., torch.Tensor] | None) -> str | None:
-    """Why the eager check, which runs the model in eval mode, cannot judge the loss that trains:
-    the model's Python code takes another path in eval mode (``if self.training: loss = loss +
-    aux``, where ``aux`` is a load-balancing term over the whole batch), found by comparing its
-    training capture, rewritten to eval mode, with its eval-mode capture
-    (``passes.eval_mode.eval_difference``, as ``pm.evaluate`` does); None where they agree, or
-    where the model cannot be captured on these rows (the eager check then runs as it would)."""
-    from fairscale.capture_cache import rank_capture
-    from fairscale.eval_mode import capture_in_eval_mode
-    from passes.eval_mode import eval_difference
-
-    batch = _rows(tuple(example_inputs), 0, PROOF_ROWS[0])
-    if any(p.is_meta for p in model.parameters()):
-        return None
-    try:
-        trained = rank_capture(model, batch, loss_fn=loss_fn).gm
-        reason = eval_difference(trained, capture_in_eval_mode(model, batch, loss_fn, None))
-    except Exception:  # noqa: BLE001 - not captured: the eager check decides as before
-        return None
-    return None if reason is None else _unchecked(
-        f"its code takes another path in eval mode, where the eager check runs it ({reason})",
-        "make the branch on self.training leave the loss alone (as dropout does), so that the eager check "
-        "judges the loss that trains")
-
-
 def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_inputs: Sequence[Any], dp: int,
                   m: int) -> str | None:
     """The runtime's refusal of a step (``passes.loss_count.piece_weights``), made before launch on
@@ -165,14 +140,16 @@ def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_input
 
 
 def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
-                counter: TokenCounter | None, rows: int, *, gm: torch.fx.GraphModule | None = None) -> str | None:
+                counter: TokenCounter | None, rows: int, *, gm: torch.fx.GraphModule | None = None,
+                eval_path: str | None = None) -> str | None:
     """Why the loss is not the combination of its pieces' losses on ``rows``-row pieces of the
     example batch, or whose gradient is not (module docstring), or why that cannot be checked here
-    (the model does not run on these rows in eval mode, no rows of the batch count labels alike):
-    a plan that cuts the batch is refused then too, since the runtime would combine the pieces on
-    trust. None: it is. ``gm``, the model's capture, lets the message name a selection whose size
-    depends on the data. A model on meta is not checked (it is planned, never run: ``parallelize``
-    refuses it)."""
+    (the model does not run on these rows, no rows of the batch count labels alike): a plan that
+    cuts the batch is refused then too, since the runtime would combine the pieces on trust. None:
+    it is. ``gm``, the model's capture, lets the message name a selection whose size depends on the
+    data. ``eval_path``: where the model's eval mode parts from its training path
+    (``fairscale.loss_check_mode``); the check then runs it in training mode, its draws constant.
+    A model on meta is not checked (it is planned, never run: ``parallelize`` refuses it)."""
     batch = tuple(example_inputs)
     tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors or any(p.is_meta for p in model.parameters()):
@@ -187,12 +164,14 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
         return _unchecked(str(e), "give an example batch with labels in every row")
     whole = _rows(batch, lo, lo + 2 * rows)
     pieces = [_rows(batch, lo, lo + rows), _rows(batch, lo + rows, lo + 2 * rows)]
+    mode = "eval mode" if eval_path is None else \
+        f"training mode, its random draws constant (its code takes another path in eval mode: {eval_path})"
     try:
-        runs = _runs(model, loss_fn, (whole, *pieces))
+        runs = _runs(model, loss_fn, (whole, *pieces), training=eval_path is not None)
     except Exception as e:  # noqa: BLE001 - said in the refusal
         said = (str(e).strip().splitlines() or [""])[0][:300]
-        return _unchecked(f"the model raised {type(e).__name__} in eval mode on rows {lo}-{lo + 2 * rows - 1} "
-                          f"of the example batch ({said})", "make the model's forward run in eval mode too")
+        return _unchecked(f"the model raised {type(e).__name__} on rows {lo}-{lo + 2 * rows - 1} of the example "
+                          f"batch in {mode} ({said})", "make the model's forward run on them")
     got, want = runs[0][0], sum(w * v for w, (v, _) in zip(weights, runs[1:]) if w)
     tol = 1e-3 if torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32 else 5e-2
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
@@ -208,6 +187,8 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
                  f"but their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
                  "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
                  "alike while their terms are about equal, as at initialization)")
+    if eval_path is not None:
+        found += f" (run in {mode})"
     site = (_selection_site(gm) or _loss_site(gm, counter)) if gm is not None else ""
     return (f"the loss is not computed row by row: {found}. Cut into pieces (dp x microbatches), the step would "
             "train to other numbers: the loss couples the rows (in-batch negatives of a contrastive loss, a batch "
@@ -282,8 +263,8 @@ def _site(node: torch.fx.Node) -> str:
             + (f", source {line}" if line else ""))
 
 
-def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
-          batches: Sequence[tuple[Any, ...]]) -> list[tuple[float, torch.Tensor | None]]:
+def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batches: Sequence[tuple[Any, ...]], *,
+          training: bool = False) -> list[tuple[float, torch.Tensor | None]]:
     """:func:`_loss` of each batch, on the user's model itself where its forward writes no
     parameter, else on a copy. An eval-mode forward may change the model it runs (HF ``RwkvModel``
     divides weights in place and flips ``layers_are_rescaled``, which the next training forward
@@ -294,7 +275,7 @@ def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
     on a copy; what they rebind on a module (a flag, a cache) is put back."""
     try:
         with _NoParameterWrites(model):
-            return [_loss(model, loss_fn, b) for b in batches]
+            return [_loss(model, loss_fn, b, training) for b in batches]
     except _ParameterWrite:
         pass
     try:
@@ -302,7 +283,7 @@ def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
     except Exception as e:  # noqa: BLE001 - said in the refusal
         raise RuntimeError(f"its forward writes a parameter in place and it cannot be copied to run on "
                            f"({type(e).__name__}: {e})") from e
-    return [_loss(probe, loss_fn, b) for b in batches]
+    return [_loss(probe, loss_fn, b, training) for b in batches]
 
 
 class _ParameterWrite(Exception):
@@ -339,39 +320,36 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
-          batch: tuple[Any, ...]) -> tuple[float, torch.Tensor | None]:
+def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batch: tuple[Any, ...],
+          training: bool = False) -> tuple[float, torch.Tensor | None]:
     """The loss of ``batch`` and its gradient's projection (one random projection per parameter
-    tensor, from fixed seeds: the same for every batch), in eval mode, from a fixed random state;
+    tensor, from fixed seeds: the same for every batch), in eval mode or in training mode with
+    constant draws (``fairscale.loss_check_mode.checking_mode``), from a fixed random state;
     the modules' attributes (their training flags, what the forward rebinds: a flag, a cache) and
     buffers are restored after, so that each of the check's runs starts from the same state (a
     forward that counts its calls, or keeps an average, would carry one run into the next, and into
     the user's model), and no ``.grad`` is touched."""
-    attributes = [(m, dict(m.__dict__)) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
     params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        model.eval()
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            loss = LossModule(model, loss_fn)(*batch)
-            value = float(loss.detach().double())
-            if not params or not loss.requires_grad:
-                return value, None
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-        projection = [float((g.double() * torch.randn(g.shape, generator=torch.Generator().manual_seed(i),
-                                                      dtype=torch.float64).to(g.device)).sum())
-                      if g is not None else 0.0 for i, g in enumerate(grads)]
-        return value, torch.tensor(projection, dtype=torch.float64)
-    finally:
-        for m, saved in attributes:
-            m.__dict__.clear()
-            m.__dict__.update(saved)
-        with torch.no_grad():
-            for m, name, b, value in buffers:
-                m._buffers[name] = b  # a forward that rebinds the buffer, or writes it in place
-                b.copy_(value)
+    with attributes_kept(model):
+        try:
+            with checking_mode(model, training), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                loss = LossModule(model, loss_fn)(*batch)
+                value = float(loss.detach().double())
+                if not params or not loss.requires_grad:
+                    return value, None
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            with torch.no_grad():
+                for m, name, b, saved in buffers:
+                    m._buffers[name] = b  # a forward that rebinds the buffer, or writes it in place
+                    b.copy_(saved)
+    projection = [float((g.double() * torch.randn(g.shape, generator=torch.Generator().manual_seed(i),
+                                                  dtype=torch.float64).to(g.device)).sum())
+                  if g is not None else 0.0 for i, g in enumerate(grads)]
+    return value, torch.tensor(projection, dtype=torch.float64)
 
 
 def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float]:

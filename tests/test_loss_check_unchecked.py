@@ -76,7 +76,7 @@ def test_a_model_that_does_not_run_in_eval_mode_is_refused_for_a_plan_that_cuts_
         _plan(Classifier(eval_returns="predictions"), _batch(), DP2)
     said = str(e.value)
     assert "could not be checked to be computed row by row" in said and "eval mode" in said, said
-    assert "mesh.dp 1" in said and "make the model's forward run in eval mode too" in said, said
+    assert "mesh.dp 1" in said and "make the model's forward run on them" in said, said
 
 
 def test_the_search_keeps_such_a_batch_whole() -> None:
@@ -104,10 +104,26 @@ def test_the_check_runs_on_the_users_model_and_leaves_its_attributes_as_they_wer
 
 
 def test_a_coupling_term_added_in_training_only_is_refused_for_a_plan_that_cuts_the_batch() -> None:
-    """The eager check runs in eval mode: without comparing the two modes' graphs it saw a row-by-row
-    loss, and dp2 trained to other numbers."""
+    """The eager check ran in eval mode only: it saw a row-by-row loss, and dp2 trained to other
+    numbers. Where the two modes' graphs part, it runs in training mode now."""
     with pytest.raises(PlanError) as e:
         _plan(TrainingOnlyAux(), _batch(), DP2)
     said = str(e.value)
-    assert "takes another path in eval mode" in said and "test_loss_check_unchecked.py" in said, said
+    assert "the loss is not computed row by row" in said, said
+    assert "run in training mode, its random draws constant (its code takes another path in eval mode" in said, said
+    assert "test_loss_check_unchecked.py" in said, said
     assert _plan(TrainingOnlyAux(), _batch()).mesh.dp == 1
+
+
+class Jittered(Classifier):
+    """Noise only while training, row by row (a router's jitter), and dropout: random draws the
+    training-mode check makes constant."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = F.dropout(x * (1 + 0.01 * torch.rand_like(x)) + 0.01 * torch.randn_like(x), 0.1)
+        return super().forward(x, y)
+
+
+def test_noise_added_in_training_only_row_by_row_is_not_refused() -> None:
+    assert _plan(Jittered(), _batch(), DP2).mesh.dp == 2

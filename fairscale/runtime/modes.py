@@ -23,7 +23,7 @@ from typing import Iterator
 
 from torch import nn
 
-__all__ = ["ModeError", "modes_of", "mode_change", "all_eval", "compiled_modes"]
+__all__ = ["ModeError", "modes_of", "mode_change", "all_eval", "compiled_modes", "attributes_kept"]
 
 
 class ModeError(RuntimeError):
@@ -75,3 +75,18 @@ def compiled_modes(model: nn.Module, modes: tuple[bool, ...]) -> Iterator[None]:
     finally:
         for m, flag in zip(modules, flags):
             m.training = flag
+
+
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Run the block, then put back every attribute of ``model``'s modules as it was bound before
+    (training flags, and what a forward rebinds: HF ``RwkvModel``'s ``layers_are_rescaled`` set by
+    an eval-mode forward, which the next training capture would read); attributes the block added
+    are removed. Shallow: a container mutated in place stays mutated."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
