@@ -16,7 +16,11 @@ a parameter (then on a copy). Where neither the proof on the graph (``planner.ro
 first) nor this check can judge the loss (the model does not run in eval mode on those rows, no
 rows of the batch count labels that can be weighed), a plan that cuts the batch is refused too:
 it would combine the pieces on trust. A model on the meta device is planned, never run, and not
-checked.
+checked. Random draws in the forward (``ViTMAEForPreTraining``'s masking noise) are made constant
+for the check (``fairscale.loss_check_mode.ConstantDraws``: a row's draws would otherwise depend on
+the rows drawn before it); where a random op it does not fix (``multinomial``, ``randperm``) still
+makes the batch and its pieces differ, the refusal names that op and says to pass the values in as
+an input.
 
 The losses alone are not enough: a mean over a number of terms that differs between the pieces
 (``logits[mask]`` then a mean, as ``ElectraForPreTraining`` does with an attention mask) gives
@@ -36,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fairscale.loss_check_mode import checking_mode, eval_path
+from fairscale.loss_check_mode import checking_mode, draws_constant, eval_path
 from fairscale.runtime.modes import attributes_kept
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
@@ -187,6 +191,12 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
                  f"but their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
                  "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
                  "alike while their terms are about equal, as at initialization)")
+    drawn = _random_site(gm) if gm is not None else ""
+    if drawn:
+        return (f"the loss check cannot compare the batch with its pieces: the model draws random numbers in its "
+                f"forward ({drawn}), so the batch and each piece draw other ones, and {found}. Whether the loss "
+                "is computed row by row is not known. Pass the random values in as a batch input (a noise or mask "
+                f"tensor with the batch's rows first, cut with the rows), or: {_KEEP_WHOLE}")
     if eval_path is not None:
         found += f" (run in {mode})"
     site = (_selection_site(gm) or _loss_site(gm, counter)) if gm is not None else ""
@@ -240,6 +250,20 @@ def _selection_site(gm: torch.fx.GraphModule) -> str:
         val = node.meta.get("val")
         if node.op == "call_function" and isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
             return f" The batch's rows are selected by the data at {_site(node)}."
+    return ""
+
+
+def _random_site(gm: torch.fx.GraphModule) -> str:
+    """``module M, op O, source S`` of the first op of ``gm`` that draws random numbers the check's
+    runs draw too (``multinomial``, ``randperm``, ...; not those it makes constant,
+    ``fairscale.loss_check_mode.draws_constant``, nor attention with a dropout argument: off in
+    eval mode, constant in training), or ''."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in target.tags and not draws_constant(target) \
+                and not any("dropout" in a.name for a in target._schema.arguments):
+            return _site(node)
     return ""
 
 

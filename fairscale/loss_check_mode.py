@@ -7,11 +7,12 @@ model whose Python code takes another path in eval mode (``if self.training: los
 aux``, an auxiliary load-balancing term over the whole batch; a router's jitter) would be judged
 on a loss that never trains: :func:`eval_path` finds that path by comparing the two modes'
 captures (``passes.eval_mode.eval_difference``, as ``pm.evaluate`` does), and the check then runs
-the model in **training mode** with :class:`ConstantDraws`: every random draw the forward makes is
-a constant (a row's draws would otherwise depend on how many rows were drawn before it, and the
-pieces would differ from the whole for no fault of the loss), and batch norm, whose batch
-statistics the runtime makes exact by its own means (``plan.batch_norm``), on its running
-statistics.
+the model in **training mode**, batch norm (whose batch statistics the runtime makes exact by its
+own means, ``plan.batch_norm``) on its running statistics. In either mode :class:`ConstantDraws`
+makes every random draw the forward makes a constant: a row's draws would otherwise depend on how
+many rows were drawn before it, and the pieces would differ from the whole for no fault of the
+loss (``ViTMAEForPreTraining``'s masking noise, a router's jitter). The ranks draw their own
+numbers, as they do for dropout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["eval_path", "ConstantDraws", "checking_mode"]
+__all__ = ["eval_path", "ConstantDraws", "CONSTANT_DRAWS", "draws_constant", "checking_mode"]
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -46,46 +47,51 @@ def eval_path(model: nn.Module, batch: Sequence[Any], loss_fn: Callable[..., tor
 
 @contextlib.contextmanager
 def checking_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """The block runs ``model`` in eval mode, or in training mode with its draws constant and its
-    batch and instance norms in eval mode; the caller restores the flags
+    """The block runs ``model`` in eval mode, or in training mode with its batch and instance norms
+    in eval mode, its random draws constant either way; the caller restores the flags
     (``fairscale.runtime.modes.attributes_kept``)."""
     model.train(training)
-    if not training:
-        yield
-        return
-    for m in model.modules():
+    for m in model.modules() if training else ():
         if isinstance(m, _NORMS):
             m.training = False
     with ConstantDraws():
         yield
 
 
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, name: str, default: float) -> float:
+    return kwargs.get(name, args[at] if len(args) > at else default)
+
+
+_MEANS: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], float]] = {
+    "rand": lambda a, k: 0.5, "rand_like": lambda a, k: 0.5,
+    "uniform_": lambda a, k: (_arg(a, k, 1, "from", 0.0) + _arg(a, k, 2, "to", 1.0)) / 2,
+    "randn": lambda a, k: 0.0, "randn_like": lambda a, k: 0.0, "normal_": lambda a, k: _arg(a, k, 1, "mean", 0.0),
+    "bernoulli": lambda a, k: 1.0, "bernoulli_": lambda a, k: 1.0,
+    "exponential_": lambda a, k: 1.0 / _arg(a, k, 1, "lambd", 1.0),
+}
+"""Random op (its schema's name) -> the constant :class:`ConstantDraws` fills its draws with."""
+
+CONSTANT_DRAWS = frozenset(_MEANS) | {"native_dropout"}
+"""The random ops the check makes deterministic; any other still draws."""
+
+
+def draws_constant(op: Any) -> bool:
+    """Whether :class:`ConstantDraws` makes ATen ``op``'s draws constant."""
+    return isinstance(op, torch._ops.OpOverload) and op._schema.name.split("::")[-1] in CONSTANT_DRAWS
+
+
 class ConstantDraws(TorchDispatchMode):
-    """Every elementwise random draw made constant, at its distribution's mean: ``rand``,
-    ``uniform_`` (the interval's middle), ``randn``, ``normal_`` (the mean), ``bernoulli`` (1: a
-    dropout mask keeps everything), ``exponential_``; ``native_dropout`` keeps its input. Other
-    random ops (``randperm``, ``multinomial``) draw as they would: their pieces then differ from the
-    whole, and the check refuses, which errs on the safe side."""
+    """Every elementwise random draw made constant, at its distribution's mean (:data:`_MEANS`:
+    ``rand`` and ``uniform_`` the interval's middle, ``randn`` and ``normal_`` the mean,
+    ``bernoulli`` 1, so that a dropout mask keeps everything); ``native_dropout`` keeps its input.
+    Other random ops (``randperm``, ``multinomial``) draw as they would: their pieces then differ
+    from the whole, and the check refuses, naming the op."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = func._schema.name.split("::")[-1]
         if name == "native_dropout":
-            x = args[0]
-            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         out = func(*args, **kwargs)
-        if name in ("rand", "rand_like"):
-            return out.fill_(0.5)
-        if name == "uniform_":
-            low, high = (list(args[1:3]) + [0.0, 1.0][len(args[1:3]):])
-            return out.fill_((kwargs.get("from", low) + kwargs.get("to", high)) / 2)
-        if name in ("randn", "randn_like"):
-            return out.fill_(0.0)
-        if name == "normal_":
-            return out.fill_(kwargs.get("mean", args[1] if len(args) > 1 else 0.0))
-        if name in ("bernoulli", "bernoulli_"):
-            return out.fill_(1.0)
-        if name == "exponential_":
-            return out.fill_(1.0 / kwargs.get("lambd", args[1] if len(args) > 1 else 1.0))
-        return out
+        return out.fill_(_MEANS[name](args, kwargs)) if name in _MEANS else out
