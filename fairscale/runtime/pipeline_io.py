@@ -131,11 +131,12 @@ class StageLinks:
 
 def split_microbatches(batch: Sequence[Any], m: int, program: StagedProgram,
                        local_stages: Sequence[int]) -> list[tuple[Any, ...]]:
-    """``batch`` cut into ``m`` microbatches along dim 0 (non-tensors repeated in each), checked
-    against the shapes ``local_stages`` were captured for."""
+    """``batch`` cut into ``m`` microbatches along dim 0 (non-tensors and 0-dim tensors repeated in
+    each, as ``data_parallel.local_slice`` gives them to every dp rank), checked against the shapes
+    ``local_stages`` were captured for."""
     parts: list[list[Any]] = [[] for _ in range(m)]
     for i, x in enumerate(batch):
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
             for p in parts:
                 p.append(x)
             continue
