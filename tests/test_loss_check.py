@@ -239,3 +239,30 @@ def test_the_eager_check_leaves_the_models_buffers_as_they_were() -> None:
     assert row_problem(model, batch, None, None, 2) is None
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), {k: after[k] for k in ("calls", "avg")}
+
+
+class CountDivided(nn.Module):
+    """Hugging Face's num_items_in_batch: the summed token loss divided by a count given with the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss / count
+
+
+def test_a_sum_divided_by_a_given_count_is_refused_naming_where_the_sum_is() -> None:
+    """HF LlamaForCausalLM given num_items_in_batch under dp4 x 2 microbatches was refused without a
+    module or source line; the refusal names the summed loss's module, op and line, and the remedy."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (8, 4))
+    with pytest.raises(PlanError) as err:
+        fairscale.plan(CountDivided(), (ids, ids, torch.tensor(32)), devices=2,
+                       constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    text = str(err.value)
+    assert "adds a sum over the batch" in text
+    assert ("The loss is computed at module <model top level>, op aten.cross_entropy_loss.default, source "
+            "test_loss_check.py:") in text
+    assert "call it without num_items_in_batch" in text
