@@ -89,8 +89,16 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
             "whole), or move the update out of forward into the training loop")
 
 
+# In-place by schema, but they write no value: a model built on ``meta`` traces each tensor its
+# forward makes (HF's empty KV cache, ``torch.tensor([])``) as a lifted constant then ``detach_``,
+# where on the CPU it is ``lift_fresh_copy``; counting it made every HF decoder planned on meta
+# lose data parallelism.
+_NO_VALUE_WRITTEN = frozenset({"aten::detach_"})
+
+
 def _writes_first(target: object) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments \
+            or target._schema.name in _NO_VALUE_WRITTEN:
         return False
     info = target._schema.arguments[0].alias_info
     return info is not None and info.is_write

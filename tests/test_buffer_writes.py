@@ -20,6 +20,7 @@ from torch import nn
 import fairscale
 from fairscale.api import captured, resolve_cluster
 from fairscale.testing.batch_norm_models import build_resnet
+from fairscale.testing.corpus_hf import Labels
 from planner.buffer_writes import find_buffer_writes
 from planner.plan import Mesh, Plan, PlanError, Schedule
 from planner.validate import validate_plan
@@ -103,3 +104,23 @@ def test_the_searched_plan_keeps_the_batch_whole_and_trains_exactly() -> None:
     assert losses == pytest.approx(want, rel=1e-12)
     assert int(state["calls"]) == 2
     assert torch.allclose(state["ema"], model.ema, rtol=1e-12, atol=0)
+
+
+def test_a_model_on_meta_has_no_buffer_writes_from_the_tensors_its_forward_makes() -> None:
+    """HF Llama (use_cache, the default) built under ``torch.device("meta")``, as one plans a 7B
+    model: its empty KV cache traced as lifted constants then ``detach_``, which had been counted as
+    buffer writes, so the search kept the batch whole (Llama-2-7B on 8 H100s: tp8, no dp, of 2
+    configurations)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    assert cfg.use_cache
+    with torch.device("meta"):
+        model = Labels(transformers.LlamaForCausalLM(cfg))
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    graph = captured(model, (ids, ids))
+    assert any(n.target == torch.ops.aten.detach_.default for n in graph.gm.graph.nodes)
+    assert find_buffer_writes(graph.gm) == []
+    found = fairscale.search(model, (ids, ids), cluster="h100-sxm-80gb", devices=4, check_runners_up=False)
+    assert found.considered > 10 and found.plan.mesh.dp > 1, found.table()
