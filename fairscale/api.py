@@ -55,7 +55,7 @@ from planner.api import resolve_cluster as _resolve_cluster
 from planner.plan import DTYPES as PLAN_DTYPES
 from planner.plan import Plan, PlanError
 from planner.search import Compiles, NoCompilablePlan, SearchResult, cost_plan
-from planner.search.core import compute_dtype
+from planner.search.core import DTYPE_NAMES, compute_dtype
 from planner.search.space import parse_constraints
 from planner.validate import validate_plan
 from planner.validate_fields import fp16_problem
@@ -104,8 +104,14 @@ def known_dtype(name: str) -> str:
 def planning_dtype(cluster: Cluster, constraints: dict[str, Any] | Plan | None, dtype: str | None) -> str:
     """The compute dtype a search for ``cluster`` plans in (``planner.search.core.compute_dtype``:
     the constraints' ``data_parallel.param_dtype``, else ``dtype``, else the cluster's default),
-    which the capture it costs from is traced in (:func:`captured`)."""
-    return compute_dtype(parse_constraints(constraints).param_dtype, dtype, cluster)
+    which the capture it costs from is traced in (:func:`captured`). fp16 asked for is refused here,
+    before the capture: the compile check had refused it mesh by mesh after the whole search."""
+    fixed = parse_constraints(constraints)
+    asked = (("dtype", DTYPE_NAMES.get(dtype or "", dtype)), ("data_parallel.param_dtype", fixed.param_dtype),
+             ("data_parallel.reduce_dtype", fixed.reduce_dtype))
+    if refused := [p for path, value in asked if (p := fp16_problem(path, value or ""))]:
+        raise PlanError(refused, source="constraints" if refused[-1].startswith("data_") else "dtype")
+    return compute_dtype(fixed.param_dtype, dtype, cluster)
 
 
 def resolve_cluster(devices: int | None = None, cluster: Cluster | str | None = None, *,

@@ -158,4 +158,5 @@ def test_rank_zero_alone_searches_and_a_refusal_reaches_every_rank() -> None:
     assert [b[2] for b in built] == [1, 0, 0, 0]
     refused = fairscale.launch(_search_in_ranks, devices=4, args=({"data_parallel": {"param_dtype": "fp16"}},))
     assert [r[0] for r in refused] == ["refused"] * 4 and len({r[1] for r in refused}) == 1, refused
-    assert "fp16" in refused[0][1] and [r[2] for r in refused] == [1] * 4
+    # fp16 is refused on rank 0 before its capture and search (fairscale.api.planning_dtype)
+    assert "fp16" in refused[0][1] and [r[2] for r in refused] == [0] * 4

@@ -168,3 +168,22 @@ def test_optimizer_state_lands_on_its_parameters_device_after_loading():
     states = [st for st in opt.state.values()]
     assert states and all(st["exp_avg"].is_meta for st in states)  # on the shard's device, as torch.optim would
     assert all(st["step"].device.type == "cpu" for st in states)  # Adam keeps step on the host (not capturable)
+
+
+def test_fp16_asked_of_the_search_is_refused_before_the_capture(monkeypatch):
+    """fairscale.search / plan / ``fairscale plan --dtype fp16`` had captured and searched, then the
+    compile check refused every mesh one by one, saying to change the FSDP units."""
+    import fairscale.api as api
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before the dtype was refused")
+
+    monkeypatch.setattr(api, "captured", no_capture)
+    case = build("mlp")
+    batch = case.make_batch(0, 4)
+    with pytest.raises(PlanError, match=r'dtype: "fp16" needs dynamic loss scaling') as info:
+        fairscale.search(case.model, batch, loss_fn=case.loss_fn, cluster="h100-sxm-80gb", devices=8, dtype="float16")
+    assert "FSDP units" not in str(info.value) and 'use "bf16"' in str(info.value)
+    with pytest.raises(PlanError, match=r'data_parallel.reduce_dtype: "fp16" needs dynamic loss scaling'):
+        fairscale.plan(case.model, batch, loss_fn=case.loss_fn, cluster="h100-sxm-80gb", devices=8,
+                       constraints={"data_parallel": {"reduce_dtype": "fp16"}})
