@@ -22,7 +22,7 @@ from planner.cost_whole import whole_op_bytes, whole_op_seconds
 from planner.cost_host import tp_link, tp_op_calls
 from planner.cost_gemm import graph_gemms, layer_gemms, tp_gemm_factor
 from planner.cost_types import LayerCost, LayerFacts, TPInfo
-from planner.graph import GROUPED_MM, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
+from planner.graph import GROUPED_MMS, META_FLOPS_BWD, META_FLOPS_FWD, META_LAYER, ModelGraph
 from planner.selectors import parse_selector
 from planner.tp_styles import STYLES
 
@@ -128,7 +128,7 @@ def _tables(graph: ModelGraph) -> _GraphTables:
     if moe:
         flops: dict[str, tuple[float, float]] = {}
         for node in graph.gm.graph.nodes:
-            if node.op == "call_function" and str(node.target) == GROUPED_MM and META_LAYER in node.meta:
+            if node.op == "call_function" and str(node.target) in GROUPED_MMS and META_LAYER in node.meta:
                 fwd, bwd = flops.get(node.meta[META_LAYER], (0.0, 0.0))
                 flops[node.meta[META_LAYER]] = (fwd + node.meta.get(META_FLOPS_FWD, 0),
                                                 bwd + node.meta.get(META_FLOPS_BWD, 0))

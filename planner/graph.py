@@ -85,6 +85,11 @@ GROUPED_MM = "transformers.grouped_mm_fallback.default"
 """Hugging Face's grouped MoE matmul (``x [S, K]`` sorted by expert, ``w [E, K, N]``, ``offsets [E]``),
 matched by name since transformers registers it."""
 
+GROUPED_MMS = frozenset({GROUPED_MM, "aten._grouped_mm.default"})
+"""Both forms of that matmul, the same positional arguments and meaning: transformers calls torch's
+own (``torch.nn.functional.grouped_mm``: ``aten._grouped_mm``) where it can, as it does for a bf16
+trace (every plan on GPUs) even on the CPU, and its fallback otherwise (fp32)."""
+
 
 @dataclass(kw_only=True)
 class ExpertFacts:
@@ -175,11 +180,11 @@ class ModelGraph:
         raise KeyError(f"no layer named {name!r}; layers are {[l.name for l in self.layers]}")
 
     def experts(self) -> dict[str, ExpertFacts]:
-        """MoE expert layers by module path: a group of Hugging Face grouped matmuls (``GROUPED_MM``)
+        """MoE expert layers by module path: a group of Hugging Face grouped matmuls (``GROUPED_MMS``)
         sharing one offsets tensor; its weights are the parameters feeding their weight argument."""
         out: dict[str, ExpertFacts] = {}
         for node in self.gm.graph.nodes:
-            if node.op != "call_function" or str(node.target) != GROUPED_MM:
+            if node.op != "call_function" or str(node.target) not in GROUPED_MMS:
                 continue
             offsets = node.args[2].meta.get(META_VAL) if isinstance(node.args[2], torch.fx.Node) else None
             module = str(node.meta.get(META_MODULE, node.name))

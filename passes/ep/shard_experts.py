@@ -48,7 +48,7 @@ from torch.fx import Node
 from passes.ops import ep_ops
 from passes.graph_utils import clone_graph_module, local_fake
 from passes.layout import META_LAYOUT, ParamLayout, TensorShard, layout_of
-from planner.graph import GROUPED_MM, META_LAYER, META_MODULE, META_PARAM
+from planner.graph import GROUPED_MM, GROUPED_MMS, META_LAYER, META_MODULE, META_PARAM
 from planner.plan import Plan
 
 __all__ = ["shard_experts_pass", "find_expert_layers", "ExpertLayer", "ExpertParallelError", "GROUPED_MM",
@@ -126,7 +126,7 @@ def find_expert_layers(gm: torch.fx.GraphModule) -> list[ExpertLayer]:
     """The MoE expert computations of ``gm``, each checked to be splittable (see the module docstring)."""
     groups: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target) == GROUPED_MM:
+        if node.op == "call_function" and str(node.target) in GROUPED_MMS:
             groups.setdefault(node.args[2], []).append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return [_layer(gm, offsets, mms, order) for offsets, mms in groups.items()]
@@ -164,7 +164,7 @@ def _layer(gm: torch.fx.GraphModule, offsets: Node, mms: list[Node], order: dict
         layer.weight_ops.extend(c for c in chain if c not in layer.weight_ops)
     allowed = inside | {entry, offsets} | set(layer.weights) | set(layer.weight_ops)
     for node in body:
-        if node.op != "call_function" or (str(node.target) != GROUPED_MM and node.target not in _ROWWISE):
+        if node.op != "call_function" or (str(node.target) not in GROUPED_MMS and node.target not in _ROWWISE):
             raise ExpertParallelError(f"{_fmt(node)} in the experts of {module!r} is not a row-wise op; expert "
                                       "parallelism runs the expert body on other ranks' rows and supports "
                                       "grouped matmuls, activations, elementwise ops, casts and last-dim splits")

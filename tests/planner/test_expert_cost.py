@@ -6,6 +6,7 @@ import pytest
 
 from fairscale.api import captured
 from fairscale.testing.models import build
+from planner.api import resolve_cluster
 from planner.cluster import Cluster
 from planner.cost_memory import model_state_bytes
 from planner.plan import Mesh, Plan, PlanError, Schedule
@@ -126,3 +127,33 @@ def test_a_fixed_ep_never_comes_with_tp_rules_that_split_the_experts_too(graph) 
     with pytest.raises(PlanError, match="tp=2: its rules split the experts over tp, so they cannot also be split "
                                         "over ep=2"):
         search_graph(graph, CLUSTER, global_batch=BATCH, constraints={"mesh": {"tp": 2, "ep": 2}})
+
+
+def test_experts_traced_in_bf16_are_found_and_split() -> None:
+    """A bf16 trace (every plan on GPUs, the default) calls torch's grouped matmul (aten._grouped_mm),
+    not transformers' fallback: Mixtral-8x7B planned on 64 H100s had got no expert parallelism
+    (pp16 x tp4, each rank holding every expert of its layers) and constraints with mesh.ep were
+    refused with 'has no mixture-of-experts layer'."""
+    from passes.ep.shard_experts import find_expert_layers
+
+    case = build("mixtral", layers=2, experts=4)
+    graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn, dtype="bf16")
+    assert any(str(n.target) == "aten._grouped_mm.default" for n in graph.gm.graph.nodes)
+    assert [e.num_experts for e in graph.experts().values()] == [4, 4]
+    assert len(find_expert_layers(graph.gm)) == 2
+    found = search(graph, resolve_cluster("h100-sxm-80gb", devices=4), global_batch=BATCH,
+                   constraints={"mesh": {"dp": 4, "ep": 2}}, dtype="bf16")
+    assert found.best.plan.mesh.ep == 2 and found.best.plan.data_parallel.param_dtype == "bf16"
+
+
+@pytest.mark.slow
+def test_expert_parallel_in_bf16_matches_one_process() -> None:
+    """The rank graphs run the bf16 trace's aten._grouped_mm on their own experts: one step of
+    dp2 x ep2 on 2 CPU ranks against one process in bf16 (fairscale check)."""
+    import fairscale
+
+    case = build("mixtral", layers=2, experts=4)
+    report = fairscale.check(case.model, case.make_batch(0, 4), devices=2, loss_fn=case.loss_fn,
+                             constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1, "ep": 2},
+                                          "data_parallel": {"param_dtype": "bf16"}})
+    assert report.plan.mesh.ep == 2 and report.ok, report.describe()
