@@ -262,6 +262,7 @@ class ParallelModule:
         dp = self.mesh.dp
         if counter is None or dp * m == 1:
             return None
+        split_microbatches(local_slice(batch, self.mesh.dp_index, dp), m, self.program, self.local_stages)  # shapes first
         flat = counter.count_all([tuple(part) for d in range(dp) for part in _chunks(local_slice(batch, d, dp), m)])
         return piece_weights(counter, [flat[d * m:(d + 1) * m] for d in range(dp)], self.mesh.dp_index)
 
