@@ -88,7 +88,11 @@ def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str]) -> None:
     for factory in ("cli_factories:mlp_with_loss_fn", "cli_factories:self_loss"):
         code, out, err = run(capsys, "plan", factory, "--devices", "2")
         assert code == 0, err
-        assert Plan.from_json(out).model.class_ in ("MLPNet", "_SelfLoss")
+        plan = Plan.from_json(out)
+        assert plan.model.class_ in ("MLPNet", "_SelfLoss")
+        # the example batch's 4 rows, as fairscale.plan; it had been --devices, and parallelize with
+        # that batch then failed at the first step (helper-48)
+        assert plan.schedule.global_batch == 4
 
 
 @pytest.mark.parametrize("factory, message", [
