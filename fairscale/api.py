@@ -43,6 +43,7 @@ from fairscale.runtime.calibration_cache import cpu_cluster
 from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.launch import init_distributed, under_torchrun
+from fairscale.runtime.model_guard import fairscale_uses_models
 from fairscale.runtime.reshard import reshard
 from fairscale.runtime.startup import broadcast_from_zero, on_zero
 from passes.tp.patterns import propose_tp_rules
@@ -220,6 +221,7 @@ def _default_dtype_blocker(cluster: Cluster, constraints: dict[str, Any] | Plan 
     return f"planned in fp32, not {cluster.name}'s default {default}, which cannot run this model: {problem}"
 
 
+@fairscale_uses_models
 def search(model: nn.Module, example_inputs: Sequence[Any], *, devices: int | None = None,
            cluster: Cluster | str | None = None, global_batch: int | None = None,
            loss_fn: Callable[..., torch.Tensor] | None = None, constraints: dict[str, Any] | Plan | None = None,
@@ -263,6 +265,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any], **kwargs: Any) -> Plan
     return search(model, example_inputs, **kwargs).plan
 
 
+@fairscale_uses_models
 def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs: Sequence[Any],
                 loss_fn: Callable[..., torch.Tensor] | None = None, plan: Plan | str | Path | None = None,
                 cluster: Cluster | str | None = None, optimizer: OptimizerSpec | None = None,
@@ -378,6 +381,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     return pm
 
 
+@fairscale_uses_models
 def switch_plan(pm: ParallelModule, plan: Plan | str | Path, *, cluster: Cluster | str | None = None,
                 ) -> ParallelModule:
     """``pm``'s whole training state resharded in memory to ``plan`` on the same ranks; returns the

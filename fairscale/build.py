@@ -40,6 +40,7 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
+from fairscale.runtime.model_guard import fairscale_uses_models
 from fairscale.runtime.frozen import trainable_of
 from fairscale.runtime.modes import modes_of
 from fairscale.runtime.optim_groups import OptimizerGroups
@@ -58,6 +59,7 @@ from planner.search import cost_plan
 __all__ = ["compile_program", "build_module", "memory_by_stage", "rank_memory"]
 
 
+@fairscale_uses_models
 def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
                     loss_fn: Callable[..., torch.Tensor] | None = None, device: str | torch.device | None = None,
                     predicted: dict[str, float] | None = None) -> RankProgram:
@@ -99,6 +101,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        example_inputs=tuple(example_inputs), loss_fn=loss_fn)
 
 
+@fairscale_uses_models
 def build_module(model: nn.Module, plan: Plan, *, example_inputs: Sequence[Any],
                  loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerSpec | None = None,
                  device: str | torch.device | None = None, tf32: bool = True,

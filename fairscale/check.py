@@ -48,6 +48,7 @@ from fairscale.check_step import (CheckFailed, CheckReport, RandomOpsError, _che
                                   _refuse_random, _rows, backward_order, check_on_ranks, quiet_copy, random_ops,
                                   reference_step)
 from fairscale.capture_cache import trace_dtype
+from fairscale.runtime.model_guard import fairscale_uses_models
 from fairscale.compile_check import checker_for
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -56,6 +57,7 @@ from planner.plan import Plan
 __all__ = ["check", "check_on_ranks", "CheckReport", "CheckFailed", "RandomOpsError", "quiet_copy", "random_ops",
            "backward_order", "reference_step"]
 
+@fairscale_uses_models
 def check(model: nn.Module, example_inputs: Sequence[Any], *, devices: int, loss_fn: Callable[..., torch.Tensor]
           | None = None, plan: Plan | str | Path | None = None, cluster: Cluster | str | None = None,
           global_batch: int | None = None, constraints: dict[str, Any] | None = None) -> CheckReport:

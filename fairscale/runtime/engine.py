@@ -34,6 +34,8 @@ from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measu
 from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
 from fairscale.runtime.modes import ModeError, all_eval, mode_change
 from fairscale.runtime.frozen import check_trainable
+from fairscale.runtime.gather import collect_on_rank0, gather_into
+from fairscale.runtime.model_guard import guard_model, mark_stale, using_models
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
@@ -68,7 +70,7 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
             raise RuntimeError(self.retired)
         mark = cast_mark()
         try:
-            with self.mesh.groups.active():
+            with self.mesh.groups.active(), using_models():
                 return method(self, *args, **kwargs)
         finally:
             release_casts(mark)  # a data-parallel bucket's 16-bit copies last one call (passes.ops.dp_ops)
@@ -151,6 +153,9 @@ class ParallelModule:
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
+        guard_model(program.model())  # refuses its use while the ranks hold newer weights
+        user = program.model
+        self.optimizer.register_step_post_hook(lambda *_: mark_stale(user(), "an optimizer step of its ParallelModule"))
         self._peaks: dict[str, float | None] = {}
         self.last_timing: dict[str, float] = {}
         """Host seconds of the last ``train_step`` on this rank: ``step`` (all of it) and ``optimizer``."""
@@ -194,8 +199,9 @@ class ParallelModule:
                             "validate with pm.evaluate(batch), or model.eval() and pm(*batch) under torch.no_grad()")
         check_trainable(self._user_model(), self.rank_program.trainable, "pm.train_step")
         loss = self._step(batch, clip_norm=clip_norm, measure_memory=measure_memory)
-        for hook in list(self.after_step):  # outside the mesh's groups: a hook may switch the plan
-            hook(self, loss)
+        with using_models():  # outside the mesh's groups: a hook may switch the plan
+            for hook in list(self.after_step):
+                hook(self, loss)
         return loss
 
     @_on_mesh
@@ -377,38 +383,15 @@ class ParallelModule:
         return self._on_rank0(([k], g) for k, g in grads)
 
     def _on_rank0(self, mine: Iterator[tuple[list[str], torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Collect (user names, tensor) pairs onto global rank 0, from one rank per pipeline stage
-        (dp 0, tp 0), one tensor at a time; ``mine`` may be collective, so every rank drains it."""
-        first_of_stage = self.mesh.dp_index == 0 and self.mesh.tp_index == 0
-        if dist.get_rank() == 0:
-            out: dict[str, torch.Tensor] = {}
-            for names, t in mine:
-                host = t.to("cpu", copy=True)
-                for name in names:
-                    out.setdefault(name, host)
-            for p in range(1, self.mesh.pp):  # the other stages' first ranks, in pipeline order
-                src = self.mesh.rank_of(p, 0, 0)
-                while True:
-                    header: list[Any] = [None]
-                    dist.recv_object_list(header, src=src, device=self.device)
-                    if header[0] is None:
-                        break
-                    names, shape, dtype = header[0]
-                    buf = torch.empty(shape, dtype=dtype, device=self.device)
-                    dist.recv(buf, src=src)
-                    host = buf.cpu()
-                    for name in names:
-                        out.setdefault(name, host)  # a weight tied across stages: the copies are equal
-            return out
-        if first_of_stage:
-            for names, t in mine:
-                dist.send_object_list([(names, tuple(t.shape), t.dtype)], dst=0, device=self.device)
-                dist.send(t.contiguous(), dst=0)
-            dist.send_object_list([None], dst=0, device=self.device)
-        else:
-            for _ in mine:  # take part in the stage's gathers
-                pass
-        return {}
+        return collect_on_rank0(self.mesh, self.device, mine)
+
+    @_on_mesh
+    def gather_into(self, model: nn.Module) -> None:
+        """Copy the trained weights and buffers into ``model`` (the model given to ``parallelize``, or
+        one built the same way) on every rank, so ``model.save_pretrained``, ``model.state_dict()`` or
+        ``model.generate`` see them; until then the parallelized model refuses its forward and
+        ``state_dict()`` (``fairscale.runtime.model_guard``). Collective: every rank calls it."""
+        gather_into(model, self._on_rank0(self._full_tensors()), self.device)
 
     def _full_tensors(self) -> Iterator[tuple[list[str], torch.Tensor]]:
         """(user names, full tensor on this rank's device) for every tensor of this rank's stages, one
@@ -425,6 +408,7 @@ class ParallelModule:
     def load_checkpoint(self, path: str) -> None:
         """Resume from a checkpoint saved under this or any other plan of the same model."""
         engine_checkpoint.load(path, self._stage_states())
+        mark_stale(self._user_model(), "pm.load_checkpoint")
 
     def _stage_states(self) -> list[tuple[torch.fx.GraphModule, DataParallelOptimizer]]:
         return [(self.modules[s], opt) for s, opt in zip(self.local_stages, self._optimizers)]

@@ -17,12 +17,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fairscale.runtime.model_guard import refuse_stale_state_dict
+
 __all__ = ["has_state_dict_hooks", "apply_state_dict_hooks"]
 
 
 def has_state_dict_hooks(model: nn.Module) -> bool:
     """Whether any module of ``model`` changes what ``state_dict()`` returns (post or pre hooks)."""
-    return any(getattr(m, "_state_dict_hooks", None) or getattr(m, "_state_dict_pre_hooks", None)
+    return any(getattr(m, "_state_dict_hooks", None)
+               or any(h is not refuse_stale_state_dict for h in getattr(m, "_state_dict_pre_hooks", {}).values())
                for m in model.modules())
 
 

@@ -91,6 +91,7 @@ def _positions_rank(rank: int, world: int) -> tuple[list[str], dict[str, torch.T
     pm = fairscale.parallelize(model, example_inputs=batch, loss_fn=F.cross_entropy,
                                constraints={"mesh": {"dp": 2}})
     pm.train_step(batch)
+    pm.gather_into(model)  # the model's state_dict() refuses stale weights (runtime.model_guard)
     return sorted(model.state_dict()), pm.state_dict()
 
 
