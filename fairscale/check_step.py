@@ -20,6 +20,7 @@ from torch import nn
 
 from fairscale import numerics
 from fairscale.build import build_module
+from passes.ops.random_ops import random_nodes
 from fairscale.capture_cache import trace_dtype
 from fairscale.runtime.engine import microbatch_example
 from fairscale.runtime.startup import broadcast_from_zero
@@ -87,36 +88,11 @@ def quiet_copy(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return quiet, names
 
 
-_SAMPLERS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "exponential", "geometric", "cauchy",
-             "poisson")
-"""Name fragments of aten ops that draw random numbers (``aten.randn``, ``aten.bernoulli_.float``, ...)."""
-
-
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """Nodes of a captured graph that draw random numbers with effect: ops with a dropout
-    probability argument (``p``, ``dropout_p``) above 0, and samplers (:data:`_SAMPLERS`), each
-    as ``module (op)``."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        schema = getattr(node.target, "_schema", None)
-        args = list(schema.arguments) if schema is not None else []
-        names = [a.name for a in args]
-        prob = "dropout_p" if "dropout_p" in names else "p" if "p" in names and "dropout" in name.lower() else None
-        if prob is not None:
-            i = names.index(prob)
-            value = node.kwargs.get(prob, node.args[i] if i < len(node.args) else args[i].default_value)
-            if isinstance(value, (int, float)) and value == 0:
-                continue
-            detail = f", {prob}={value}"
-        elif any(r in name.split(".")[-2 if "." in name else -1] for r in _SAMPLERS):
-            detail = ""
-        else:
-            continue
-        found.append(f"{node.meta.get(META_MODULE) or '<model top level>'} ({name}{detail})")
-    return found
+    """Nodes of a captured graph that draw random numbers with effect (``passes.ops.random_ops``),
+    each as ``module (op, p=...)``."""
+    return [f"{node.meta.get(META_MODULE) or '<model top level>'} ({node.target}{detail})"
+            for node, detail in random_nodes(gm)]
 
 
 def backward_order(graph: ModelGraph) -> list[str]:

@@ -42,6 +42,7 @@ from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.pipeline_io import split_microbatches
 from fairscale.runtime.program import RankProgram
 from fairscale.runtime.stage_optimizers import StageOptimizers
+from fairscale.runtime.tp_random import draws_random, share_random_state
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
@@ -147,6 +148,7 @@ class ParallelModule:
         self._evaluator: PipelineExecutor | None = None
         self._eval_modules: dict[int, torch.fx.GraphModule] | None = None
         self.executor = PipelineExecutor(self.program, self.schedule, modules=self.modules, device=self.device)
+        self._tp_random = self.mesh.tp > 1 and draws_random(self.modules[s] for s in self.local_stages)
         cls, kwargs = optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
         self.optimizer = StageOptimizers(self._optimizers, self.mesh.groups)
@@ -209,6 +211,8 @@ class ParallelModule:
         start = self._clock()
         mark = len(RECORDER.timings) if RECORDER.timings is not None else 0
         self.optimizer.zero_grad(set_to_none=True)
+        if self._tp_random:  # replicated dropouts draw alike on the tp ranks (runtime.tp_random)
+            share_random_state(self.device)
         base = step_peaks(self.device)
         if measure_memory:
             with ActivationMeter(self._stage_states()) as meter:
@@ -341,6 +345,8 @@ class ParallelModule:
         if torch.is_grad_enabled():
             check_trainable(self._user_model(), self.rank_program.trainable, "pm(batch)")
         weights = self._weights(batch, microbatches=1)
+        if self._tp_random:
+            share_random_state(self.device)
         out = modules[0](*split_microbatches(self._local(batch), 1, self.program, self.local_stages)[0])
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
         if self._optimizers[0].info.units:  # a second backward (retain_graph=True) finds them gathered
