@@ -112,7 +112,8 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
             training rank.
 
     Returns:
-        :class:`ElasticResult`; on a rank the plan leaves idle, ``idle=True`` and no losses.
+        :class:`ElasticResult`; on a rank the plan leaves idle, ``idle=True`` and no losses. On every
+        rank that trained, ``model`` then holds the trained weights (``pm.gather_into``).
     """
     if not dist.is_initialized() and under_torchrun():
         init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")
@@ -154,6 +155,7 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
             _save(pm, directory, done, losses, plan=plan, keep_last=keep_last)
         if on_step is not None:
             on_step(step, losses[-1])
+    pm.gather_into(model)  # the caller's model holds the trained weights (fairscale.runtime.model_guard)
     return ElasticResult(losses=losses, plan=plan, launched=launched, resumed_from=resumed)
 
 

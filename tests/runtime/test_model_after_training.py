@@ -100,3 +100,20 @@ def test_gather_into_gives_every_rank_the_trained_weights(runs) -> None:
         assert set(state) == set(ref)
         for k in ref:
             torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _train_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    case = build("gpt")
+    fairscale.train(case.model, lambda step: case.make_batch(step, BATCH), steps=STEPS, loss_fn=case.loss_fn,
+                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), constraints={"mesh": {"dp": 2}},
+                    checkpoint_dir=None)
+    return {k: v.clone() for k, v in case.model.state_dict().items()}
+
+
+def test_fairscale_train_leaves_the_trained_weights_in_the_model() -> None:
+    """fairscale.train keeps its module to itself: the model it was given is gathered into at the end
+    (it had kept its initial weights, and now would refuse its state_dict() with no pm to gather from)."""
+    ref = _reference()
+    for state in fairscale.launch(_train_rank, devices=2, timeout_s=600):
+        for k in ref:
+            torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6)
