@@ -184,15 +184,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("plan needs the devices: give --devices N (CPU ranks here) or --cluster PRESET --nodes K")
     if args.output is not None and Path(args.output).exists() and not args.force:
         raise UsageError(f"{args.output} exists; pass --force to replace it")
-    to_stdout = args.output is None
-    # With the plan going to stdout, everything else goes to stderr so the JSON can be piped.
+    to_stdout = args.output is None  # then everything else goes to stderr, so that the JSON can be piped
     out: Callable[[str], None] = (lambda s: print(s, file=sys.stderr)) if to_stdout else print
     if args.global_batch is not None and args.global_batch < 1:
         raise UsageError(f"--global-batch must be at least 1, got {args.global_batch}")
     constraints = _constraints(args.constraints)
     loaded, graph = _capture_loaded(args.factory, out, planning_dtype(cluster, constraints, args.dtype))
-    # a Case makes batches of any size: one sample per device; a fixed example batch: its rows, as fairscale.plan
-    global_batch = args.global_batch or (cluster.devices if loaded.make_batch is not None else graph.batch_size)
+    global_batch = args.global_batch or (cluster.devices if loaded.make_batch else graph.batch_size)  # --help
     # the same search, rules and cache as fairscale.search / fairscale.plan, and the compile check
     result = search_graph(graph, cluster, global_batch=global_batch, constraints=constraints, dtype=args.dtype,
                           compiles=checker_for(loaded.model, loaded.batch, loss_fn=loaded.loss_fn, graph=graph),
@@ -350,9 +348,8 @@ def _parser() -> argparse.ArgumentParser:
         "JSON, or writes it to -o and prints its report."))
     p.add_argument("factory", metavar="FACTORY", help=factory_help)
     devices(p, required_note="(CPU ranks on a machine without GPUs); or name a --cluster")
-    p.add_argument("--global-batch", type=int, metavar="B", help=(
-        "samples per optimizer step (default: the rows of the factory's example batch, as fairscale.plan; N for a "
-        "factory that makes batches of any size)"))
+    p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default: the example "
+                   "batch's rows, as fairscale.plan; N for a factory that makes batches of any size)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default=None, help=(
         "compute dtype (default auto: mixed precision, bf16 or fp16, on GPUs with fp32 master weights and "
         "gradient reduction; fp32 on CPU ranks)"))
