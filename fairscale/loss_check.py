@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairscale.loss_check_mode import checking_mode, draws_constant, eval_path
 from fairscale.runtime.modes import attributes_kept
+from passes.ops.random_ops import random_nodes
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
@@ -262,13 +263,8 @@ def _random_site(gm: torch.fx.GraphModule) -> str:
     runs draw too (``multinomial``, ``randperm``, ...; not those it makes constant,
     ``fairscale.loss_check_mode.draws_constant``, nor attention with a dropout argument: off in
     eval mode, constant in training), or ''."""
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-                and torch.Tag.nondeterministic_seeded in target.tags and not draws_constant(target) \
-                and not any("dropout" in a.name for a in target._schema.arguments):
-            return _site(node)
-    return ""
+    return next((_site(node) for node, detail in random_nodes(gm) if not detail and not draws_constant(node.target)),
+                "")  # detail: a dropout probability, constant in training and off in eval mode
 
 
 def _loss_site(gm: torch.fx.GraphModule, counter: TokenCounter | None) -> str:
