@@ -23,7 +23,8 @@ from fairscale import numerics
 from fairscale.testing.models import Case
 from planner.capture import LossModule
 
-__all__ = ["Trajectory", "train_reference", "compare", "compare_grads", "grad_comparison"]
+__all__ = ["Trajectory", "RankResult", "train_reference", "train_on_rank", "rank_trajectory", "compare", "compare_grads",
+           "grad_comparison"]
 
 
 @dataclass
@@ -81,6 +82,37 @@ def train_reference(build: Callable[[], Case], *, steps: int = 3, global_batch: 
         out.losses.append(loss.item())
     out.params = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
     return out
+
+
+RankResult = tuple[list[float], dict[str, Any]]
+"""What :func:`train_on_rank` returns from each rank: the losses, and the first step's full
+gradients as numpy arrays (they cross the launcher's pipe without torch's shared-memory handles)."""
+
+
+def train_on_rank(case: Case, plan: Any, *, steps: int = 3, global_batch: int = 8,
+                  optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> RankResult:
+    """One rank's side of an exactness test: ``fairscale.parallelize(case.model, plan=plan)`` trained
+    for ``steps`` steps on ``case.make_batch(step, global_batch)``, as :func:`train_reference`
+    trains the model in one process. ``optimizer``: a factory of the parameters, as ``parallelize``
+    takes it (default :func:`make_optimizer`). Turn the result into a :class:`Trajectory` with
+    :func:`rank_trajectory`."""
+    import fairscale  # the face imports this module's package; importing it at call time keeps the cycle out
+
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, global_batch), loss_fn=case.loss_fn,
+                               plan=plan, optimizer=optimizer or make_optimizer)
+    losses: list[float] = []
+    grads: dict[str, Any] = {}
+    for step in range(steps):
+        losses.append(pm.train_step(case.make_batch(step, global_batch)))
+        if step == 0:
+            grads = {k: v.numpy() for k, v in pm.full_grads().items()}
+    return losses, grads
+
+
+def rank_trajectory(result: RankResult) -> Trajectory:
+    """The :class:`Trajectory` of one rank's :func:`train_on_rank` result, for :func:`compare_grads`."""
+    losses, grads = result
+    return Trajectory(losses=list(losses), grads={k: torch.from_numpy(v) for k, v in grads.items()})
 
 
 def compare(ref: Trajectory, got: Trajectory, *, rtol: float = 1e-5, atol: float = 1e-5,

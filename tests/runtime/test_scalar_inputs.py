@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fairscale
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
 from planner.plan import Mesh, Plan, Schedule, Stage
 
 VOCAB, SEQ, BATCH, STEPS = 32, 8, 8, 3
@@ -53,16 +52,8 @@ def _case() -> Case:
     return Case("tempered", Tempered(), _batch, None)
 
 
-def _rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, np.ndarray]]:
-    case = _case()
-    pm = fairscale.parallelize(case.model, example_inputs=_batch(0, BATCH), plan=plan,
-                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
-    losses, grads = [], {}
-    for step in range(STEPS):
-        losses.append(pm.train_step(_batch(step, BATCH)))
-        if step == 0:
-            grads = {k: v.numpy() for k, v in pm.full_grads().items()}
-    return losses, grads
+def _rank(rank: int, world: int, plan: Plan) -> RankResult:
+    return train_on_rank(_case(), plan, steps=STEPS, global_batch=BATCH, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
 
 
 def test_a_scalar_input_reaches_every_microbatch_whole() -> None:
@@ -70,5 +61,4 @@ def test_a_scalar_input_reaches_every_microbatch_whole() -> None:
                 stages=[Stage(layers="embed, layers.0"), Stage(layers="layers.1, head")])
     ref = train_reference(_case, steps=STEPS, global_batch=BATCH,
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
-    losses, grads = fairscale.launch(_rank, devices=4, args=(plan,))[0]
-    compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
+    compare_grads(ref, rank_trajectory(fairscale.launch(_rank, devices=4, args=(plan,))[0]))

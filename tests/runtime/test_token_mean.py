@@ -21,7 +21,7 @@ from torch import nn
 
 import fairscale
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
 from passes.loss_weights import token_counter
 from planner.capture import capture
 from planner.plan import Mesh, Plan, Schedule, Stage
@@ -122,20 +122,10 @@ ROW_PLANS = {"dp4": Plan(mesh=Mesh(dp=4), schedule=Schedule(kind="1f1b", microba
                              stages=[Stage(layers="0, 1"), Stage(layers="2")])}
 
 
-def _row_rank(rank: int, world: int) -> dict[tuple[str, str], tuple[list[float], dict[str, np.ndarray]]]:
-    out = {}
-    for loss in ROW_LOSSES:
-        for name, plan in ROW_PLANS.items():
-            case = _mlp_case(loss)
-            pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
-                                       plan=plan, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-            losses, grads = [], {}
-            for step in range(STEPS):
-                losses.append(pm.train_step(case.make_batch(step, BATCH)))
-                if step == 0:
-                    grads = {k: v.numpy() for k, v in pm.full_grads().items()}
-            out[(loss, name)] = (losses, grads)
-    return out
+def _row_rank(rank: int, world: int) -> dict[tuple[str, str], RankResult]:
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    return {(loss, name): train_on_rank(_mlp_case(loss), plan, steps=STEPS, global_batch=BATCH, optimizer=sgd)
+            for loss in ROW_LOSSES for name, plan in ROW_PLANS.items()}
 
 
 def test_class_weighted_and_summed_losses_match_one_process() -> None:
@@ -148,8 +138,7 @@ def test_class_weighted_and_summed_losses_match_one_process() -> None:
         ref = train_reference(lambda: _mlp_case(loss), steps=STEPS, global_batch=BATCH,
                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
         for name in ROW_PLANS:
-            losses, grads = got[(loss, name)]
-            compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
+            compare_grads(ref, rank_trajectory(got[(loss, name)]))
 
 
 def _sum_aux_rank(rank: int, world: int) -> list[float]:
@@ -173,16 +162,8 @@ def test_a_sum_beside_a_mean_is_refused_before_launch() -> None:
     assert "adds a sum over the batch" in str(info.value) and "the plan does not compile" in str(info.value)
 
 
-def _rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, np.ndarray]]:
-    case = _case()
-    pm = fairscale.parallelize(case.model, example_inputs=_batch(0, BATCH), plan=plan,
-                               optimizer=functools.partial(torch.optim.SGD, lr=0.5))
-    losses, grads = [], {}
-    for step in range(STEPS):
-        losses.append(pm.train_step(_batch(step, BATCH)))
-        if step == 0:
-            grads = {k: v.numpy() for k, v in pm.full_grads().items()}
-    return losses, grads
+def _rank(rank: int, world: int, plan: Plan) -> RankResult:
+    return train_on_rank(_case(), plan, steps=STEPS, global_batch=BATCH, optimizer=functools.partial(torch.optim.SGD, lr=0.5))
 
 
 @pytest.mark.parametrize("mesh,micro", [((1, 2), 2), ((2, 2), 2), ((1, 4), 1)], ids=["dp2x2mb", "pp2xdp2x2mb", "dp4"])
@@ -192,8 +173,7 @@ def test_token_mean_matches_one_process(mesh: tuple[int, int], micro: int) -> No
     plan = Plan(mesh=Mesh(pp=pp, dp=dp), schedule=Schedule(kind="1f1b", microbatches=micro), stages=stages)
     ref = train_reference(_case, steps=STEPS, global_batch=BATCH,
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
-    losses, grads = fairscale.launch(_rank, devices=pp * dp, args=(plan,))[0]
-    compare_grads(ref, Trajectory(losses=losses, grads={k: torch.from_numpy(v) for k, v in grads.items()}))
+    compare_grads(ref, rank_trajectory(fairscale.launch(_rank, devices=pp * dp, args=(plan,))[0]))
 
 
 def _plain_rank(rank: int, world: int, plan: Plan) -> dict[str, np.ndarray]:
