@@ -54,7 +54,7 @@ from planner.graph import ModelGraph
 from planner.api import plan_for
 from planner.api import resolve_cluster as _resolve_cluster
 from planner.plan import DTYPES as PLAN_DTYPES
-from planner.plan import Plan, PlanError
+from planner.plan import KEEP_BATCH_WHOLE, Plan, PlanError, whole_batch
 from planner.search import Compiles, NoCompilablePlan, SearchResult, cost_plan
 from planner.search.core import DTYPE_NAMES, compute_dtype
 from planner.search.space import parse_constraints
@@ -187,23 +187,20 @@ def search_graph(graph: ModelGraph, cluster: Cluster, *, global_batch: int | Non
 
 def _with_whole_batch(found: SearchResult | None, again: Callable[[dict[str, Any]], SearchResult],
                       constraints: dict[str, Any] | Plan | None, why: str) -> SearchResult | None:
-    """The faster of ``found`` and the search again with the batch kept whole (mesh.dp 1, one
-    microbatch), after the loss check refused plans that cut it (``why``): the search gives a refused
+    """The faster of ``found`` and the search again with the batch kept whole (``KEEP_BATCH_WHOLE``),
+    after the loss check refused plans that cut it (``why``): the search gives a refused
     mesh up whole, so a pipeline or tensor-parallel mesh that runs with one microbatch was lost."""
     fixed = parse_constraints(constraints)
     if fixed.dp not in (None, 1) or fixed.microbatches not in (None, 1):
         return found  # the user fixed a cut
-    whole = constraints.to_dict() if isinstance(constraints, Plan) else dict(constraints or {})
-    whole["mesh"] = {**whole.get("mesh", {}), "dp": 1}
-    whole["schedule"] = {**whole.get("schedule", {}), "microbatches": 1}
     try:
-        other = again(whole)
+        other = again(whole_batch(constraints))
     except PlanError:  # nothing fits or compiles with the batch whole
         return found
     if found is not None and found.best.plan.predicted.step_time_s <= other.best.plan.predicted.step_time_s:
         return found
     for c in (other.best, *other.runners_up):
-        c.plan.predicted.notes.append(f"searched with the batch whole (mesh.dp 1, one microbatch): {why}")
+        c.plan.predicted.notes.append(f"searched with the batch whole ({KEEP_BATCH_WHOLE}): {why}")
     return other
 
 

@@ -48,7 +48,7 @@ from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
 from planner.capture import LossModule
 from planner.graph import META_MODULE
-from planner.plan import Plan
+from planner.plan import KEEP_BATCH_WHOLE, Plan
 
 __all__ = ["loss_problem", "row_problem", "count_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
 
@@ -211,8 +211,7 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
             f"hand.{site} {_KEEP_WHOLE}, or make the loss a mean over rows")
 
 
-_KEEP_WHOLE = ("Use a plan that keeps the batch whole (mesh.dp 1 and schedule.microbatches 1: tensor parallelism, "
-               "or a pipeline of one microbatch)")
+_KEEP_WHOLE = f"Use a plan that keeps the batch whole ({KEEP_BATCH_WHOLE})"
 
 
 def _unchecked(why: str, remedy: str) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 
 from planner.batch_stats import find_batch_stat_ops, source_line
 from planner.graph import META_MODULE
+from planner.plan import KEEP_BATCH_WHOLE
 
 __all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem"]
 
@@ -85,8 +86,8 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
     return (f"{where}: the model's forward writes the buffer(s) {shown} in place, and a plan with {cuts} runs the "
             "forward on each slice of the batch: the update would run once per slice and microbatch, from that "
             "slice alone (each dp rank's copy its own), where one process runs it once per step on the whole "
-            "batch. Use mesh.dp 1 and schedule.microbatches 1 (pipeline and tensor parallelism keep the batch "
-            "whole), or move the update out of forward into the training loop")
+            f"batch. Use {KEEP_BATCH_WHOLE} (pipeline and tensor parallelism keep the batch whole), or move the "
+            "update out of forward into the training loop")
 
 
 # In-place by schema, but they write no value: a model built on ``meta`` traces each tensor its

@@ -51,6 +51,10 @@ DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTE_KINDS = ("full", "selective", "none")
 DTYPES = ("fp32", "bf16", "fp16")
 BATCH_NORM_MODES = ("sync", "local")
+KEEP_BATCH_WHOLE = "mesh.dp 1 and schedule.microbatches 1"
+"""The plan fields that keep the batch whole (each step runs the model once on the whole global
+batch, as tensor parallelism and a pipeline of one microbatch do): the remedy wherever cutting the
+batch would change the numbers. :func:`whole_batch` applies it to search constraints."""
 """``Plan.batch_norm``: how training-mode batch statistics are taken when the batch is split."""
 
 
@@ -264,6 +268,14 @@ class Plan:
         hand both to ``validate_plan(..., schema_problems=...)`` to report every problem at once."""
         path = Path(path)
         return read_plan_json(path.read_text(encoding="utf-8-sig"), source=str(path))
+
+
+def whole_batch(constraints: dict[str, Any] | Plan | None) -> dict[str, Any]:
+    """``constraints`` (a plan-shaped dict or a Plan) with :data:`KEEP_BATCH_WHOLE` added."""
+    whole = constraints.to_dict() if isinstance(constraints, Plan) else dict(constraints or {})
+    whole["mesh"] = {**whole.get("mesh", {}), "dp": 1}
+    whole["schedule"] = {**whole.get("schedule", {}), "microbatches": 1}
+    return whole
 
 
 def _to_jsonable(obj: Any) -> Any:
