@@ -68,8 +68,9 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
     counter = token_counter(gm)
     problem = sum_problem(counter, dp, m)
     if problem:
-        hf = (" A Hugging Face model given num_items_in_batch sums its loss and divides by that count: call it "
-              "without num_items_in_batch for a plan that cuts the batch") if counter and counter.kind == "sum" else ""
+        hf = (" (A Hugging Face model given num_items_in_batch sums its loss and divides by that count, which "
+              "plans alone; beside other terms, call it without num_items_in_batch for a plan that cuts the batch)"
+              ) if counter and counter.kind == "sum" else ""
         return f"{problem}.{_loss_site(gm, counter)}{hf}"
     first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     if dp * m == 1 or first is None:

@@ -22,7 +22,9 @@ then ``.sum()``) is the sum of its pieces' losses, not their mean: each piece we
 (``kind="sum"``; dp averages gradients over its ranks), where the plain mean made the step
 ``1 / (dp · microbatches)`` of it. Any other loss (no such node, labels that depend on parameters)
 gets ``None`` and the plain mean, which is exact for losses that are means over the rows of the
-batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor).
+batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor). A loss
+divided or multiplied by a 0-dim batch input (Hugging Face's ``num_items_in_batch``), which every
+piece gets whole, is read as the loss it scales.
 
 A token mean INSIDE a larger loss (``ce + 0.01 * aux``, a sum of two token means) cannot be
 reweighted by pieces: the other terms have their own weights. Its counter is returned with
@@ -66,6 +68,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     if not isinstance(value, torch.fx.Node):
         return None
     value = past_value_keeping(value)
+    while (unscaled := _unscaled(value)) is not None:
+        value = unscaled
     if value.op == "call_function" and value.target in _FULL_SUMS and isinstance(value.args[0], torch.fx.Node) \
             and _reduction(past_value_keeping(value.args[0])) == _NONE and len(value.args) == 1:
         return _summed(str(past_value_keeping(value.args[0]).target), exact=True)
@@ -88,6 +92,28 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     if not inner:
         return None
     return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
+
+
+_SCALINGS = {aten.div.Tensor: (0,), aten.mul.Tensor: (0, 1)}
+"""Ops that scale a loss, and which of their two arguments may be the loss."""
+
+
+def _unscaled(value: torch.fx.Node) -> torch.fx.Node | None:
+    """The loss ``value`` divides or multiplies by a 0-dim batch input, or None. Every piece of
+    the batch gets such an input whole (Hugging Face's ``loss = cross_entropy(..., reduction="sum")
+    / num_items_in_batch``), so the pieces' losses add up, or average, as the loss's own would. A
+    number is not such a factor: the capture bakes ``x.size(0)`` in as one, and the pieces'
+    ``sum / rows`` would each divide by their own rows."""
+    if value.op != "call_function" or value.target not in _SCALINGS or len(value.args) != 2 or value.kwargs:
+        return None
+    for i in _SCALINGS[value.target]:
+        loss, factor = value.args[i], value.args[1 - i]
+        if isinstance(loss, torch.fx.Node) and isinstance(factor, torch.fx.Node):
+            source = past_value_keeping(factor)
+            val = source.meta.get("val")
+            if source.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0:
+                return past_value_keeping(loss)
+    return None
 
 
 def _kwargs(node: torch.fx.Node) -> dict[str, object]:

@@ -242,20 +242,23 @@ def test_the_eager_check_leaves_the_models_buffers_as_they_were() -> None:
 
 
 class CountDivided(nn.Module):
-    """Hugging Face's num_items_in_batch: the summed token loss divided by a count given with the batch."""
+    """Hugging Face's num_items_in_batch: the summed token loss divided by a count given with the
+    batch, here beside an auxiliary mean, which the pieces' losses cannot add up to."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), labels.flatten(), reduction="sum")
-        return loss / count
+        x = self.embed(ids)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss / count + 0.01 * x.pow(2).mean()
 
 
-def test_a_sum_divided_by_a_given_count_is_refused_naming_where_the_sum_is() -> None:
+def test_a_sum_divided_by_a_given_count_beside_a_mean_is_refused_naming_where_the_sum_is() -> None:
     """HF LlamaForCausalLM given num_items_in_batch under dp4 x 2 microbatches was refused without a
-    module or source line; the refusal names the summed loss's module, op and line, and the remedy."""
+    module or source line; the refusal names the summed loss's module, op and line, and the remedy.
+    (The count-divided sum alone now plans and trains exactly: tests/runtime/test_scalar_inputs.py.)"""
     torch.manual_seed(0)
     ids = torch.randint(0, 16, (8, 4))
     with pytest.raises(PlanError) as err:

@@ -64,6 +64,36 @@ def test_counter_counts_the_labels_the_loss_averages_over() -> None:
     assert len(set(halves)) > 1, halves  # the pieces of this batch count different numbers of labels
 
 
+class _Scaled(nn.Module):
+    """A summed (or averaged) token loss scaled by ``how``; ``count`` is a 0-dim batch input."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.head = how, nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(self.head(x), labels, reduction="mean" if "mean" in self.how else "sum")
+        return {"sum / count": lambda: ce / count, "sum * count": lambda: ce * count,
+                "count * sum": lambda: count * ce, "mean / count": lambda: ce / count,
+                "count / sum": lambda: count / ce, "sum / rows": lambda: ce / x.size(0),
+                "sum / labels kept": lambda: ce / (labels != -100).sum(), "sum / 2": lambda: ce / 2}[self.how]()
+
+
+@pytest.mark.parametrize("how, kind, exact", [
+    ("sum / count", "sum", True), ("sum * count", "sum", True), ("count * sum", "sum", True),
+    ("mean / count", "mean", True),
+    # not a loss scaled by a count every piece gets whole: a sum beside other terms, as before
+    ("count / sum", "sum", False), ("sum / rows", "sum", False), ("sum / labels kept", "sum", False),
+    ("sum / 2", "sum", False)])
+def test_a_loss_scaled_by_a_0_dim_input_is_the_loss_it_scales(how: str, kind: str, exact: bool) -> None:
+    """Hugging Face's ``sum / num_items_in_batch``: every piece gets the count whole, so the pieces'
+    losses add up as the sum's own. A number (``x.size(0)`` is baked in as one) or a count of the
+    piece's own rows is no such factor."""
+    batch = (torch.randn(6, 4), torch.tensor([1, 2, -100, 3, 4, 5]), torch.tensor(5))
+    counter = token_counter(capture(_Scaled(how), batch, annotate=False).gm)
+    assert counter is not None and (counter.kind, counter.exact) == (kind, exact), counter
+
+
 def test_hugging_face_shifted_labels_are_counted_after_the_shift() -> None:
     from fairscale.testing.corpus_hf import MODELS
 
