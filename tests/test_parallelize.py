@@ -6,8 +6,9 @@ Adam's m/sqrt(v) turns reassociation noise in near-zero gradient entries into di
 to ~2e-5 after 3 steps (measured; every parallel run has them, whatever the plan). One float32
 configuration checks the losses at 1e-5 in the dtype people train in.
 
-Each family runs every configuration in ONE launch (each rank loops over the plans), with the
-plans made and the reference trained once in the parent. Plans are written by hand here, with the
+Each family runs its configurations in ONE launch per tier (each rank loops over the plans; the
+default tier runs four, ``-m slow`` the rest), with the plans made and the reference trained once
+in the parent. Plans are written by hand here, with the
 TP rules from the pass's own pattern detector, so each mesh shape is covered whatever the planner
 would pick; the planner's own choice is covered by ``test_planner_choice_trains_exactly``.
 """
@@ -84,27 +85,40 @@ def _train_all(rank: int, world: int, cases: dict[torch.dtype, Any], plans: dict
     return out
 
 
-@pytest.fixture(scope="module", params=[pytest.param("gpt", marks=pytest.mark.slow), "llama"])  # llama: HF's
-def family_runs(request):
-    family = request.param
-    cases = {dtype: _build(family, dtype) for dtype in (torch.float32, torch.float64)}
-    case = cases[torch.float64]
+SLOW_CONFIGS = (FP32, "4x2x1-1f1b-zero1", "2x1x4-1f1b-ddp-recompute")
+"""Run with -m slow: the float32 twin of 2x2x2-1f1b-ddp, and the pp4 and tp4-recompute meshes
+(interleaved-zero1 and 1x2x4-fsdp-selective keep a zero1 and a tp4 plan in the default tier)."""
+
+
+def _family_runs(family: str, names: list[str]):
+    dtypes = sorted({torch.float32 if name == FP32 else torch.float64 for name in names}, key=str)
+    cases = {dtype: _build(family, dtype) for dtype in dtypes}
+    case = cases[dtypes[-1]]
     graph = captured(case.model, case.make_batch(0, BATCH), loss_fn=case.loss_fn)
-    plans = {name: _plan(graph, cfg) for name, cfg in CONFIGS.items()}
+    plans = {name: _plan(graph, CONFIGS[name]) for name in names}
     # checked here, before the launch, as after fairscale.search: the ranks inherit the models and
     # the check's captures (parallelize never changes a model, so one model serves every plan)
     for name, plan in plans.items():
         mine = cases[torch.float32 if name == FP32 else torch.float64]
         checker_for(mine.model, mine.make_batch(0, BATCH), loss_fn=mine.loss_fn).check(plan)
     references = {dtype: train_reference(lambda: _build(family, dtype), steps=STEPS, global_batch=BATCH, lr=LR)
-                  for dtype in (torch.float32, torch.float64)}
+                  for dtype in dtypes}
     results = fairscale.launch(_train_all, devices=8, args=(cases, plans), timeout_s=900)
-    return family, references, results
+    return references, results
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_3d_plan_matches_single_process(family_runs, config):
-    family, references, results = family_runs
+@pytest.fixture(scope="module", params=[pytest.param("gpt", marks=pytest.mark.slow), "llama"])  # llama: HF's
+def family_runs(request):
+    return _family_runs(request.param, [name for name in CONFIGS if name not in SLOW_CONFIGS])
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def slow_family_runs(request):
+    return _family_runs(request.param, list(SLOW_CONFIGS))
+
+
+def _check(runs, config: str) -> None:
+    references, results = runs
     got = results[0][config]
     if config == FP32:
         reference = references[torch.float32]
@@ -113,6 +127,17 @@ def test_3d_plan_matches_single_process(family_runs, config):
         compare(references[torch.float64], got, rtol=1e-10, atol=1e-9)
     for rank, other in enumerate(results[1:], start=1):  # the reported loss is the same everywhere
         assert other[config].losses == got.losses, f"rank {rank} reported other losses"
+
+
+@pytest.mark.parametrize("config", [name for name in CONFIGS if name not in SLOW_CONFIGS])
+def test_3d_plan_matches_single_process(family_runs, config):
+    _check(family_runs, config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", SLOW_CONFIGS)
+def test_more_3d_plans_match_single_process(slow_family_runs, config):
+    _check(slow_family_runs, config)
 
 
 def _planner_choice(rank: int, world: int, plan: Plan) -> Trajectory:

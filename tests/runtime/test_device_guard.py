@@ -73,6 +73,9 @@ PLANS = {
     "ep-zero2": ("mixtral", 1, 4, 2, 2, "1f1b", 1, "zero2", {}, False),
 }
 CHECKPOINTED = "gpipe-zero2-sp"
+SLOW_PLANS = ("3d-1f1b-ddp", "interleaved-zero1")
+"""Run with -m slow, in a launch of their own: the default tier keeps a pipeline with tp, sequence
+parallelism and ZeRO-2, the V schedule with FSDP offload, and expert parallelism."""
 
 ALLOWED_SYNCS = {
     # the step's loss, returned to the caller as a float: one per step
@@ -133,25 +136,41 @@ def _run(rank: int, world: int, cases: dict[str, Case], plans: dict[str, tuple[s
     return out
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
+def _guarded(tmp_path_factory, names: list[str]):
     # The models are built and the plans checked here, before the launch, as after fairscale.search:
     # the ranks inherit the models and the check's captures (parallelize never changes a model, so
     # one model serves every plan) and compile and run every plan under the guard.
-    cases = {f: FAMILIES[f]() for f in FAMILIES}
+    families = {PLANS[name][0] for name in names}
+    cases = {f: FAMILIES[f]() for f in families}
     graphs = {f: captured(c.model, c.make_batch(0, BATCH), loss_fn=c.loss_fn) for f, c in cases.items()}
-    plans = {name: (cfg[0], _plan(graphs[cfg[0]], cfg)) for name, cfg in PLANS.items()}
+    plans = {name: (PLANS[name][0], _plan(graphs[PLANS[name][0]], PLANS[name])) for name in names}
     for family, plan in plans.values():
         checker_for(cases[family].model, cases[family].make_batch(0, BATCH), loss_fn=cases[family].loss_fn).check(plan)
-    refs = {f: train_reference(FAMILIES[f], steps=STEPS, global_batch=BATCH, lr=LR) for f in FAMILIES}
+    refs = {f: train_reference(FAMILIES[f], steps=STEPS, global_batch=BATCH, lr=LR) for f in families}
     ckpt = str(tmp_path_factory.mktemp("guard") / "ckpt")
     results = fairscale.launch(_run, devices=8, args=(cases, plans, ckpt), timeout_s=1200)
     return refs, results
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """slow -> (references, per-rank results) of that tier's plans, one launch per tier, on first use."""
+    cache: dict[bool, Any] = {}
+
+    def get(slow: bool) -> Any:
+        if slow not in cache:
+            cache[slow] = _guarded(tmp_path_factory, [name for name in PLANS if (name in SLOW_PLANS) == slow])
+        return cache[slow]
+
+    return get
+
+
+TIERED = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_PLANS else name for name in PLANS]
+
+
+@pytest.mark.parametrize("name", TIERED)
 def test_every_plan_kind_runs_with_every_factory_on_an_explicit_device(guarded, name):
-    refs, results = guarded
+    refs, results = guarded(name in SLOW_PLANS)
     family = PLANS[name][0]
     got = results[0][name]
     compare(refs[family], got["trajectory"], rtol=1e-10 if family == "gpt" else 1e-5,
@@ -160,9 +179,9 @@ def test_every_plan_kind_runs_with_every_factory_on_an_explicit_device(guarded, 
         assert r[name]["devices"] == {"cpu"}
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", TIERED)
 def test_a_step_makes_only_the_documented_host_syncs(guarded, name):
-    _, results = guarded
+    _, results = guarded(name in SLOW_PLANS)
     layers = 2  # MoE layers of the mixtral case
     for rank, r in enumerate(results):
         syncs = r[name]["syncs"]
