@@ -15,8 +15,8 @@ are copied back, the model's forward and ``state_dict()`` (of it or any of its s
 ``model.load_state_dict(full)`` (every key; ``pm.state_dict()`` on rank 0, say) also makes it
 current. fairscale's own uses of the model (a re-capture in ``switch_plan``, the closed loop, a
 second ``parallelize``) are not refused (:func:`fairscale_uses_models`). ``torch.save(model)``
-pickles the model's own tensors and is not seen here: gather into it first. The hooks are
-module-level functions, so the model stays picklable and a ``copy.deepcopy`` of it is not guarded.
+(pickling the model) raises too. A ``copy.deepcopy`` of the model is not guarded: a copy made while
+it is behind holds the stale weights, as the model did when copied.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def guard_model(model: nn.Module | None) -> None:
         if m in _GUARDED:
             continue
         _GUARDED[m] = (state, path)
-        m.register_forward_pre_hook(_on_forward)
+        m.register_forward_pre_hook(_ForwardGuard(m))
         m.register_state_dict_pre_hook(refuse_stale_state_dict)
     model.register_load_state_dict_post_hook(_on_load)
 
@@ -116,11 +116,30 @@ def _refuse(entry: tuple[_State, str], what: str) -> None:
         "pm.state_dict()'s weights into it with model.load_state_dict(...)")
 
 
-def _on_forward(module: nn.Module, args: Any) -> None:
-    entry = _behind(module)
-    if entry is None or is_fx_tracing() or any(isinstance(a, (FakeTensor, torch.fx.Proxy)) for a in tree_leaves(args)):
-        return  # current, or a capture of the model's structure (its weights are not read)
-    _refuse(entry, "forward")
+class _ForwardGuard:
+    """The guard's forward pre-hook; pickling it (``torch.save(model)``, which pickles the module
+    with its hooks) is refused too while its module is behind. A ``copy.deepcopy`` shares it, and
+    the copy is not guarded (it is no module of the guard's); an unpickled one does nothing."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = weakref.ref(module) if module is not None else None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        entry = _behind(module)
+        if entry is None or is_fx_tracing() or any(isinstance(a, (FakeTensor, torch.fx.Proxy))
+                                                   for a in tree_leaves(args)):
+            return  # current, or a capture of the model's structure (its weights are not read)
+        _refuse(entry, "forward")
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        module = self.module() if self.module is not None else None
+        entry = _behind(module) if module is not None else None
+        if entry is not None:
+            _refuse(entry, "torch.save (pickling)")
+        return _ForwardGuard, (None,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_ForwardGuard":
+        return self
 
 
 def refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:

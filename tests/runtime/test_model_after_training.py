@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, plan_kind: str) -> dict[str, object]:
     out["forward"] = refused(lambda: model(batch[0]))
     out["submodule state_dict"] = refused(model.wte.state_dict)
     buf = io.BytesIO()
-    out["torch.save(model)"] = refused(lambda: torch.save(model, buf))  # pickles: the hooks are module functions
+    out["torch.save(model)"] = refused(lambda: torch.save(model, buf))  # pickles the model with its hooks
     out["deepcopy forward"] = refused(lambda: copy.deepcopy(model)(batch[0]))  # a copy is not guarded
     full = pm.state_dict()
     pm.gather_into(model)
@@ -51,6 +51,7 @@ def _rank(rank: int, world: int, plan_kind: str) -> dict[str, object]:
     if rank == 0:
         out["equal to pm.state_dict()"] = all(torch.equal(full[k], mine[k]) for k in full)
     out["forward after"] = refused(lambda: model(batch[0]))
+    out["torch.save(model) after"] = refused(lambda: torch.save(model, io.BytesIO()))
     pm.train_step(case.make_batch(STEPS, BATCH))
     out["stale again"] = refused(model.state_dict)
     full = pm.state_dict()
@@ -78,13 +79,14 @@ def runs(request) -> list[dict[str, object]]:
 
 def test_the_model_refuses_use_until_the_trained_weights_are_gathered_into_it(runs) -> None:
     for out in runs:
-        for call in ("state_dict", "forward", "submodule state_dict"):
+        for call in ("state_dict", "forward", "submodule state_dict", "torch.save(model)"):
             text = out[call]
             assert text.startswith("StaleModelError: "), (call, text)
             assert "behind its ranks' since an optimizer step of its ParallelModule" in text, text
             assert "pm.gather_into(model) on every rank" in text, text
         assert "the parallelized model's submodule wte" in out["submodule state_dict"]
-        assert out["torch.save(model)"] == "(not refused)"
+        assert "torch.save (pickling) of the model given to fairscale.parallelize" in out["torch.save(model)"]
+        assert out["torch.save(model) after"] == "(not refused)"
         assert out["deepcopy forward"] == "(not refused)"
         assert out["forward after"] == "(not refused)"
         assert out["stale again"].startswith("StaleModelError: ")
