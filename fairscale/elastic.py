@@ -32,6 +32,7 @@ moment leaves a record that names a complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -109,7 +110,10 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
             repeat exactly on a resume).
         clip_norm: passed to ``pm.train_step``.
         on_step: ``on_step(step, loss)`` after every step (and its checkpoint, if one was due), on every
-            training rank.
+            training rank; ``on_step(step, loss, pm)`` if it takes a third argument, the rank's
+            :class:`~fairscale.runtime.engine.ParallelModule`: to evaluate mid-run, call
+            ``pm.evaluate(batch)``, or ``pm.gather_into(model)`` (every rank) before running ``model``,
+            which is behind its ranks until then.
 
     Returns:
         :class:`ElasticResult`; on a rank the plan leaves idle, ``idle=True`` and no losses. On every
@@ -147,6 +151,7 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
         pm.load_checkpoint(str(directory / record["checkpoint"]))
         resumed = int(record["step"])
         losses = [float(x) for x in record["losses"]][:resumed]
+    with_pm = on_step is not None and _positional(on_step) >= 3
     for step in range(resumed or 0, steps):
         torch.manual_seed(seed + step)
         losses.append(float(pm.train_step(tuple(batches(step)), clip_norm=clip_norm)))
@@ -154,9 +159,20 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
         if directory is not None and ((every and done % every == 0) or done == steps):
             _save(pm, directory, done, losses, plan=plan, keep_last=keep_last)
         if on_step is not None:
-            on_step(step, losses[-1])
+            on_step(step, losses[-1], pm) if with_pm else on_step(step, losses[-1])
     pm.gather_into(model)  # the caller's model holds the trained weights (fairscale.runtime.model_guard)
     return ElasticResult(losses=losses, plan=plan, launched=launched, resumed_from=resumed)
+
+
+def _positional(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` takes (a large number for ``*args``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the documented two
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 1 << 30
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def _directory(checkpoint_dir: str | os.PathLike[str] | None) -> Path | None:

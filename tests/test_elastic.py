@@ -108,7 +108,18 @@ def _resumes(rank: int, world: int, root: str) -> dict[str, object]:
     b = case()
     resumed = fairscale.train(b.model, batches, steps=5, loss_fn=b.loss_fn, checkpoint_dir=first)
     c = case()
-    whole = fairscale.train(c.model, batches, steps=5, loss_fn=c.loss_fn, checkpoint_dir=Path(root) / "whole")
+    seen: dict[str, object] = {}
+
+    def evaluate(step: int, loss: float, pm) -> None:  # a mid-run evaluation of the model itself
+        if step == 1:
+            batch = batches(9)
+            seen["stale"] = _refusal(lambda: c.model(batch[0]))
+            pm.gather_into(c.model)
+            seen["model"] = float(c.loss_fn(c.model(batch[0]), *batch[1:]))
+            seen["pm"] = float(pm.evaluate(batch))
+
+    whole = fairscale.train(c.model, batches, steps=5, loss_fn=c.loss_fn, checkpoint_dir=Path(root) / "whole",
+                            on_step=evaluate)
     other = build("gpt", **{**GPT, "dim": 16})
     try:
         fairscale.train(other.model, batches, steps=5, loss_fn=other.loss_fn, checkpoint_dir=first)
@@ -116,14 +127,28 @@ def _resumes(rank: int, world: int, root: str) -> dict[str, object]:
     except (ValueError, RuntimeError) as exc:
         refused = str(exc)
     return dict(stopped=stopped.losses, resumed=resumed.losses, resumed_from=resumed.resumed_from,
-                whole=whole.losses, refused=refused, kept_first=kept_first,
+                whole=whole.losses, refused=refused, kept_first=kept_first, seen=seen,
                 kept=sorted(p.name for p in first.iterdir()))
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return str(exc)
+    return "(not refused)"
 
 
 def test_train_resumes_where_the_last_checkpoint_left_off(tmp_path: Path) -> None:
     """Same plan, stopped after 3 steps and resumed to 5: the losses of an uninterrupted run, exactly;
-    keep_last prunes; a checkpoint directory of another model is refused on every rank."""
+    keep_last prunes; a checkpoint directory of another model is refused on every rank. The
+    uninterrupted run evaluates its model mid-run through on_step's third argument, pm (the model
+    is behind its ranks until pm.gather_into), which leaves the training as it was."""
     got = fairscale.launch(_resumes, devices=2, args=(str(tmp_path),))
+    for out in got:
+        seen = out["seen"]
+        assert "In fairscale.train's on_step callback, take pm as its third argument" in seen["stale"]
+        assert seen["model"] == pytest.approx(seen["pm"], rel=1e-6)
     zero = got[0]
     assert zero["resumed_from"] == 3 and zero["resumed"] == zero["whole"] and zero["stopped"] == zero["whole"][:3]
     assert zero["kept_first"] == ["elastic.json", "step-000003"]  # keep_last=1: step-000002 pruned

@@ -113,7 +113,8 @@ def _refuse(entry: tuple[_State, str], what: str) -> None:
         "trained weights and the model its own, so this would save or run stale ones. Call pm.gather_into(model) "
         "on every rank first (collective; the model then holds the trained weights), or use pm.state_dict() (the "
         "full state dict on rank 0) or pm.evaluate(batch). After pm.close(), load a checkpoint's or "
-        "pm.state_dict()'s weights into it with model.load_state_dict(...)")
+        "pm.state_dict()'s weights into it with model.load_state_dict(...). In fairscale.train's on_step callback, "
+        "take pm as its third argument")
 
 
 class _ForwardGuard:
