@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import warnings
 
 import pytest
@@ -275,6 +276,21 @@ def test_errors_name_the_fix():
     seq[0] = FSDP(seq[0])
     with pytest.raises(ValueError, match="parameter '1.weight' is shared with a nested instance"):
         FSDP(seq)
+
+
+def test_modules_built_after_a_nested_instance_are_no_tie():
+    """fairseq's way of building a model: each layer wrapped as it is made (``wrap(layer)`` under
+    ``enable_wrap``), then the final norm and head, then the root. The layers' original
+    parameters are freed once flattened, so CPython hands their ids to the parameters made next;
+    the root took those for weights shared with a nested instance and refused the model."""
+    for _ in range(5):  # ids are reused most of the time, not always: try a few models
+        layers = nn.ModuleList([FSDP(nn.Linear(4, 4)) for _ in range(3)])
+        net = nn.ModuleDict({"layers": layers, "norm": nn.LayerNorm(4), "head": nn.Linear(4, 2)})
+        model = FSDP(net)
+        assert sorted(model.state_dict()) == sorted(nn.ModuleDict({
+            "layers": nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), "norm": nn.LayerNorm(4),
+            "head": nn.Linear(4, 2)}).state_dict())
+    pickle.dumps(model)  # the weak references behind the tie check do not stop pickling
 
 
 def test_unapplied_options_warn_once():

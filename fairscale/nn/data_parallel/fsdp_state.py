@@ -13,6 +13,7 @@ the unwrapped model: parameters numbered in its ``parameters()`` order, sharded 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -111,22 +112,36 @@ def owned_parameters(module: nn.Module, fsdp_cls: type) -> Iterator[tuple[str, n
                 yield clean_key(f"{path}.{name}" if path else name), p
 
 
-def collect_owned(module: nn.Module, fsdp_cls: type) -> tuple[list[nn.Parameter], set[int], list[str]]:
-    """(distinct parameters this instance owns, ids of every original parameter it and its nested
-    instances cover, unwrapped parameter names in order). Raises on ties across instances."""
+class OriginalRefs(dict):
+    """id -> weakref.ref of the original parameters an instance covers. Weak, because a nested
+    instance drops its originals once flattened and a bare id would then be reused by a parameter
+    created later (a fairseq model's final norm, built after its wrapped layers), which is no tie.
+    Only wrapping reads it, so a pickled instance carries it empty."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (OriginalRefs, ())
+
+
+def collect_owned(module: nn.Module, fsdp_cls: type) -> tuple[list[nn.Parameter], OriginalRefs, list[str]]:
+    """(distinct parameters this instance owns, the original parameters it and its nested instances
+    cover, unwrapped parameter names in order). Raises on ties across instances."""
     nested = direct_nested(module, fsdp_cls)
-    nested_originals: set[int] = set().union(*(m._original_ids for m in nested)) if nested else set()
+    nested_originals = OriginalRefs()
+    for m in nested:
+        nested_originals.update(m._original_refs)
     owned: list[nn.Parameter] = []
     seen: set[int] = set()
     for name, p in owned_parameters(module, fsdp_cls):
-        if id(p) in nested_originals:
+        ref = nested_originals.get(id(p))
+        if ref is not None and ref() is p:
             raise ValueError(f"FullyShardedDataParallel: parameter {name!r} is shared with a nested instance (tied "
                              "weights across wrapped submodules); wrap the modules that share it in the same "
                              "instance, e.g. exclude them from auto_wrap")
         if id(p) not in seen:
             seen.add(id(p))
             owned.append(p)
-    return owned, {id(p) for p in owned} | nested_originals, original_order(module, nested, fsdp_cls)
+    nested_originals.update((id(p), weakref.ref(p)) for p in owned)
+    return owned, nested_originals, original_order(module, nested, fsdp_cls)
 
 
 def original_order(module: nn.Module, nested: list[Any], fsdp_cls: type) -> list[str]:

@@ -41,7 +41,6 @@ import warnings
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -203,7 +202,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
     # construction
 
     def _build(self, module: nn.Module) -> None:
-        owned, self._original_ids, self._orig_names = fsdp_state.collect_owned(module, FullyShardedDataParallel)
+        owned, self._original_refs, self._orig_names = fsdp_state.collect_owned(module, FullyShardedDataParallel)
         if self.flatten_parameters:
             trainable = [p for p in owned if p.requires_grad]
             frozen = [p for p in owned if not p.requires_grad]
