@@ -129,3 +129,87 @@ def test_flatten_params_wrapper_names_and_flat_state_dict():
     for k, v in fpw.state_dict().items():  # outside the block, the flat parameters' own values again
         torch.testing.assert_close(v, ref[k])
     assert fpw[1] is m[1]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class _Decoder(nn.Module):
+    """fairseq's decoder shape: embeddings, layers, final norm, output projection tied to the embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 4)
+        self.layers = nn.ModuleList([_Block() for _ in range(2)])
+        self.ln = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.ln(x))
+
+
+def _train_two_steps(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for step in range(2):
+        tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+    return opt
+
+
+def test_full_optimizer_state_has_the_0413_layout():
+    """gather_full_optim_state_dict numbers the original parameters as 0.4.13 did (FairScale 0.4.13
+    on 2 gloo ranks, this model: root first, then each nested instance, each in flattening order;
+    param_id_map {0: 0, 1: 0, 2: 0, 3: 1, ..., 8: 1, 9: 2, ..., 14: 2}; step a Python float), not in
+    the unwrapped model's parameters() order: a fairseq checkpoint written by 0.4.13 and resumed
+    here had its final norm's Adam state put on the first layer's norm, silently."""
+    plain = _Decoder()
+    model = _Decoder()
+    model.layers = nn.ModuleList([FSDP(layer) for layer in model.layers])
+    model = FSDP(model)
+    plain_opt, opt = _train_two_steps(plain), _train_two_steps(model)
+    full = model.gather_full_optim_state_dict(opt)
+    assert list(full) == ["param_groups", "state", "param_id_map", "uncollected_local_ids"]
+    assert full["param_id_map"] == {**dict.fromkeys(range(3), 0), **dict.fromkeys(range(3, 9), 1),
+                                    **dict.fromkeys(range(9, 15), 2)}
+    assert full["uncollected_local_ids"] == [] and full["param_groups"][0]["params"] == list(range(15))
+    names = ["embed.weight", "ln.weight", "ln.bias"] + [
+        f"layers.{i}.{m}.{k}" for i in range(2) for m in ("ln", "fc1", "fc2") for k in ("weight", "bias")]
+    plain_ids = {n: i for i, (n, _) in enumerate(plain.named_parameters())}
+    plain_state = plain_opt.state_dict()["state"]
+    for gid, name in enumerate(names):
+        st = full["state"][gid]
+        assert type(st["step"]) is float and st["step"] == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(st[key], plain_state[plain_ids[name]][key], rtol=1e-5, atol=1e-7,
+                                       msg=f"{name} {key}")
+    # back into the shards: the optimizer's own state
+    shard = model.get_shard_from_optim_state_dict(full)
+    own = opt.state_dict()
+    assert shard["param_groups"][0]["params"] == own["param_groups"][0]["params"] == [0, 1, 2]
+    for lid, st in own["state"].items():
+        assert shard["state"][lid]["step"] == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(shard["state"][lid][key], st[key], rtol=0, atol=0)
+    # a plain optimizer's state dict of the unwrapped model (what this package gathered before) still loads
+    legacy = model.get_shard_from_optim_state_dict(plain_opt.state_dict())
+    for lid, st in own["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(legacy["state"][lid][key], st[key], rtol=1e-5, atol=1e-7)
+    # a state gathered from another wrapping is refused, not loaded onto the wrong parameters
+    with pytest.raises(ValueError, match="state 'exp_avg' of 'layers.0.fc1.weight' has shape \\(4,\\), the parameter"):
+        FSDP(_Decoder()).get_shard_from_optim_state_dict(full)
+    with pytest.raises(ValueError, match="numbers 15 parameters but this model's FSDP instances hold 13"):
+        FSDP(nn.Sequential(nn.Embedding(11, 4), _Block(), _Block())).get_shard_from_optim_state_dict(full)

@@ -1,14 +1,10 @@
 """FSDP bookkeeping that is not forward/backward: ownership, buffers, metadata, consolidation and
-optimizer-state gathering/sharding.
+clipping (the optimizer state's full layout is :mod:`fairscale.nn.data_parallel.fsdp_optim`).
 
 Naming: a *clean* key is the unwrapped module's state_dict key (FSDP/FPW wrapper levels removed);
 a *raw local* key is the module tree's own key of a shard (wrapper levels kept, e.g.
 ``layers.0._fsdp_wrapped_module.flat_param_0``); ``local_state_dict()`` shows it cleaned
 (``layers.0.flat_param_0``), as FairScale 0.4.13 did.
-
-The full optimizer state dict has the layout of a plain ``torch.optim.Optimizer.state_dict()`` on
-the unwrapped model: parameters numbered in its ``parameters()`` order, sharded state tensors
-(``exp_avg``...) in each parameter's own shape, scalars (``step``) as they are.
 """
 
 from __future__ import annotations
@@ -295,91 +291,6 @@ def consolidate(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: li
             value = shard_weights[0][name]
             out[name] = value.to(dtypes[name]) if name in dtypes else value
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# optimizer state
-
-
-def _is_sharded_state(value: Any, shard_numel: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == shard_numel
-
-
-def gather_optim(root: FullyShardedDataParallel, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    osd = optim.state_dict()
-    units = _units_by_flat(root)
-    order = {name: i for i, name in enumerate(root._orig_names)}
-    state: dict[int, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    for group, saved in zip(optim.param_groups, osd["param_groups"]):
-        ids: list[int] = []
-        for p, sid in zip(group["params"], saved["params"]):
-            entry = units.get(id(p))
-            if entry is None:
-                raise ValueError("gather_full_optim_state_dict: the optimizer holds a parameter that this FSDP module "
-                                 "does not manage; build the optimizer over fsdp_model.parameters()")
-            inst, u, base = entry
-            names = [base + k for k, _ in u.layout.members]
-            ids.extend(order[n] for n in names if n in order)
-            st = osd["state"].get(sid)
-            if not st:
-                continue
-            per_member: list[dict[str, Any]] = [{} for _ in names]
-            for key, value in st.items():
-                if _is_sharded_state(value, u.layout.shard_numel):
-                    device = u.op.compute_device  # where the backend can communicate
-                    full = torch.empty(u.layout.padded, dtype=value.dtype, device=device)
-                    comm.all_gather_flat(full, value.detach().to(device), u.op.axis)
-                    full = full.to(value.device)
-                    for i, t in enumerate(u.layout.split(full[:u.layout.numel]).values()):
-                        per_member[i][key] = t.clone()
-                else:
-                    for d in per_member:
-                        d[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            for n, d in zip(names, per_member):
-                if n in order:
-                    state[order[n]] = d
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": sorted(ids)})
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def shard_optim(root: FullyShardedDataParallel, full: dict[str, Any]) -> dict[str, Any]:
-    order = {name: i for i, name in enumerate(root._orig_names)}
-    units = _units_by_flat(root)
-    group_of = {pid: gi for gi, g in enumerate(full["param_groups"]) for pid in g["params"]}
-    state: dict[int, dict[str, Any]] = {}
-    group_params: list[list[int]] = [[] for _ in full["param_groups"]]
-    for local_id, p in enumerate(root.parameters()):
-        inst, u, base = units[id(p)]
-        ids = [order.get(base + k) for k, _ in u.layout.members]
-        known = [i for i in ids if i is not None]
-        if not known:
-            raise KeyError(f"get_shard_from_optim_state_dict: no parameter of {u.layout.members[0][0]!r}'s unit "
-                           "is numbered in this model")
-        group_params[group_of.get(known[0], 0)].append(local_id)
-        states: list[Any] = [full["state"].get(i) if i is not None else None for i in ids]
-        if all(s is None for s in states):
-            continue
-        if any(s is None for s in states):
-            raise KeyError(f"get_shard_from_optim_state_dict: optimizer state covers only part of the unit holding "
-                           f"{[base + k for k, _ in u.layout.members][:3]}")
-        st: dict[str, Any] = {}
-        for key, v0 in states[0].items():
-            values = [s[key] for s in states]
-            sharded = all(isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and v.dim() > 0
-                          for v, (_, shape) in zip(values, u.layout.members))
-            if sharded:
-                flat = torch.cat([v.reshape(-1) for v in values]).to(device=p.device)
-                padded = torch.zeros(u.layout.padded, dtype=flat.dtype, device=flat.device)
-                padded[:flat.numel()] = flat
-                lo, hi = u.shard_range()
-                st[key] = padded[lo:hi].clone()
-            else:
-                st[key] = v0.clone() if isinstance(v0, torch.Tensor) else v0
-        state[local_id] = st
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
-              for g, ids in zip(full["param_groups"], group_params)]
-    return {"state": state, "param_groups": groups}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ state-dict API:
   paths as in FairScale 0.4.13 (``layers.0.flat_param_0``; no communication); ``consolidate_shard_weights`` turns every rank's local state dict and
   ``local_metadata_dict()`` back into a full state dict offline.
 - ``gather_full_optim_state_dict`` / ``get_shard_from_optim_state_dict`` convert the optimizer's
-  state between the shards and the layout of a plain optimizer on the unwrapped model.
+  state between the shards and FairScale 0.4.13's full layout (:mod:`fairscale.nn.data_parallel.fsdp_optim`).
 
 The bookkeeping behind them (key cleaning, metadata, consolidation, optimizer state) is in
 :mod:`fairscale.nn.data_parallel.fsdp_state`.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping
 import torch
 from torch import nn
 
-from fairscale.nn.data_parallel import fsdp_state
+from fairscale.nn.data_parallel import fsdp_optim, fsdp_state
 from fairscale.nn.misc.flatten_params_wrapper import clean_key
 
 # the class that mixes this in (it imports this module, so it is not imported back)
@@ -150,11 +150,13 @@ class StateDictMixin(nn.Module):
     # optimizer state
 
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> dict[str, Any] | None:
-        """The optimizer's state as a plain ``Optimizer.state_dict()`` of the unwrapped model
-        (parameters numbered in its ``parameters()`` order). Collective; returned on rank 0, None elsewhere."""
-        full = fsdp_state.gather_optim(self, optim)
+        """The optimizer's state unflattened and unsharded, in FairScale 0.4.13's layout (see
+        :mod:`fairscale.nn.data_parallel.fsdp_optim`: original parameters numbered instance by
+        instance, ``param_id_map``, ``uncollected_local_ids``). Collective; returned on rank 0,
+        None elsewhere. The optimizer's own state is not changed."""
+        full = fsdp_optim.gather_optim(self, optim)
         return full if self.rank == 0 else None
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a full optimizer state dict, for an optimizer over ``self.parameters()``."""
-        return fsdp_state.shard_optim(self, full_optim_state_dict)
+        return fsdp_optim.shard_optim(self, full_optim_state_dict)
