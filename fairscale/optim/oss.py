@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from fairscale.internal.params import calc_grad_norm
 from fairscale.nn.misc.param_bucket import ParamBucket
 from passes.ops import comm  # (its import binds torch.distributed.nn defaults early: see there)
 
@@ -300,31 +301,28 @@ class OSS(torch.optim.Optimizer):
         """Clip gradients by the norm over **all** shards; returns that total norm.
 
         Each rank measures only the parameters it owns (their gradients are the reduced ones), so
-        no element is counted twice; the partial norms are combined with one all-reduce.
+        no element is counted twice, and scales only those. As in FairScale 0.4.13 the partial norms
+        are combined over the whole world, not ``group`` (with model parallelism, pick each rank's
+        share with ``filter_params_fn``), in its arithmetic: the norm of the per-parameter float32
+        norms, raised to ``norm_type``, all-reduced, and the coefficient ``max_norm / (norm + 1e-6)``
+        as a tensor division.
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
-        local = [p for p in self.per_device_params[self.rank] if p.grad is not None]
-        if filter_params_fn is not None:
-            local = filter_params_fn(local)
-        grads = [p.grad.detach().float() for p in local if p.grad is not None]
-        device = collective_device(self.axis)  # the all-reduce's device (the GPU under NCCL)
+        owned = [p for p in self.per_device_params[self.rank] if p.grad is not None]
+        local = filter_params_fn(owned) if filter_params_fn is not None else owned
+        world = axis_for_group(None)
+        device = collective_device(world)  # the all-reduce's device (the GPU under NCCL)
+        total_norm = calc_grad_norm(local, norm_type).to(device)
         if norm_type == float("inf"):
-            part = torch.stack([g.abs().max().to(device) for g in grads]).max() if grads else \
-                torch.zeros((), device=device)
-            total = part.reshape(1).clone()
-            comm.all_reduce_(total, self.axis, op=dist.ReduceOp.MAX)
-            total_norm = total[0]
+            comm.all_reduce_(total_norm, world, op=dist.ReduceOp.MAX)
         else:
-            part = sum((g.norm(norm_type).to(device) ** norm_type for g in grads), torch.zeros((), device=device))
-            total = torch.as_tensor(part, dtype=torch.float32, device=device).reshape(1).clone()
-            comm.all_reduce_(total, self.axis)
-            total_norm = total[0] ** (1.0 / norm_type)
-        clip_coef = max_norm / (total_norm + 1e-6)
+            total_norm = total_norm ** norm_type
+            comm.all_reduce_(total_norm, world)
+            total_norm = total_norm ** (1.0 / norm_type)
+        clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
         if clip_coef < 1:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.detach().mul_(clip_coef.to(device=p.grad.device, dtype=p.grad.dtype))
+            for p in owned:
+                p.grad.detach().mul_(clip_coef.to(p.grad.device))
         return total_norm
 
     # -------------------------------------------------------------------------------- state dicts

@@ -300,20 +300,28 @@ def consolidate(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: li
 @torch.no_grad()
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float, *, axis: str,
                    device: torch.device) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over gradient shards: the p-th powers (or the max) are
-    reduced over ``axis`` so every rank clips by the norm of the whole model. Zero padding adds 0."""
+    """``torch.nn.utils.clip_grad_norm_`` over gradient shards, in FairScale 0.4.13's arithmetic (to
+    the bit): the norm of the per-shard float32 norms (or the max), raised to ``norm_type`` and
+    summed over ``axis`` (or the max), then the coefficient ``max_norm / (norm + 1e-6)`` as a
+    tensor division. Zero padding adds 0."""
     norm_type = float(norm_type)
-    dev = grads[0].device if grads else device
+    if not grads:
+        local = torch.zeros((), device=device)
+    elif norm_type == float("inf"):
+        local = torch.stack([g.detach().abs().max() for g in grads]).max()
+    else:
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
+        local = torch.linalg.vector_norm(norms, norm_type).to(grads[0].dtype)
+    local = local.to(device)  # reduce where the backend can communicate (grads may be on the CPU)
     if norm_type == float("inf"):
-        total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=dev)
-        total = total.to(device)  # reduce where the backend can communicate (grads may be on the CPU)
+        total = local
         comm.all_reduce_(total, axis, op=dist.ReduceOp.MAX)
     else:
-        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev)).to(device)
-        comm.all_reduce_(local, axis)
-        total = local ** (1.0 / norm_type)
-    coef = max_norm / (total + 1e-6)
+        total = local ** norm_type
+        comm.all_reduce_(total, axis)
+        total = total ** (1.0 / norm_type)
+    coef = torch.tensor(float(max_norm), dtype=total.dtype, device=total.device) / (total + 1e-6)
     if coef < 1:
         for g in grads:
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            g.mul_(coef.to(g.device))
     return total
