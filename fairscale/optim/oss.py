@@ -176,6 +176,14 @@ class OSS(torch.optim.Optimizer):
         """Per rank, the flat list of parameters it owns."""
         return [[p for g in groups for p in g["params"]] for groups in self.partition_parameters()]
 
+    def _owned_in_0413_order(self) -> list[torch.Tensor]:
+        """This rank's parameters in FairScale 0.4.13's ``_local_params`` order: by device (in the
+        order devices first appear), then by size (stable). The order of the per-parameter norms
+        in ``clip_grad_norm`` decides the last bit of the total."""
+        devices = list(dict.fromkeys(p.device for g in self.param_groups for p in g["params"]))
+        mine = self.per_device_params[self.rank]
+        return [p for d in devices for p in sorted((q for q in mine if q.device == d), key=lambda q: q.numel())]
+
     def _build_local_optimizer(self) -> torch.optim.Optimizer:
         self._partition = None
         local = self.partition_parameters()[self.rank]
@@ -308,7 +316,7 @@ class OSS(torch.optim.Optimizer):
         as a tensor division.
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
-        owned = [p for p in self.per_device_params[self.rank] if p.grad is not None]
+        owned = [p for p in self._owned_in_0413_order() if p.grad is not None]
         local = filter_params_fn(owned) if filter_params_fn is not None else owned
         world = axis_for_group(None)
         device = collective_device(world)  # the all-reduce's device (the GPU under NCCL)

@@ -70,3 +70,25 @@ def test_oss_clip_grad_norm_covers_the_world():
         coef = _coef_0413(want, 0.5)
         for g, c in zip(r["grads"], r["clipped"]):
             assert torch.equal(c, g * coef)
+
+
+def _oss_one_rank(rank: int, world: int) -> bytes:
+    torch.manual_seed(19)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 0.3
+    grads = [p.grad.clone() for p in model.parameters()]
+    buf = io.BytesIO()
+    torch.save({"grads": grads, "total": opt.clip_grad_norm(0.5)}, buf)
+    return buf.getvalue()
+
+
+def test_oss_clip_grad_norm_stacks_the_norms_by_size():
+    """0.4.13 takes OSS's per-parameter norms in its _local_params order, each device's parameters
+    sorted by size (weights 35, 7, 21, 3 elements: 3, 7, 21, 35); in the parameters' own order
+    (what this package did) the total differed in the last bit on a VISSL-style run's fourth step
+    and here (2.7737164 vs 2.7737167)."""
+    (out,) = [torch.load(io.BytesIO(b), weights_only=False) for b in fairscale.launch(_oss_one_rank, devices=1)]
+    want = _norm_0413(sorted(out["grads"], key=lambda g: g.numel())) ** 2.0
+    assert torch.equal(out["total"], want ** 0.5), (out["total"].item(), (want ** 0.5).item())
