@@ -176,13 +176,23 @@ class OSS(torch.optim.Optimizer):
         """Per rank, the flat list of parameters it owns."""
         return [[p for g in groups for p in g["params"]] for groups in self.partition_parameters()]
 
+    @property
+    def _per_device_params(self) -> dict[torch.device, list[list[torch.Tensor]]]:
+        """FairScale 0.4.13's view of the partition, which clients read: per device (in the order
+        devices first appear), per rank, the parameters sorted by size (stable)."""
+        out: dict[torch.device, list[list[torch.Tensor]]] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                out.setdefault(p.device, [[] for _ in range(self.world_size)])[self.param_to_rank[p]].append(p)
+        for lists in out.values():
+            for ps in lists:
+                ps.sort(key=lambda q: q.numel())
+        return out
+
     def _owned_in_0413_order(self) -> list[torch.Tensor]:
-        """This rank's parameters in FairScale 0.4.13's ``_local_params`` order: by device (in the
-        order devices first appear), then by size (stable). The order of the per-parameter norms
-        in ``clip_grad_norm`` decides the last bit of the total."""
-        devices = list(dict.fromkeys(p.device for g in self.param_groups for p in g["params"]))
-        mine = self.per_device_params[self.rank]
-        return [p for d in devices for p in sorted((q for q in mine if q.device == d), key=lambda q: q.numel())]
+        """This rank's parameters in 0.4.13's ``_local_params`` order (per device, by size): the
+        order of the per-parameter norms in ``clip_grad_norm`` decides the last bit of the total."""
+        return [p for lists in self._per_device_params.values() for p in lists[self.rank]]
 
     def _build_local_optimizer(self) -> torch.optim.Optimizer:
         self._partition = None
@@ -372,6 +382,7 @@ class OSS(torch.optim.Optimizer):
         state: dict[int, Any] = {}
         for shard in self._all_states:
             state.update(shard["state"])
+        state = dict(sorted(state.items()))  # in parameter order, as 0.4.13 and a plain optimizer
         groups, start = [], 0
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}

@@ -104,6 +104,8 @@ def _run(rank: int, world: int) -> dict:
             results["state_error"] = str(e)
     full = opt.state_dict(all_ranks=True)
     results["all_ranks_keys"] = sorted(full["state"])
+    results["state_order"] = list(full["state"])
+    results["per_device"] = [[tuple(p.shape) for p in ps] for ps in opt._per_device_params[torch.device("cpu")]]
 
     # load the full state into a fresh OSS and take one more step: equals continuing the original
     case2 = build("mlp")
@@ -227,6 +229,18 @@ def test_consolidated_state_dict_matches_plain_adam(runs, reference) -> None:
     assert "call consolidate_state_dict" in results[0]["state_error"]
     for r in results:
         assert r["all_ranks_keys"] == sorted(ref_state["state"])
+        # in parameter order, as FairScale 0.4.13 and a plain optimizer (not rank by rank)
+        assert r["state_order"] == sorted(ref_state["state"])
+
+
+def test_per_device_params_as_0413(runs) -> None:
+    """0.4.13's _per_device_params, which clients iterate: {device: per rank, parameters by size}."""
+    world, results = runs
+    for r in results:
+        assert [len(ps) for ps in r["per_device"]] == r["owned"]
+        for ps in r["per_device"]:
+            sizes = [torch.Size(s).numel() for s in ps]
+            assert sizes == sorted(sizes)
 
 
 def test_load_state_dict_resumes_exactly(runs) -> None:
