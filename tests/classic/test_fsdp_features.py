@@ -293,6 +293,18 @@ def test_modules_built_after_a_nested_instance_are_no_tie():
     pickle.dumps(model)  # the weak references behind the tie check do not stop pickling
 
 
+def test_named_parameters_without_flattening_are_the_modules_names():
+    """FairScale 0.4.13 cleans named_parameters() of an instance that does not flatten (weight-decay
+    groups are built from these names): 'embed.weight', not '_fsdp_wrapped_module._fpw_module.embed.weight';
+    a nested flattening instance's parameter is 'layers.0.flat_param_0'. A flattening instance keeps
+    the raw names outside summon_full_params, as 0.4.13 does."""
+    net = nn.ModuleDict({"embed": nn.Embedding(5, 4), "layers": nn.ModuleList([FSDP(nn.Linear(4, 4))])})
+    names = [n for n, _ in FSDP(net, flatten_parameters=False).named_parameters()]
+    assert names == ["embed.weight", "layers.0.flat_param_0"]
+    names = [n for n, _ in FSDP(nn.Linear(2, 2)).named_parameters()]
+    assert names == ["_fsdp_wrapped_module.flat_param_0"]
+
+
 def test_unapplied_options_warn_once():
     fsdp_mod._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:

@@ -396,9 +396,12 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         self.__dict__["_summon_fulls"] = []
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """Inside ``summon_full_params`` the names are the unwrapped module's."""
+        """The unwrapped module's names inside ``summon_full_params`` and, as in FairScale 0.4.13,
+        always when this instance does not flatten its parameters; a flat parameter's own name
+        (``_fsdp_wrapped_module.flat_param_0``) otherwise."""
+        clean = self._summoned or not self.flatten_parameters
         for name, p in super().named_parameters(*args, **kwargs):
-            yield (clean_key(name) if self._summoned else name), p
+            yield (clean_key(name) if clean else name), p
 
     def reset_parameters(self) -> None:
         """Re-initialize the modules this instance owns (only with ``allow_reset_parameters=True``,
