@@ -48,16 +48,43 @@ class BufferWrite:
 
 def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
     """Every buffer an in-place aten op of ``gm`` writes (the op's first argument, through the
-    chain of in-place results), except batch statistics' running buffers, one entry per buffer."""
+    chain of in-place results), except batch statistics' running buffers, one entry per buffer.
+    The bodies of higher-order ops are searched too: export puts a ``with torch.no_grad():`` block
+    (an aux-loss-free router's bias update, an EMA) in ``wrap_with_set_grad_enabled``'s body, whose
+    placeholders are the operands that follow it."""
     root: dict[torch.fx.Node, str] = {}  # node -> the buffer it aliases
-    out: dict[str, BufferWrite] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _fetch(gm, str(node.target))
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 root[node] = str(node.target)
+    out: dict[str, BufferWrite] = {}
+    _collect(gm, root, out, "")
+    if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
+        return []
+    stat_modules = {op.module for op in find_batch_stat_ops(gm)}
+    return [w for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
+
+
+def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict[str, BufferWrite],
+             module: str) -> None:
+    """:func:`find_buffer_writes`' walk of one graph, ``root`` mapping its nodes to the buffers they
+    alias; ``module``: the higher-order op's module, for a body whose nodes record none."""
+    bodies = {n: v for n in gm.graph.nodes if n.op == "get_attr"
+              and isinstance(v := _fetch(gm, str(n.target)), torch.fx.GraphModule)}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args:
             continue
-        if node.op != "call_function" or not _writes_first(node.target) or not node.args:
+        body_at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a in bodies), None)
+        if body_at is not None:
+            body = bodies[node.args[body_at]]
+            holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            inner = {h: root[a] for h, a in zip(holders, node.args[body_at + 1:]) if isinstance(a, torch.fx.Node)
+                     and a in root}
+            if inner:
+                _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module)
+            continue
+        if not _writes_first(node.target):
             continue
         target = node.args[0]
         if not isinstance(target, torch.fx.Node) or target not in root:
@@ -66,11 +93,8 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
         root[node] = buffer
         name = buffer[len(_PREFIX):] if buffer.startswith(_PREFIX) else buffer
         if name not in out:
-            out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")), source=source_line(node))
-    if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
-        return []
-    stat_modules = {op.module for op in find_batch_stat_ops(gm)}
-    return [w for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
+            out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
+                                    source=source_line(node))
 
 
 def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "") -> str | None:

@@ -124,3 +124,38 @@ def test_a_model_on_meta_has_no_buffer_writes_from_the_tensors_its_forward_makes
     assert find_buffer_writes(graph.gm) == []
     found = fairscale.search(model, (ids, ids), cluster="h100-sxm-80gb", devices=4, check_runners_up=False)
     assert found.considered > 10 and found.plan.mesh.dp > 1, found.table()
+
+
+class AuxLossFreeRouter(nn.Module):
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias moves against its load,
+    updated in forward under ``torch.no_grad()``, which export puts in a ``wrap_with_set_grad_enabled``
+    body (the search had not looked inside it, so dp and microbatches had each updated the bias from
+    their own tokens, silently); and a token count kept the same way, torchtitan's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 4, bias=False), nn.Linear(8, 16)
+        self.register_buffer("expert_bias", torch.zeros(4))
+        self.register_buffer("tokens_per_expert", torch.zeros(4), persistent=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(self.gate(x))
+        _, chosen = torch.topk(scores + self.expert_bias, k=1, dim=-1)
+        load = F.one_hot(chosen[:, 0], 4).sum(0).to(x.dtype)
+        with torch.no_grad():
+            self.expert_bias.add_(0.01 * torch.sign(load.mean() - load))
+            self.tokens_per_expert.add_(load)
+        out = self.experts(x).view(-1, 4, 4) * scores.gather(1, chosen)[:, :, None]
+        return F.mse_loss(out.sum(1), y)
+
+
+def test_buffers_written_under_no_grad_are_found_and_cut_batches_refused() -> None:
+    torch.manual_seed(0)
+    model = AuxLossFreeRouter().double()
+    writes = find_buffer_writes(captured(model, _batch(0)).gm)
+    assert [w.buffer for w in writes] == ["expert_bias", "tokens_per_expert"], writes
+    assert writes[0].source.endswith("`self.expert_bias.add_(0.01 * torch.sign(load.mean() - load))`"), writes[0]
+    with pytest.raises(PlanError, match=r"the model.s forward writes the buffer\(s\) expert_bias \(test_buffer_writes.py:"):
+        fairscale.plan(model, _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    plan = fairscale.plan(model, _batch(0), devices=2)
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (1, 1), plan
