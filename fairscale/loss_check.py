@@ -50,7 +50,7 @@ from planner.capture import LossModule
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE, Plan
 
-__all__ = ["loss_problem", "row_problem", "count_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
+__all__ = ["loss_problem", "row_problem", "count_problem", "scan_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
 
 CHECK_ROWS = 2
 """Rows per piece the row check runs at most (four rows' forwards in all, whatever the batch): a
@@ -83,6 +83,10 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts["proof"] = None if proven_row_by_row(model, example_inputs, loss_fn) else "not proven"
     if verdicts["proof"] is None:
         return None
+    if "scan" not in verdicts:  # a coupling the eager check sees only where the example batch triggers it
+        verdicts["scan"] = scan_problem(model, example_inputs, loss_fn)
+    if verdicts["scan"] is not None:
+        return verdicts["scan"]
     if "eval path" not in verdicts:  # where the model parts from its training path in eval mode, if it does
         verdicts["eval path"] = None if any(p.is_meta for p in model.parameters()) else \
             eval_path(model, _rows(tuple(example_inputs), 0, PROOF_ROWS[0]), loss_fn)
@@ -123,6 +127,38 @@ def proven_row_by_row(model: nn.Module, example_inputs: Sequence[Any],
     if counter is not None and (counter.kind != "mean" or not counter.exact):
         return False  # a sum, or a token mean beside other terms: passes.loss_count and the eager check judge it
     return same_but_rows(a, b, small, large) is None and rows_independent(a, token_mean=counter is not None)
+
+
+def scan_problem(model: nn.Module, example_inputs: Sequence[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None) -> str | None:
+    """Why a cut batch would number its rows otherwise than the batch (``planner.row_flow.
+    scans_over_rows``: a scan such as ``cumsum`` along a dim that holds the batch's rows, the
+    capacity count of DeepSpeed's and fairseq's MoE gates), or None. The eager check cannot judge
+    it: it changes the loss only where the data makes it (tokens past an expert's capacity), which
+    the example batch may not do while later batches do (a padded batch routes its padding to one
+    expert). Found on the two captures of :func:`proven_row_by_row`, cached."""
+    from fairscale.capture_cache import rank_capture
+    from planner.row_flow import scans_over_rows
+
+    batch = tuple(example_inputs)
+    tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0]
+    small, large = PROOF_ROWS
+    if not tensors or any(t.shape[0] < large for t in tensors) or any(p.is_meta for p in model.parameters()):
+        return None
+    try:
+        a = rank_capture(model, _rows(batch, 0, small), loss_fn=loss_fn).gm
+        b = rank_capture(model, _rows(batch, 0, large), loss_fn=loss_fn).gm
+    except Exception:  # noqa: BLE001 - what cannot be captured here is left to the eager check
+        return None
+    found = scans_over_rows(a, b, small, large)
+    if not found:
+        return None
+    return (f"the loss is not computed row by row: a scan along a dim that holds the batch's rows, at "
+            f"{_site(found[0])}, makes each row's result depend on the rows before it (a router numbering every token "
+            "of the batch to drop those past an expert's capacity). Cut into pieces (dp x microbatches), each piece "
+            "numbers its own tokens and the step trains to other numbers whenever a piece's tokens overflow "
+            "otherwise than the batch's, which depends on the data, not only on this example batch. "
+            f"{_KEEP_WHOLE}, or scan along each row (a capacity per sequence: cumsum over the sequence's dim)")
 
 
 def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_inputs: Sequence[Any], dp: int,

@@ -41,10 +41,10 @@ import operator
 
 from planner.graph import past_value_keeping
 from planner.row_rules import (COMPUTE_RULES, NOOP, POINTWISE, TOKEN_KEY, Reduced, Rows, Rule, State, Unproven, args,
-                               op_name, pointwise)
+                               kwargs_of, norm_dim, op_name, pointwise, shape_of)
 from planner.row_shapes import SHAPE_RULES
 
-__all__ = ["Rows", "Reduced", "rows_independent", "row_states", "same_but_rows", "live_nodes"]
+__all__ = ["Rows", "Reduced", "rows_independent", "row_states", "same_but_rows", "live_nodes", "scans_over_rows"]
 
 
 def rows_independent(gm: torch.fx.GraphModule, *, token_mean: bool) -> bool:
@@ -145,6 +145,40 @@ def same_but_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int,
                 or not all(same(x.kwargs[k], y.kwargs[k], k == "size") for k in x.kwargs):
             return f"{x.format_node()} on {rows_a} rows is {y.format_node()} on {rows_b}"
     return None
+
+
+SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
+"""Prefix scans: element ``i`` of the result depends on every element before it along the dim."""
+
+
+def scans_over_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int, rows_b: int) -> list[torch.fx.Node]:
+    """The live scans of ``a`` (captured on ``rows_a`` rows; ``b``, the same code on ``rows_b``) along a
+    dim whose size grows with the rows: a dim that holds the batch's rows, so that a row's result
+    depends on the rows before it. DeepSpeed's and fairseq's MoE gates number every token of the
+    batch this way to drop those past an expert's capacity (``torch.cumsum(mask, dim=0)`` over the
+    flattened tokens): a piece of the batch numbers its own tokens and keeps others. Whether it
+    changes a loss depends on the data (no token is dropped while the experts are balanced, as at
+    initialization), so no run on an example batch can vouch for it. Matched by node name and op."""
+    in_b = {n.name: n for n in live_nodes(b)}
+    found = []
+    for node in live_nodes(a):
+        other = in_b.get(node.name)
+        if node.op != "call_function" or op_name(node) not in SCANS or other is None or other.target != node.target:
+            continue
+        x, y = args(node)[0], args(other)[0]
+        dim = args(node)[1] if len(args(node)) > 1 else kwargs_of(node).get("dim")
+        if not isinstance(x, torch.fx.Node) or not isinstance(y, torch.fx.Node) or not isinstance(dim, int):
+            continue
+        try:
+            shape_a, shape_b = shape_of(x), shape_of(y)
+        except KeyError:
+            continue
+        if len(shape_a) != len(shape_b) or not shape_a:
+            continue
+        d = norm_dim(dim, len(shape_a))
+        if shape_a[d] != shape_b[d] and shape_a[d] * rows_b == shape_b[d] * rows_a:
+            found.append(node)
+    return found
 
 
 _RULES: dict[str, Rule] = {**COMPUTE_RULES, **SHAPE_RULES}
