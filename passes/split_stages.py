@@ -53,7 +53,7 @@ from passes.layout import META_LAYOUT, ParamLayout
 from passes.program import StagedProgram, StageGraph, ValueSpec
 from passes.stage_blueprint import Blueprint, blueprint
 from planner.fx_module import graph_module
-from planner.graph import META_LAYER, META_PARAM, ModelGraph
+from planner.graph import META_LAYER, META_PARAM, ModelGraph, impure
 from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector
@@ -370,7 +370,7 @@ def _build_stage(s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
         env[node] = graph.node_copy(node, lambda x: env[x])
         env[node].meta[META_STAGE] = s
     graph.output(tuple(env[v] for v in bp.send))
-    if graph.eliminate_dead_code():  # the blueprint left the dead code out already
+    if graph.eliminate_dead_code(is_impure_node=lambda n: impure(n, root)):  # the blueprint left the dead code out already
         raise AssertionError(f"stage {s}: the blueprint kept nodes the graph's dead-code elimination removes "
                              "(passes.stage_blueprint and torch.fx disagree); please report this")
     stage_gm = graph_module(root, graph, class_name=f"Stage{s}")

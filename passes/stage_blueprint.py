@@ -17,8 +17,8 @@ GraphModule, attribute copies), so the split builds a stage only when it is used
 specs) and ``passes.stage_classes`` read the blueprint. A 1T GPT cut into 128 stages is compiled
 at plan time from three of them.
 
-Dead code: a node stays when the stage sends it, when it is impure (``Node.is_impure``, what
-``torch.fx.Graph.eliminate_dead_code`` keeps: in-place and random ops), or when a node that stays
+Dead code: a node stays when the stage sends it, when it is impure (``planner.graph.impure``: what
+``Node.is_impure`` keeps, in-place and random ops, and a no_grad block that writes a buffer), or when a node that stays
 reads it; the same rule as the graph's dead-code elimination, which the builder runs afterwards
 and which must then find nothing to remove (it raises if it does).
 """
@@ -33,6 +33,7 @@ import torch.fx
 from torch.fx import Node
 
 from planner.modpath import fetch_attr
+from planner.graph import impure
 
 __all__ = ["Blueprint", "blueprint"]
 
@@ -75,7 +76,7 @@ def blueprint(gm: torch.fx.GraphModule, keep: set[Node], recv: list[Node], send:
         values[node] = value = fetch_attr(gm, str(node.target))
         alias[node] = first.setdefault(id(value), node) if isinstance(value, torch.Tensor) else node
     live: set[Node] = set()
-    stack = [alias.get(v, v) for v in send] + [n for n in body if n.is_impure()]
+    stack = [alias.get(v, v) for v in send] + [n for n in body if impure(n)]
     while stack:
         node = stack.pop()
         if node in live or node not in keep and node.op != "get_attr":

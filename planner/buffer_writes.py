@@ -26,7 +26,7 @@ from planner.batch_stats import find_batch_stat_ops, source_line
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE
 
-__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem"]
+__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs"]
 
 _PREFIX = "model."  # the capture's root holds the user's model as ``model`` (planner.capture)
 
@@ -66,10 +66,22 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
     return [w for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
 
 
+def written_attrs(gm: torch.fx.GraphModule) -> set[str]:
+    """The get_attr targets of every buffer ``gm`` writes in place (batch statistics' included), in
+    its own graph or a higher-order op's body: what a rank graph must own rather than share with the
+    model it was captured from (``passes.dp.graph.rebuild``)."""
+    root = {n: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
+            and isinstance(v := _fetch(gm, str(n.target)), torch.Tensor) and not isinstance(v, nn.Parameter)}
+    out: dict[str, BufferWrite] = {}
+    _collect(gm, root, out, "", raw=True)
+    return set(out)
+
+
 def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict[str, BufferWrite],
-             module: str) -> None:
+             module: str, *, raw: bool = False) -> None:
     """:func:`find_buffer_writes`' walk of one graph, ``root`` mapping its nodes to the buffers they
-    alias; ``module``: the higher-order op's module, for a body whose nodes record none."""
+    alias; ``module``: the higher-order op's module, for a body whose nodes record none; ``raw``:
+    ``out`` keyed by the get_attr target (else by the user's name)."""
     bodies = {n: v for n in gm.graph.nodes if n.op == "get_attr"
               and isinstance(v := _fetch(gm, str(n.target)), torch.fx.GraphModule)}
     for node in gm.graph.nodes:
@@ -82,7 +94,7 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
             inner = {h: root[a] for h, a in zip(holders, node.args[body_at + 1:]) if isinstance(a, torch.fx.Node)
                      and a in root}
             if inner:
-                _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module)
+                _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module, raw=raw)
             continue
         if not _writes_first(node.target):
             continue
@@ -91,7 +103,7 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
             continue
         buffer = root[target]
         root[node] = buffer
-        name = buffer[len(_PREFIX):] if buffer.startswith(_PREFIX) else buffer
+        name = buffer if raw or not buffer.startswith(_PREFIX) else buffer[len(_PREFIX):]
         if name not in out:
             out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
                                     source=source_line(node))

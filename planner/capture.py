@@ -44,7 +44,7 @@ from planner.annotate import AnnotateError, annotate_graph
 from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
-from planner.graph import META_MODULE, META_PARAM, ModelGraph, tied_canonical
+from planner.graph import META_MODULE, META_PARAM, ModelGraph, impure, tied_canonical
 from planner.host_random import watch_host_random
 from planner.replicate import replica_map
 from planner.trace_dtype import in_dtype
@@ -121,7 +121,7 @@ def _check_scalar_loss(gm: torch.fx.GraphModule, model: nn.Module, loss_fn: Call
                 "model so that torch.export runs it")
         out = out[_tuple_loss_index([x.meta["val"] for x in out], type(out).__name__)]
         output.args = (out,)
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code(is_impure_node=impure)
         gm.recompile()
     if isinstance(out, (tuple, list)) and len(out) == 1:
         out = out[0]

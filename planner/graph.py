@@ -75,6 +75,28 @@ def past_value_keeping(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def impure(node: torch.fx.Node, owner: Any = None) -> bool:
+    """Whether dead-code elimination must keep ``node`` though nothing reads it: ``Node.is_impure``
+    (in-place and random ops), or a higher-order op whose body holds such a node. Export puts a
+    ``with torch.no_grad():`` block in a ``wrap_with_set_grad_enabled`` body, and one that only
+    writes a buffer (an aux-loss-free router's bias, an EMA) returns nothing, which torch.fx takes
+    for dead code (the capture, the stage split and the tp representative keep it with this).
+    ``owner``: the module holding the bodies, for a graph not yet in a GraphModule (default: its own)."""
+    if node.is_impure():
+        return True
+    owner = owner if owner is not None else node.graph.owning_module
+    if node.op != "call_function" or owner is None:
+        return False
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            body: Any = owner
+            for part in str(arg.target).split("."):
+                body = getattr(body, part, None)
+            if isinstance(body, torch.fx.GraphModule) and any(impure(n, body) for n in body.graph.nodes):
+                return True
+    return False
+
+
 def tied_canonical(tied: list[list[str]]) -> dict[str, str]:
     """State-dict key of a tied parameter -> the first key of its group (``ModelGraph.tied``), under
     which it is counted once. Example: ``[["wte.weight", "lm_head.weight"]]`` maps both to ``wte.weight``."""

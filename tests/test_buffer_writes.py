@@ -159,3 +159,37 @@ def test_buffers_written_under_no_grad_are_found_and_cut_batches_refused() -> No
         fairscale.plan(model, _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
     plan = fairscale.plan(model, _batch(0), devices=2)
     assert (plan.mesh.dp, plan.schedule.microbatches) == (1, 1), plan
+
+
+def _router_rank(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], str, bool]:
+    torch.manual_seed(0)
+    model = AuxLossFreeRouter().double()
+    pm = fairscale.parallelize(model, example_inputs=_batch(0), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    losses = [pm.train_step(_batch(step)) for step in range(3)]
+    mesh = pm.plan.mesh
+    untouched = not model.expert_bias.any() and not model.tokens_per_expert.any()
+    return losses, pm.state_dict(), f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} m={pm.plan.schedule.microbatches}", \
+        untouched
+
+
+def test_a_buffer_written_under_no_grad_is_updated_on_the_ranks_as_in_one_process() -> None:
+    """The no_grad block returns nothing, so torch.fx's dead-code elimination had dropped it from the
+    rank graphs (``planner.graph.impure``): the searched plan (the batch whole) never moved the bias
+    and trained to other losses from the second step. The rank owns the buffers it writes: the
+    model given to parallelize keeps its own (they had been shared, so the rank's writes reached it
+    and a second module compiled from it in the process started from them)."""
+    torch.manual_seed(0)
+    model = AuxLossFreeRouter().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(*_batch(step))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    losses, state, plan, untouched = fairscale.launch(_router_rank, devices=2, timeout_s=600)[0]
+    assert untouched
+    assert " dp=1 " in plan and plan.endswith(" m=1"), plan
+    assert torch.equal(state["expert_bias"], model.expert_bias), (state["expert_bias"], model.expert_bias, plan)
+    assert losses == pytest.approx(want, rel=1e-12), plan

@@ -17,6 +17,7 @@ from planner.dtype_pins import MIXED_REMEDY, PINS_REMEDY, mixed_ops, mixed_probl
 from planner.trace_dtype import traced_dtype
 from passes.dp.info import DataParallelInfo, Placement
 from passes.layout import META_LAYOUT, ParamLayout, layout_of
+from planner.buffer_writes import written_attrs
 from planner.graph import META_PARAM
 from planner.modpath import fetch_attr, install_attr
 
@@ -175,7 +176,11 @@ def replace_param_uses(graph: torch.fx.Graph, use: ParamUse, value: torch.fx.Nod
 def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str, object],
             layout: ParamLayout) -> torch.fx.GraphModule:
     """A new GraphModule running ``graph`` whose get_attr targets come from ``objects`` first and
-    from ``src`` otherwise (shared, e.g. buffers and constants)."""
+    from ``src`` otherwise (shared, e.g. buffers and constants), but for a buffer the graph writes
+    in place (a step counter, an aux-loss-free router's bias under no_grad), which it owns: shared,
+    the rank's training had written into the user's model, and a second module compiled from it
+    started from those values."""
+    written = written_attrs(src)
     root = nn.Module()
     for node in reversed(list(graph.nodes)):  # readers of replaced parameters are gone now
         if node.op == "get_attr" and not node.users:
@@ -185,7 +190,9 @@ def rebuild(src: torch.fx.GraphModule, graph: torch.fx.Graph, objects: dict[str,
             target = str(node.target)
             owned = any(target.startswith(k + ".") for k in objects if isinstance(objects[k], nn.Module))
             if target not in objects and not owned:
-                objects[target] = fetch_attr(src, target)
+                value = fetch_attr(src, target)
+                objects[target] = value.detach().clone() if target in written and isinstance(value, torch.Tensor) \
+                    else value
     for target, obj in objects.items():
         install_attr(root, target, obj)
     out = torch.fx.GraphModule(root, graph, class_name=type(src).__name__)

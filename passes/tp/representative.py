@@ -25,7 +25,7 @@ import torch.fx
 from torch.fx import Node
 
 from planner.fx_module import graph_module
-from planner.graph import META_LAYER, Layer
+from planner.graph import META_LAYER, Layer, impure
 from planner.replicate import replica_map
 
 __all__ = ["generalize", "representative"]
@@ -72,7 +72,7 @@ def representative(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             env[node] = env[by_name[dropped[node.name]]]
             continue
         env[node] = graph.node_copy(node, env.__getitem__)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=lambda n: impure(n, gm))
     out = graph_module(gm, graph, class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     return out
