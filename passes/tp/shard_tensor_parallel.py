@@ -123,6 +123,8 @@ def shard_tensor_parallel_pass(gm: torch.fx.GraphModule, plan: Plan, *, tp_index
     gm, rw, params, sp, boundary = _rewrite(gm, plan, tp_index=tp_index, tp_size=tp_size, axis=axis, seq_dim=seq_dim)
     fuse_gather_copy(rw.graph)
     hoist_copy_over_scatter(rw.graph, gm)
+    if tp_size > 1:
+        _views_as_reshapes(rw.graph)
     rw.graph.lint()
     out = _build_module(gm, rw, params, tp_index=tp_index, tp_size=tp_size, axis=axis, sp=sp)
     out.meta[META_TP_SUMMARY].update(boundary)
@@ -301,6 +303,18 @@ def _plan_params(gm: torch.fx.GraphModule, rules: list[tuple[str, Any, str]],
             for alias in aliases[id(_attr(gm, target))]:
                 params[alias] = place
     return params, styles
+
+
+def _views_as_reshapes(graph: torch.fx.Graph) -> None:
+    """``view`` -> ``reshape``: the same tensor wherever the view is possible, a copy where it is not.
+    Export drops a ``.contiguous()`` that is a no-op in the trace (SDPA's output, laid out (b, t, h, d),
+    transposed back: torchtitan's ``output.transpose(1, 2).contiguous().view(bs, seqlen, -1)``), and
+    the rank's collectives lay their outputs out otherwise (an all-gathered sequence shard feeds
+    SDPA contiguous, which then returns another layout): its ``view`` had failed on every rank after
+    launch ('view size is not compatible with input tensor's size and stride')."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.view.default:
+            node.target = aten.reshape.default
 
 
 def _at(node: Node, exc: TPShardError) -> TPShardError:

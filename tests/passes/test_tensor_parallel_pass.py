@@ -104,14 +104,15 @@ def _consumers(node: torch.fx.Node) -> set[str]:
         u = stack.pop()
         if u.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default):
             out.add(u.meta["fs_module"].rsplit(".", 1)[-1])
-        elif u.target in (torch.ops.aten.view.default, torch.ops.aten.alias.default):
+        elif u.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default):
             stack.extend(u.users)
     return out
 
 
 def _producer(node: torch.fx.Node) -> str:
     src = node.args[0]
-    while src.target in (torch.ops.aten.view.default, torch.ops.aten.to.dtype, torch.ops.aten.add.Tensor):
+    while src.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.to.dtype,
+                         torch.ops.aten.add.Tensor):
         src = src.args[0]  # through views, casts and a row-parallel bias
     if src.target is tp_ops.vocab_parallel_embedding:
         return "embed"
@@ -150,7 +151,7 @@ def test_collectives_sit_between_the_right_blocks(family: str, sp: bool) -> None
 
 def test_head_views_become_local() -> None:
     gm = shard("llama")  # 4 query heads, 2 KV heads, head_dim 16, batch 2, seq 16
-    views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default
+    views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.reshape.default  # views, as reshapes
              and n.meta.get("fs_module") == "model.layers.0.self_attn"]
     assert [list(v.args[1]) for v in views[:3]] == [[2, 16, 2, 16], [2, 16, 1, 16], [2, 16, 1, 16]]
     sdpa = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
