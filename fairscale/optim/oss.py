@@ -267,8 +267,16 @@ class OSS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
-        """Every bucket's broadcast is issued asynchronously, then all are awaited (they overlap)."""
+        """Every bucket's broadcast is issued asynchronously, then all are awaited (they overlap).
+        With ``broadcast_fp16`` every rank, the owner included, reads the half-precision copy back,
+        so all hold the same fp16-rounded weights, as FairScale 0.4.13 (whose fp16 buckets held
+        every trainable parameter, its owner's too; on one rank as well)."""
         if self.world_size == 1:
+            if self.broadcast_fp16:
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        if p.requires_grad and p.dtype == torch.float32:
+                            p.data.copy_(p.data.half())
             return
         trainable = tuple(p.requires_grad for g in self.param_groups for p in g["params"])
         if self._buckets is None or trainable != self._bucket_trainable:  # (un)frozen since: rebuild
@@ -281,7 +289,7 @@ class OSS(torch.optim.Optimizer):
             if len(params) == 1 and not (self.broadcast_fp16 and params[0].dtype == torch.float32):
                 pending.append((_broadcast_async(params[0].data, self.axis, owner), owner, params, None))
                 continue
-            # broadcast_fp16: a half-precision copy travels; non-owners read it back
+            # broadcast_fp16: a half-precision copy travels; every rank reads it back
             if owner == self.rank:
                 half = torch.cat([p.detach().reshape(-1) for p in params]).half()
             else:
@@ -290,7 +298,7 @@ class OSS(torch.optim.Optimizer):
         for work, owner, params, received in pending:
             if work is not None:
                 work.wait()
-            if received is None or owner == self.rank:
+            if received is None:
                 continue
             offset = 0
             for p in params:
