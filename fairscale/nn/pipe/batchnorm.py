@@ -3,8 +3,10 @@
 GPipe/torchgpipe's ``deferred_batch_norm`` (Kim et al. 2020, "torchgpipe", section 3.3): in
 training each micro-batch is normalized by its own statistics (that is what the layer sees), while
 the running mean and variance accumulate the sums of all ``chunks`` micro-batches and are updated
-once, with the statistics of the whole mini-batch, exactly as the un-pipelined layer would update
-them. Recomputation under activation checkpointing does not count twice.
+once, with the statistics of the whole mini-batch. As in FairScale 0.4.13 the running variance
+takes the mini-batch's biased variance (``nn.BatchNorm`` takes the unbiased one), and ``sum`` and
+``sum_squares`` are buffers of the state dict. Recomputation under activation checkpointing does
+not count twice.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
                  chunks: int = 1) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
         self.chunks = chunks
-        self.register_buffer("sum", torch.zeros_like(self.running_mean), persistent=False)
-        self.register_buffer("sum_squares", torch.zeros_like(self.running_var), persistent=False)
+        self.register_buffer("sum", torch.zeros_like(self.running_mean))  # in the state dict, as in 0.4.13
+        self.register_buffer("sum_squares", torch.zeros_like(self.running_var))
         self.counter = 0
         self.tracked = 0
 
@@ -46,10 +48,9 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.num_batches_tracked += 1
         momentum = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
         mean = self.sum / self.counter
-        var = self.sum_squares / self.counter - mean ** 2
-        var_unbiased = var * (self.counter / max(self.counter - 1, 1))
+        var = self.sum_squares / self.counter - mean ** 2  # biased, as FairScale 0.4.13 (nn.BatchNorm's is unbiased)
         self.running_mean.mul_(1 - momentum).add_(mean * momentum)
-        self.running_var.mul_(1 - momentum).add_(var_unbiased * momentum)
+        self.running_var.mul_(1 - momentum).add_(var * momentum)
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counter = 0
