@@ -34,6 +34,7 @@ not a copy of the gradient), combined with the same weights as the losses.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -219,20 +220,25 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
         return _unchecked(f"the model raised {type(e).__name__} on rows {lo}-{lo + 2 * rows - 1} of the example "
                           f"batch in {mode} ({said})", "make the model's forward run on them")
     got, want = runs[0][0], sum(w * v for w, (v, _) in zip(weights, runs[1:]) if w)
+    if not math.isfinite(got):
+        return _unchecked(f"the loss of rows {lo}-{lo + 2 * rows - 1} of the example batch is {got} in {mode}",
+                          "give an example batch on which the model's loss is finite")
     tol = 1e-3 if torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32 else 5e-2
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
            "sum": "the sum of the pieces' losses"}[None if counter is None or len(set(weights)) == 1 else counter.kind]
     span = f"rows {lo}-{lo + rows - 1}, {lo + rows}-{lo + 2 * rows - 1}"
-    if abs(got - want) > tol * max(abs(got), abs(want)) + 1e-6:
+    if not abs(got - want) <= tol * max(abs(got), abs(want)) + 1e-6:  # a piece's nan or inf differs too
         found = f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
     else:
         off = _gradient_error(runs[0][1], [(w, g) for w, (_, g) in zip(weights, runs[1:])])
         if off is None or off <= tol:
             return None
-        found = (f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, "
-                 f"but their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms that "
-                 "differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
-                 "alike while their terms are about equal, as at initialization)")
+        found = f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, "
+        found += ("but a piece's gradient is not finite where the batch's is, or the other way round"
+                  if math.isinf(off) else
+                  f"but their gradients differ by {off:.1%} of the gradient's norm (a mean over a number of terms "
+                  "that differs between the pieces, such as x[mask].mean() or (l * m).sum() / m.sum(), weighs them "
+                  "alike while their terms are about equal, as at initialization)")
     drawn = _random_site(gm) if gm is not None else ""
     if drawn:
         return (f"the loss check cannot compare the batch with its pieces: the model draws random numbers in its "
@@ -278,6 +284,8 @@ def _gradient_error(whole: torch.Tensor | None, pieces: list[tuple[float, torch.
     if whole is None or any(g is None for _, g in pieces):
         return None
     combined = sum((w * g for w, g in pieces if w and g is not None), torch.zeros_like(whole))
+    if not bool(torch.isfinite(combined).all()) or not bool(torch.isfinite(whole).all()):
+        return math.inf  # a piece's gradient is nan where the batch's is not (or the other way round)
     scale = max(float(whole.norm()), float(combined.norm()))
     return float((whole - combined).norm()) / scale if scale > 0 else None
 

@@ -269,3 +269,39 @@ def test_a_sum_divided_by_a_given_count_beside_a_mean_is_refused_naming_where_th
     assert ("The loss is computed at module <model top level>, op aten.cross_entropy_loss.default, source "
             "test_loss_check.py:") in text
     assert "call it without num_items_in_batch" in text
+
+
+class SupCon(nn.Module):
+    """HobbitLong's SupContrast loss (one view): a row without a positive in its piece divides 0 by
+    the log of an empty sum, so a one-row piece's loss is nan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        features = F.normalize(self.net(x), dim=1)
+        mask = torch.eq(labels.view(-1, 1), labels.view(1, -1)).float()
+        logits = features @ features.T / 0.07
+        logits = logits - logits.max(dim=1, keepdim=True)[0].detach()
+        logits_mask = torch.scatter(torch.ones_like(mask), 1, torch.arange(x.shape[0]).view(-1, 1), 0)
+        mask = mask * logits_mask
+        log_prob = logits - torch.log((torch.exp(logits) * logits_mask).sum(1, keepdim=True))
+        pairs = torch.where(mask.sum(1) < 1e-6, 1, mask.sum(1))
+        return -((mask * log_prob).sum(1) / pairs).mean()
+
+
+def test_a_piece_whose_loss_is_nan_is_a_difference() -> None:
+    """SupContrast under dp4 x 2 microbatches of an 8-row batch (one row per piece) trained nan on
+    every rank where one process trained: the check's two rows had no positive pair, so their loss
+    and gradient were 0, and its comparisons (|got - want| > tol; a gradient error relative to a 0
+    norm) let the pieces' nan through. Now a nan or inf in a piece is a difference."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 16), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    problem = row_problem(SupCon(), (x, labels), None, None, 1)
+    assert problem is not None and "the mean of the pieces' losses (rows 0-0, 1-1) is nan" in problem, problem
+    with pytest.raises(PlanError, match="is nan"):
+        fairscale.plan(SupCon(), (x, labels), devices=4,
+                       constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1}, "schedule": {"microbatches": 2}})
+    assert row_problem(nn.Linear(16, 3), (x, labels), lambda out, t: F.cross_entropy(out, t) * torch.nan,
+                       None, 1) is not None  # a loss that is nan on the batch itself is not judged
