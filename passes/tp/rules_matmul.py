@@ -128,7 +128,8 @@ def linear_like(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     if not isinstance(w, Node) or rw.ndim(w) != 2 or (t == aten.matmul.default and w.op != "get_attr"):
         return batched_matmul(rw, node)
     if t == aten.addmm.default and (node.kwargs or len(args_of(node)) > 3):
-        raise TPShardError(f"{fmt(node)}: addmm with beta/alpha is not supported by the tensor-parallel pass")
+        # beta * input + alpha * (x @ w) (a pairwise distance, center loss's distmat): on whole operands
+        return _replicated(rw, node)
     pw = rw.p(w)
     if pw.is_p:  # an activation weight that is a partial sum: resolve it like any other operand
         return batched_matmul(rw, node)
@@ -211,4 +212,9 @@ def batched_matmul(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     pa, pb = want.get(a, rw.p(a)), want.get(b, rw.p(b))
     if pa.is_s and pa == pb and pa.parts == 1 and pa.dim < rw.ndim(a) - 2 and rw.ndim(a) == rw.ndim(b):
         return rw.finish(node, want, pa), pa
-    return rw.finish(node, {a: R, b: R}, R), R
+    return _replicated(rw, node)
+
+
+def _replicated(rw: Rewriter, node: Node) -> tuple[Node, Any]:
+    """``node`` on every tensor operand whole (addmm's third operand too), its output replicated."""
+    return rw.finish(node, {t: R for t in rw.tensor_inputs(node)}, R), R

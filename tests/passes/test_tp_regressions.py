@@ -405,3 +405,32 @@ def test_data_dependent_moe_routing_splits_its_experts_exactly() -> None:
     assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
     for k, g in ref_grads.items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
+
+
+class CenterLoss(nn.Module):
+    """KaiyangZhou's center loss beside a classifier: ``torch.addmm(distmat, f, centers.t(), beta=1,
+    alpha=-2)`` (the squared distances of features to a parameter), and open-reid's batch-hard
+    triplet distances, ``dist.addmm_(1, -2, x, x.t())``'s functional form, on activations alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.centers = nn.Parameter(torch.randn(5, D))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        f = self.down(F.relu(self.up(self.embed(ids).mean(1))))
+        n = f.size(0)
+        distmat = f.pow(2).sum(1, keepdim=True).expand(n, 5) + self.centers.pow(2).sum(1, keepdim=True).expand(5, n).t()
+        distmat = torch.addmm(distmat, f, self.centers.t(), beta=1, alpha=-2)
+        dist = f.pow(2).sum(1, keepdim=True).expand(n, n)
+        dist = torch.addmm(dist + dist.t(), f, f.t(), beta=1, alpha=-2)
+        return distmat.clamp(min=1e-12).mean() + dist.clamp(min=1e-12).mean()
+
+
+def test_addmm_with_beta_and_alpha_runs_on_whole_operands() -> None:
+    """The tensor-parallel pass refused addmm with beta/alpha at any tp, tp=1 included (its rewrite
+    runs on every plan), so every plan of a center loss or a triplet loss's distances was refused,
+    'the tensor-parallel pass refused it ... tp rank 0 of 1'. It now runs on whole operands."""
+    rules, _, graph = _exact(CenterLoss(), lambda loss, _y: loss, expect={("up", "colwise"), ("down", "rowwise")})
+    shard_tensor_parallel_pass(graph.gm, Plan(), tp_index=0, tp_size=1)  # raised
