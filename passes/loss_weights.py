@@ -22,9 +22,11 @@ then ``.sum()``) is the sum of its pieces' losses, not their mean: each piece we
 (``kind="sum"``; dp averages gradients over its ranks), where the plain mean made the step
 ``1 / (dp · microbatches)`` of it. Any other loss (no such node, labels that depend on parameters)
 gets ``None`` and the plain mean, which is exact for losses that are means over the rows of the
-batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor). A loss
-divided or multiplied by a 0-dim batch input (Hugging Face's ``num_items_in_batch``), which every
-piece gets whole, is read as the loss it scales.
+batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor). A sum divided
+by the batch's rows on its way to the output (``reduction="batchmean"``, ``loss.sum() / x.size(0)``)
+is a mean over rows: a piece divides by its own rows. A loss divided or multiplied by a 0-dim batch
+input (Hugging Face's ``num_items_in_batch``), which every piece gets whole, is read as the loss it
+scales.
 
 A token mean INSIDE a larger loss (``ce + 0.01 * aux``, a sum of two token means) cannot be
 reweighted by pieces: the other terms have their own weights. Its counter is returned with
@@ -79,7 +81,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
-    sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM]
+    rows = _rows(gm)
+    sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
         return _summed(", ".join(str(n.target) for n in sums), exact=False)
     opaque = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
@@ -114,6 +117,39 @@ def _unscaled(value: torch.fx.Node) -> torch.fx.Node | None:
             if source.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0:
                 return past_value_keeping(loss)
     return None
+
+
+def _rows(gm: torch.fx.GraphModule) -> int | None:
+    """The graph's batch rows: dim 0 of its first input with dims (what the runtime cuts)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
+            return int(val.shape[0]) if isinstance(val.shape[0], int) else None
+    return None
+
+
+def _divided_by_rows(node: torch.fx.Node, rows: int | None, output: torch.fx.Node) -> bool:
+    """Whether every path from ``node`` to the graph's output passes a division by the graph's
+    rows (``kl_div(reduction="batchmean")``, a VAE's ``(bce_sum + kld_sum) / x.size(0)``): then the
+    sum is a mean over the rows, as a piece computes it on its own rows, not a sum over the batch
+    (whether its terms are row by row is the loss check's to prove: ``fairscale.loss_check``)."""
+    if rows is None:
+        return False
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user is output:
+                return False
+            if user.target in (aten.div.Tensor, aten.div.Scalar) and user.args[0] is n \
+                    and isinstance(user.args[1], (int, float)) and user.args[1] == rows:
+                continue
+            stack.append(user)
+    return True
 
 
 def _kwargs(node: torch.fx.Node) -> dict[str, object]:

@@ -1,0 +1,83 @@
+"""A sum over the batch divided by the batch's rows is a mean over rows, not a sum.
+
+Hinton's distillation as PyTorch writes it, ``nn.KLDivLoss(reduction="batchmean")`` beside a cross
+entropy, and the VAE of pytorch/examples as its forks write it, ``(bce_sum + kld_sum) / x.size(0)``,
+were refused for every plan that cuts the batch ("the loss adds a sum over the batch
+(aten.kl_div.default) to other terms"): ``passes.loss_weights.token_counter`` saw the summing loss
+op and not the division by the rows that follows it. A piece divides by its own rows, so the
+pieces' mean is the batch's loss; dp2 x 2 microbatches trains as one process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fairscale
+from fairscale.testing.models import Case
+from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from passes.loss_weights import token_counter
+from planner.capture import capture
+
+CONSTRAINTS = {"mesh": {"pp": 1, "dp": 2, "tp": 1}, "schedule": {"microbatches": 2}}
+
+
+class Distill(nn.Module):
+    """A frozen teacher, a student, KL batchmean times T^2 plus CE."""
+
+    def __init__(self, divisor: float | None = None) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 6))
+        self.teacher.requires_grad_(False)
+        self.student = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6))
+        self.divisor = divisor
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t = self.teacher(x)
+        s = self.student(x)
+        if self.divisor is None:
+            kd = nn.KLDivLoss(reduction="batchmean")(F.log_softmax(s / 4, dim=1), F.softmax(t / 4, dim=1))
+        else:
+            kd = F.kl_div(F.log_softmax(s / 4, dim=1), F.softmax(t / 4, dim=1), reduction="sum") / self.divisor
+        return kd * 16 * 0.9 + F.cross_entropy(s, labels) * 0.1
+
+
+def _batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 12, generator=g), torch.randint(0, 6, (rows,), generator=g)
+
+
+def _case() -> Case:
+    torch.manual_seed(0)
+    return Case("distill", Distill(), _batch, None)
+
+
+def test_a_sum_divided_by_the_rows_is_not_counted_as_a_sum() -> None:
+    torch.manual_seed(0)
+    counter = token_counter(capture(Distill(), _batch(0), annotate=False).gm)
+    assert counter is not None and counter.kind == "mean"  # the cross entropy beside it, its labels all kept
+    fixed = token_counter(capture(Distill(divisor=5.0), _batch(0), annotate=False).gm)
+    assert fixed is not None and fixed.kind == "sum" and not fixed.exact  # a divisor that is not the rows
+    plan = fairscale.plan(Distill(), _batch(0), devices=2, constraints=CONSTRAINTS)
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (2, 2)
+
+
+def _train(rank: int, world: int) -> Trajectory:
+    case = _case()
+    pm = fairscale.parallelize(case.model, example_inputs=_batch(0), constraints=CONSTRAINTS,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    out = Trajectory()
+    for step in range(3):
+        out.losses.append(pm.train_step(_batch(step)))
+        if step == 0:
+            out.grads = pm.full_grads()
+    return out
+
+
+def test_distillation_with_batchmean_trains_exactly_under_dp2_and_2_microbatches() -> None:
+    reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    compare_grads(reference, fairscale.launch(_train, devices=2)[0])
