@@ -84,8 +84,11 @@ class ConstantDraws(TorchDispatchMode):
     """Every elementwise random draw made constant, at its distribution's mean (:data:`_MEANS`:
     ``rand`` and ``uniform_`` the interval's middle, ``randn`` and ``normal_`` the mean,
     ``bernoulli`` 1, so that a dropout mask keeps everything); ``native_dropout`` keeps its input.
-    Other random ops (``randperm``, ``multinomial``) draw as they would: their pieces then differ
-    from the whole, and the check refuses, naming the op."""
+    Other random ops (``multinomial``) draw as they would: their pieces then differ from the whole,
+    and the check refuses, naming the op. ``randperm(n)`` is the reversal of ``arange(n)``, which
+    moves rows across any cut of them: a shuffle of the batch's rows (mixup's partners) then
+    differs between the whole and its pieces, where a seeded draw could be the identity and mix
+    nothing; a permutation along a row's own dims stays the same in both."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -94,4 +97,6 @@ class ConstantDraws(TorchDispatchMode):
         if name == "native_dropout":
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         out = func(*args, **kwargs)
+        if name == "randperm":  # never the identity (seeded, randperm(2) was: mixup's shuffle then mixed nothing)
+            return out.copy_(torch.arange(out.numel() - 1, -1, -1, dtype=out.dtype, device=out.device))
         return out.fill_(_MEANS[name](args, kwargs)) if name in _MEANS else out

@@ -42,6 +42,7 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
+from passes.ops.random_ops import is_sampler
 from planner.graph import past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
@@ -198,8 +199,8 @@ def _labels_of(value: torch.fx.Node) -> _Labels | None:
         if node in seen:
             continue
         seen.add(node)
-        if node.op not in ("placeholder", "call_function"):
-            return None  # labels computed from parameters or buffers: not a function of the batch
+        if node.op not in ("placeholder", "call_function") or is_sampler(node):
+            return None  # labels computed from parameters, buffers or a draw (mixup's y[randperm]): not the batch's
         stack.extend(node.all_input_nodes)
     return target, int(kwargs.get("ignore_index", -100)), seen, weight  # type: ignore[call-overload]
 

@@ -9,7 +9,7 @@ import torch.fx
 
 from passes.ops import tp_ops
 
-__all__ = ["SAMPLERS", "random_nodes"]
+__all__ = ["SAMPLERS", "random_nodes", "is_sampler"]
 
 SAMPLERS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "exponential", "geometric", "cauchy",
             "poisson")
@@ -40,6 +40,12 @@ def random_nodes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, str]]:
             if isinstance(value, (int, float)) and value == 0:
                 continue
             found.append((node, f", {prob}={value}"))
-        elif any(r in name.split(".")[-2 if "." in name else -1] for r in SAMPLERS):
+        elif is_sampler(node):
             found.append((node, ""))
     return found
+
+
+def is_sampler(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an op that samples (:data:`SAMPLERS`: ``randn``, ``randperm``, ...)."""
+    name = str(node.target)
+    return node.op == "call_function" and any(r in name.split(".")[-2 if "." in name else -1] for r in SAMPLERS)
