@@ -42,7 +42,7 @@ from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.model_guard import fairscale_uses_models
 from fairscale.runtime.frozen import trainable_of
-from fairscale.runtime.modes import modes_of
+from fairscale.runtime.modes import forward_set, modes_of
 from fairscale.runtime.optim_groups import OptimizerGroups
 from fairscale.runtime.user_optimizer import disown, watch
 from fairscale.runtime.program import MEMORY_PARTS, RankProgram
@@ -52,6 +52,7 @@ from passes.loss_weights import token_counter
 from planner.cluster import Cluster
 from planner.cost import CostOptions
 from planner.graph import ModelGraph
+from planner.mode_setters import MODES_SET
 from planner.plan import Plan, PlanError
 from planner.schedule import build_schedule
 from planner.search import cost_plan
@@ -82,6 +83,7 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
     rows = gb // (m.dp * micro)
     modes = modes_of(model)  # what the capture bakes into the rank graphs
     graph = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, dtype=trace_dtype(plan))
+    modes = forward_set(model, modes, graph.extra.get(MODES_SET, ()))  # but modules the forward sets itself
     rendezvous("capturing the model")  # the collectives below wait for the slowest capture
     if not any(p.is_meta for p in graph.gm.parameters()):
         check_replicas(graph.gm, device=rank_device)  # under torchrun each rank built its own model

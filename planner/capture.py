@@ -46,6 +46,7 @@ from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph, impure, tied_canonical
 from planner.host_random import watch_host_random
+from planner.mode_setters import MODES_SET, watch_mode_setters
 from planner.replicate import replica_map
 from planner.trace_dtype import in_dtype
 from planner.layers import (COMPUTE_OPS, aggregate, attention_facts, find_blocks, group_layers, model_config,
@@ -213,7 +214,7 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     failures: list[Failure] = []
     gm: torch.fx.GraphModule | None = None
     used = order[0]
-    with watch_host_random(model) as drawn:
+    with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters:
         for used in order:
             try:
                 with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
@@ -275,6 +276,7 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     graph.tracer = used
     graph.batch_size = _batch_size(batch)
     graph.extra["annotate_device"] = graph_device
+    graph.extra[MODES_SET] = sorted(mode_setters)
     graph.extra["trace_dtype"] = dtype
     graph.extra.update({"trace_s": traced - start, "group_s": grouped - traced, "annotate_s": annotated - grouped,
                         "capture_s": time.perf_counter() - start, "nodes": len(gm.graph.nodes)})

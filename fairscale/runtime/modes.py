@@ -19,11 +19,11 @@ Hugging Face's ``from_pretrained`` returns it) trained with dropout off after ``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from torch import nn
 
-__all__ = ["ModeError", "modes_of", "mode_change", "all_eval", "compiled_modes", "attributes_kept"]
+__all__ = ["ModeError", "modes_of", "mode_change", "all_eval", "compiled_modes", "attributes_kept", "forward_set"]
 
 
 class ModeError(RuntimeError):
@@ -35,6 +35,14 @@ def modes_of(model: nn.Module) -> tuple[bool, ...]:
     return tuple(m.training for m in model.modules())
 
 
+def forward_set(model: nn.Module, modes: tuple[bool, ...], names: Sequence[str]) -> tuple[bool | None, ...]:
+    """``modes`` with None for the modules ``names`` (``planner.mode_setters``): their mode is the one
+    the forward sets, whatever their flag, so no flag of theirs is compiled or checked."""
+    setters = set(names)
+    return tuple(None if name in setters else flag for (name, _), flag in
+                 zip(model.named_modules(), modes))
+
+
 def all_eval(model: nn.Module) -> bool:
     return not any(modes_of(model))
 
@@ -43,14 +51,16 @@ def _mode(training: bool) -> str:
     return "training" if training else "eval"
 
 
-def mode_change(model: nn.Module, compiled: tuple[bool, ...]) -> str | None:
+def mode_change(model: nn.Module, compiled: tuple[bool | None, ...]) -> str | None:
     """What differs between ``model``'s modes now and ``compiled`` (:func:`modes_of` at compile
     time), in words; None when nothing does (or the modes were not recorded)."""
     now = modes_of(model)
     if not compiled or len(now) != len(compiled) or now == compiled:
         return None
     names = [name for name, _ in model.named_modules()]
-    differ = [(name, was) for name, was, is_ in zip(names, compiled, now) if was != is_]
+    differ = [(name, was) for name, was, is_ in zip(names, compiled, now) if was is not None and was != is_]
+    if not differ:
+        return None
     name, was = differ[0]
     where = f"module {name} ({type(model.get_submodule(name)).__name__})" if name else \
         f"the model ({type(model).__name__})"
@@ -60,7 +70,7 @@ def mode_change(model: nn.Module, compiled: tuple[bool, ...]) -> str | None:
 
 
 @contextlib.contextmanager
-def compiled_modes(model: nn.Module, modes: tuple[bool, ...]) -> Iterator[None]:
+def compiled_modes(model: nn.Module, modes: tuple[bool | None, ...]) -> Iterator[None]:
     """Run the block with ``model``'s modules in ``modes`` (nothing changes when they were not
     recorded); each module's own flag is restored afterwards."""
     modules = list(model.modules())
@@ -70,7 +80,7 @@ def compiled_modes(model: nn.Module, modes: tuple[bool, ...]) -> Iterator[None]:
     flags = [m.training for m in modules]
     try:
         for m, flag in zip(modules, modes):
-            m.training = flag
+            m.training = m.training if flag is None else flag
         yield
     finally:
         for m, flag in zip(modules, flags):

@@ -63,9 +63,11 @@ class RankProgram:
     another plan from it)."""
     loss_fn: Callable[..., Any] | None = None
     """The user's loss function, as ``parallelize`` took it."""
-    modes: tuple[bool, ...] = ()
+    modes: tuple[bool | None, ...] = ()
     """Every module's ``training`` flag when the model was captured (``fairscale.runtime.modes``):
-    the mode the rank graphs run; empty when not recorded."""
+    the mode the rank graphs run; None for a module whose mode the forward sets itself (a
+    distillation teacher's ``self.teacher.eval()``: ``planner.mode_setters``); empty when not
+    recorded."""
     trainable: tuple[tuple[str, bool], ...] = ()
     """Every parameter's name and ``requires_grad`` when the model was compiled
     (``fairscale.runtime.frozen``): which parameters the rank trains; empty when not recorded."""
