@@ -39,7 +39,8 @@ class HostRandom:
     global states of numpy and ``random`` moved (a draw the wrappers did not see)."""
 
     sites: list[str] = field(default_factory=list)
-    """``numpy.random.rand at module inner.wav2vec2 (Wav2Vec2Model), modeling_wav2vec2.py:210``."""
+    """``op numpy.random.rand at module inner.wav2vec2 (Wav2Vec2Model), source modeling_wav2vec2.py:210``
+    (or ``op random.random ...``: Python's global functions)."""
     moved: list[str] = field(default_factory=list)
     """``numpy.random`` / ``random``: global states that changed."""
 
@@ -60,30 +61,32 @@ def _site(name: str, model: nn.Module) -> str:
             module = f" at module {paths[id(owner)] or '<model top level>'} ({type(owner).__name__})"
             break
         frame = frame.f_back
-    return f"op numpy.random.{name}{module}" + (f", source {line}" if line else "")
+    return f"op {name}{module}" + (f", source {line}" if line else "")
 
 
 @contextlib.contextmanager
 def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
     """Record the random draws outside torch of the code run inside (module docstring)."""
     found = HostRandom()
-    legacy = np.random.mtrand._rand
-    patched: dict[str, Any] = {}
-    for name in getattr(np.random, "__all__", []):
-        fn = getattr(np.random, name, None)
-        if getattr(fn, "__self__", None) is legacy and name not in ("get_state", "set_state", "seed"):
-            def wrap(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-                found.sites.append(_site(_name, model))
-                return _fn(*args, **kwargs)
-            patched[name] = fn
-            setattr(np.random, name, wrap)
+    patched: list[tuple[Any, str, Any]] = []
+    # numpy's global functions, and Python's (a seq2seq's per-step teacher forcing, random.random() < ratio)
+    for space, owner, prefix in ((np.random, np.random.mtrand._rand, "numpy.random"), (random, random._inst, "random")):
+        for name in getattr(space, "__all__", []):
+            fn = getattr(space, name, None)
+            if getattr(fn, "__self__", None) is owner and name not in ("get_state", "set_state", "seed", "getstate",
+                                                                        "setstate"):
+                def wrap(*args: Any, _fn: Any = fn, _name: str = f"{prefix}.{name}", **kwargs: Any) -> Any:
+                    found.sites.append(_site(_name, model))
+                    return _fn(*args, **kwargs)
+                patched.append((space, name, fn))
+                setattr(space, name, wrap)
     np_state: Any = np.random.get_state()
     py_state = random.getstate()
     try:
         yield found
     finally:
-        for name, fn in patched.items():
-            setattr(np.random, name, fn)
+        for space, name, fn in patched:
+            setattr(space, name, fn)
         after: Any = np.random.get_state()
         if after[2] != np_state[2] or not np.array_equal(after[1], np_state[1]):
             found.moved.append("numpy.random")

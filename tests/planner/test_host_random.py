@@ -57,9 +57,15 @@ def test_a_numpy_draw_is_refused_naming_the_call_module_and_line() -> None:
     assert np.random.rand.__self__ is np.random.mtrand._rand  # the watch puts numpy back
 
 
-def test_a_python_random_draw_is_refused_and_torch_random_ops_are_not() -> None:
-    with pytest.raises(CaptureError, match=r"op random\.\* \(its global state moved"):
+def test_a_python_random_draw_is_refused_naming_the_call_module_and_line_and_torch_random_ops_are_not() -> None:
+    """A seq2seq's teacher forcing drawn per step (bentrevett's ``random.random() < ratio`` in its
+    forward) was refused as 'op random.* (its global state moved; where was not recorded)', naming
+    no module or line; Python's global functions are watched like numpy's now."""
+    with pytest.raises(CaptureError) as info:
         capture(PythonNoise(), (torch.randn(4, 8),), annotate=False)
+    assert "op random.random at module <model top level> (PythonNoise), source test_host_random.py:" in \
+        str(info.value), str(info.value)
+    assert random.random.__self__ is random._inst  # the watch puts Python's back
     capture(TorchNoise(), (torch.randn(4, 8),), annotate=False)  # the graph keeps the dropout op
 
 
