@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
+from planner.plan import PlanError
 
 __all__ = ["check_all", "check_model", "check_allocated", "check_example_inputs", "check_loss_fn", "check_optimizer",
            "check_devices"]
@@ -63,7 +64,26 @@ def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in example_inputs):
         raise ValueError("example_inputs holds no tensor with a batch dimension; the first dim of each input "
                          "tensor is the batch that data parallelism and microbatches split")
+    check_rows_agree(example_inputs)
     return tuple(example_inputs)
+
+
+def check_rows_agree(example_inputs: Sequence[Any]) -> None:
+    """Every input tensor with dims has the batch's rows first: the same size along dim 0."""
+    rows = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    (first, lead), odd = rows[0], next(((i, t) for i, t in rows if t.shape[0] != rows[0][1].shape[0]), None)
+    if odd is None:
+        return
+    i, t = odd
+    raise PlanError([
+        f"input {i} (shape {list(t.shape)}) has {t.shape[0]} rows along dim 0, but input {first} (shape "
+        f"{list(lead.shape)}) has {lead.shape[0]}: fairscale reads dim 0 of every input tensor as the batch's rows "
+        "(each rank's graph is captured at its rows, and data parallelism and microbatches cut them), so a "
+        "tensor laid out otherwise (a [tables, batch] offsets tensor, a graph batch's [2, edges] edge index, "
+        "[1, seq] positions broadcast over the batch) would be captured tiled and refused or cut wrongly at the "
+        "first step. What to do: pass every input batch first with the batch's rows (per-row bags padded to "
+        "one length, per-graph tensors padded to one size, positions expanded to the batch), or keep what is "
+        "not per row in the model (a buffer) or as a 0-dim tensor"], source="example_inputs")
 
 
 def check_loss_fn(loss_fn: Any) -> None:

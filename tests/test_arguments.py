@@ -93,3 +93,34 @@ def test_devices_and_loss_fn(case) -> None:
         fairscale.search(case.model, case.make_batch(0, 4), devices=0, loss_fn=case.loss_fn)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         fairscale.search(case.model, case.make_batch(0, 4), devices=2, loss_fn="cross_entropy")
+
+
+class _Bags(torch.nn.Module):
+    """DLRM's layout: offsets and indices per table, [tables, batch] and [tables, indices]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags, self.dense = torch.nn.EmbeddingBag(20, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, dense: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        pooled = sum(self.bags(indices[k], offsets[k]) for k in range(offsets.shape[0]))
+        return (self.dense(dense) * pooled).sum(1).pow(2).mean()
+
+
+def test_inputs_whose_dim_0_is_not_the_batchs_rows_are_refused_naming_them() -> None:
+    """DLRM with its [tables, batch] offsets planned tp4 (the batch whole), and crashed at its first
+    step on every rank: the ranks' capture had tiled the offsets to the batch's 8 rows ([8, 8]), and
+    the real [3, 8] then failed the step's shape check. A PyG-style graph batch (x [nodes, F],
+    edge_index [2, edges]) was refused by the loss check's IndexError, or by 'microbatches=2 does not
+    divide the per-replica batch 9' (its 36 nodes read as the batch)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 4), torch.arange(0, 24, 3).repeat(3, 1), torch.randint(0, 20, (3, 24)))
+    for call in (lambda: fairscale.plan(_Bags(), batch, devices=4),
+                 lambda: fairscale.parallelize(_Bags(), example_inputs=batch, devices=4)):
+        with pytest.raises(fairscale.PlanError, match=r"input 1 \(shape \[3, 8\]\) has 3 rows along dim 0, but "
+                                                      r"input 0 \(shape \[8, 4\]\) has 8") as err:
+            call()
+        assert "pass every input batch first" in str(err.value)
+    from fairscale.arguments import check_example_inputs
+
+    assert len(check_example_inputs((batch[0], torch.tensor(2.0), batch[0]))) == 3  # a 0-dim tensor has no rows
