@@ -71,7 +71,7 @@ _MEANS: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], float]] = {
 }
 """Random op (its schema's name) -> the constant :class:`ConstantDraws` fills its draws with."""
 
-CONSTANT_DRAWS = frozenset(_MEANS) | {"native_dropout"}
+CONSTANT_DRAWS = frozenset(_MEANS) | {"native_dropout", "randint", "randint_like"}
 """The random ops the check makes deterministic; any other still draws."""
 
 
@@ -83,7 +83,8 @@ def draws_constant(op: Any) -> bool:
 class ConstantDraws(TorchDispatchMode):
     """Every elementwise random draw made constant, at its distribution's mean (:data:`_MEANS`:
     ``rand`` and ``uniform_`` the interval's middle, ``randn`` and ``normal_`` the mean,
-    ``bernoulli`` 1, so that a dropout mask keeps everything); ``native_dropout`` keeps its input.
+    ``bernoulli`` 1, so that a dropout mask keeps everything); ``native_dropout`` keeps its input;
+    ``randint`` draws its lowest value (a diffusion model's timestep per row).
     Other random ops (``multinomial``) draw as they would: their pieces then differ from the whole,
     and the check refuses, naming the op. ``randperm(n)`` is the reversal of ``arange(n)``, which
     moves rows across any cut of them: a shuffle of the batch's rows (mixup's partners) then
@@ -97,6 +98,9 @@ class ConstantDraws(TorchDispatchMode):
         if name == "native_dropout":
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
         out = func(*args, **kwargs)
+        if name in ("randint", "randint_like"):  # each row's draw (a diffusion step's timestep): the lowest value
+            low = args[int(name == "randint_like")] if func._overloadname.startswith("low") else 0
+            return out.fill_(low)
         if name == "randperm":  # never the identity (seeded, randperm(2) was: mixup's shuffle then mixed nothing)
             return out.copy_(torch.arange(out.numel() - 1, -1, -1, dtype=out.dtype, device=out.device))
         return out.fill_(_MEANS[name](args, kwargs)) if name in _MEANS else out

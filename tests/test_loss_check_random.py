@@ -105,3 +105,29 @@ def test_a_shuffle_of_the_batchs_rows_is_refused_however_the_seed_falls() -> Non
         with pytest.raises(PlanError) as err:
             fairscale.plan(Mixup(), (x, y), devices=constraints["mesh"]["dp"], constraints=constraints)
         assert "aten.randperm.default" in str(err.value) and "torch.randperm" in str(err.value), str(err.value)
+
+
+class Diffusion(nn.Module):
+    """A DDPM training step: a timestep per row from torch.randint, noise from torch.randn_like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.embed = nn.Linear(DIM, DIM), nn.Embedding(50, DIM)
+        self.register_buffer("signal", torch.linspace(1.0, 0.1, 50))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.randint(0, 50, (x.shape[0],), device=x.device).long()
+        noise = torch.randn_like(x)
+        noisy = self.signal[t][:, None, None] * x + (1 - self.signal[t])[:, None, None] * noise
+        return F.mse_loss(self.net(noisy) + self.embed(t)[:, None, :], noise)
+
+
+def test_a_timestep_drawn_per_row_plans_data_parallel() -> None:
+    """A DDPM step under dp4 x 2 microbatches was refused, naming aten.randint.low ('the batch and
+    each piece draw other ones'); its rows are drawn independently, as rand's and randn's, which the
+    check already made constant. randint now draws its lowest value in the check."""
+    x, _ = _batch()
+    torch.manual_seed(0)
+    plan = fairscale.plan(Diffusion(), (x,), devices=4,
+                          constraints={"mesh": {"pp": 1, "dp": 4, "tp": 1}, "schedule": {"microbatches": 2}})
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (4, 2)
