@@ -33,33 +33,38 @@ _PREFIX = "model."  # the capture's root holds the user's model as ``model`` (pl
 
 @dataclass(frozen=True)
 class BufferWrite:
-    """One in-place write of the forward to a buffer of the model."""
+    """One in-place write of the forward to a buffer (or a parameter: a momentum encoder's EMA) of the model."""
 
     buffer: str
-    """The buffer's name in the user's model (``model.state_dict()`` key)."""
+    """The tensor's name in the user's model (``model.state_dict()`` key)."""
     module: str
     """Path of the module whose code writes it ('' = the model itself)."""
     source: str
     """The user's line that writes it (``model.py:14 `...```), or '' when not recorded."""
+    parameter: bool = False
+    """A parameter, not a buffer (a momentum teacher's EMA of its weights, MoCo's and DINO's habit)."""
 
     def describe(self) -> str:
         return f"{self.buffer}{' (' + self.source + ')' if self.source else ''}"
 
 
 def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
-    """Every buffer an in-place aten op of ``gm`` writes (the op's first argument, through the
-    chain of in-place results), except batch statistics' running buffers, one entry per buffer.
-    The bodies of higher-order ops are searched too: export puts a ``with torch.no_grad():`` block
-    (an aux-loss-free router's bias update, an EMA) in ``wrap_with_set_grad_enabled``'s body, whose
-    placeholders are the operands that follow it."""
-    root: dict[torch.fx.Node, str] = {}  # node -> the buffer it aliases
+    """Every buffer (or parameter) an in-place aten op of ``gm`` writes (the op's first argument,
+    through the chain of in-place results), except batch statistics' running buffers, one entry per
+    tensor. The bodies of higher-order ops are searched too: export puts a ``with torch.no_grad():``
+    block (an aux-loss-free router's bias update, DINO's center, a momentum teacher's EMA of its
+    weights) in ``wrap_with_set_grad_enabled``'s body, whose placeholders are the operands that follow it."""
+    root: dict[torch.fx.Node, str] = {}  # node -> the buffer or parameter it aliases
+    parameters: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _fetch(gm, str(node.target))
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, torch.Tensor):
                 root[node] = str(node.target)
+                if isinstance(value, nn.Parameter):
+                    parameters.add(str(node.target))
     out: dict[str, BufferWrite] = {}
-    _collect(gm, root, out, "")
+    _collect(gm, root, out, "", parameters=parameters)
     if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
         return []
     stat_modules = {op.module for op in find_batch_stat_ops(gm)}
@@ -78,10 +83,10 @@ def written_attrs(gm: torch.fx.GraphModule) -> set[str]:
 
 
 def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict[str, BufferWrite],
-             module: str, *, raw: bool = False) -> None:
-    """:func:`find_buffer_writes`' walk of one graph, ``root`` mapping its nodes to the buffers they
-    alias; ``module``: the higher-order op's module, for a body whose nodes record none; ``raw``:
-    ``out`` keyed by the get_attr target (else by the user's name)."""
+             module: str, *, raw: bool = False, parameters: frozenset[str] | set[str] = frozenset()) -> None:
+    """:func:`find_buffer_writes`' walk of one graph, ``root`` mapping its nodes to the tensors they
+    alias (``parameters``: those that are parameters); ``module``: the higher-order op's module, for
+    a body whose nodes record none; ``raw``: ``out`` keyed by the get_attr target (else by the user's name)."""
     bodies = {n: v for n in gm.graph.nodes if n.op == "get_attr"
               and isinstance(v := _fetch(gm, str(n.target)), torch.fx.GraphModule)}
     for node in gm.graph.nodes:
@@ -94,7 +99,8 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
             inner = {h: root[a] for h, a in zip(holders, node.args[body_at + 1:]) if isinstance(a, torch.fx.Node)
                      and a in root}
             if inner:
-                _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module, raw=raw)
+                _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module, raw=raw,
+                         parameters=parameters)
             continue
         if not _writes_first(node.target):
             continue
@@ -106,7 +112,7 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
         name = buffer if raw or not buffer.startswith(_PREFIX) else buffer[len(_PREFIX):]
         if name not in out:
             out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
-                                    source=source_line(node))
+                                    source=source_line(node), parameter=buffer in parameters)
 
 
 def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "") -> str | None:
@@ -119,7 +125,8 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
     cuts = " and ".join(c for c in (f"dp={dp} ranks" if dp > 1 else "", f"{microbatches} microbatches"
                                     if microbatches > 1 else "") if c)
     shown = ", ".join(w.describe() for w in writes[:4]) + (f" and {len(writes) - 4} more" if len(writes) > 4 else "")
-    return (f"{where}: the model's forward writes the buffer(s) {shown} in place, and a plan with {cuts} runs the "
+    what = "buffer(s) or parameter(s)" if any(w.parameter for w in writes) else "buffer(s)"
+    return (f"{where}: the model's forward writes the {what} {shown} in place, and a plan with {cuts} runs the "
             "forward on each slice of the batch: the update would run once per slice and microbatch, from that "
             "slice alone (each dp rank's copy its own), where one process runs it once per step on the whole "
             f"batch. Use {KEEP_BATCH_WHOLE} (pipeline and tensor parallelism keep the batch whole), or move the "
