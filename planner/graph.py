@@ -75,6 +75,24 @@ def past_value_keeping(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def bodies(node: torch.fx.Node, owner: Any = None) -> list[torch.fx.GraphModule]:
+    """The graphs a higher-order op ``node`` runs (export's ``wrap_with_set_grad_enabled`` body of
+    a ``with torch.no_grad():`` block, say): its arguments that fetch a GraphModule from ``owner``
+    (default: the module owning ``node``'s graph). Empty for any other node."""
+    owner = owner if owner is not None else node.graph.owning_module
+    if node.op != "call_function" or owner is None:
+        return []
+    found = []
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            body: Any = owner
+            for part in str(arg.target).split("."):
+                body = getattr(body, part, None)
+            if isinstance(body, torch.fx.GraphModule):
+                found.append(body)
+    return found
+
+
 def impure(node: torch.fx.Node, owner: Any = None) -> bool:
     """Whether dead-code elimination must keep ``node`` though nothing reads it: ``Node.is_impure``
     (in-place and random ops), or a higher-order op whose body holds such a node. Export puts a
@@ -82,19 +100,7 @@ def impure(node: torch.fx.Node, owner: Any = None) -> bool:
     writes a buffer (an aux-loss-free router's bias, an EMA) returns nothing, which torch.fx takes
     for dead code (the capture, the stage split and the tp representative keep it with this).
     ``owner``: the module holding the bodies, for a graph not yet in a GraphModule (default: its own)."""
-    if node.is_impure():
-        return True
-    owner = owner if owner is not None else node.graph.owning_module
-    if node.op != "call_function" or owner is None:
-        return False
-    for arg in node.args:
-        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-            body: Any = owner
-            for part in str(arg.target).split("."):
-                body = getattr(body, part, None)
-            if isinstance(body, torch.fx.GraphModule) and any(impure(n, body) for n in body.graph.nodes):
-                return True
-    return False
+    return node.is_impure() or any(impure(n, body) for body in bodies(node, owner) for n in body.graph.nodes)
 
 
 def tied_canonical(tied: list[list[str]]) -> dict[str, str]:

@@ -19,10 +19,15 @@ SAMPLERS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "exponentia
 def random_nodes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, str]]:
     """(node, detail) for every node that draws random numbers with effect: ops with a dropout
     probability argument (``p``, ``dropout_p``) above 0 (detail ``", p=0.1"``), the tensor-parallel
-    ``tp_ops.sharded_dropout`` likewise, and samplers (:data:`SAMPLERS`, detail ``""``)."""
-    found = []
+    ``tp_ops.sharded_dropout`` likewise, and samplers (:data:`SAMPLERS`, detail ``""``), also in
+    the bodies of higher-order ops (a router's noise drawn inside ``with torch.no_grad():``)."""
+    found: list[tuple[torch.fx.Node, str]] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        inner = _bodies(node, gm)
+        if inner:
+            found.extend(hit for body in inner for hit in random_nodes(body))
             continue
         if node.target is tp_ops.sharded_dropout:
             p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
@@ -42,6 +47,20 @@ def random_nodes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, str]]:
             found.append((node, f", {prob}={value}"))
         elif is_sampler(node):
             found.append((node, ""))
+    return found
+
+
+def _bodies(node: torch.fx.Node, gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """The graphs a higher-order op runs, as ``planner.graph.bodies`` finds them (this run-time
+    leaf imports nothing of the planner)."""
+    found = []
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            body: object = gm
+            for part in str(arg.target).split("."):
+                body = getattr(body, part, None)
+            if isinstance(body, torch.fx.GraphModule):
+                found.append(body)
     return found
 
 

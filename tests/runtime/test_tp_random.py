@@ -76,3 +76,32 @@ def test_tp_ranks_seeded_apart_keep_replicated_weights_equal(runs) -> None:
 def test_a_model_without_random_ops_shares_no_random_state(runs) -> None:
     for out in runs:
         assert "broadcast" not in out["broadcasts without dropout"], out["broadcasts without dropout"]
+
+
+class _NoisyRouter(torch.nn.Module):
+    """A router that jitters its logits with noise drawn inside ``torch.no_grad()`` (which export
+    puts in a higher-order op's body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        with torch.no_grad():
+            noise = torch.rand_like(logits) * 1e-2
+        return (logits + noise).softmax(-1).pow(2).mean()
+
+
+def test_a_draw_inside_no_grad_is_found() -> None:
+    """The tp random-state sync, the plan check and the loss check all ask passes.ops.random_ops:
+    a draw in a no_grad block's body had been invisible to it (helper-49's reading)."""
+    from fairscale.runtime.tp_random import draws_random
+    from passes.ops.random_ops import random_nodes
+    from planner.capture import capture
+
+    gm = capture(_NoisyRouter(), (torch.randn(4, 8),), annotate=False).gm
+    assert any(node.op == "call_function" and "wrap_with_set_grad_enabled" in str(node.target)
+               for node in gm.graph.nodes), "the draw is no longer in a higher-order op's body: test another way"
+    assert [str(node.target) for node, _ in random_nodes(gm)] == ["aten.rand_like.default"]
+    assert draws_random([gm])
