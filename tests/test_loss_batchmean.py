@@ -18,7 +18,7 @@ from torch import nn
 
 import fairscale
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
 from passes.loss_weights import token_counter
 from planner.capture import capture
 
@@ -66,18 +66,10 @@ def test_a_sum_divided_by_the_rows_is_not_counted_as_a_sum() -> None:
     assert (plan.mesh.dp, plan.schedule.microbatches) == (2, 2)
 
 
-def _train(rank: int, world: int) -> Trajectory:
-    case = _case()
-    pm = fairscale.parallelize(case.model, example_inputs=_batch(0), constraints=CONSTRAINTS,
-                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-    out = Trajectory()
-    for step in range(3):
-        out.losses.append(pm.train_step(_batch(step)))
-        if step == 0:
-            out.grads = pm.full_grads()
-    return out
+def _train(rank: int, world: int) -> RankResult:
+    return train_on_rank(_case(), constraints=CONSTRAINTS, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
 
 
 def test_distillation_with_batchmean_trains_exactly_under_dp2_and_2_microbatches() -> None:
     reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    compare_grads(reference, fairscale.launch(_train, devices=2)[0])
+    compare_grads(reference, rank_trajectory(fairscale.launch(_train, devices=2)[0]))

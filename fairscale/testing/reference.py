@@ -89,17 +89,18 @@ RankResult = tuple[list[float], dict[str, Any]]
 gradients as numpy arrays (they cross the launcher's pipe without torch's shared-memory handles)."""
 
 
-def train_on_rank(case: Case, plan: Any, *, steps: int = 3, global_batch: int = 8,
-                  optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> RankResult:
-    """One rank's side of an exactness test: ``fairscale.parallelize(case.model, plan=plan)`` trained
-    for ``steps`` steps on ``case.make_batch(step, global_batch)``, as :func:`train_reference`
+def train_on_rank(case: Case, plan: Any = None, *, steps: int = 3, global_batch: int = 8,
+                  optimizer: Callable[..., torch.optim.Optimizer] | None = None, **options: Any) -> RankResult:
+    """One rank's side of an exactness test: ``fairscale.parallelize(case.model, plan=plan, **options)``
+    trained for ``steps`` steps on ``case.make_batch(step, global_batch)``, as :func:`train_reference`
     trains the model in one process. ``optimizer``: a factory of the parameters, as ``parallelize``
-    takes it (default :func:`make_optimizer`). Turn the result into a :class:`Trajectory` with
-    :func:`rank_trajectory`."""
+    takes it (default :func:`make_optimizer`); ``options``: other arguments of ``parallelize``
+    (``constraints`` for its own search when ``plan`` is None). Turn the result into a
+    :class:`Trajectory` with :func:`rank_trajectory`."""
     import fairscale  # the face imports this module's package; importing it at call time keeps the cycle out
 
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, global_batch), loss_fn=case.loss_fn,
-                               plan=plan, optimizer=optimizer or make_optimizer)
+                               plan=plan, optimizer=optimizer or make_optimizer, **options)
     losses: list[float] = []
     grads: dict[str, Any] = {}
     for step in range(steps):

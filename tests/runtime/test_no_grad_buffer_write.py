@@ -22,7 +22,7 @@ from torch import nn
 
 import fairscale
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, compare_grads, train_reference
+from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
 from planner.buffer_writes import find_buffer_writes
 from planner.capture import capture
 from planner.plan import Plan, PlanError
@@ -72,19 +72,12 @@ def test_writes_under_no_grad_are_found_and_refused_for_plans_that_cut_the_batch
         fairscale.plan(Centered(), _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
 
 
-def _train(rank: int, world: int, plan: Plan) -> Trajectory:
-    pm = fairscale.parallelize(_case().model, example_inputs=_batch(0), plan=plan,
-                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-    out = Trajectory()
-    for step in range(3):
-        out.losses.append(pm.train_step(_batch(step)))
-        if step == 0:
-            out.grads = pm.full_grads()
-    return out
+def _train(rank: int, world: int, plan: Plan) -> RankResult:
+    return train_on_rank(_case(), plan, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
 
 
 def test_the_center_updated_under_no_grad_trains_as_one_process() -> None:
     plan = fairscale.plan(_case().model, _batch(0), devices=2, constraints={"mesh": {"pp": 2, "dp": 1, "tp": 1},
                                                                            "schedule": {"microbatches": 1}})
     reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    compare_grads(reference, fairscale.launch(_train, devices=2, args=(plan,))[0])
+    compare_grads(reference, rank_trajectory(fairscale.launch(_train, devices=2, args=(plan,))[0]))
