@@ -71,9 +71,11 @@ def _step(ctx: object, model: nn.Module) -> None:
 def _run(rank: int, world: int, init_method: str, balance: list[int], checkpoint: str, wrapper: bool) -> bytes:
     from fairscale.nn.pipe import AsyncPipe, PipeRPCWrapper
 
+    # the groups before the RPC agent: init_rpc returns once every rank has joined, so rank 0's
+    # first remote build cannot reach a rank whose groups are not set yet (CI saw that race)
+    initialize_model_parallel(1, world)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method))
-    initialize_model_parallel(1, world)
     worker_map = {r: f"w{r}" for r in range(world)}
     layers = [m.double() for m in _layers()]
     out: dict = {}

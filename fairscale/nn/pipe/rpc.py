@@ -1,7 +1,8 @@
 """PipeRPCWrapper: drive an :class:`AsyncPipe` spread over the pipeline group from rank 0 alone
 (FairScale 0.4.13's ``fairscale.nn.pipe.PipeRPCWrapper``).
 
-    # every rank: torch.distributed and torch.distributed.rpc initialized, model-parallel groups set
+    # every rank: torch.distributed initialized, model-parallel groups set, then rpc.init_rpc
+    # (in that order: rank 0's first call builds the stage on ranks that must have their groups)
     if rank == 0:
         pipe = PipeRPCWrapper(layers, balance=[2, 2], worker_map=worker_map, chunks=4)
         pipe.foreach_worker(register_optimizer, include_self=True)   # callback(ctx, local AsyncPipe)
