@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StaleModelError", "guard_model", "mark_stale", "mark_current", "fairscale_uses_models", "using_models",
+__all__ = ["StaleModelError", "guard_model", "is_guard", "mark_stale", "mark_current", "fairscale_uses_models", "using_models",
            "refuse_stale_state_dict"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -141,6 +141,11 @@ class _ForwardGuard:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "_ForwardGuard":
         return self
+
+
+def is_guard(hook: Any) -> bool:
+    """Whether a module's forward pre-hook is this guard's (it changes no capture)."""
+    return isinstance(hook, _ForwardGuard)
 
 
 def refuse_stale_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
