@@ -341,7 +341,8 @@ class _UnitReduction:
         self.unit = unit
         self.flat: torch.Tensor | None = flat
         UNSHARD.add(nbytes(flat))
-        self.out = torch.empty(unit.padded // unit.n, dtype=unit.reduce_dtype, device=unit.compute_device)
+        # the shard's shape: 1-D of padded / n, or a world-1 unit's own parameter shape (classic FSDP)
+        self.out = torch.empty(unit.flat.shape, dtype=unit.reduce_dtype, device=unit.compute_device)
         self.work: Any = None
         self.targets: tuple[torch.Tensor | None, ...] = ()
 

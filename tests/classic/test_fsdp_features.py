@@ -240,6 +240,42 @@ def test_flatten_parameters_false_keeps_names():
     assert got == names
 
 
+def test_world_one_without_flattening_keeps_each_parameter_whole():
+    """At world size 1 FairScale 0.4.13 shards nothing, so ``flatten_parameters=False`` leaves every
+    parameter in its own shape: ``p.ndim`` (weight decay for matrices only), the gradients, the
+    optimizer's state and its full state dict are shaped as without FSDP (ours had 1-D shards)."""
+    case = build("mlp")
+    ref = copy.deepcopy(case.model)
+    shapes = [tuple(p.shape) for p in ref.parameters()]
+    model = FSDP(case.model, flatten_parameters=False)
+    assert [tuple(p.shape) for p in model.parameters()] == shapes
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (ref, model)]
+    for step in range(2):
+        x, y = case.make_batch(step, 4)
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            case.loss_fn(m(x), y).backward()
+            opt.step()
+    assert [tuple(p.grad.shape) for p in model.parameters()] == shapes
+    assert [tuple(s["exp_avg"].shape) for s in opts[1].state_dict()["state"].values()] == shapes
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)
+    full = model.gather_full_optim_state_dict(opts[1])
+    assert [tuple(s["exp_avg"].shape) for s in full["state"].values()] == shapes
+    opts[1].load_state_dict(model.get_shard_from_optim_state_dict(full))
+    with model.summon_full_params():
+        assert [tuple(p.shape) for p in model.parameters()] == shapes
+    for m, opt in zip((ref, model), opts):  # one more step from the state that went round
+        x, y = case.make_batch(2, 4)
+        opt.zero_grad()
+        case.loss_fn(m(x), y).backward()
+        opt.step()
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)
+
+
 def test_mixed_precision_buffers_cast_and_restored():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model = FSDP(m, mixed_precision=True, compute_dtype=torch.bfloat16)

@@ -40,8 +40,9 @@ def _first_ids(root: FullyShardedDataParallel, units: dict[int, tuple[Any, Any, 
     return out
 
 
-def _is_sharded_state(value: Any, shard_numel: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == shard_numel
+def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
+    """A state tensor shaped like the shard parameter (1-D, or a whole world-1 parameter's shape)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
 def _gather(value: torch.Tensor, u: Any) -> torch.Tensor:
@@ -87,7 +88,7 @@ def gather_optim(root: FullyShardedDataParallel, optim: torch.optim.Optimizer) -
             id_map.update(dict.fromkeys(gids, sid))
             per_member: list[dict[str, Any]] = [{} for _ in gids]
             for key, value in st.items():
-                if _is_sharded_state(value, u.layout.shard_numel):
+                if _is_sharded_state(value, u.flat):
                     pieces = list(u.layout.split(_gather(value, u)[:u.layout.numel]).values())
                     for d, t in zip(per_member, pieces):
                         d[key] = t.clone()
@@ -152,7 +153,7 @@ def shard_optim(root: FullyShardedDataParallel, full: dict[str, Any]) -> dict[st
                 padded = torch.zeros(u.layout.padded, dtype=flat.dtype, device=flat.device)
                 padded[:flat.numel()] = flat
                 lo, hi = u.shard_range()
-                st[key] = padded[lo:hi].clone()
+                st[key] = padded[lo:hi].clone().view(p.shape)
             elif isinstance(v0, list) and v0 and isinstance(v0[0], torch.Tensor) and v0[0].dim() == 0:
                 st[key] = v0[0] if root.rank >= len(v0) else v0[root.rank]  # 0.4.13's rule for other world sizes
             else:

@@ -76,6 +76,8 @@ def make_units(groups: Sequence[FlatGroup], fulls: Sequence[torch.Tensor], names
     units = []
     for i, (g, full, name) in enumerate(zip(groups, fulls, names)):
         shard, padded = shard_of(full, n, rank)
+        if n == 1 and name is None:  # 0.4.13 leaves an unflattened parameter whole, in its shape, at world 1
+            shard = shard.view(full.shape)
         compute = compute_dtype or g.dtype
         op = FSDPUnit(index=i, name=name or g.members[0][0], keys=[k for k, _ in g.members],
                       shapes=[s for _, s in g.members], n=n, rank=rank, axis=axis, param_dtype=compute,

@@ -390,7 +390,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
             with torch.no_grad():
                 for u, f in zip(self._units, fulls):
                     lo, hi = u.shard_range()
-                    u.flat.copy_(f[lo:hi])  # bumps the version: the next forward gathers afresh
+                    u.flat.copy_(f[lo:hi].view_as(u.flat))  # bumps the version: the next forward gathers afresh
         for u in self._units:
             u.op.free()
         self.__dict__["_summon_fulls"] = []
