@@ -45,6 +45,7 @@ from planner.capture_errors import describe_capture_failure
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph, impure, tied_canonical
+from planner.eager_writes import EagerWrite, watch_eager_writes
 from planner.host_random import watch_host_random
 from planner.mode_setters import MODES_SET, watch_mode_setters
 from planner.replicate import replica_map
@@ -213,6 +214,7 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     start = time.perf_counter()
     failures: list[Failure] = []
     gm: torch.fx.GraphModule | None = None
+    eager: EagerWrite | None = None
     used = order[0]
     with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters:
         for used in order:
@@ -221,15 +223,18 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
                     if used == "export":
                         gm = export_trace(LossModule(model, loss_fn, fp32_loss=dtype is not None), batch)
                     else:
-                        gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules),
-                                      concrete_args=concrete_args)
+                        with watch_eager_writes(model):
+                            gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules),
+                                          concrete_args=concrete_args)
                 break
             except CaptureError:
                 raise
+            except EagerWrite as write:  # stopped before the write ran; export may still trace it
+                eager = write
             except Exception as exc:  # noqa: BLE001 - collected and re-raised with guidance below
                 failures.append(Failure(f"torch.{used}", exc))
     if gm is None:
-        raise _capture_error(model, failures)
+        raise _eager_write_error(model, eager, failures) if eager is not None else _capture_error(model, failures)
     if drawn.sites or drawn.moved:
         raise CaptureError(
             f"could not capture {type(model).__name__}: it draws random numbers outside torch while it runs, "
@@ -326,6 +331,19 @@ def _capture_error(model: nn.Module, failures: list[Failure]) -> CaptureError:
              for name, m in LossModule(model, None).named_modules() if name.startswith("model")}
     paths[id(model)] = ""
     return CaptureError(describe_capture_failure(type(model).__name__, failures, paths))
+
+
+def _eager_write_error(model: nn.Module, write: EagerWrite, failures: list[Failure]) -> CaptureError:
+    export = next((f for f in failures if f.tracer == "torch.export"), None)
+    why = (f"torch.export could not trace it ({type(export.exc).__name__}: {str(export.exc).splitlines()[0][:200]}), "
+           if export is not None else "")
+    return CaptureError(
+        f"could not capture {type(model).__name__}: its forward writes its {write.tensor} in place where no trace "
+        f"records it, {write.site}. {why}torch.fx would run that write once, while tracing, and never in training "
+        "(through .data, or a tensor torch.fx does not track: a parameter reached by .parameters()). The model was "
+        "left as it was. What to do: write it in a way the trace records, under torch.no_grad() and without .data "
+        "(a momentum teacher: `pt.mul_(m).add_(ps.detach(), alpha=1 - m)`), or make the update in the training "
+        "loop after the optimizer step")
 
 
 def _annotate_failure(model: nn.Module, used: str, exc: AnnotateError, failures: list[Failure]) -> CaptureError:

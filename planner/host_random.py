@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["HostRandom", "watch_host_random"]
+__all__ = ["HostRandom", "watch_host_random", "call_site"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (np, torch))
@@ -48,7 +48,9 @@ class HostRandom:
         return self.sites[0] if self.sites else f"op {self.moved[0]}.* (its global state moved; where was not recorded)"
 
 
-def _site(name: str, model: nn.Module) -> str:
+def call_site(name: str, model: nn.Module) -> str:
+    """``op <name> at module <path> (<class>), source <file>:<line>``: the model's code running now
+    (the first frame outside torch, numpy and this project; its nearest module of ``model``)."""
     paths = {id(m): p for p, m in model.named_modules()}
     frame: FrameType | None = sys._getframe(2)
     line, module = "", ""
@@ -76,7 +78,7 @@ def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
             if getattr(fn, "__self__", None) is owner and name not in ("get_state", "set_state", "seed", "getstate",
                                                                         "setstate"):
                 def wrap(*args: Any, _fn: Any = fn, _name: str = f"{prefix}.{name}", **kwargs: Any) -> Any:
-                    found.sites.append(_site(_name, model))
+                    found.sites.append(call_site(_name, model))
                     return _fn(*args, **kwargs)
                 patched.append((space, name, fn))
                 setattr(space, name, wrap)

@@ -1,0 +1,82 @@
+"""Writes to a model's own tensors that a torch.fx trace runs once, eagerly, and does not record.
+
+torch.fx traces with Proxies standing for the inputs and the parameters it fetches by attribute;
+tensors reached another way are real, and ops on them run while tracing instead of entering the
+graph. A DINO/BYOL-style forward updating its momentum teacher through ``.data``::
+
+    for ps, pt in zip(self.student.parameters(), self.teacher.parameters()):
+        pt.data.mul_(m).add_((1 - m) * ps.detach().data)
+
+defeats ``torch.export`` (a fake tensor in its constants) and then traced with fx: the update ran
+once on the user's weights during the trace and never in training, where every step makes it. The
+plan check then refused every plan with a message about pipeline stages. :func:`watch_eager_writes`
+stops such a trace at the first write, before it runs (the model is left as it was), and names the
+tensor and the source line, so the capture can refuse the model with what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from planner.host_random import call_site
+
+__all__ = ["EagerWrite", "watch_eager_writes"]
+
+
+class EagerWrite(Exception):
+    """A traced forward wrote one of the model's tensors outside the graph."""
+
+    def __init__(self, tensor: str, site: str) -> None:
+        super().__init__(f"{tensor}: {site}")
+        self.tensor, self.site = tensor, site
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, sparse)
+        return None
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.owners: dict[int, str] = {}
+        for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+            for name, t in named(remove_duplicate=False):
+                key = _storage(t)
+                if key is not None:
+                    self.owners.setdefault(key, f"{kind} {name}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)
+        if schema is not None and self.owners:
+            values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+            for arg in schema.arguments:
+                value = values.get(arg.name)
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                for t in tree_flatten(value)[0]:
+                    key = _storage(t) if isinstance(t, torch.Tensor) else None
+                    owner = self.owners.get(key) if key is not None else None
+                    if owner is not None:
+                        raise EagerWrite(owner, call_site(f"aten.{func.__name__}", self.model))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def watch_eager_writes(model: nn.Module) -> Iterator[None]:
+    """Within the block (a torch.fx trace of ``model``), raise :class:`EagerWrite` before any op
+    runs that writes in place to a tensor sharing storage with one of ``model``'s parameters or
+    buffers (``p.data.mul_``, ``p.detach().copy_``): such an op is not a Proxy's, so it would run
+    now and never in the graph."""
+    with _Watch(model):
+        yield

@@ -1,0 +1,100 @@
+"""A forward that writes its own weights where no trace records them is refused at capture
+(planner.eager_writes), and the capture leaves the weights as they were.
+
+DINO / BYOL update a momentum teacher inside forward; written through ``.data``, torch.export
+cannot trace it and torch.fx ran the update once, eagerly, while tracing: the graph had no update,
+the user's teacher had moved one step at plan time, and the plan check refused every plan with a
+message about pipeline stages. Written without ``.data`` under ``torch.no_grad()`` (what the
+refusal says to do), export records the write.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fairscale
+from planner.capture import CaptureError, capture
+from planner.graph import bodies
+
+
+class MomentumTeacher(nn.Module):
+    def __init__(self, via_data: bool = True) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 6))
+        self.teacher = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 6))
+        self.teacher.requires_grad_(False)
+        self.via_data = via_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.student(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        loss = torch.sum(-torch.softmax(t / 0.04, -1) * torch.log_softmax(s / 0.1, -1), -1).mean()
+        with torch.no_grad():
+            for ps, pt in zip(self.student.parameters(), self.teacher.parameters()):
+                if self.via_data:
+                    pt.data.mul_(0.99).add_(0.01 * ps.detach().data)  # the line the refusal names
+                else:
+                    pt.mul_(0.99).add_(ps.detach(), alpha=0.01)
+        return loss
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+def test_a_write_through_data_is_refused_naming_the_tensor_and_line(tracer: str) -> None:
+    model = MomentumTeacher()
+    before = _weights(model)
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(4, 8),), tracer=tracer)
+    msg = str(err.value)
+    assert "writes its parameter teacher.0.weight in place" in msg
+    assert "test_eager_writes.py:38" in msg and "without .data" in msg
+    for k, v in _weights(model).items():
+        assert torch.equal(v, before[k]), f"the capture changed {k}"
+
+
+def test_the_public_api_refuses_before_launch() -> None:
+    with pytest.raises(CaptureError, match="writes its parameter teacher.0.weight"):
+        fairscale.plan(MomentumTeacher(), (torch.randn(4, 8),), devices=2)
+
+
+def _writes(gm: torch.fx.GraphModule) -> list[str]:
+    """The in-place adds of ``gm`` and of the bodies of its higher-order ops."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    found = [str(n.target) for n in nodes if str(n.target).startswith("aten.add_")]
+    return found + [w for n in nodes for body in bodies(n, gm) for w in _writes(body)]
+
+
+def test_the_remedy_is_captured_with_the_write() -> None:
+    graph = capture(MomentumTeacher(via_data=False), (torch.randn(4, 8),))
+    assert len(_writes(graph.gm)) == 4, "the teacher's update is not in the graph"
+
+
+def test_a_buffer_write_fx_cannot_record_falls_back_to_export() -> None:
+    """torch.fx proxies parameters, not buffers: ``self.seen.add_(1)`` ran eagerly while tracing
+    and was lost (a model on meta is traced with fx first). fx now stops before the write and
+    export, which records it, traces the model; fx alone refuses it."""
+
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.add_(1)
+            return self.lin(x).pow(2).mean()
+
+    with torch.device("meta"):
+        model = Counter()
+    graph = capture(model, (torch.randn(2, 4, device="meta"),))
+    assert _writes(graph.gm) == ["aten.add_.Tensor"]
+    model = Counter()
+    with pytest.raises(CaptureError, match="writes its buffer seen in place"):
+        capture(model, (torch.randn(2, 4),), tracer="fx")
+    assert model.seen.item() == 0
