@@ -291,7 +291,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
             groups and options over its shards (:mod:`fairscale.runtime.optim_groups`); the
             instance itself is not stepped.
         global_batch: samples per step (default: the example batch's size).
-        constraints: fields the search must keep (ignored when ``plan`` is given).
+        constraints: fields the search must keep (an error with ``plan``).
         dtype: compute dtype for the search (see :func:`search`; ignored when ``plan`` is given).
         device: where this rank computes. Default: ``cuda:LOCAL_RANK`` when the process group is
             NCCL (the default whenever CUDA is present), else ``cpu``. It is made the current CUDA
@@ -316,7 +316,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         The rank holds its own share of the weights once (``fairscale.build``): neither the module
         nor this process's caches keep a reference to the capture or the user's model.
     """
-    example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices)
+    example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
+                                          plan=plan, constraints=constraints)
     check_allocated(model)
     if not dist.is_initialized() and under_torchrun():  # torchrun initializes nothing; fairscale.train does too
         init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")

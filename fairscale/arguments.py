@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import weakref
 from typing import Any, Sequence
 
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
-from planner.plan import PlanError
+from planner.plan import Plan, PlanError
 
 __all__ = ["check_all", "check_model", "check_allocated", "check_example_inputs", "check_loss_fn", "check_optimizer",
-           "check_devices"]
+           "check_devices", "check_plan"]
 
 
 def _got(value: Any) -> str:
@@ -117,9 +118,23 @@ def check_devices(devices: Any) -> None:
         raise ValueError(f"devices must be a positive int (the number of ranks), got {_got(devices)}")
 
 
+def check_plan(plan: Any, constraints: Any = None) -> None:
+    """``parallelize``'s ``plan``: a Plan or a plan file's path; ``constraints`` only without one."""
+    if isinstance(plan, dict):
+        raise TypeError("plan must be a fairscale.Plan or the path of a plan file, got a dict. To fix some fields "
+                        "and let the search choose the rest, pass them as constraints: parallelize(..., "
+                        f"constraints={plan!r}); for a whole plan as a dict, pass fairscale.Plan.from_dict(...)")
+    if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+        raise TypeError(f"plan must be a fairscale.Plan or the path of a plan file, got {_got(plan)}")
+    if plan is not None and constraints:
+        raise ValueError("pass plan or constraints, not both: constraints steer the search, and a plan is used as "
+                         "given (put those fields in the plan instead)")
+
+
 def check_all(model: Any, example_inputs: Any, *, loss_fn: Any = None, optimizer: Any = None,
-              devices: Any = None) -> tuple[tuple[Any, ...], Any]:
+              devices: Any = None, plan: Any = None, constraints: Any = None) -> tuple[tuple[Any, ...], Any]:
     """Every check above; returns the example batch as a tuple and the optimizer's spec."""
+    check_plan(plan, constraints)
     check_model(model)
     batch = check_example_inputs(example_inputs)
     check_loss_fn(loss_fn)

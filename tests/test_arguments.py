@@ -95,6 +95,22 @@ def test_devices_and_loss_fn(case) -> None:
         fairscale.search(case.model, case.make_batch(0, 4), devices=2, loss_fn="cross_entropy")
 
 
+def test_a_plan_given_as_a_dict_or_with_constraints(case) -> None:
+    """``plan={"mesh": {"dp": 2}}`` raised AttributeError ('dict' object has no attribute
+    'data_parallel') on every rank; it is refused at the call (no ranks needed), pointing to
+    ``constraints`` (fields to keep, the search choosing the rest) or ``Plan.from_dict``."""
+    batch = case.make_batch(0, 4)
+    with pytest.raises(TypeError, match=r"plan must be a fairscale.Plan or the path of a plan file, got a dict.*"
+                                        r"constraints=\{'mesh': \{'dp': 2\}\}.*Plan.from_dict"):
+        fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan={"mesh": {"dp": 2}})
+    with pytest.raises(TypeError, match="got int 3"):
+        fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=3)
+    plan = fairscale.plan(case.model, batch, devices=1, loss_fn=case.loss_fn)
+    with pytest.raises(ValueError, match="pass plan or constraints, not both"):
+        fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan,
+                              constraints={"mesh": {"dp": 1}})
+
+
 class _Bags(torch.nn.Module):
     """DLRM's layout: offsets and indices per table, [tables, batch] and [tables, indices]."""
 
