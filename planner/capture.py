@@ -337,6 +337,12 @@ def _eager_write_error(model: nn.Module, write: EagerWrite, failures: list[Failu
     export = next((f for f in failures if f.tracer == "torch.export"), None)
     why = (f"torch.export could not trace it ({type(export.exc).__name__}: {str(export.exc).splitlines()[0][:200]}), "
            if export is not None else "")
+    if write.read:
+        return CaptureError(
+            f"could not capture {type(model).__name__}: its forward computes from its {write.tensor} where torch.fx "
+            f"does not track it (a parameter reached by .parameters()), {write.site}. {why}torch.fx would keep the "
+            "result as a constant, without the gradient it gives the parameter. What to do: make torch.export trace "
+            "the model (its own error above), or compute that term in the loss function or training loop")
     return CaptureError(
         f"could not capture {type(model).__name__}: its forward writes its {write.tensor} in place where no trace "
         f"records it, {write.site}. {why}torch.fx would run that write once, while tracing, and never in training "

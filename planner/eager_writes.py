@@ -1,4 +1,5 @@
-"""Writes to a model's own tensors that a torch.fx trace runs once, eagerly, and does not record.
+"""Writes to a model's own tensors (and reads of its parameters) that a torch.fx trace runs once,
+eagerly, and does not record.
 
 torch.fx traces with Proxies standing for the inputs and the parameters it fetches by attribute;
 tensors reached another way are real, and ops on them run while tracing instead of entering the
@@ -11,7 +12,9 @@ defeats ``torch.export`` (a fake tensor in its constants) and then traced with f
 once on the user's weights during the trace and never in training, where every step makes it. The
 plan check then refused every plan with a message about pipeline stages. :func:`watch_eager_writes`
 stops such a trace at the first write, before it runs (the model is left as it was), and names the
-tensor and the source line, so the capture can refuse the model with what to do.
+tensor and the source line, so the capture can refuse the model with what to do. The same holds
+for a parameter read that way with gradients on (an L2 penalty over ``self.parameters()`` in
+forward): fx kept the penalty as a constant, and its gradient was lost.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ __all__ = ["EagerWrite", "watch_eager_writes"]
 
 
 class EagerWrite(Exception):
-    """A traced forward wrote one of the model's tensors outside the graph."""
+    """A traced forward wrote one of the model's tensors outside the graph (or, ``read``, computed
+    from a parameter that needs a gradient there: the result would be a constant without one)."""
 
-    def __init__(self, tensor: str, site: str) -> None:
+    def __init__(self, tensor: str, site: str, *, read: bool = False) -> None:
         super().__init__(f"{tensor}: {site}")
-        self.tensor, self.site = tensor, site
+        self.tensor, self.site, self.read = tensor, site, read
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -58,6 +62,11 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         schema = getattr(func, "_schema", None)
+        if self.owners and torch.is_grad_enabled():  # L2 of self.parameters() in forward: a constant to fx
+            for t in tree_flatten((args, kwargs))[0]:
+                owner = self.owners.get(_storage(t) or 0) if isinstance(t, torch.Tensor) and t.requires_grad else None
+                if owner is not None:
+                    raise EagerWrite(owner, call_site(f"aten.{func.__name__}", self.model), read=True)
         if schema is not None and self.owners:
             values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
             for arg in schema.arguments:

@@ -98,3 +98,25 @@ def test_a_buffer_write_fx_cannot_record_falls_back_to_export() -> None:
     with pytest.raises(CaptureError, match="writes its buffer seen in place"):
         capture(model, (torch.randn(2, 4),), tracer="fx")
     assert model.seen.item() == 0
+
+
+class L2InForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return self.b(self.a(x)).mean() + 1e-2 * penalty
+
+
+def test_a_parameter_read_fx_would_make_a_constant_is_refused_or_exported() -> None:
+    """fx kept an L2 penalty over ``self.parameters()`` as a constant: the penalty's gradient was
+    lost. fx alone refuses it; on meta (fx first) export traces it, with the penalty's ops."""
+    with pytest.raises(CaptureError, match=r"computes from its parameter a.weight where torch.fx does not track it"):
+        capture(L2InForward(), (torch.randn(3, 4),), tracer="fx")
+    with torch.device("meta"):
+        model = L2InForward()
+    graph = capture(model, (torch.randn(3, 4, device="meta"),))
+    assert graph.tracer == "export"
+    assert sum(str(n.target).startswith("aten.pow") for n in graph.gm.graph.nodes) == 4
