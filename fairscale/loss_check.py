@@ -33,7 +33,6 @@ not a copy of the gradient), combined with the same weights as the losses.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable, Sequence
 
@@ -333,38 +332,36 @@ def _site(node: torch.fx.Node) -> str:
 
 def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batches: Sequence[tuple[Any, ...]], *,
           training: bool = False) -> list[tuple[float, torch.Tensor | None]]:
-    """:func:`_loss` of each batch, on the user's model itself where its forward writes no
-    parameter, else on a copy. An eval-mode forward may change the model it runs (HF ``RwkvModel``
-    divides weights in place and flips ``layers_are_rescaled``, which the next training forward
-    undoes with an in-place multiply: in a rank's capture, an in-place write to a parameter), and
-    planning must leave the user's model as it was; a copy of every model would double its memory
-    on the planning rank (a 13B model in fp32 on one 80 GB GPU: out of memory where it trained).
-    So the runs stop before a parameter's first write (:class:`_NoParameterWrites`) and start again
-    on a copy; what they rebind on a module (a flag, a cache) is put back."""
-    try:
-        with _NoParameterWrites(model):
-            return [_loss(model, loss_fn, b, training) for b in batches]
-    except _ParameterWrite:
-        pass
-    try:
-        probe = copy.deepcopy(model)
-    except Exception as e:  # noqa: BLE001 - said in the refusal
-        raise RuntimeError(f"its forward writes a parameter in place and it cannot be copied to run on "
-                           f"({type(e).__name__}: {e})") from e
-    return [_loss(probe, loss_fn, b, training) for b in batches]
+    """:func:`_loss` of each batch on the user's model, each run from the same weights. A forward may
+    write parameters in place: an eval-mode forward of HF ``RwkvModel`` divides weights and flips
+    ``layers_are_rescaled`` (the next training forward multiplies them back), a momentum teacher
+    takes an EMA step of the student's weights at every call. Planning must leave the model as it
+    was, and each run must start where the first did (the pieces of a batch compared with the whole
+    had seen a teacher one step further each, and a model that is exact under data parallelism was
+    refused as coupling its rows). :class:`_ParametersKept` saves each parameter an op is about to
+    write, once, and puts it back after the run: only the written ones are copied (a copy of every
+    model would double its memory on the planning rank: a 13B model in fp32 on one 80 GB GPU, out
+    of memory where it trained). What the forward rebinds on a module (a flag, a cache) and its
+    buffers are put back by :func:`_loss`."""
+    out = []
+    for batch in batches:
+        kept = _ParametersKept(model)
+        try:
+            with kept:
+                out.append(_loss(model, loss_fn, batch, training))
+        finally:
+            kept.restore()
+    return out
 
 
-class _ParameterWrite(Exception):
-    """An op was about to write a parameter's storage."""
-
-
-class _NoParameterWrites(TorchDispatchMode):
-    """Raises :class:`_ParameterWrite` before any ATen op writes the storage of one of ``model``'s
-    parameters (``w.div_(2)`` under ``no_grad``, ``w.data.copy_(...)``): the op does not run."""
+class _ParametersKept(TorchDispatchMode):
+    """Saves the value of each of ``model``'s parameters before the first ATen op that writes its
+    storage (``w.div_(2)`` under ``no_grad``, ``w.data.copy_(...)``); :meth:`restore` puts them back."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {p.untyped_storage()._cdata: p for p in model.parameters()}
+        self.saved: dict[int, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -374,9 +371,16 @@ class _NoParameterWrites(TorchDispatchMode):
                 if arg.alias_info is None or not arg.alias_info.is_write:
                     continue
                 value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.storages:
-                    raise _ParameterWrite(str(func))
+                key = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+                if key in self.params and key not in self.saved:
+                    self.saved[key] = self.params[key].detach().clone()
         return func(*args, **kwargs)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for key, value in self.saved.items():
+            self.params[key].copy_(value)
+        self.saved.clear()
 
 
 def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:

@@ -16,6 +16,7 @@ synchronizes them (``planner.batch_stats``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class BufferWrite:
     """The user's line that writes it (``model.py:14 `...```), or '' when not recorded."""
     parameter: bool = False
     """A parameter, not a buffer (a momentum teacher's EMA of its weights, MoCo's and DINO's habit)."""
+    from_rows: bool = True
+    """The value written depends on the batch or on a random draw (an EMA of activations, DINO's
+    center); False for a step counter or an EMA of the model's own weights, which every dp rank
+    computes alike from its replica."""
 
     def describe(self) -> str:
         return f"{self.buffer}{' (' + self.source + ')' if self.source else ''}"
@@ -64,7 +69,7 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
                 if isinstance(value, nn.Parameter):
                     parameters.add(str(node.target))
     out: dict[str, BufferWrite] = {}
-    _collect(gm, root, out, "", parameters=parameters)
+    _collect(gm, root, out, "", parameters=parameters, seeds=None)
     if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
         return []
     stat_modules = {op.module for op in find_batch_stat_ops(gm)}
@@ -82,13 +87,34 @@ def written_attrs(gm: torch.fx.GraphModule) -> set[str]:
     return set(out)
 
 
+def _varying(gm: torch.fx.GraphModule, seeds: set[torch.fx.Node] | None) -> set[torch.fx.Node]:
+    """The nodes of ``gm`` whose value can differ between dp ranks or microbatches: those computed
+    from ``seeds`` (default: every placeholder, the batch's inputs) or from a random draw."""
+    out: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        if (node in seeds if seeds is not None else node.op == "placeholder") or seeded \
+                or any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict[str, BufferWrite],
-             module: str, *, raw: bool = False, parameters: frozenset[str] | set[str] = frozenset()) -> None:
+             module: str, *, raw: bool = False, parameters: frozenset[str] | set[str] = frozenset(),
+             seeds: set[torch.fx.Node] | None = None) -> None:
     """:func:`find_buffer_writes`' walk of one graph, ``root`` mapping its nodes to the tensors they
     alias (``parameters``: those that are parameters); ``module``: the higher-order op's module, for
-    a body whose nodes record none; ``raw``: ``out`` keyed by the get_attr target (else by the user's name)."""
+    a body whose nodes record none; ``raw``: ``out`` keyed by the get_attr target (else by the user's
+    name); ``seeds``: the placeholders that vary with the batch (:func:`_varying`; None: all)."""
     bodies = {n: v for n in gm.graph.nodes if n.op == "get_attr"
               and isinstance(v := _fetch(gm, str(n.target)), torch.fx.GraphModule)}
+    moving: list[set[torch.fx.Node]] = []  # _varying(gm, seeds), made at the first write or body
+
+    def varies(node: torch.fx.Node) -> bool:
+        if not moving:
+            moving.append(_varying(gm, seeds))
+        return node in moving[0]
+
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.args:
             continue
@@ -99,8 +125,10 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
             inner = {h: root[a] for h, a in zip(holders, node.args[body_at + 1:]) if isinstance(a, torch.fx.Node)
                      and a in root}
             if inner:
+                held = {h for h, a in zip(holders, node.args[body_at + 1:]) if isinstance(a, torch.fx.Node)
+                        and varies(a)}
                 _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module, raw=raw,
-                         parameters=parameters)
+                         parameters=parameters, seeds=held)
             continue
         if not _writes_first(node.target):
             continue
@@ -110,18 +138,29 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
         buffer = root[target]
         root[node] = buffer
         name = buffer if raw or not buffer.startswith(_PREFIX) else buffer[len(_PREFIX):]
+        from_rows = any(varies(a) for a in node.all_input_nodes if a is not target)
         if name not in out:
             out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
-                                    source=source_line(node), parameter=buffer in parameters)
+                                    source=source_line(node), parameter=buffer in parameters, from_rows=from_rows)
+        elif from_rows and not out[name].from_rows:
+            out[name] = dataclasses.replace(out[name], from_rows=True)
 
 
-def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "") -> str | None:
+def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "",
+                         shards_params: bool = False) -> str | None:
     """The refusal of a plan that cuts the batch (``dp`` ranks or ``microbatches``) for a model whose
-    forward writes buffers; None when it keeps the batch whole or there are none. ``where`` names
-    what set the cut (default the plan field: ``mesh.dp``, else ``schedule.microbatches``)."""
+    forward writes buffers; None when it keeps the batch whole or there are none, or when only dp
+    cuts it and no written value depends on the batch (each rank then writes its copy once per step,
+    as one process does, from the same values), unless ``shards_params`` (fsdp) and a parameter is
+    written (into a gathered copy the reshard drops). ``where`` names what set the cut (default the
+    plan field: ``mesh.dp``, else ``schedule.microbatches``)."""
     if not writes or (dp <= 1 and microbatches <= 1):
         return None
-    where = where or ("mesh.dp" if dp > 1 else "schedule.microbatches")
+    rowless = not any(w.from_rows for w in writes)
+    if microbatches <= 1 and rowless and not (shards_params and any(w.parameter for w in writes)):
+        return None
+    where = where or ("schedule.microbatches" if microbatches > 1 and (rowless or dp <= 1) else
+                      "data_parallel.kind" if rowless else "mesh.dp")
     cuts = " and ".join(c for c in (f"dp={dp} ranks" if dp > 1 else "", f"{microbatches} microbatches"
                                     if microbatches > 1 else "") if c)
     shown = ", ".join(w.describe() for w in writes[:4]) + (f" and {len(writes) - 4} more" if len(writes) > 4 else "")
@@ -130,7 +169,9 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
             "forward on each slice of the batch: the update would run once per slice and microbatch, from that "
             "slice alone (each dp rank's copy its own), where one process runs it once per step on the whole "
             f"batch. Use {KEEP_BATCH_WHOLE} (pipeline and tensor parallelism keep the batch whole), or move the "
-            "update out of forward into the training loop")
+            "update out of forward into the training loop" + (
+                "; no written value depends on the batch, so data parallelism with one microbatch and "
+                "data_parallel.kind ddp, zero1 or zero2 also keeps it exact" if rowless else ""))
 
 
 # In-place by schema, but they write no value: a model built on ``meta`` traces each tensor its

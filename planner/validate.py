@@ -66,8 +66,9 @@ def validate_plan(plan: Plan, graph: ModelGraph | None, cluster: Any = None, *, 
     _check_data_parallel(plan, graph, problems, runnable=runnable)
     _check_recompute(plan, graph, problems)
     _check_batch_norm(plan, graph, problems)
-    if graph is not None and (cut := buffer_write_problem(find_buffer_writes(graph.gm), dp=plan.mesh.dp,
-                                                           microbatches=plan.schedule.microbatches)) is not None:
+    if graph is not None and (cut := buffer_write_problem(
+            find_buffer_writes(graph.gm), dp=plan.mesh.dp, microbatches=plan.schedule.microbatches,
+            shards_params=plan.data_parallel.kind == "fsdp")) is not None:
         problems.append(cut)
     broken = {_section(p) for p in schema_problems}
     broken |= {d for s in broken for d in _READS.get(s, ())}

@@ -193,3 +193,67 @@ def test_a_buffer_written_under_no_grad_is_updated_on_the_ranks_as_in_one_proces
     assert " dp=1 " in plan and plan.endswith(" m=1"), plan
     assert torch.equal(state["expert_bias"], model.expert_bias), (state["expert_bias"], model.expert_bias, plan)
     assert losses == pytest.approx(want, rel=1e-12), plan
+
+
+class RowFreeWrites(nn.Module):
+    """State written in forward from no row of the batch: a step counter, and a momentum teacher's
+    EMA of the student's weights under ``torch.no_grad()`` (MoCo/BYOL/DINO)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student, self.teacher = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.teacher.requires_grad_(False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            target = self.teacher(x)
+            for ps, pt in zip(self.student.parameters(), self.teacher.parameters()):
+                pt.mul_(0.9).add_(ps.detach(), alpha=0.1)
+        return F.mse_loss(self.student(x), y + target)
+
+
+def _row_free() -> RowFreeWrites:
+    torch.manual_seed(0)
+    return RowFreeWrites().double()
+
+
+def _row_free_rank(rank: int, world: int, plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
+    pm = fairscale.parallelize(_row_free(), example_inputs=_batch(0), plan=plan,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    return [pm.train_step(_batch(step)) for step in range(3)], pm.state_dict()
+
+
+def test_writes_that_no_row_feeds_keep_data_parallelism_and_train_exactly() -> None:
+    """A counter or a teacher's EMA of the weights is computed alike on every dp rank, once per step
+    as in one process: such a model had been refused data parallelism (a wrong refusal: every
+    MoCo/BYOL-style model lost dp). Microbatches still run it per microbatch, and fsdp would write
+    the teacher into a gathered copy: those stay refused, saying why."""
+    writes = find_buffer_writes(captured(_row_free(), _batch(0)).gm)
+    assert sorted((w.buffer, w.parameter, w.from_rows) for w in writes) == [
+        ("calls", False, False), ("teacher.bias", True, False), ("teacher.weight", True, False)]
+    model = _row_free()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(*_batch(step))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    plan = fairscale.plan(_row_free(), _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    assert plan.data_parallel.kind != "fsdp" and plan.schedule.microbatches == 1, plan
+    results = fairscale.launch(_row_free_rank, devices=2, args=(plan,), timeout_s=600)
+    for losses, _ in results:
+        assert losses == pytest.approx(want, rel=1e-12)
+    state = results[0][1]  # the full state dict, on rank 0
+    assert int(state["calls"]) == 3
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-12, atol=1e-12, msg=k)
+    graph = captured(_row_free(), _batch(0))
+    for microbatches, kind, field in [(2, "ddp", "schedule.microbatches"), (1, "fsdp", "data_parallel.kind")]:
+        bad = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=microbatches, global_batch=BATCH))
+        bad.data_parallel.kind = kind
+        with pytest.raises(PlanError, match=f"{field}: the model's forward writes.*no written value depends on the batch"):
+            validate_plan(bad, graph, resolve_cluster(2, "a100-80gb"), devices=2)

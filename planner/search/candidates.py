@@ -68,7 +68,7 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
         raise PlanError([microbatch_problem(stats, fixed.microbatches)], source="constraints")
     writes = find_buffer_writes(graph.gm)  # updated once per step in one process: the batch stays whole
     if (cut := buffer_write_problem(writes, dp=fixed.dp or 1, microbatches=fixed.microbatches or 1,
-                                    where="constraints")) is not None:
+                                    where="constraints", shards_params=fixed.dp_kind == "fsdp")) is not None:
         raise PlanError([cut], source="constraints")
     one_microbatch = one_microbatch or bool(writes)
     rows = min_rows(stats)
@@ -85,8 +85,8 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
             if dp is None:
                 notes.append(f"dp={fixed.dp or N // (tp * pp)} does not divide the global batch {B}")
                 continue
-            if writes and dp > 1:
-                notes.append(str(buffer_write_problem(writes, dp=dp, microbatches=1)))
+            if writes and dp > 1 and (cut := buffer_write_problem(writes, dp=dp, microbatches=1)) is not None:
+                notes.append(cut)
                 continue
             per = B // dp
             ms = divisors(per) if fixed.microbatches is None else (
@@ -107,6 +107,9 @@ def enumerate_configs(graph: ModelGraph, ctx: Context, fixed: Fixed, rules: Call
                         "; ".join(broken) or f"schedule kind {fixed.kind!r} offers no schedule for it"))
                 for kind, v in schedules:
                     for dp_kind, reshard in _dp_kinds(dp, fixed):
+                        if dp > 1 and buffer_write_problem(writes, dp=dp, microbatches=1,
+                                                           shards_params=dp_kind == "fsdp") is not None:
+                            continue  # fsdp would drop a parameter's write into its gathered copy
                         for sp in ([False, True] if tp > 1 else [False]):
                             if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
                                 continue
