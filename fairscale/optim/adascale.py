@@ -95,7 +95,7 @@ class AdaScale(torch.optim.Optimizer):
         n = len(optimizer.param_groups)
         optimizer.state.setdefault("adascale", {"grad_sqr_avg": np.ones(n), "grad_var_avg": np.zeros(n)})
         self._scale = 1.0
-        self.set_scale(float(self._world_size * self._num_grads_to_accum if scale is None else scale))
+        self.set_scale(self._world_size * self._num_grads_to_accum if scale is None else scale)  # an int stays one
         self._hook()
 
     # ---------------------------------------------------------------------------------- hooks
@@ -119,10 +119,10 @@ class AdaScale(torch.optim.Optimizer):
 
     def _backward_hook(self, pg_idx: int, grad: torch.Tensor) -> None:
         # one pass's local gradient, before any data-parallel reduction
+        # in the gradients' dtype (float32), as 0.4.13 sums them: its gains to the last bit
         if self._local_grad_sqr is None:
-            self._local_grad_sqr = torch.zeros(len(self._optimizer.param_groups), dtype=torch.float64,
-                                               device=grad.device)
-        self._local_grad_sqr[pg_idx] += grad.detach().double().pow(2).sum()
+            self._local_grad_sqr = torch.zeros(len(self._optimizer.param_groups), device=grad.device)
+        self._local_grad_sqr[pg_idx] += grad.detach().pow(2).sum()
         self._final_callback_queued = False
         Variable._execution_engine.queue_callback(self._queue_final_callback)
 
@@ -154,11 +154,8 @@ class AdaScale(torch.optim.Optimizer):
         local = self._local_grad_sqr
         assert local is not None
         work = comm.all_reduce_(local, self._axis, async_op=True) if self._axis is not None else None
-        total = np.zeros(len(self._optimizer.param_groups))
-        for idx, group in enumerate(self._optimizer.param_groups):
-            for p in group["params"]:
-                if p.grad is not None:
-                    total[idx] += p.grad.detach().double().pow(2).sum().item()
+        total = np.array([sum(p.grad.detach().pow(2).sum().item() for p in group["params"] if p.grad is not None)
+                          for group in self._optimizer.param_groups], dtype=np.float64)
         if work is not None:
             work.wait()
         local_sqr = local.cpu().numpy()
@@ -169,7 +166,7 @@ class AdaScale(torch.optim.Optimizer):
             else:
                 total = total / k ** 2  # .grad holds Σ g_i, not yet divided by k
         s, cn = self._scale, self._world_size * k
-        grad_var = s / (cn - 1) * (local_sqr / cn - total)
+        grad_var = local_sqr * (s / cn) / (cn - 1) - total * s / (cn - 1)  # 0.4.13's order of operations
         grad_sqr = total - grad_var / s
         self._update_avg("grad_sqr_avg", np.maximum(grad_sqr, 0.0), self._smoothing)
         self._update_avg("grad_var_avg", np.maximum(grad_var, 1e-6), self._smoothing)
@@ -230,7 +227,7 @@ class AdaScale(torch.optim.Optimizer):
             for key in ("grad_var_avg_biased" if self._debias_ewma else "grad_var_avg_total", "grad_var_avg"):
                 if key in self._state:
                     self._state[key] = self._state[key] * ratio
-        self._scale = float(scale)
+        self._scale = scale  # as given: 0.4.13 keeps an int scale an int
 
     def set_num_gradients_to_accumulate(self, num_gradients_to_accumulate: int, update_smoothing: bool = True) -> None:
         """Change the backward passes per step (call ``set_scale`` too, usually); ``update_smoothing``

@@ -9,7 +9,6 @@ import io
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: once here, not in every forked rank)
-import torch.distributed as dist
 from torch import nn
 
 import fairscale
@@ -173,12 +172,57 @@ def _run(rank: int, world: int) -> bytes:
     ddp = nn.parallel.DistributedDataParallel(dot)  # kept alive through backward: it owns the reduction
     ddp(torch.tensor([3.0, 1.0] if rank % 2 == 0 else [1.0, 1.0])).backward()
     out["hand_gain"] = hand.gain()
+    if world == 2:
+        out["accumulated"] = _accumulated_under_no_sync(rank)
     return _pack(out)
+
+
+def _accumulated_under_no_sync(rank: int) -> tuple[object, list[float]]:
+    """A fairseq/VISSL-style loop: DDP, two backward passes per step (the first under no_sync),
+    momentum SGD and an LR schedule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), num_gradients_to_accumulate=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    g, gains = torch.Generator().manual_seed(rank), []
+    for _ in range(4):
+        for micro in range(2):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+            if micro == 0:
+                with ddp.no_sync():
+                    nn.functional.mse_loss(ddp(x), y).backward()
+            else:
+                nn.functional.mse_loss(ddp(x), y).backward()
+        gains.append(opt.gain())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return opt.scale, gains
+
+
+def test_accumulated_gains_are_fairscale_0_4_13s_to_the_last_bit() -> None:
+    """0.4.13 sums the squared gradients in float32 and orders σ²'s arithmetic its own way; ours
+    summed in float64 (gains off by ~1e-7 relative, weights by ~6e-8). The numbers are 0.4.13's,
+    run on the same loop (world 2, torch 2.13 CPU); its scale stays the int it computed."""
+    scale, gains = _launched(2)[0]["accumulated"]
+    assert type(scale) is int and scale == 4
+    assert gains == [3.664683020406227, 2.560957539814401, 2.545587327223284, 2.7270759783778766]
+
+
+_LAUNCHED: dict[int, list] = {}
+
+
+def _launched(world: int) -> list:
+    """Every rank's :func:`_run` at ``world`` ranks (one launch per world size for the module)."""
+    if world not in _LAUNCHED:
+        _LAUNCHED[world] = [_unpack(r) for r in fairscale.launch(_run, devices=world)]
+    return _LAUNCHED[world]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_match_single_process_accumulation(world: int) -> None:
-    results = [_unpack(r) for r in fairscale.launch(_run, devices=world)]
+    results = _launched(world)
     gains, params = _single_process(world)
     assert all(g > 1.0 for g in gains)  # the gain is active
     for r in results:
