@@ -103,7 +103,8 @@ def describe_capture_failure(model_name: str, failures: Sequence[Failure],
     where, context = "", []
     if site is not None:
         file, line, func, _, owner = site
-        path = (paths or {}).get(id(primary.owner)) if getattr(primary, "owner", None) is not None else None
+        owners = getattr(primary, "owners", None) or ([primary.owner] if getattr(primary, "owner", None) else [])
+        path = next((p for p in ((paths or {}).get(id(o)) for o in owners) if p is not None), None)
         module = f"module {path or '(the model)'}, " if path is not None else ""
         where = f" at {file}:{line} ({module}{owner + '.' if owner else ''}{func})"
         context = source_context(file, line)

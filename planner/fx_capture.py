@@ -30,7 +30,7 @@ from torch import nn
 
 from planner.fx_module import graph_module
 
-__all__ = ["export_trace", "fx_trace", "failure_site", "failure_owner", "fx_supports", "Failure", "META_FX_LEAVES"]
+__all__ = ["export_trace", "fx_trace", "failure_site", "failure_owner", "failure_owners", "fx_supports", "Failure", "META_FX_LEAVES"]
 
 META_FX_LEAVES = "fs_fx_leaves"
 """gm.meta key of an fx trace: qualified names of the torch.nn module classes kept whole (leaves)."""
@@ -214,8 +214,11 @@ class Failure:
         self.tracer = tracer
         self.exc = exc
         self.site = failure_site(exc)
-        self.owner = failure_owner(exc)
-        """The module whose forward ran the failing line (None outside the model's modules)."""
+        self.owners = failure_owners(exc)
+        """The modules whose code is on the stack at the failing line, innermost first: the first is
+        the one whose forward ran it; the error names the first that is part of the model (a loss's
+        helper module built in forward, as Hugging Face's HungarianMatcher, is not)."""
+        self.owner = self.owners[0] if self.owners else None
 
     def describe(self) -> str:
         msg = (str(self.exc).strip().splitlines() or [""])[0][:300]
@@ -283,17 +286,24 @@ def failure_site(exc: BaseException) -> tuple[str, int, str, str, str] | None:
 
 def failure_owner(exc: BaseException) -> nn.Module | None:
     """The module instance whose forward runs the line :func:`failure_site` names."""
+    owners = failure_owners(exc)
+    return owners[0] if owners else None
+
+
+def failure_owners(exc: BaseException) -> list[nn.Module]:
+    """The module instances on the stack of the line :func:`failure_site` names, innermost first."""
     frames = _user_frames(exc)
     if not frames:
-        return None
+        return []
     tb, _ = frames[-1] if exc.__cause__ is None and exc.__context__ is None else _innermost(frames)
     frame: Any = tb.tb_frame
+    owners: list[nn.Module] = []
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and not _is_internal(owner):
-            return owner
+        if isinstance(owner, nn.Module) and not _is_internal(owner) and all(owner is not o for o in owners):
+            owners.append(owner)
         frame = frame.f_back
-    return None
+    return owners
 
 
 def _is_internal(module: nn.Module) -> bool:

@@ -217,3 +217,34 @@ def test_data_dependent_routing_on_meta_is_refused_naming_the_module_and_op() ->
     with pytest.raises(CaptureError) as info:
         capture(model, (torch.randn(6, 4, device="meta"),))
     assert "in module moe) on fake tensors" in str(info.value) and "DynamicOutputShapeException" in str(info.value)
+
+
+class Matcher(nn.Module):
+    """A loss's helper module built inside forward (Hugging Face's HungarianMatcher in DETR/YOLOS)."""
+
+    def forward(self, boxes: torch.Tensor) -> torch.Tensor:
+        if not (boxes[:, 2:] >= boxes[:, :2]).all():
+            raise ValueError("boxes must be in corner format")
+        return boxes.sum()
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Matcher()(self.fc(x))
+
+
+def test_a_helper_module_built_in_forward_names_the_models_module_that_runs_it() -> None:
+    """HF YolosForObjectDetection with labels was refused at the matcher's box check with
+    '(HungarianMatcher.generalized_box_iou)', no module of the model (the corpus marks the refusal as
+    lacking one): the matcher is built in the loss, not a submodule. The error names the innermost
+    module on the stack that is part of the model."""
+    model = nn.Sequential()
+    model.add_module("det", Head())
+    with pytest.raises(CaptureError) as info:
+        capture(model, (torch.randn(2, 4),))
+    line = inspect.getsourcelines(Matcher.forward)[1] + 1
+    assert f"{__file__}:{line} (module det, Matcher.forward), at op " in str(info.value), str(info.value)
