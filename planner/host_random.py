@@ -6,6 +6,12 @@ Hugging Face's audio models draw their SpecAugment time masks with ``np.random``
 on every rank, where the model draws a new one at each call (eager losses 0.69439, 0.69405,
 0.69459 for one batch; the graph's 0.69406 every time). :func:`watch_host_random` records such
 draws during a trace, so the capture can refuse the model before anything runs.
+
+A draw that follows a seed the forward sets itself (``np.random.seed(self.seed)``, as Hugging Face's
+BigBird block-sparse attention picks its random blocks in training) is the same at every call: the
+trace's constants are what the model draws each time, so it is not refused. The seed must be fixed
+when the model is built: where the forward also changes an attribute of one of its modules (a step
+counter it could seed from), the seeded draws are refused as the others.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class HostRandom:
     (or ``op random.random ...``: Python's global functions)."""
     moved: list[str] = field(default_factory=list)
     """``numpy.random`` / ``random``: global states that changed."""
+    seeded: list[str] = field(default_factory=list)
+    """Call sites of draws that followed a seed the forward set (the same numbers at every call)."""
 
     def describe(self) -> str:
         return self.sites[0] if self.sites else f"op {self.moved[0]}.* (its global state moved; where was not recorded)"
@@ -71,26 +79,51 @@ def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
     """Record the random draws outside torch of the code run inside (module docstring)."""
     found = HostRandom()
     patched: list[tuple[Any, str, Any]] = []
+    seeded: set[str] = set()  # the spaces whose state the watched code set with a seed of its own
     # numpy's global functions, and Python's (a seq2seq's per-step teacher forcing, random.random() < ratio)
     for space, owner, prefix in ((np.random, np.random.mtrand._rand, "numpy.random"), (random, random._inst, "random")):
         for name in getattr(space, "__all__", []):
             fn = getattr(space, name, None)
-            if getattr(fn, "__self__", None) is owner and name not in ("get_state", "set_state", "seed", "getstate",
-                                                                        "setstate"):
-                def wrap(*args: Any, _fn: Any = fn, _name: str = f"{prefix}.{name}", **kwargs: Any) -> Any:
-                    found.sites.append(call_site(_name, model))
+            if name in ("get_state", "set_state", "getstate", "setstate") or fn is None or (
+                    getattr(fn, "__self__", None) is not owner and name != "seed"):  # numpy's seed is a plain function
+                continue
+            if name == "seed":
+                def reseed(*args: Any, _fn: Any = fn, _prefix: str = prefix, **kwargs: Any) -> Any:
+                    value = args[0] if args else kwargs.get("seed", kwargs.get("a"))
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        seeded.add(_prefix)
+                    else:  # seed() or seed(None) draws the state from the operating system
+                        seeded.discard(_prefix)
                     return _fn(*args, **kwargs)
-                patched.append((space, name, fn))
-                setattr(space, name, wrap)
+                wrapper: Any = reseed
+            else:
+                def wrapper(*args: Any, _fn: Any = fn, _name: str = f"{prefix}.{name}", _prefix: str = prefix,
+                            **kwargs: Any) -> Any:
+                    (found.seeded if _prefix in seeded else found.sites).append(call_site(_name, model))
+                    return _fn(*args, **kwargs)
+            patched.append((space, name, fn))
+            setattr(space, name, wrapper)
+    writes: list[str] = []  # numbers or strings the watched code set on a module (a seed could come from one)
+    module_setattr = nn.Module.__setattr__
+    own = {id(m) for m in model.modules()}
+
+    def noting(self: nn.Module, name: str, value: Any) -> None:
+        if id(self) in own and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            writes.append(f"{type(self).__name__}.{name}")
+        module_setattr(self, name, value)
     np_state: Any = np.random.get_state()
     py_state = random.getstate()
+    nn.Module.__setattr__ = noting  # type: ignore[method-assign]
     try:
         yield found
     finally:
+        nn.Module.__setattr__ = module_setattr  # type: ignore[method-assign]
         for space, name, fn in patched:
             setattr(space, name, fn)
+        if found.seeded and writes:
+            found.sites.extend(found.seeded)  # the forward changes its modules: a seed may change with them
         after: Any = np.random.get_state()
-        if after[2] != np_state[2] or not np.array_equal(after[1], np_state[1]):
+        if "numpy.random" not in seeded and (after[2] != np_state[2] or not np.array_equal(after[1], np_state[1])):
             found.moved.append("numpy.random")
-        if random.getstate() != py_state:
+        if "random" not in seeded and random.getstate() != py_state:
             found.moved.append("random")

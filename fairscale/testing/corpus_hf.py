@@ -188,6 +188,12 @@ MODELS: dict[str, CorpusModel] = {m.name: m for m in [
                  num_attention_heads=HEADS, intermediate_size=2 * DIM, max_position_embeddings=SEQ + 2,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), _masked,
            features="positions from the padding mask (cumsum), -100 labels"),
+    _entry("hf-bigbird", "transformers BigBirdForMaskedLM, default BigBirdConfig",
+           _make("BigBirdConfig", "BigBirdForMaskedLM", vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, intermediate_size=2 * DIM, max_position_embeddings=SEQ, block_size=2,
+                 num_random_blocks=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), _masked,
+           features="block-sparse attention whose random blocks numpy draws after seeding it with the layer's "
+                    "index (the same blocks at every call), -100 labels"),
     _entry("hf-distilbert", "transformers DistilBertForMaskedLM, default DistilBertConfig",
            _make("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=VOCAB, max_position_embeddings=SEQ,
                  n_layers=LAYERS, n_heads=HEADS, dim=DIM, hidden_dim=2 * DIM, dropout=0.0, attention_dropout=0.0),

@@ -103,3 +103,52 @@ def test_library_code_is_not_skipped_where_site_packages_lies_in_the_standard_li
     assert not library.startswith(host_random._SKIP)
     assert not os.path.join(sysconfig.get_paths()["purelib"], "transformers", "x.py").startswith(host_random._SKIP)
     assert functools.__file__.startswith(host_random._SKIP)
+
+
+class SeededBlocks(nn.Module):
+    """Hugging Face BigBird's block-sparse attention in training: ``np.random.seed(self.seed)``
+    (the layer's index), then ``np.random.permutation`` picks the random blocks, the same ones at
+    every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 8)
+        self.seed = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        np.random.seed(self.seed)
+        keep = torch.from_numpy(np.random.permutation(8) < 6).to(x.dtype)
+        return (self.net(x) * keep).pow(2).mean()
+
+
+class SeededByStep(SeededBlocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seed += 1  # a step counter as the seed: other numbers at each call
+        return super().forward(x)
+
+
+def test_draws_after_a_seed_the_forward_sets_are_captured_and_a_seed_that_moves_is_refused() -> None:
+    """HF BigBirdForMaskedLM (default config, block_sparse) was refused for every plan, 'op
+    numpy.random.permutation at module ...attention.self (BigBirdBlockSparseAttention)', though its
+    forward seeds numpy with a constant first, so the trace's constants are the blocks it draws at
+    every call. Such draws are captured now; where the forward also sets a number on one of its
+    modules (a seed that may move between calls), they are still refused."""
+    x = torch.randn(4, 8)
+    model = SeededBlocks()
+    seed, module_setattr = np.random.seed, nn.Module.__dict__["__setattr__"]
+    graph = capture(model, (x,), annotate=False)
+    out = graph.gm(x)
+    assert torch.allclose(out[0] if isinstance(out, (tuple, list)) else out, model(x))
+    assert np.random.seed is seed and nn.Module.__dict__["__setattr__"] is module_setattr  # put back
+    with pytest.raises(CaptureError) as info:
+        capture(SeededByStep(), (x,), annotate=False)
+    assert "op numpy.random.permutation at module <model top level> (SeededByStep)" in str(info.value), str(info.value)
+
+
+def test_hf_bigbird_block_sparse_attention_is_captured() -> None:
+    pytest.importorskip("transformers")
+    from fairscale.testing.corpus import models
+
+    case = models()["hf-bigbird"].build(0)
+    assert case.model.inner.config.attention_type == "block_sparse"  # the default, used at this length
+    capture(case.model, case.make_batch(0, 4), annotate=False)
