@@ -112,13 +112,16 @@ def trace_dtype(plan: Plan) -> torch.dtype | None:
 
 def rank_capture(model: nn.Module, example: Sequence[Any], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> ModelGraph:
-    """``planner.capture.capture(model, example, loss_fn=loss_fn, annotate=False, dtype=dtype)``:
+    """``planner.capture.capture(model, example, loss_fn=loss_fn, annotate=False, dtype=dtype, tracer="export")``:
     the graph a rank compiles at the microbatch shape ``example`` has (traced in ``dtype`` for a
     mixed-precision plan: :func:`trace_dtype`), cached (module docstring). Raises
     ``CaptureError`` as the capture does (a failure is not cached)."""
     key = (*model_key(model, example, loss_fn), dtype)
     found = _CAPTURES.get(key)
     if found is None:
-        found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False, dtype=dtype)
+        # torch.export only: the passes compile its ATen graph; a torch.fx trace (the fallback of a
+        # planning capture) has no value on its nodes, and the error to give is export's own
+        found = _CAPTURES[key] = capture(model, tuple(example), loss_fn=loss_fn, annotate=False, dtype=dtype,
+                                         tracer="export")
         weakref.finalize(model, _CAPTURES.pop, key, None)
     return found

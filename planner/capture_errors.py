@@ -94,6 +94,16 @@ def _last_traced_op(exc: BaseException) -> str:
     return ""
 
 
+def _sized_by_values(exc: BaseException) -> str:
+    """The op whose fake kernel raised DynamicOutputShapeException in ``exc``'s chain (F.ctc_loss's
+    aten._ctc_loss), which no trace gets past; '' for any other failure."""
+    for e in _chain(exc):
+        if type(e).__name__ == "DynamicOutputShapeException" and e.args:
+            return f"aten.{getattr(e.args[0], '__name__', e.args[0])}" if isinstance(e.args[0], torch._ops.OpOverload) \
+                else str(e.args[0])
+    return ""
+
+
 def describe_capture_failure(model_name: str, failures: Sequence[Failure],
                              paths: dict[int, str] | None = None) -> str:
     """The CaptureError text for ``failures`` (one per tracer tried, in order); ``paths`` (id of
@@ -110,7 +120,17 @@ def describe_capture_failure(model_name: str, failures: Sequence[Failure],
         context = source_context(file, line)
     tried = [f"  {f.tracer}: {type(f.exc).__name__}: {(str(f.exc).strip().splitlines() or [''])[0][:200]}"
              for f in failures]
-    if is_data_dependent(primary.exc):
+    sized = _sized_by_values(primary.exc)
+    if sized:
+        head = (f"could not capture {model_name}: its forward calls an op whose output's size depends on its "
+                f"inputs' values{where}, op {sized}:")
+        advice = [
+            "A rank's program is traced with torch.export, which has shapes but no values, and torch gives this op",
+            "no size without them" + (" (its CTC loss sizes its alignment table by the longest target)."
+                                      if "ctc_loss" in sized else "."),
+            "What to do: compute it with ops whose output sizes follow from their inputs' sizes (a CTC loss written",
+            "in tensor ops over padded targets), or train this model without fairscale."]
+    elif is_data_dependent(primary.exc):
         op = _last_traced_op(primary.exc)
         head = (f"could not capture {model_name}: its forward needs a tensor's value, not only its shape{where}"
                 + (f", at op {op}" if op else "") + ":")
