@@ -23,11 +23,14 @@ each training-dependent op becomes:
 A model can also branch on ``self.training`` in Python (noise added only in training, a router's
 jitter); a rewrite of the ops cannot see that. :func:`eval_difference` compares the rewritten
 training capture with a capture taken in eval mode and names the first op where they differ, so
-such a model is refused instead of evaluated with the training branch.
+such a model is refused instead of evaluated with the training branch. The comparison includes the
+values of the tensors a trace bakes into the graph (numbers the forward computed in Python, as HF
+BigBird's random blocks drawn with numpy in training only).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import torch
@@ -167,6 +170,7 @@ def _signature(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, tuple[Any,
         return torch.fx.node.map_arg(a, lambda n: ("%", index[n]))
 
     out: list[tuple[torch.fx.Node, tuple[Any, ...]]] = []
+    kept = {id(t) for t in (*gm.parameters(), *gm.buffers())}
     for node in gm.graph.nodes:
         if node.target in _LAYOUT_ONLY:  # the value of its input: a kernel's output layout may differ by mode
             index[node] = index[node.args[0]]
@@ -174,8 +178,24 @@ def _signature(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, tuple[Any,
         index[node] = len(out)
         target = node.target if node.op in ("call_function", "call_method", "get_attr", "call_module") else None
         args, kwargs = _with_defaults(node)
-        out.append((node, (node.op, str(target), norm(args), norm(kwargs))))
+        value = _constant_digest(gm, node, kept) if node.op == "get_attr" else None
+        out.append((node, (node.op, str(target), norm(args), norm(kwargs), value)))
     return out
+
+
+def _constant_digest(gm: torch.fx.GraphModule, node: torch.fx.Node, kept: set[int]) -> tuple[Any, ...] | None:
+    """The value of a tensor the trace baked into the graph (neither a parameter nor a buffer):
+    numbers the forward computed in Python differ between the modes where its code does (HF
+    BigBird's random blocks, drawn with numpy only in training); None for other attributes."""
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or id(value) in kept:
+        return None
+    if value.device.type == "meta":
+        return (tuple(value.shape), str(value.dtype))
+    data = value.detach().cpu().contiguous().reshape(-1)
+    return (tuple(value.shape), str(value.dtype), hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest())
 
 
 _LAYOUT_ONLY = (aten.contiguous.default,)
@@ -205,6 +225,9 @@ def eval_difference(train: torch.fx.GraphModule, evaluated: torch.fx.GraphModule
     model's Python code takes another path in eval mode (``if self.training: ...``)."""
     a, b = _signature(eval_graph(train)), _signature(eval_graph(evaluated))
     for (node_a, x), (node_b, y) in zip(a, b):
+        if x[:4] == y[:4] and x != y:
+            return (f"the tensor {node_a.target} that the trace baked into the graph (numbers the forward computes "
+                    "outside torch, such as numpy draws) holds other values in eval mode")
         if x != y:
             return f"in training mode it runs {_describe(node_a)}, in eval mode {_describe(node_b)}"
     if len(a) != len(b):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.fx
@@ -235,3 +236,34 @@ def test_a_python_branch_on_self_training_is_found_with_its_line(branch: bool) -
             torch.testing.assert_close(eval_graph(train)(*batch), model(*batch))
     else:
         assert reason is not None and "in training mode it runs" in reason and "test_eval_mode.py" in reason, reason
+
+
+class RandomBlocks(nn.Module):
+    """HF BigBird's block-sparse attention: in training it picks random blocks with numpy after
+    seeding it (the same every call, so the trace's constant is right); in eval it picks none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            np.random.seed(0)
+            picked = np.random.permutation(4) < 2
+        else:
+            picked = np.zeros(4, dtype=bool)
+        return (self.a(x) * torch.from_numpy(picked).to(x.dtype)).sum()
+
+
+def test_a_constant_the_trace_baked_in_with_other_values_in_eval_mode_is_a_difference() -> None:
+    """pm.evaluate of HF BigBirdForMaskedLM (dp2) returned 4.729641, the training mode's loss
+    with its random blocks, where one process in eval mode gives 4.729603, silently: both captures
+    run the same ops, and the comparison did not look at the values of the tensors baked into them."""
+    model = RandomBlocks()
+    x = torch.randn(3, 4)
+    train = capture(model, (x,), annotate=False).gm
+    assert eval_difference(train, capture(model, (x,), annotate=False).gm) is None
+    model.eval()
+    reason = eval_difference(train, capture(model, (x,), annotate=False).gm)
+    assert reason is not None and "that the trace baked into the graph" in reason and "other values in eval mode" \
+        in reason, reason
