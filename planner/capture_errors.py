@@ -94,6 +94,18 @@ def _last_traced_op(exc: BaseException) -> str:
     return ""
 
 
+def _only_raises(file: str, line: int) -> bool:
+    """``file:line`` is an ``if`` whose body is a ``raise`` (a check of the data, not a branch)."""
+    text = linecache.getline(file, line).strip()
+    if not text.startswith("if ") or not text.endswith(":"):
+        return False
+    for n in range(line + 1, line + 4):
+        body = linecache.getline(file, n).strip()
+        if body and not body.startswith("#"):
+            return body.startswith("raise ")
+    return False
+
+
 def _sized_by_values(exc: BaseException) -> str:
     """The op whose fake kernel raised DynamicOutputShapeException in ``exc``'s chain (F.ctc_loss's
     aten._ctc_loss), which no trace gets past; '' for any other failure."""
@@ -138,6 +150,11 @@ def describe_capture_failure(model_name: str, failures: Sequence[Failure],
             "fairscale plans from a trace of the model (torch.export, then torch.fx), which has shapes but no values,",
             "so it cannot decide this `if`, .item(), bool() or int() of a tensor, or a size taken from the data.",
             DATA_DEPENDENT_ADVICE]
+        if site is not None and _only_raises(site[0], site[1]):
+            advice[-1:] = [
+                "This `if` only checks the data and raises (a check of the inputs, as Hugging Face's Wav2Vec2ForCTC",
+                "checks its labels). What to do: leave out the input it checks where the model allows (call it without",
+                "labels and compute the loss from its output in loss_fn), or take the check out of the model's code."]
     else:
         names = " nor ".join(f.tracer for f in failures)
         head = f"could not capture {model_name}: {'neither ' + names + ' can' if len(failures) > 1 else names + ' cannot'}" \

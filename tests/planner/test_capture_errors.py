@@ -248,3 +248,26 @@ def test_a_helper_module_built_in_forward_names_the_models_module_that_runs_it()
         capture(model, (torch.randn(2, 4),))
     line = inspect.getsourcelines(Matcher.forward)[1] + 1
     assert f"{__file__}:{line} (module det, Matcher.forward), at op " in str(info.value), str(info.value)
+
+
+class Checked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= 4:
+            raise ValueError("labels must be < 4")
+        return nn.functional.cross_entropy(self.fc(x), labels)
+
+
+def test_an_if_that_only_raises_is_called_a_check_with_its_remedy() -> None:
+    """HF Wav2Vec2ForCTC / HubertForCTC with labels were refused at their labels check
+    (``if labels.max() >= vocab_size: raise``) with the advice to select with torch.where, which
+    fits a branch, not a check in a library's code: the refusal says what the `if` is and what to do."""
+    with pytest.raises(CaptureError) as info:
+        capture(Checked(), (torch.randn(2, 4), torch.tensor([0, 3])))
+    msg = str(info.value)
+    assert "This `if` only checks the data and raises" in msg and "call it without" in msg, msg
+    assert "torch.where" not in msg, msg
+    _no_internal_advice(msg)
