@@ -41,7 +41,7 @@ from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, mer
 from fairscale.runtime.pipeline import PipelineExecutor
 from fairscale.runtime.pipeline_io import split_microbatches
 from fairscale.runtime.program import RankProgram
-from fairscale.runtime.stage_optimizers import StageOptimizers
+from fairscale.runtime.stage_optimizers import StageOptimizers, optimizer_origin
 from fairscale.runtime.tp_random import draws_random, share_random_state
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
@@ -151,7 +151,8 @@ class ParallelModule:
         self._tp_random = self.mesh.tp > 1 and draws_random(self.modules[s] for s in self.local_stages)
         cls, kwargs = optimizer_parts(optimizer)
         self._optimizers = [DataParallelOptimizer(self.modules[s], cls, **kwargs) for s in self.local_stages]
-        self.optimizer = StageOptimizers(self._optimizers, self.mesh.groups)
+        self.optimizer = StageOptimizers(self._optimizers, self.mesh.groups, origin=optimizer_origin(
+            self.plan, self.mesh.coords(), dist.get_rank(), [o.info.kind for o in self._optimizers]))
         self._grad_norm: torch.Tensor | None = None
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model

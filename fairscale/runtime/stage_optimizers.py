@@ -22,11 +22,16 @@ groups carry the old ones' hyperparameters (``initial_lr`` included) through the
 
 Not supported, with an error that says so: ``add_param_group`` (the groups follow the plan's
 layout). ``state_dict()`` is this rank's state, by stage, for this plan only; checkpoints that
-resume under any plan are ``pm.save_checkpoint`` / ``fairscale.load_checkpoint``.
+resume under any plan are ``pm.save_checkpoint`` / ``fairscale.load_checkpoint``. It records where
+it came from (:func:`optimizer_origin`: the plan's layout and the slices and shards this rank
+holds), and ``load_state_dict`` refuses the state of a rank that holds other ones (nanoGPT's
+``torch.save({'optimizer': optimizer.state_dict()})`` on rank 0 loaded on every rank: under tensor
+parallelism each tp rank had taken rank 0's moments for its own slices, silently) or of another plan.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable
@@ -42,9 +47,12 @@ class StageOptimizers(torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called: it would build groups of its own from a parameter list,
     # and these groups belong to the stage optimizers. What it sets up besides is set up here.
-    def __init__(self, optimizers: list[DataParallelOptimizer], groups: AxisGroups) -> None:
+    def __init__(self, optimizers: list[DataParallelOptimizer], groups: AxisGroups,
+                 origin: dict[str, Any] | None = None) -> None:
         self.optimizers = optimizers
         self._groups = groups
+        self.origin = origin
+        """Where this rank's state belongs (:func:`optimizer_origin`); ``state_dict`` records it."""
         self.defaults: dict[str, Any] = dict(optimizers[0].optimizer.defaults) if optimizers else {}
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -85,7 +93,10 @@ class StageOptimizers(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's optimizer state by local stage, for this plan only (``pm.save_checkpoint``
         writes one that any plan resumes)."""
-        return {"stages": [o.state_dict() for o in self.optimizers]}
+        out: dict[str, Any] = {"stages": [o.state_dict() for o in self.optimizers]}
+        if self.origin is not None:
+            out["origin"] = dict(self.origin)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         stages = state_dict.get("stages") if isinstance(state_dict, dict) else None
@@ -94,6 +105,7 @@ class StageOptimizers(torch.optim.Optimizer):
             raise ValueError(f"this state dict has {have} stage entries but this rank runs {len(self.optimizers)} "
                              "stages: pm.optimizer.state_dict() is for the same plan and rank; use "
                              "pm.save_checkpoint / fairscale.load_checkpoint to resume under another plan")
+        check_origin(state_dict.get("origin"), self.origin)
         for o, s in zip(self.optimizers, stages):
             o.load_state_dict(s)
 
@@ -103,6 +115,7 @@ class StageOptimizers(torch.optim.Optimizer):
         self.optimizers = other.optimizers
         self._groups = other._groups
         self.defaults = other.defaults
+        self.origin = other.origin
 
     def __repr__(self) -> str:
         kinds = ", ".join(type(o.optimizer).__name__ for o in self.optimizers) or "none"
@@ -139,3 +152,49 @@ class UserGroup(MutableMapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"UserGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} }, {len(self._groups)} stages)"
+
+
+_RESUME = ("pm.optimizer.state_dict() holds this rank's own slices and shards of the optimizer state: save every "
+           "rank's to a file of its own (f'optimizer_rank{rank}.pt') and load each on the same rank under the same "
+           "plan, or use pm.save_checkpoint(dir) / pm.load_checkpoint(dir), which hold the whole state and resume "
+           "under any plan")
+
+
+def optimizer_origin(plan: Any, coords: tuple[int, int, int], rank: int, kinds: list[str]) -> dict[str, Any]:
+    """Where a rank's optimizer state belongs: the plan's layout of the tensors (mesh, stages,
+    tensor-parallel rules, data-parallel kind and buckets; not the microbatches, which do not move
+    state) and the part of it this rank holds, ``shard``: its pp and tp coordinates, and its dp
+    coordinate where dp ranks hold different state (a sharded kind, or experts split over ep).
+    DDP replicas hold the same state, so rank 0's loads on any replica."""
+    pp, dp, tp = coords
+    ep = plan.mesh.ep
+    if all(k == "ddp" for k in kinds):
+        dp_part: int | None = dp % ep if ep > 1 else None
+    else:
+        dp_part = dp
+    layout = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, ep], "stages": [s.layers for s in plan.stages],
+              "schedule": [plan.schedule.kind, plan.schedule.virtual_stages],
+              "tensor_parallel": [sorted(plan.tensor_parallel.rules.items()), plan.tensor_parallel.sequence_parallel],
+              "data_parallel": [plan.data_parallel.kind, plan.data_parallel.units, plan.data_parallel.bucket_mb]}
+    m = plan.mesh
+    return {"layout": json.dumps(layout, sort_keys=True), "shard": [pp, dp_part, tp], "rank": rank,
+            "coords": [pp, dp, tp],
+            "plan": f"pp{m.pp} x dp{m.dp} x tp{m.tp}{f' x ep{ep}' if ep > 1 else ''}, {plan.data_parallel.kind}"}
+
+
+def check_origin(saved: Any, mine: dict[str, Any] | None) -> None:
+    """Refuse a state dict another plan's rank, or a rank holding other slices or shards, saved
+    (one without an origin, made by hand or before origins were recorded, is taken as it is)."""
+    if not isinstance(saved, dict) or mine is None:
+        return
+
+    def where(o: dict[str, Any]) -> str:
+        pp, dp, tp = o.get("coords", ["?"] * 3)
+        return f"rank {o.get('rank', '?')} (pp {pp}, dp {dp}, tp {tp}) under the plan {o.get('plan', '?')}"
+
+    if saved.get("layout") != mine["layout"]:
+        raise ValueError(f"pm.optimizer.load_state_dict: this state dict was saved by {where(saved)}, and this is "
+                         f"{where(mine)}: another plan lays the optimizer state out otherwise. {_RESUME}")
+    if list(saved.get("shard", [])) != list(mine["shard"]):
+        raise ValueError(f"pm.optimizer.load_state_dict: this state dict was saved by {where(saved)}, and this is "
+                         f"{where(mine)}, which holds other slices or shards of the model's tensors. {_RESUME}")
