@@ -334,7 +334,8 @@ class ParallelModule:
             raise RuntimeError(
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
                 f"{self.plan.schedule.microbatches} microbatches, whose forward and backward the pipeline "
-                "schedule interleaves: use pm.train_step(batch)")
+                "schedule interleaves: use pm.train_step(batch) to train, and pm.evaluate(batch) for a loss without "
+                "training (validation: the global batch's mean loss in eval mode)")
         modules, change = self.modules, self._mode_change()
         if change is not None:
             model = self._user_model()

@@ -96,17 +96,24 @@ def test_evaluate_is_one_process_eval_mode_on_the_trained_state(name: str) -> No
     assert abs(first - want) <= 1e-10 * abs(want), (first, want)
 
 
-def _token_mean_rank(rank: int, world: int) -> float:
+def _token_mean_rank(rank: int, world: int) -> tuple[float, str]:
     case = _case()
     plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(kind="1f1b", microbatches=2))
     pm = fairscale.parallelize(case.model, example_inputs=_batch(0, N), plan=plan)
-    return pm.evaluate(_batch(5, N))
+    case.model.eval()  # a Lightning-style validation_step: eval mode, no_grad, the module called
+    with torch.no_grad(), pytest.raises(RuntimeError) as refused:
+        pm(*_batch(5, N))
+    case.model.train()
+    return pm.evaluate(_batch(5, N)), str(refused.value)
 
 
 def test_a_token_mean_is_weighted_by_each_pieces_labels() -> None:
     """-100 labels spread unevenly over dp slices and microbatches: the pieces are weighted by
     their share of the labels, as in train_step (passes.loss_weights)."""
-    got = fairscale.launch(_token_mean_rank, devices=2)[0]
+    got, refused = fairscale.launch(_token_mean_rank, devices=2)[0]
+    # pm(*batch) of a plan with microbatches said only 'use pm.train_step(batch)', which trains on
+    # the validation batch; it names pm.evaluate for a loss without training
+    assert "pm.evaluate(batch) for a loss without training" in refused, refused
     with torch.no_grad():
         want = float(_case().model(*_batch(5, N)))
     assert abs(got - want) <= 1e-6 * abs(want), (got, want)
