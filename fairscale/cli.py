@@ -26,18 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import importlib.util
 import json
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
 from planner.api import resolve_cluster
 from planner.capture import CaptureError
@@ -51,94 +46,14 @@ from planner.validate import device_count, validate_plan
 __all__ = ["main", "render_report", "load_factory", "UsageError"]
 
 from fairscale.api import captured, known_dtype, planning_dtype, search_graph  # noqa: E402 - the face's one search
+from fairscale.cli_factory import (CAPTURE_BATCH, Loaded, UsageError, load_factory,  # noqa: E402, F401 - re-exported
+                                   recorded_factory)
 from fairscale.cli_whatif import add_commands as add_whatif_commands  # noqa: E402
 from fairscale.compile_check import checker_for  # noqa: E402
 from fairscale.runtime.calibrate_gpu import calibrate_gpu_and_cache  # noqa: E402
 from fairscale.runtime.calibration_cache import calibrate_and_cache, cpu_cluster  # noqa: E402
 from fairscale.calibrate_host import measure_runtime_host  # noqa: E402
 from fairscale.report.text import render_report  # noqa: E402 - re-exported for callers of the CLI module
-
-CAPTURE_BATCH = 2
-"""Samples in the example batch a Case is captured with (per-layer facts scale linearly with it)."""
-
-
-class UsageError(Exception):
-    """A command-line mistake; printed without a traceback, exit code 2."""
-
-
-@dataclass
-class Loaded:
-    """What a factory gave: the model, an example batch and the loss convention of planner.capture."""
-
-    model: nn.Module
-    batch: tuple[Any, ...]
-    loss_fn: Callable[..., Any] | None
-    make_batch: Callable[[int, int], Any] | None = None
-    """A Case's ``make_batch(step, batch_size)``: real batches of any size (``check`` uses it)."""
-
-
-# --- factories ---------------------------------------------------------------------------------
-
-
-def load_factory(spec: str) -> Loaded:
-    """Import ``pkg.module:function`` (or ``file.py:function``), call it, and read what it returned."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"FACTORY {spec!r} is not of the form pkg.module:function (or path/to/file.py:function)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does, so factories next to the user's files import
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise UsageError(f"FACTORY {spec!r}: no file {path}")
-            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert loader_spec is not None and loader_spec.loader is not None
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except UsageError:
-        raise
-    except ImportError as exc:
-        raise UsageError(f"FACTORY {spec!r}: cannot import {module_name}: {exc}") from exc
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            names = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)
-                     and getattr(v, "__module__", None) == module.__name__]
-            raise UsageError(f"FACTORY {spec!r}: {module_name} has no attribute {attr!r} "
-                             f"(callables there: {', '.join(names[:12]) or 'none'})")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise UsageError(f"FACTORY {spec!r}: {attr} is a {type(fn).__name__}, not a function")
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - the user's code; report it as a usage problem
-        raise UsageError(f"FACTORY {spec!r}: calling {attr}() raised {type(exc).__name__}: {exc}") from exc
-    return _read_result(spec, result)
-
-
-_RETURNS = ("return a fairscale.testing.models.Case, (model, example_inputs) or "
-            "(model, example_inputs, loss_fn)")
-
-
-def _read_result(spec: str, result: Any) -> Loaded:
-    if all(hasattr(result, a) for a in ("model", "make_batch", "loss_fn")) and isinstance(result.model, nn.Module):
-        return Loaded(result.model, tuple(result.make_batch(0, CAPTURE_BATCH)), result.loss_fn, result.make_batch)
-    if isinstance(result, nn.Module):
-        raise UsageError(f"FACTORY {spec!r} returned a {type(result).__name__} but no example inputs; {_RETURNS}")
-    if isinstance(result, (tuple, list)) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
-        inputs = result[1]
-        if isinstance(inputs, dict):
-            raise UsageError(f"FACTORY {spec!r}: example inputs must be a tuple (positional arguments), not a dict")
-        batch = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        loss_fn = result[2] if len(result) == 3 else None
-        if loss_fn is not None and not callable(loss_fn):
-            raise UsageError(f"FACTORY {spec!r}: the third item must be a loss function, got {type(loss_fn).__name__}")
-        return Loaded(result[0], batch, loss_fn)
-    raise UsageError(f"FACTORY {spec!r} returned {type(result).__name__}; {_RETURNS}")
-
 
 def _capture_loaded(spec: str, out: Callable[[str], None], dtype: str = "fp32") -> tuple[Loaded, ModelGraph]:
     loaded = load_factory(spec)
@@ -234,7 +149,7 @@ def _load_plan_and_model(args: argparse.Namespace) -> tuple[Plan, ModelGraph | N
     if not path.is_file():
         raise UsageError(f"{path}: no such file" if not path.exists() else f"{path} is not a file")
     plan, args.schema_problems = Plan.read(path)  # every problem is reported once the model is captured
-    factory = args.factory or plan.model.factory
+    factory = args.factory or (plan.model.factory and recorded_factory(plan.model.factory, path))
     loaded: Loaded | None = None
     if factory:
         loaded, graph = _capture_loaded(factory, print, known_dtype(plan.data_parallel.param_dtype))

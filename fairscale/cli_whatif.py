@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fairscale.api import known_dtype
+from fairscale.cli_factory import recorded_factory
 from fairscale.whatif import diff_plans, what_if
 from planner.cluster import Cluster
 from planner.graph import ModelGraph
@@ -67,7 +68,7 @@ def _graph(plan: Plan, factory: str | None, graph_of: GraphOf, usage: type[Excep
     spec = factory or plan.model.factory
     if not spec:
         raise usage(f"{what} records no model.factory; give FACTORY (pkg.module:function) to cost it")
-    return graph_of(spec, dtype or known_dtype(plan.data_parallel.param_dtype))
+    return graph_of(factory or recorded_factory(spec, what), dtype or known_dtype(plan.data_parallel.param_dtype))
 
 
 def _cmd_diff(args: argparse.Namespace, *, graph_of: GraphOf, cluster_of: ClusterOf, usage: type[Exception]) -> int:

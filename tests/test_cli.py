@@ -128,6 +128,29 @@ def test_factory_from_a_file_path(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert Plan.from_json(out).model.class_ == "MLPNet"
 
 
+
+def test_a_recorded_factory_file_is_found_from_another_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fairscale plan mymodels.py:tiny -o plan.json`` in the user's project records the file as
+    given; ``validate`` and ``report`` of that plan from another directory had stopped with
+    "FACTORY 'mymodels.py:tiny': no file mymodels.py", saying neither where it looked nor what to do."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    (project / "mymodels.py").write_text("from fairscale.testing.models import build\n\n"
+                                         "def tiny():\n    return build('mlp')\n")
+    monkeypatch.chdir(project)
+    assert run(capsys, "plan", "mymodels.py:tiny", "--devices", "2", "-o", "plan.json")[0] == 0
+    monkeypatch.chdir(elsewhere)
+    for command in ("validate", "report"):
+        code, out, err = run(capsys, command, str(project / "plan.json"))
+        assert (code, err) == (0, ""), err
+        assert "MLPNet" in out
+    (project / "plan.json").rename(elsewhere / "plan.json")  # moved away from its factory: say what to do
+    code, out, err = run(capsys, "validate", "plan.json")
+    assert code == 2 and "plan.json records model.factory 'mymodels.py:tiny', a file relative to the directory the " \
+                         f"plan was made in, but there is no mymodels.py in this directory ({elsewhere})" in err
+    assert "or give FACTORY (path/to/mymodels.py:tiny)" in err
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", GPT], "plan needs the devices: give --devices N (CPU ranks here) or --cluster PRESET --nodes K"),
     (["plan", GPT, "--devices", "2", "--nodes", "2"], "--nodes needs --cluster PRESET (a CPU run is one node: use "
