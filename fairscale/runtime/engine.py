@@ -43,6 +43,7 @@ from fairscale.runtime.pipeline_io import split_microbatches
 from fairscale.runtime.program import RankProgram
 from fairscale.runtime.stage_optimizers import StageOptimizers, optimizer_origin
 from fairscale.runtime.tp_random import draws_random, share_random_state
+from fairscale.runtime.watchdog import collective_call
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
 from fairscale.runtime.state_stream import iter_full_state
@@ -235,6 +236,7 @@ class ParallelModule:
         return loss
 
     @_on_mesh
+    @collective_call("pm.evaluate(batch)")
     def evaluate(self, batch: Sequence[Any]) -> float:
         """The mean loss of the global ``batch`` with the model in eval mode (dropout off, batch
         norm on its running statistics), forward only, nothing updated; the same on every rank,
@@ -366,6 +368,7 @@ class ParallelModule:
     # -- state ------------------------------------------------------------------------------------
 
     @_on_mesh
+    @collective_call("pm.state_dict()")
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The user's full state_dict (same keys as ``model.state_dict()``), on global rank 0 only, in
         host memory; other ranks get ``{}``. Collective: every rank must call it.
@@ -380,6 +383,7 @@ class ParallelModule:
         return apply_state_dict_hooks(model, out) if out and model is not None else out
 
     @_on_mesh
+    @collective_call("pm.full_grads()")
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The full gradients of the last backward (after ``train_step``, or ``loss.backward()``
         in the plain loop), in the user's keys (``model.named_parameters()`` names, and every name
@@ -394,6 +398,7 @@ class ParallelModule:
         return collect_on_rank0(self.mesh, self.device, mine)
 
     @_on_mesh
+    @collective_call("pm.gather_into(model)")
     def gather_into(self, model: nn.Module) -> None:
         """Copy the trained weights and buffers into ``model`` (the model given to ``parallelize``, or
         one built the same way) on every rank, so ``model.save_pretrained``, ``model.state_dict()`` or
@@ -408,11 +413,13 @@ class ParallelModule:
             yield from iter_full_state(self.modules[s], aliases=self.rank_program.tied)
 
     @_on_mesh
+    @collective_call("pm.save_checkpoint(path)")
     def save_checkpoint(self, path: str) -> None:
         """Save model and optimizer state so any plan can resume it (``fairscale.runtime.engine_checkpoint``)."""
         engine_checkpoint.save(path, self._stage_states(), mesh=self.mesh, tied=self.rank_program.tied)
 
     @_on_mesh
+    @collective_call("pm.load_checkpoint(path)")
     def load_checkpoint(self, path: str) -> None:
         """Resume from a checkpoint saved under this or any other plan of the same model."""
         engine_checkpoint.load(path, self._stage_states())

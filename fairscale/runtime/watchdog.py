@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import json
 import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from passes.ops.flight import RECORDER, Entry
 
-__all__ = ["CollectiveError", "CollectiveTimeoutError", "collective_timeout", "group_options", "install", "explain"]
+__all__ = ["CollectiveError", "CollectiveTimeoutError", "collective_timeout", "group_options", "install", "explain",
+           "collective_call"]
 
 KEY = "fairscale/watchdog/{}"
 
@@ -52,6 +54,30 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError):
     """A wait ran past ``collective_timeout_s``."""
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def collective_call(name: str) -> Callable[[Method], Method]:
+    """Mark a ``ParallelModule`` method that every rank calls together (``pm.state_dict()``,
+    ``pm.save_checkpoint``): while it runs, the other ranks' errors name it as where this rank is
+    (nanoGPT checkpoints under ``if master_process:``, so rank 0 gathered alone while the others
+    trained on: both timed out with gloo's bare 'Timed out waiting ... for recv', rank 0 named as
+    'in no collective'), and a communication failure inside it is explained as a wait's is."""
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            entry = RECORDER.post("call", "world", f"{name}, which every rank must call together")
+            return RECORDER.call(entry, lambda: method(*args, **kwargs), explain_if=_communication_failure)
+        return run  # type: ignore[return-value]
+    return wrap
+
+
+def _communication_failure(exc: BaseException) -> bool:
+    """A collective's failure (NCCL's DistBackendError, gloo's RuntimeError from its transport),
+    not the user's mistake inside a call (a missing checkpoint file)."""
+    return isinstance(exc, dist.DistError) or (type(exc) is RuntimeError and "gloo" in str(exc))
 
 
 def collective_timeout() -> datetime.timedelta | None:

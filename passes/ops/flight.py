@@ -32,7 +32,8 @@ class Entry:
     seq: int
     """Position in this rank's record (1 = first)."""
     op: str
-    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``all_to_all`` or ``p2p``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``all_to_all``, ``p2p``, or
+    ``call``: a method every rank calls together (:meth:`FlightRecorder.call`)."""
     axis: str
     """The comm axis (``pp``, ``dp``, ``tp``, ``ep``, ...)."""
     detail: str
@@ -79,6 +80,8 @@ class FlightRecorder:
         """When a list (the runtime's step timer sets one), every finished wait appends
         ``(op, axis, nbytes, group size, seconds the host blocked)``: what the closed loop
         (``fairscale.closed_loop``) measures collectives and point-to-point by."""
+        self._explained: BaseException | None = None
+        """The last error ``explain`` made (raised through any call around the wait that made it)."""
 
     def post(self, op: str, axis: str, detail: str, *, nbytes: int = 0, size: int = 0) -> Entry:
         self.seq += 1
@@ -91,20 +94,46 @@ class FlightRecorder:
         """Run ``fn`` (the blocking part of ``entry``), noting the wait; a failure goes through ``explain``."""
         entry.waiting = time.time()
         start = time.perf_counter()
-        self.current = entry
+        outer, self.current = self.current, entry
         try:
             out = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised, explained when a watchdog is installed
-            better = self.explain(entry, exc) if self.explain is not None else None
-            if better is not None:
-                raise better from exc
+            self._explain(entry, exc)
             raise
         finally:
-            self.current = None
+            self.current = outer
         entry.done = self.last_event = time.time()
         if self.timings is not None:
             self.timings.append((entry.op, entry.axis, entry.nbytes, entry.size, time.perf_counter() - start))
         return out
+
+    def call(self, entry: Entry, fn: Callable[[], Any], *, explain_if: Callable[[BaseException], bool]) -> Any:
+        """Run ``fn``, a call every rank makes together that posts collectives of its own or none
+        (``pm.state_dict()``), as ``entry``: the other ranks see this rank in it between its own
+        waits, so a rank that never called it is told where this one is. A failure ``explain_if``
+        takes for a communication failure, not explained already by a wait inside, is explained."""
+        entry.waiting = time.time()
+        outer, self.current = self.current, entry
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised, explained when it is a communication failure
+            if explain_if(exc):
+                self._explain(entry, exc)
+            raise
+        finally:
+            self.current = outer
+            entry.done = self.last_event = time.time()  # over, also when it raised
+        return out
+
+    def _explain(self, entry: Entry, exc: BaseException) -> None:
+        """Raise ``explain``'s error for a failed ``entry`` (once: a call around a wait that already
+        raised one lets it through); return to re-raise ``exc`` as it is."""
+        if self.explain is None or exc is self._explained:
+            return
+        better = self.explain(entry, exc)
+        if better is not None:
+            self._explained = better
+            raise better from exc
 
     def state(self) -> dict[str, Any]:
         """What the other ranks need to know about this one (JSON-able)."""
