@@ -422,7 +422,7 @@ class ParallelModule:
     @collective_call("pm.load_checkpoint(path)")
     def load_checkpoint(self, path: str) -> None:
         """Resume from a checkpoint saved under this or any other plan of the same model."""
-        engine_checkpoint.load(path, self._stage_states())
+        engine_checkpoint.load(path, self._stage_states(), model=self._user_model())
         mark_stale(self._user_model(), "pm.load_checkpoint")
 
     def _stage_states(self) -> list[tuple[torch.fx.GraphModule, DataParallelOptimizer]]:

@@ -119,13 +119,17 @@ def save(path: str | os.PathLike[str], stages: Sequence[StageState], *, mesh: Ra
     return path
 
 
-def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:
-    """Load a checkpoint written by :func:`save` under any plan into a rank's ``stages``. Collective."""
+def load(path: str | os.PathLike[str], stages: Sequence[StageState], *, model: torch.nn.Module | None = None) -> None:
+    """Load a checkpoint written by :func:`save` under any plan into a rank's ``stages``. Collective.
+    ``model``: the user's model, whose names and shapes the checkpoint must have (None: not checked)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(checkpoint_path(path)))
     meta = reader.read_metadata().state_dict_metadata
+    if model is not None:
+        _check_model(path, {k: tuple(v.size) for k, v in meta.items()
+                            if isinstance(v, TensorStorageMetadata) and not k.startswith("optim.")}, model)
     template: dict[str, Any] = {}
     for key in sorted(wanted_keys(stages, meta)):
         item = meta[key]
@@ -135,5 +139,42 @@ def load(path: str | os.PathLike[str], stages: Sequence[StageState]) -> None:
             # lint: cpu -- read into host memory; load_full_state copies each rank's part to its device
             template[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype, device="cpu")
     dcp.load(template, storage_reader=reader)
+    _check_groups(path, template.get("optim.param_groups"), stages)
     load_full_state(stages, template)
     dist.barrier()
+
+
+_SAME_MODEL = ("load it into the model it was saved from (the same class and configuration), or load the weights "
+               "you want into the model before fairscale.parallelize (model.load_state_dict(..., strict=False))")
+
+
+def _check_model(path: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
+    """Refuse a checkpoint of another model before anything is loaded, as torch's strict
+    ``load_state_dict`` does: keys the model has no tensor of had been skipped silently (a
+    4-layer model's checkpoint resumed a 2-layer one), and tensors of another shape failed inside a
+    copy naming no key ('The size of tensor a (48) must match ...'). Missing keys are refused
+    where a rank finds them (``fairscale.runtime.state.load_full_state_dict``)."""
+    mine = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    unexpected = sorted(k for k in shapes if k not in mine)
+    other = [f"{k} is {list(v)} there and {list(mine[k].shape)} here" for k, v in sorted(shapes.items())
+             if k in mine and v != tuple(mine[k].shape)]
+    problems = ([f"{len(unexpected)} tensor(s) this model has none of, e.g. {', '.join(unexpected[:5])}"]
+                if unexpected else []) + ([f"{len(other)} tensor(s) of another shape: {'; '.join(other[:3])}"]
+                                          if other else [])
+    if problems:
+        raise ValueError(f"pm.load_checkpoint({str(path)!r}): the checkpoint is not of this model "
+                         f"({type(model).__name__}): it holds {', and '.join(problems)}; {_SAME_MODEL}")
+
+
+def _check_groups(path: str | os.PathLike[str], saved: Any, stages: Sequence[StageState]) -> None:
+    """Refuse a checkpoint whose optimizer had another number of parameter groups (torch.optim's
+    ``load_state_dict`` does): the groups' options were paired up to the shorter list, so a
+    one-group optimizer resumed with the first group's weight decay on every parameter."""
+    groups = json.loads(saved) if isinstance(saved, str) else saved
+    if not isinstance(groups, list) or not stages:
+        return
+    have = len(stages[-1][1].param_groups)
+    if len(groups) != have:
+        raise ValueError(f"pm.load_checkpoint({str(path)!r}): the checkpoint's optimizer has {len(groups)} parameter "
+                         f"group(s) and pm.optimizer has {have}: build the optimizer given to fairscale.parallelize "
+                         "with the groups of the run that saved it (the same parameters in each, in the same order)")
