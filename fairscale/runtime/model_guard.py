@@ -32,7 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StaleModelError", "guard_model", "is_guard", "mark_stale", "mark_current", "fairscale_uses_models", "using_models",
+__all__ = ["StaleModelError", "guard_model", "is_guard", "mark_stale", "mark_current", "fairscale_uses_models",
+           "using_models", "fairscale_inside",
            "refuse_stale_state_dict"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,6 +62,11 @@ def using_models() -> Iterator[None]:
         yield
     finally:
         _INSIDE[0] -= 1
+
+
+def fairscale_inside() -> bool:
+    """Whether fairscale's own use of the user's model is running (:func:`using_models`)."""
+    return bool(_INSIDE[0])
 
 
 def fairscale_uses_models(fn: F) -> F:
