@@ -15,6 +15,11 @@ coefficient on every rank, a silent difference from one process. Once a Parallel
 * given some of them, or some mixed with other tensors, it raises and says what to call instead;
 * anything else goes to torch's own function unchanged.
 
+``torch.nn.utils.clip_grad_value_`` is elementwise, so torch's function on ``pm.parameters()`` is
+exact already; given the model's parameters (no gradients once parallelized: torch's function
+crashed in its foreach kernels, 'Expected !nested_tensorlist[0].empty()'), it clips
+``pm.parameters()``'s, and given some of them it raises, as above.
+
 A name bound before the first ParallelModule (``from torch.nn.utils import clip_grad_norm_`` at
 the top of a script) is torch's own function and is not covered: ``pm.clip_grad_norm_`` (or
 ``train_step(batch, clip_norm=...)``) is the documented way.
@@ -33,10 +38,11 @@ import torch.nn.utils.clip_grad
 from fairscale.runtime.scaler_guard import guard_grad_scaler
 from fairscale.runtime.zero_grad_guard import guard_zero_grad
 
-__all__ = ["guard_clip_grad_norm", "clip_grad_norm_"]
+__all__ = ["guard_clip_grad_norm", "clip_grad_norm_", "clip_grad_value_"]
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _TORCH = torch.nn.utils.clip_grad.clip_grad_norm_
+_TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_
 
 
 def guard_clip_grad_norm(pm: Any) -> None:
@@ -46,6 +52,8 @@ def guard_clip_grad_norm(pm: Any) -> None:
     guard_grad_scaler(pm)  # torch.amp.GradScaler(...).unscale_(pm.optimizer) too (fairscale.runtime.scaler_guard)
     guard_zero_grad(pm)  # and model.zero_grad() clears pm's gradients (fairscale.runtime.zero_grad_guard)
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_
 
 
 @functools.wraps(_TORCH)
@@ -79,3 +87,27 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         # foreach only chooses torch's kernels: nothing to pass on
         return pm.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
     return _TORCH(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+@functools.wraps(_TORCH_VALUE)
+def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float,
+                     foreach: bool | None = None) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    given = {id(p) for p in params}
+    for pm in list(_LIVE):
+        model = None if pm.retired else pm._user_model()
+        if model is None or not given & (users := {id(p) for p in model.parameters()}):
+            continue
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if given - users or not trainable <= given:
+            raise RuntimeError(
+                "torch.nn.utils.clip_grad_value_ was given some of the parameters of a model passed to "
+                "fairscale.parallelize" + (" and other tensors" if given - users else "") + ": its training runs "
+                "on the ParallelModule's slices and shards, and these tensors get no gradients. Clip the whole "
+                "model with torch.nn.utils.clip_grad_value_(model.parameters(), clip_value) or "
+                "torch.nn.utils.clip_grad_value_(pm.parameters(), clip_value)")
+        mine = [p for p in pm.parameters() if p.grad is not None]  # elementwise: exact on slices and shards
+        if mine:
+            _TORCH_VALUE(mine, clip_value, foreach)
+        return
+    _TORCH_VALUE(params, clip_value, foreach)
