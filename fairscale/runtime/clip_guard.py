@@ -36,6 +36,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from fairscale.runtime.scaler_guard import guard_grad_scaler
+from fairscale.runtime.user_optimizer import guard_new_optimizers
 from fairscale.runtime.zero_grad_guard import guard_zero_grad
 
 __all__ = ["guard_clip_grad_norm", "clip_grad_norm_", "clip_grad_value_"]
@@ -51,6 +52,7 @@ def guard_clip_grad_norm(pm: Any) -> None:
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     guard_grad_scaler(pm)  # torch.amp.GradScaler(...).unscale_(pm.optimizer) too (fairscale.runtime.scaler_guard)
     guard_zero_grad(pm)  # and model.zero_grad() clears pm's gradients (fairscale.runtime.zero_grad_guard)
+    guard_new_optimizers(pm)  # and an optimizer built over the model afterwards refuses to step
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad_value_ = clip_grad_value_
     torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_

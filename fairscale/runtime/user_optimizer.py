@@ -16,16 +16,21 @@ the instance, trained at the starting learning rate, without a word. Now:
   (:func:`disown`);
 * ``pm.optimizer.step()`` raises, before it steps, when an option of the instance's groups (a
   scheduler's ``lr``, a hand-set weight decay) changed since ``parallelize`` read it, naming the
-  group, the option and both values (:func:`watch`).
+  group, the option and both values (:func:`watch`);
+* an optimizer built over the model's tensors after ``parallelize`` (accelerate's order: the model
+  prepared first, then ``AdamW(model.parameters())``) raises at a ``step()`` that would do nothing,
+  none of them holding a gradient, every loss the same (:func:`guard_new_optimizers`).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["UserOptimizerError", "disown", "watch"]
+__all__ = ["UserOptimizerError", "disown", "watch", "guard_new_optimizers"]
 
 _USE = ("set options on pm.optimizer.param_groups, attach learning-rate schedulers to pm.optimizer, and "
         "call pm.optimizer.step() / pm.optimizer.zero_grad() (or pm.train_step(batch))")
@@ -86,3 +91,36 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an option whose == does not give a bool
         return a is b
+
+
+_LIVE: "weakref.WeakKeyDictionary[Any, frozenset[int]]" = weakref.WeakKeyDictionary()
+_HOOK: list[Any] = []
+
+
+def guard_new_optimizers(pm: Any) -> None:
+    """Refuse the step of any optimizer over the tensors of ``pm``'s model (a global step pre-hook)."""
+    _LIVE[pm] = frozenset()  # the model's tensors are read at the first step (pm is still being built)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_models_tensors))
+
+
+def _refuse_models_tensors(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    if getattr(optimizer, "_fairscale_disowned", False):
+        return  # the instance given to parallelize: its own hook says so
+    for pm, ids in list(_LIVE.items()):
+        model = None if pm.retired else getattr(pm, "_user_model", lambda: None)()
+        if model is None:
+            continue
+        if not ids:
+            ids = _LIVE[pm] = frozenset(id(p) for p in model.parameters())
+        held = [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
+        if not held or any(p.grad is not None for p in held):
+            continue  # a gradient: the script trains the model itself, in one process (after pm.gather_into)
+        names = [n for n, p in model.named_parameters() if any(p is q for q in held)]
+        name = type(optimizer).__name__
+        raise UserOptimizerError(
+            f"this {name} holds {len(held)} parameter(s) of the {type(model).__name__} passed to "
+            f"fairscale.parallelize (e.g. {', '.join(names[:3])}), which get no gradients once parallelized "
+            f"(its ranks train slices and shards), so its step() would train nothing: build the {name} over the "
+            f"model before the call and pass it, fairscale.parallelize(model, ..., optimizer={name.lower()}), then "
+            f"{_USE}")

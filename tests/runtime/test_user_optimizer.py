@@ -5,7 +5,9 @@ which get no gradients once parallelized. A Hugging Face-style loop that went on
 (``optimizer.step(); scheduler.step(); optimizer.zero_grad()``) trained nothing, every loss the
 same, and a scheduler left on the instance while ``pm.optimizer`` stepped trained at the starting
 learning rate, both without a word. Now the instance's ``step``/``zero_grad`` raise, and
-``pm.optimizer.step()`` raises before stepping when the instance's options changed.
+``pm.optimizer.step()`` raises before stepping when the instance's options changed. An optimizer
+built over the model after ``parallelize`` (accelerate's order) raises at a step that would train
+nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ def _rank(rank: int, world: int) -> dict[str, object]:
         pm.train_step(case.make_batch(step, BATCH))
         sched.step()
     out["lr after two scheduled steps"] = pm.optimizer.param_groups[0]["lr"]
+
+    # accelerate's order: the model parallelized first, then an optimizer built over its tensors
+    case = build("mlp")
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=DP2)
+    late = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    pm(*case.make_batch(1, BATCH)).backward()
+    out["optimizer built afterwards"] = refused(late.step)
+    pm.gather_into(case.model)  # then one process trains the model itself: its tensors have gradients
+    case.loss_fn(case.model(case.make_batch(1, BATCH)[0]), *case.make_batch(1, BATCH)[1:]).backward()
+    late.step()
     return out
 
 
@@ -74,6 +86,15 @@ def test_a_changed_option_on_the_instance_is_refused_before_pm_optimizer_steps(r
         assert "attach learning-rate schedulers to pm.optimizer" in text, text
         text = out["hand-set option"]
         assert "has 'weight_decay' = 0.5, where fairscale.parallelize read 0.01" in text, text
+
+
+def test_an_optimizer_built_over_the_model_afterwards_is_refused_where_it_would_train_nothing(runs) -> None:
+    """It had stepped nothing (the model's tensors get no gradients), every loss the same."""
+    for out in runs:
+        text = out["optimizer built afterwards"]
+        assert text.startswith("UserOptimizerError: this AdamW holds 8 parameter(s) of the MLPNet passed to "
+                               "fairscale.parallelize (e.g. "), text
+        assert "so its step() would train nothing: build the AdamW over the model before the call and pass it" in text
 
 
 def test_schedulers_on_pm_optimizer_still_drive_training(runs) -> None:
