@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.annotate import AnnotateError, annotate_graph
 from planner.capture_errors import describe_capture_failure
+from planner.ctc_capture import traceable_ctc_loss
 from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph, impure, tied_canonical
@@ -216,7 +217,7 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     gm: torch.fx.GraphModule | None = None
     eager: EagerWrite | None = None
     used = order[0]
-    with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters:
+    with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters, traceable_ctc_loss():
         for used in order:
             try:
                 with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
