@@ -95,7 +95,44 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
              for found in [_labels_of(n)] if found is not None]
     if not inner:
         return None
-    return _build(gm, [found for _, found in inner], loss=", ".join(str(n.target) for n, _ in inner), exact=False)
+    names = ", ".join(str(n.target) for n, _ in inner)
+    if _same_labels([found for _, found in inner]) and _linear_in(value, {n for n, _ in inner}):
+        return _build(gm, [inner[0][1]], loss=names, exact=True)
+    return _build(gm, [found for _, found in inner], loss=names, exact=False)
+
+
+_LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default}
+"""Ops through which a loss is a linear combination of its terms: a sum or difference of two,
+a term times or over a number."""
+
+
+def _linear_in(value: torch.fx.Node, means: set[torch.fx.Node]) -> bool:
+    """Whether ``value`` is a combination of the nodes ``means`` with constant coefficients
+    (torchvision's segmentation loss: ``out + 0.5 * aux``), and of nothing else."""
+    value = past_value_keeping(value)
+    if value in means:
+        return True
+    if value.op != "call_function" or value.target not in _LINEAR:
+        return False
+    nodes = [a for a in value.args if isinstance(a, torch.fx.Node)]
+    numbers = [a for a in value.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    alpha = value.kwargs.get("alpha", 1)
+    if len(nodes) + len(numbers) != len(value.args) or set(value.kwargs) - {"alpha"} \
+            or not isinstance(alpha, (int, float)):
+        return False
+    if value.target in (aten.add.Tensor, aten.sub.Tensor):
+        return len(nodes) == 2 and all(_linear_in(n, means) for n in nodes)
+    if value.target is aten.div.Tensor:
+        return len(nodes) == 1 and value.args[0] is nodes[0] and _linear_in(nodes[0], means)
+    return len(nodes) == 1 and _linear_in(nodes[0], means)
+
+
+def _same_labels(labels: list[_Labels]) -> bool:
+    """Whether every token mean counts the same labels: one labels node, ignore_index and class
+    weights. A combination of such means with constant coefficients is itself a token mean over
+    those labels (``sum_k c_k S_k / n``), reweighted by pieces as one."""
+    first, ignore, _, weight = labels[0]
+    return all(t is first and i == ignore and w is weight for t, i, _, w in labels)
 
 
 _SCALINGS = {aten.div.Tensor: (0,), aten.mul.Tensor: (0, 1)}

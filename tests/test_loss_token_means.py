@@ -1,0 +1,97 @@
+"""A constant combination of token means over the same labels is one token mean, reweighted exactly.
+
+torchvision's segmentation recipe (references/segmentation/train.py) trains DeepLabV3 and FCN with
+``ce(out, target, ignore_index=255) + 0.5 * ce(aux, target, ignore_index=255)``, the void label
+255 on object borders, so the images of a batch count different numbers of pixels. Every plan that
+cuts the batch was refused ("the loss is a token mean ... combined with other terms ... count
+different numbers of labels ... [(1466, 1466), (1517, 1517), ...]"), and the search kept the batch
+whole (pp4 on 4 ranks). Both terms divide by the same count, so the loss is
+``(S_out + 0.5 S_aux) / n``: one token mean, which the pieces reweigh by their counts exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fairscale
+from fairscale.testing.models import Case
+from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
+from passes.loss_weights import token_counter
+from planner.capture import capture
+
+CONSTRAINTS = {"mesh": {"pp": 1, "dp": 2, "tp": 1}, "schedule": {"microbatches": 2}}
+
+
+class Segmenter(nn.Module):
+    """torchvision's _SimpleSegmentationModel: a backbone's two feature maps, two heads, upsampled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU())
+        self.layer2 = nn.Sequential(nn.Conv2d(8, 8, 3, 2, 1), nn.ReLU())
+        self.classifier = nn.Conv2d(8, 4, 1)
+        self.aux_classifier = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        aux = self.layer1(x)
+        out = self.layer2(aux)
+        result = OrderedDict()
+        result["out"] = F.interpolate(self.classifier(out), size=x.shape[-2:], mode="bilinear", align_corners=False)
+        result["aux"] = F.interpolate(self.aux_classifier(aux), size=x.shape[-2:], mode="bilinear",
+                                      align_corners=False)
+        return result
+
+
+def criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    losses = {name: F.cross_entropy(x, target, ignore_index=255) for name, x in inputs.items()}
+    return losses["out"] + 0.5 * losses["aux"]
+
+
+def product(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(inputs["out"], target, ignore_index=255) * F.cross_entropy(inputs["aux"], target,
+                                                                                         ignore_index=255)
+
+
+def other_labels(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    coarse = torch.where(target == 255, target, target // 2)
+    return F.cross_entropy(inputs["out"], target, ignore_index=255) + F.cross_entropy(inputs["aux"], coarse,
+                                                                                        ignore_index=255)
+
+
+def _batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    target = torch.randint(0, 4, (rows, 8, 8), generator=g)
+    for i in range(rows):  # void borders of another width in each image
+        target[i, : i % 3 + 1] = 255
+    return torch.randn(rows, 3, 8, 8, generator=g), target
+
+
+def _case() -> Case:
+    torch.manual_seed(0)
+    return Case("segmenter", Segmenter(), _batch, criterion)
+
+
+def test_a_constant_combination_of_token_means_over_the_same_labels_is_one_token_mean() -> None:
+    torch.manual_seed(0)
+    counter = token_counter(capture(Segmenter(), _batch(0), loss_fn=criterion, annotate=False).gm)
+    assert counter is not None and counter.kind == "mean" and counter.exact
+    assert counter(_batch(0)) == int((_batch(0)[1] != 255).sum())
+    for loss_fn in (product, other_labels):  # not a token mean: the pieces must count alike
+        counter = token_counter(capture(Segmenter(), _batch(0), loss_fn=loss_fn, annotate=False).gm)
+        assert counter is not None and not counter.exact, loss_fn.__name__
+    plan = fairscale.plan(Segmenter(), _batch(0), devices=2, loss_fn=criterion, constraints=CONSTRAINTS)
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (2, 2)
+
+
+def _train(rank: int, world: int) -> RankResult:
+    return train_on_rank(_case(), constraints=CONSTRAINTS, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def test_segmentation_with_an_aux_loss_trains_as_one_process_under_dp2_and_2_microbatches() -> None:
+    reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    compare_grads(reference, rank_trajectory(fairscale.launch(_train, devices=2)[0]))
