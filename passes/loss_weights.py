@@ -82,6 +82,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
+    if (ratio := _count_divisor(value)) is not None:
+        return _divisor_counter(gm, ratio[1], loss=str(ratio[0].target))
     rows = _rows(gm)
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
@@ -133,6 +135,73 @@ def _same_labels(labels: list[_Labels]) -> bool:
     those labels (``sum_k c_k S_k / n``), reweighted by pieces as one."""
     first, ignore, _, weight = labels[0]
     return all(t is first and i == ignore and w is weight for t, i, _, w in labels)
+
+
+_FULL_SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
+
+
+def _count_divisor(value: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """The sum and the divisor of a sum over the batch divided by a count the batch's rows give, or None:
+    ``(terms * loss_mask).sum() / loss_mask.sum()`` (Megatron's loss mask), ESPnet's
+    ``ctc_sum / ys_lens.sum()``. A piece divides its own sum by its own count, so the pieces' plain
+    mean is wrong whenever their counts differ (a padded batch); weighed by their counts, as a
+    token mean's pieces are, they give the batch's loss. The divisor is a 0-dim sum of values
+    computed from batch inputs alone; the dividend a 0-dim sum (whether its terms are row by row is
+    the loss check's to prove)."""
+    if value.op != "call_function" or value.target is not aten.div.Tensor or len(value.args) != 2 or value.kwargs:
+        return None
+    total, count = value.args
+    if not isinstance(total, torch.fx.Node) or not isinstance(count, torch.fx.Node):
+        return None
+    total = past_value_keeping(total)
+    summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
+    if not summed or not _zero_dim(total) or not _zero_dim(count):
+        return None
+    source = past_value_keeping(count)
+    if source.op != "call_function" or source.target not in _FULL_SUM_OPS:
+        return None
+    seen: set[torch.fx.Node] = set()
+    stack, rows = [count], False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op not in ("placeholder", "call_function") or is_sampler(node):
+            return None  # computed from parameters, buffers or a draw: not a count the batch gives
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            rows = rows or (isinstance(val, torch.Tensor) and val.dim() > 0)
+        stack.extend(node.all_input_nodes)
+    return (total, count) if rows else None
+
+
+def _zero_dim(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0
+
+
+def _divisor_counter(gm: torch.fx.GraphModule, count: torch.fx.Node, *, loss: str) -> TokenCounter:
+    """A counter graph that computes ``count`` (:func:`_count_divisor`) on a piece, in float64."""
+    seen: set[torch.fx.Node] = set()
+    stack = [count]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs = []
+    for node in gm.graph.nodes:
+        if node in seen:
+            env[node] = graph.node_copy(node, lambda x: env[x])
+            if node.op == "placeholder":
+                inputs.append(placeholders.index(node))
+    graph.output(graph.call_function(aten._to_copy.default, (env[count],), {"dtype": torch.float64}))
+    return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs, ignore_index=-100,
+                        loss=loss, exact=True)
 
 
 _SCALINGS = {aten.div.Tensor: (0,), aten.mul.Tensor: (0, 1)}

@@ -95,3 +95,45 @@ def _train(rank: int, world: int) -> RankResult:
 def test_segmentation_with_an_aux_loss_trains_as_one_process_under_dp2_and_2_microbatches() -> None:
     reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     compare_grads(reference, rank_trajectory(fairscale.launch(_train, devices=2)[0]))
+
+
+class MaskedLM(nn.Module):
+    """Megatron's loss: per-token cross entropy times the batch's loss mask, summed, over the mask's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(tokens)))
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        return (losses * loss_mask.flatten()).sum() / loss_mask.sum()
+
+
+def _lm_batch(step: int, rows: int = 8) -> tuple[torch.Tensor, ...]:
+    """The example batch (step 0) is unpadded, so every piece counts alike; later ones are padded."""
+    g = torch.Generator().manual_seed(step)
+    tokens, labels = torch.randint(0, 11, (rows, 6), generator=g), torch.randint(0, 11, (rows, 6), generator=g)
+    lengths = torch.full((rows,), 6) if step == 0 else torch.randint(1, 7, (rows,), generator=g)
+    return tokens, labels, (torch.arange(6) < lengths[:, None]).float()
+
+
+def _lm_case() -> Case:
+    torch.manual_seed(0)
+    return Case("masked-lm", MaskedLM(), _lm_batch, None)
+
+
+def test_a_sum_over_a_count_the_batch_gives_is_weighed_by_the_pieces_counts() -> None:
+    counter = token_counter(capture(_lm_case().model, _lm_batch(0), annotate=False).gm)
+    assert counter is not None and counter.kind == "mean" and counter.exact
+    assert counter.count_all([_lm_batch(1), _lm_batch(0)]) == [float(_lm_batch(1)[2].sum()), 48.0]
+
+
+def _train_lm(rank: int, world: int) -> RankResult:
+    return train_on_rank(_lm_case(), constraints=CONSTRAINTS, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def test_a_loss_over_the_batchs_mask_count_trains_as_one_process_under_dp2_and_2_microbatches() -> None:
+    reference = train_reference(_lm_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    compare_grads(reference, rank_trajectory(fairscale.launch(_train_lm, devices=2)[0]))

@@ -83,12 +83,15 @@ class _Scaled(nn.Module):
     ("sum / count", "sum", True), ("sum * count", "sum", True), ("count * sum", "sum", True),
     ("mean / count", "mean", True),
     # not a loss scaled by a count every piece gets whole: a sum beside other terms, as before
-    ("count / sum", "sum", False), ("sum / labels kept", "sum", False), ("sum / 2", "sum", False),
+    ("count / sum", "sum", False), ("sum / 2", "sum", False),
+    # a sum over the labels kept over their count: a token mean, the pieces weighed by their counts
+    ("sum / labels kept", "mean", True),
     # divided by the rows (x.size(0), baked in as a number): a mean over rows, nothing to count
     ("sum / rows", None, None)])
 def test_a_loss_scaled_by_a_0_dim_input_is_the_loss_it_scales(how: str, kind: str | None, exact: bool | None) -> None:
     """Hugging Face's ``sum / num_items_in_batch``: every piece gets the count whole, so the pieces'
-    losses add up as the sum's own. A number or a count of the piece's own labels is no such factor."""
+    losses add up as the sum's own. A number is no such factor; a count of the piece's own labels
+    makes the loss a token mean (``passes.loss_weights._count_divisor``)."""
     batch = (torch.randn(6, 4), torch.tensor([1, 2, -100, 3, 4, 5]), torch.tensor(5))
     counter = token_counter(capture(_Scaled(how), batch, annotate=False).gm)
     got = (counter.kind, counter.exact) if counter is not None else (None, None)
