@@ -43,10 +43,10 @@ from torch.utils._pytree import tree_flatten
 from planner.annotate import AnnotateError, annotate_graph
 from planner.capture_errors import describe_capture_failure
 from planner.ctc_capture import traceable_ctc_loss
-from planner.fx_capture import Failure, export_trace, fx_supports, fx_trace
+from planner.eager_writes import EagerWrite, watch_eager_writes
+from planner.fx_capture import META_FX_LEAVES, Failure, export_trace, fx_supports, fx_trace
 from planner.gc_budget import fewer_collections
 from planner.graph import META_MODULE, META_PARAM, ModelGraph, impure, tied_canonical
-from planner.eager_writes import EagerWrite, watch_eager_writes
 from planner.host_random import watch_host_random
 from planner.mode_setters import MODES_SET, watch_mode_setters
 from planner.replicate import replica_map
@@ -225,8 +225,11 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
                         gm = export_trace(LossModule(model, loss_fn, fp32_loss=dtype is not None), batch)
                     else:
                         with watch_eager_writes(model):
-                            gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules),
-                                          concrete_args=concrete_args)
+                            fx_gm = fx_trace(model, loss_fn, len(batch), leaves=tuple(leaf_modules),
+                                             concrete_args=concrete_args)
+                        if failures:  # a fallback for a model export could not trace: it trains from this graph
+                            _refuse_kept_whole(fx_gm, leaf_modules)
+                        gm = fx_gm
                 break
             except CaptureError:
                 raise
@@ -292,6 +295,23 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     if failures:
         graph.extra["fallback_from"] = [f.describe() for f in failures]
     return graph
+
+
+class KeptWhole(Exception):
+    """torch.fx traced the model only by keeping torch.nn modules whole (``planner.fx_capture``)."""
+
+
+def _refuse_kept_whole(gm: torch.fx.GraphModule, asked: Sequence[type]) -> None:
+    """A module fx kept whole on its own (``nn.TransformerEncoder``'s fast-path checks) is one
+    opaque call whose parameters the graph does not hold, so no pass can split, shard or place
+    them: where export had failed (a class-balanced loss's ``torch.bincount``), every plan failed
+    the verifier ("parameter ... has no provenance"), naming no line of the model. As that
+    fallback, such a trace is a failure, and export's failure says where the model is stuck (an fx
+    trace asked for, or tried first on meta, still costs such a module whole)."""
+    kept = sorted(set(gm.meta.get(META_FX_LEAVES, [])) - {t.__qualname__ for t in asked})
+    if kept:
+        raise KeptWhole(f"it could trace the model only by keeping {', '.join(kept)} whole (a torch.nn module fx "
+                        "cannot see through), whose parameters a plan could then not split or place")
 
 
 def _tracer_order(model: nn.Module, batch: tuple[Any, ...], tracer: str, leaf_modules: Sequence[type],

@@ -271,3 +271,35 @@ def test_an_if_that_only_raises_is_called_a_check_with_its_remedy() -> None:
     assert "This `if` only checks the data and raises" in msg and "call it without" in msg, msg
     assert "torch.where" not in msg, msg
     _no_internal_advice(msg)
+
+
+class BalancedEncoder(nn.Module):
+    """nn.TransformerEncoder (fx keeps it whole) and a class-balanced loss export cannot trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.encoder(self.embed(x)).mean(1))
+        weight = 1.0 / torch.bincount(y, minlength=4).float().clamp(min=1)
+        return nn.functional.cross_entropy(logits, y, weight=weight)
+
+
+def test_an_fx_fallback_that_keeps_a_torch_module_whole_is_refused_naming_exports_failure() -> None:
+    """Export fails on the bincount; fx could trace the model only with nn.TransformerEncoder as one
+    opaque call, whose parameters no plan can place: every plan had failed the verifier ("parameter
+    'model.encoder.layers.0.self_attn.in_proj_weight' has no provenance"), naming no line."""
+    batch = (torch.randn(8, 5, 6), torch.randint(0, 4, (8,)))
+    with pytest.raises(CaptureError) as info:
+        capture(BalancedEncoder(), batch)
+    msg = str(info.value)
+    line = inspect.getsourcelines(BalancedEncoder.forward)[1] + 3
+    assert f"{__file__}:{line}" in msg and "aten.cross_entropy_loss.default" in msg, msg
+    assert "torch.fx: KeptWhole: it could trace the model only by keeping TransformerEncoder whole" in msg
+    assert "no provenance" not in msg
+    _no_internal_advice(msg)
+    assert capture(BalancedEncoder(), batch, tracer="fx").tracer == "fx"  # asked for, it still costs it whole
