@@ -56,7 +56,7 @@ from planner.fx_module import graph_module
 from planner.graph import META_LAYER, META_PARAM, ModelGraph, impure
 from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
-from planner.selectors import parse_selector
+from planner.selectors import parse_selector, stage_layers
 
 __all__ = ["split_stages_pass", "StagedProgram", "StageGraph", "StageIO", "ValueSpec", "resolve_stages",
            "META_STAGE", "META_STAGES", "META_IO", "SplitError", "stage_io"]
@@ -109,11 +109,10 @@ def resolve_stages(plan: Plan, graph: ModelGraph) -> list[list[str]]:
                         f"({plan.schedule.virtual_stages}) = {want}")
     owner: dict[str, int] = {}
     chosen: list[list[str]] = []
-    for i, stage in enumerate(plan.stages):
-        sel = parse_selector(stage.layers)
-        for pat in sel.unmatched(names):
+    selectors = [parse_selector(stage.layers) for stage in plan.stages]
+    for i, picked in enumerate(stage_layers(selectors, names)):
+        for pat in selectors[i].unmatched(names):
             problems.append(f"stages[{i}].layers: {pat!r} matches no layer")
-        picked = sel.select(names)
         for name in picked:
             if name in owner:
                 problems.append(f"stages[{i}].layers: {name} is already in stages[{owner[name]}]")

@@ -36,7 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Selector", "SelectorError", "Pattern", "parse_selector", "format_layers", "format_ranges", "suggest"]
+__all__ = ["Selector", "SelectorError", "Pattern", "parse_selector", "stage_layers", "format_layers", "format_ranges",
+           "suggest"]
 
 _MAX_RANGE = 100_000
 """Largest number of integers one range may span (ranges are expanded into the regex)."""
@@ -145,6 +146,28 @@ def parse_selector(text: str) -> Selector:
             raise SelectorError(f"{_q(text)} has an empty pattern (two commas in a row, or a comma at an end)")
         patterns.append(Pattern(text=pat, regex=_compile(pat), literal=not _SPECIAL & set(pat)))
     return Selector(text=text, patterns=tuple(patterns))
+
+
+def stage_layers(selectors: Sequence[Selector], names: Sequence[str]) -> list[list[str]]:
+    """Each stage's layers (the ``names`` it selects, in order), less a layer that it matches only
+    by a suffix and another stage matches whole. A pattern also matches the paths that end in it,
+    so the search's stages of torchvision's ResNet ("conv1, bn1, layer1, ..." then "...,
+    layer3.0.conv1, layer3.0.bn1, ...") put layer3.0.conv1 in both stages, and every pp plan of it
+    was refused ("layer3.0.conv1 is already in stages[0]"): the top-level conv1 can be named no
+    other way. Two stages that match a layer whole still both hold it (a plan's overlap)."""
+    picked = [sel.select(names) for sel in selectors]
+    whole = [{n for n in stage if any(_matches_whole(p, n) for p in sel.patterns)}
+             for sel, stage in zip(selectors, picked)]
+    return [[n for n in stage if n in whole[i] or not any(n in w for j, w in enumerate(whole) if j != i)]
+            for i, stage in enumerate(picked)]
+
+
+def _matches_whole(pattern: Pattern, path: str) -> bool:
+    """Whether ``pattern`` matches ``path`` from its first segment (not only a suffix of it)."""
+    if not pattern.matches(path):
+        return False
+    segments = _split_top(pattern.text, ".")
+    return "**" in (seg.strip() for seg in segments) or len(segments) == path.count(".") + 1
 
 
 def _split_top(text: str, sep: str) -> list[str]:

@@ -25,7 +25,7 @@ from planner.graph import ModelGraph
 from planner.plan import BATCH_NORM_MODES, READABLE_VERSIONS, DP_KINDS, DTYPES, RECOMPUTE_KINDS, DataParallel, Plan, PlanError
 from planner.schedule_kinds import KINDS
 from planner.messages import describe, json_path_key
-from planner.selectors import Selector, format_layers
+from planner.selectors import Selector, format_layers, stage_layers
 from planner.validate_fields import (check_choice, check_conflicts, check_matches, check_positive, fp16_problem,
                                      module_names, parse_field)
 from planner.validate_tp import check_experts, check_tensor_parallel
@@ -212,7 +212,7 @@ def _check_stages(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> 
                         "are needed")
     example = graph.layers[0].name if graph is not None and graph.layers else "layers.[0-3]"
     names = [layer.name for layer in graph.layers] if graph is not None else []
-    held: list[list[int]] = []
+    selectors: list[Selector] = []
     readable = True
     for i, st in enumerate(plan.stages):
         sel = parse_field(f"stages[{i}].layers", st.layers, problems, example=example)
@@ -220,10 +220,11 @@ def _check_stages(plan: Plan, graph: ModelGraph | None, problems: list[str]) -> 
         if sel is None or graph is None:
             continue
         check_matches(f"stages[{i}].layers", sel, names, "layer", problems, modules=module_names(graph))
-        held.append([k for k, name in enumerate(names) if sel.matches(name)])
+        selectors.append(sel)
     if graph is None or not readable:
         return  # coverage of a stage we could not read would only repeat that problem
-    _check_coverage(held, names, problems)
+    index = {name: k for k, name in enumerate(names)}
+    _check_coverage([[index[n] for n in layers] for layers in stage_layers(selectors, names)], names, problems)
 
 
 def _check_coverage(held: list[list[int]], names: list[str], problems: list[str]) -> None:

@@ -35,7 +35,7 @@ from planner.search.partition import cut_and_cost
 from planner.search.result import Candidate, NoCompilablePlan, SearchResult, build_plan, loss_reason
 from planner.search.space import parse_constraints
 from planner.search.tp import default_tp_rules
-from planner.selectors import parse_selector
+from planner.selectors import parse_selector, stage_layers
 from planner.tp_styles import TPRules as DetectedRules
 
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective", "compute_dtype"]
@@ -146,9 +146,10 @@ def fixed_cuts(ctx: Context, stages: list[str]) -> tuple[int, ...]:
     names = [f.name for f in ctx.facts]
     cuts = [0]
     problems = []
+    index = {n: i for i, n in enumerate(names)}
+    held = stage_layers([parse_selector(text) for text in stages], names)
     for k, text in enumerate(stages):
-        sel = parse_selector(text)
-        idx = [i for i, n in enumerate(names) if sel.matches(n)]
+        idx = [index[n] for n in held[k]]
         if not idx:
             problems.append(f'stages[{k}].layers: "{text}" matches no layer')
             continue

@@ -200,3 +200,49 @@ def test_a_recomputed_value_replays_the_in_place_writes_into_its_views() -> None
     shift = [n for n in program.stages[1].gm.graph.nodes if n.op == "call_function"
              and n.target in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Tensor)]
     assert len(shift) == 2, "the stage that recomputes the shifted labels replays both writes"
+
+
+class _Block(torch.nn.Module):
+    """torchvision's BasicBlock: conv1, bn1, conv2, bn2 (the stem's names), a downsample after them."""
+
+    def __init__(self, downsample: bool = False) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.downsample = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4)) if downsample \
+            else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        identity = self.downsample(x) if self.downsample is not None else x
+        return torch.relu(out + identity)
+
+
+class _ResNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.layer1, self.layer2 = torch.nn.Sequential(_Block()), torch.nn.Sequential(_Block(downsample=True))
+        self.fc = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(x)))))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_a_layer_named_in_full_is_its_stages_though_a_top_level_name_ends_it() -> None:
+    """The search's stages of torchvision's ResNet name the stem "conv1, bn1", which also match
+    layer2.0.conv1 and layer2.0.bn1 by suffix: every pp plan of it had been refused ("stages[1].layers:
+    layer2.0.conv1 is already in stages[0]"). A layer another stage names in full is that stage's."""
+    torch.manual_seed(0)
+    model = _ResNet()
+    batch = (torch.randn(2, 3, 6, 6), torch.tensor([1, 3]))
+    graph = capture(model, batch, loss_fn=torch.nn.functional.cross_entropy, annotate=False)
+    names = [layer.name for layer in graph.layers]
+    cut = names.index("layer2.0.conv1")
+    program = split_stages_pass(graph.gm, _plan(", ".join(names[:cut]), ", ".join(names[cut:])), graph=graph)
+    assert [st.layers for st in program.stages] == [names[:cut], names[cut:]]
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+    with pytest.raises(PlanError, match=re.escape("stages[1].layers: layer2.0.conv1 is already in stages[0]")):
+        split_stages_pass(graph.gm, _plan("conv1, bn1, layer1, layer2.0.conv1", "layer2.0.conv1, layer2.0.bn1, "
+                                          "layer2.0.conv2, layer2.0.bn2, fc"), graph=graph)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from planner.selectors import SelectorError, format_layers, parse_selector, suggest
+from planner.selectors import SelectorError, format_layers, parse_selector, suggest, stage_layers
 
 LLAMA = [
     "model.embed_tokens",
@@ -146,3 +146,13 @@ def test_a_literal_pattern_matches_exactly_what_its_regex_matches() -> None:
         for path in paths:
             assert pattern.matches(path) == (pattern.regex.fullmatch("." + path) is not None), (text, path)
     assert not any(p.literal for p in parse_selector("layers.*, layers.[0-3], *_proj, h?").patterns)
+
+
+def test_a_stage_keeps_a_layer_it_names_whole_from_a_stage_that_matches_its_suffix() -> None:
+    """torchvision's ResNet: the stem's conv1 and bn1 end every block's conv1 and bn1."""
+    names = ["conv1", "bn1", "layer1", "layer2.0.conv1", "layer2.0.bn1", "layer2.0.downsample.0", "fc"]
+    stages = [parse_selector("conv1, bn1, layer1"), parse_selector("layer2.0.conv1, layer2.0.bn1, layer2.0.downsample.[0], fc")]
+    assert stage_layers(stages, names) == [names[:3], names[3:]]
+    overlap = [parse_selector("conv1, bn1, layer1, layer2.0.conv1"),
+               parse_selector("layer2.0.conv1, layer2.0.bn1, layer2.0.downsample.0, fc")]
+    assert stage_layers(overlap, names) == [names[:4], names[3:]]  # both match it whole: the plan's overlap
