@@ -347,10 +347,12 @@ def _build_stage(s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for _, ph in bp.batch:
         env[ph] = graph.node_copy(ph, lambda x: env[x])
+    received: list[str] = []
     for v in bp.recv:
         new = graph.placeholder(v.name)
         new.meta = copy.copy(v.meta)
         env[v] = new
+        received.append(str(new.target))  # the placeholder's, also where a clone stands for it below
     body = set(bp.body)
     for v in bp.recv:  # a received activation is a leaf here: autograd refuses in-place ops on it
         if any(u in body and is_inplace(u.target) and u.args and u.args[0] is v for u in v.users):
@@ -374,7 +376,7 @@ def _build_stage(s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
                              "(passes.stage_blueprint and torch.fx disagree); please report this")
     stage_gm = graph_module(root, graph, class_name=f"Stage{s}")
     stage_gm.meta[META_LAYOUT] = ParamLayout(keys=_param_keys(bp))
-    stage_gm.meta[META_IO] = StageIO(received=tuple(str(env[v].target) for v in bp.recv), sends=sends)
+    stage_gm.meta[META_IO] = StageIO(received=tuple(received), sends=sends)
     return stage_gm
 
 

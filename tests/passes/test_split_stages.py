@@ -246,3 +246,49 @@ def test_a_layer_named_in_full_is_its_stages_though_a_top_level_name_ends_it() -
     with pytest.raises(PlanError, match=re.escape("stages[1].layers: layer2.0.conv1 is already in stages[0]")):
         split_stages_pass(graph.gm, _plan("conv1, bn1, layer1, layer2.0.conv1", "layer2.0.conv1, layer2.0.bn1, "
                                           "layer2.0.conv2, layer2.0.bn2, fc"), graph=graph)
+
+
+class _InPlaceBlock(torch.nn.Module):
+    """torchvision's BasicBlock as written: ``out += identity`` then an in-place ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.downsample = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4))
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += self.downsample(x)
+        return self.relu(out)
+
+
+def test_a_received_value_written_in_place_is_named_among_the_stages_received_values() -> None:
+    """Cut after bn2, stage 1 receives bn2's output and adds the identity into it in place, so the
+    split copies it first; the stage recorded the copy's op (aten.clone.default) as that received
+    value's name, the tensor-parallel pass then recorded one received value of two, and the search's
+    pp2 x tp2 plan of torchvision's ResNet crashed after launch on every rank ("the tensor-parallel
+    stage graph records 1 received values but the stage boundary has 2")."""
+    from passes import compile_rank
+    from passes.split_stages import stage_io
+    from passes.tp.summary import tp_summary
+    from planner.plan import TensorParallel
+
+    torch.manual_seed(0)
+    model = _ResNet()
+    model.layer2 = torch.nn.Sequential(_InPlaceBlock())
+    batch = (torch.randn(2, 3, 6, 6), torch.tensor([1, 3]))
+    graph = capture(model, batch, loss_fn=torch.nn.functional.cross_entropy, annotate=False)
+    names = [layer.name for layer in graph.layers]
+    cut = names.index("layer2.0.downsample.0")
+    plan = _plan(", ".join(names[:cut]), ", ".join(names[cut:]))
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    gm = program.stages[1].gm
+    received = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"][-len(program.stages[1].inputs):]
+    assert len(received) == 2 and list(stage_io(gm).received) == received
+    assert torch.equal(_chain(program, batch), graph.gm(*batch))
+    tp_plan = Plan(mesh=Mesh(pp=2, tp=2), schedule=Schedule(kind="gpipe", microbatches=1), stages=plan.stages,
+                   tensor_parallel=TensorParallel(rules={"fc": "rowwise"}))
+    _, rank = compile_rank(graph, tp_plan, stages=[1], dp_index=0, tp_index=0)
+    assert len((tp_summary(rank[1]) or {})["received"]) == 2
