@@ -36,6 +36,9 @@ class TokenCounter:
     """``mean``: the loss averages over the labels it counts (pieces weigh by their counts);
     ``sum``: it adds over the batch's rows (every piece weighs ``dp``; nothing to count);
     ``opaque``: a token mean whose class weights the model computes (no piece weights known)."""
+    divides: bool = False
+    """The loss divides by the count itself (``(l * mask).sum() / mask.sum()``), so a piece that
+    counts nothing computes 0 / 0: its loss and gradient are nan, weighed 0 or not."""
 
     def __call__(self, batch: Sequence[Any]) -> int | float | tuple[Any, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
@@ -62,6 +65,12 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
             raise ValueError(problem)
         return [float(dp)] * m  # the sum of the pieces: dp averages the ranks' gradients, so each weighs dp
     flat = [n for row in counts for n in row]
+    if counter.divides and 0 in flat and any(flat):
+        raise ValueError(
+            f"the loss divides a sum by a count the batch gives ({counter.loss}), and a piece of this batch's "
+            f"{dp * m} (dp={dp} x {m} microbatches) counts nothing ({flat}): its loss is 0 / 0, which would make the "
+            "gradient nan where the whole batch's is finite. Give every piece rows that count (sort or shuffle the "
+            "padded rows across the batch), or use fewer pieces")
     if len(set(flat)) <= 1:
         return None
     if not counter.exact:

@@ -201,7 +201,7 @@ def _divisor_counter(gm: torch.fx.GraphModule, count: torch.fx.Node, *, loss: st
                 inputs.append(placeholders.index(node))
     graph.output(graph.call_function(aten._to_copy.default, (env[count],), {"dtype": torch.float64}))
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs, ignore_index=-100,
-                        loss=loss, exact=True)
+                        loss=loss, exact=True, divides=True)
 
 
 _SCALINGS = {aten.div.Tensor: (0,), aten.mul.Tensor: (0, 1)}

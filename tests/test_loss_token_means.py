@@ -12,8 +12,10 @@ whole (pp4 on 4 ranks). Both terms divide by the same count, so the loss is
 from __future__ import annotations
 
 import functools
+import re
 from collections import OrderedDict
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from torch import nn
 import fairscale
 from fairscale.testing.models import Case
 from fairscale.testing.reference import RankResult, compare_grads, rank_trajectory, train_on_rank, train_reference
+from passes.loss_count import piece_weights
 from passes.loss_weights import token_counter
 from planner.capture import capture
 
@@ -126,8 +129,12 @@ def _lm_case() -> Case:
 
 def test_a_sum_over_a_count_the_batch_gives_is_weighed_by_the_pieces_counts() -> None:
     counter = token_counter(capture(_lm_case().model, _lm_batch(0), annotate=False).gm)
-    assert counter is not None and counter.kind == "mean" and counter.exact
+    assert counter is not None and counter.kind == "mean" and counter.exact and counter.divides
     assert counter.count_all([_lm_batch(1), _lm_batch(0)]) == [float(_lm_batch(1)[2].sum()), 48.0]
+    assert piece_weights(counter, [[4.0, 12.0]], 0) == [0.25, 0.75]  # n / N each (dp 1)
+    # a piece whose mask is all zeros computes 0 / 0: the step is refused, where its gradient was nan
+    with pytest.raises(ValueError, match=re.escape("counts nothing ([0.0, 5.0, 12.0, 9.0]): its loss is 0 / 0")):
+        piece_weights(counter, [[0.0, 5.0], [12.0, 9.0]], 0)
 
 
 def _train_lm(rank: int, world: int) -> RankResult:
