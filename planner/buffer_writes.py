@@ -17,6 +17,7 @@ synchronizes them (``planner.batch_stats``).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -130,20 +131,21 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
                 _collect(body, inner, out, str(node.meta.get(META_MODULE, "")) or module, raw=raw,
                          parameters=parameters, seeds=held)
             continue
-        if not _writes_first(node.target):
+        if node.target is operator.getitem and node.args[0] in root:  # an item of split's or unbind's views
+            root[node] = root[node.args[0]]
             continue
-        target = node.args[0]
-        if not isinstance(target, torch.fx.Node) or target not in root:
-            continue
-        buffer = root[target]
-        root[node] = buffer
-        name = buffer if raw or not buffer.startswith(_PREFIX) else buffer[len(_PREFIX):]
-        from_rows = any(varies(a) for a in node.all_input_nodes if a is not target)
-        if name not in out:
-            out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
-                                    source=source_line(node), parameter=buffer in parameters, from_rows=from_rows)
-        elif from_rows and not out[name].from_rows:
-            out[name] = dataclasses.replace(out[name], from_rows=True)
+        if _aliases_first(node.target) and node.args[0] in root:  # a view or an in-place op's result
+            root[node] = root[node.args[0]]
+        targets = [t for t in _written(node) if t in root]
+        for target in targets:
+            buffer = root[target]
+            name = buffer if raw or not buffer.startswith(_PREFIX) else buffer[len(_PREFIX):]
+            from_rows = any(varies(a) for a in node.all_input_nodes if a not in targets)
+            if name not in out:
+                out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
+                                        source=source_line(node), parameter=buffer in parameters, from_rows=from_rows)
+            elif from_rows and not out[name].from_rows:
+                out[name] = dataclasses.replace(out[name], from_rows=True)
 
 
 def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: int, where: str = "",
@@ -181,12 +183,29 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
 _NO_VALUE_WRITTEN = frozenset({"aten::detach_"})
 
 
-def _writes_first(target: object) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments \
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose tensors ``node``'s op writes in place: its first argument (``add_``), an
+    ``out=`` argument (``torch.mean(x, 0, out=buf)``), each tensor of a list (``torch._foreach_lerp_``)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
             or target._schema.name in _NO_VALUE_WRITTEN:
+        return []
+    out: list[torch.fx.Node] = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node))
+    return out
+
+
+def _aliases_first(target: object) -> bool:
+    """Whether ``target``'s result is its first argument (``add_``) or a view of it (``slice``,
+    ``select``, ``view``, ``detach``, ``t``; ``split``'s list of views), through which a write reaches the tensor."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments or not target._schema.returns:
         return False
-    info = target._schema.arguments[0].alias_info
-    return info is not None and info.is_write
+    first, ret = target._schema.arguments[0].alias_info, target._schema.returns[0].alias_info
+    return first is not None and ret is not None and bool(first.before_set & ret.before_set)
 
 
 def _fetch(gm: torch.fx.GraphModule, target: str) -> object:

@@ -257,3 +257,40 @@ def test_writes_that_no_row_feeds_keep_data_parallelism_and_train_exactly() -> N
         bad.data_parallel.kind = kind
         with pytest.raises(PlanError, match=f"{field}: the model's forward writes.*no written value depends on the batch"):
             validate_plan(bad, graph, resolve_cluster(2, "a100-80gb"), devices=2)
+
+
+class HiddenWrites(nn.Module):
+    """In-place writes the walk had not followed: through a view of a buffer (``self.ema[:2].copy_``),
+    into an ``out=`` argument, into a list of tensors (``torch._foreach_lerp_``, timm's EMA), and
+    ``nn.Embedding(max_norm=...)``'s renormalization of the rows it looks up (through ``weight.detach()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.teacher = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.teacher.requires_grad_(False)
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.ema[:2].copy_(x.detach().mean(0)[:2])
+        torch.mean(x.detach()[:, :4], 0, out=self.mean)
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.teacher.parameters()), [p.detach() for p in self.lin.parameters()], 0.1)
+        rows = (x[:, 0].abs() * 3).long().clamp(0, 9)
+        return F.mse_loss(self.lin(x) + self.teacher(x) + self.emb(rows).to(x.dtype), y)
+
+
+def test_writes_through_views_out_arguments_and_lists_are_found() -> None:
+    """Each of these writes had gone unseen: dp2 was planned for a model whose ``self.ema[:2].copy_(x.mean(0)[:2])``
+    then held rank 0's slice's mean (off by 0.78 after three steps, silently), and microbatches too."""
+    torch.manual_seed(0)
+    graph = captured(HiddenWrites().double(), _batch(0))
+    writes = find_buffer_writes(graph.gm)
+    assert sorted((w.buffer, w.parameter, w.from_rows) for w in writes) == [
+        ("ema", False, True), ("emb.weight", True, True), ("mean", False, True),
+        ("teacher.bias", True, False), ("teacher.weight", True, False)], writes
+    assert next(w for w in writes if w.buffer == "ema").source.endswith("`self.ema[:2].copy_(x.detach().mean(0)[:2])`")
+    plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=1, global_batch=BATCH))
+    with pytest.raises(PlanError, match="mesh.dp: the model's forward writes the buffer.s. or parameter.s. ema"):
+        validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
