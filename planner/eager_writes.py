@@ -48,6 +48,14 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+_SHAPE_ONLY = frozenset(f"aten::{op}" for op in (
+    "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "zeros_like", "ones_like",
+    "empty_like", "full_like"))
+"""Ops that read a tensor's shape, dtype and device, not its values, and make no gradient: an RNN's
+first hidden state from ``next(self.parameters()).new_zeros(...)`` (PyTorch's word_language_model)
+is the same constant in fx's graph as in every step, not a parameter read fx loses the gradient of."""
+
+
 class _Watch(TorchDispatchMode):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -62,7 +70,8 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         schema = getattr(func, "_schema", None)
-        if self.owners and torch.is_grad_enabled():  # L2 of self.parameters() in forward: a constant to fx
+        if self.owners and torch.is_grad_enabled() and getattr(schema, "name", "") not in _SHAPE_ONLY:
+            # L2 of self.parameters() in forward: a constant to fx
             for t in tree_flatten((args, kwargs))[0]:
                 owner = self.owners.get(_storage(t) or 0) if isinstance(t, torch.Tensor) and t.requires_grad else None
                 if owner is not None:

@@ -120,3 +120,26 @@ def test_a_parameter_read_fx_would_make_a_constant_is_refused_or_exported() -> N
     graph = capture(model, (torch.randn(3, 4, device="meta"),))
     assert graph.tracer == "export"
     assert sum(str(n.target).startswith("aten.pow") for n in graph.gm.graph.nodes) == 4
+
+
+class FirstHidden(nn.Module):
+    """PyTorch's word_language_model: the first hidden state from ``next(self.parameters()).new_zeros``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = next(self.parameters()).new_zeros(1, 4)
+        return self.out(torch.tanh(self.rnn(x) + h)).mean()
+
+
+def test_a_parameter_read_for_its_shape_alone_is_traced_by_fx() -> None:
+    """``new_zeros`` reads a parameter's shape, dtype and device, not its values: fx's constant is
+    what every step computes. The parameter-read watch had refused it under tracer='fx' (and made
+    a model on meta fall back to export)."""
+    graph = capture(FirstHidden(), (torch.randn(3, 4),), tracer="fx")
+    assert graph.tracer == "fx"
+    with torch.device("meta"):
+        model = FirstHidden()
+    assert capture(model, (torch.randn(3, 4, device="meta"),)).tracer == "fx"
