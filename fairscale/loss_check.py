@@ -49,6 +49,7 @@ from passes.ops.random_ops import random_nodes
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
+from planner.buffer_writes import find_buffer_writes, writes_differ
 from planner.capture import LossModule
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE, Plan
@@ -68,6 +69,8 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
     capture) exactly: a sum beside other terms (``passes.loss_count.sum_problem``), or a loss not
     computed row by row (:func:`row_problem`, its verdicts kept in ``verdicts`` by rows per piece)."""
     dp, m = plan.mesh.dp, plan.schedule.microbatches
+    if dp > 1 and (problem := _write_problem(model, example_inputs, loss_fn, gm, plan)):
+        return problem
     counter = token_counter(gm)
     problem = sum_problem(counter, dp, m)
     if problem:
@@ -98,6 +101,28 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm,
                                      eval_path=verdicts["eval path"])
     return verdicts[rows]
+
+
+def _write_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
+                   gm: torch.fx.GraphModule, plan: Plan) -> str | None:
+    """Why a write no batch input feeds in ``gm`` (a rank's capture) still depends on the rows: the
+    whole batch's capture computes it otherwise (``planner.buffer_writes.writes_differ``: a count of
+    the rows seen, ``self.seen += x.shape[0]``, is a number each capture bakes in)."""
+    from fairscale.capture_cache import rank_capture, trace_dtype
+    from fairscale.runtime.engine import microbatch_example
+
+    writes = find_buffer_writes(gm)
+    if not writes or any(w.from_rows for w in writes) or any(p.is_meta for p in model.parameters()):
+        return None  # (writes the rows feed: refused by planner.validate; a model on meta is traced by fx)
+    rows = plan.schedule.global_batch or min(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor)
+                                             and t.dim() > 0)
+    whole = rank_capture(model, microbatch_example(example_inputs, rows), loss_fn=loss_fn, dtype=trace_dtype(plan))
+    if not writes_differ(gm, whole.gm):
+        return None
+    return (f"mesh.dp: the model's forward writes {', '.join(w.describe() for w in writes[:4])} in place from a "
+            f"number the batch's size gives (a count of the rows seen): a rank's capture of {rows // plan.mesh.dp} "
+            f"rows computes it otherwise than the whole batch of {rows}, so each of the dp={plan.mesh.dp} ranks would "
+            f"write it from its slice. {_KEEP_WHOLE}, or move the update into the training loop")
 
 
 PROOF_ROWS = (2, 4)

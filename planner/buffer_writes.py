@@ -28,7 +28,7 @@ from planner.batch_stats import find_batch_stat_ops, source_line
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE
 
-__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs"]
+__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs", "writes_differ"]
 
 _PREFIX = "model."  # the capture's root holds the user's model as ``model`` (planner.capture)
 
@@ -174,6 +174,54 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
             "update out of forward into the training loop" + (
                 "; no written value depends on the batch, so data parallelism with one microbatch and "
                 "data_parallel.kind ddp, zero1 or zero2 also keeps it exact" if rowless else ""))
+
+
+def writes_differ(small: torch.fx.GraphModule, large: torch.fx.GraphModule) -> bool:
+    """Whether two captures of one model at different numbers of rows compute its writes otherwise.
+    torch.export bakes the batch's shape in as numbers: ``self.seen += x.shape[0]`` is ``add_(seen, 8)``
+    in the whole batch's capture and ``add_(seen, 4)`` in a dp2 rank's, a write no batch input feeds
+    in either graph (``BufferWrite.from_rows`` False), which each rank would make from its slice's
+    size. The ops that feed each write, with their constants, are compared."""
+    return _write_slices(small) != _write_slices(large)
+
+
+def _write_slices(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops feeding each write of ``gm`` (a higher-order op's body counted whole), in graph order, as text."""
+    root = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_fetch(gm, str(n.target)), torch.Tensor)}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args:
+            continue
+        if (node.target is operator.getitem or _aliases_first(node.target)) and node.args[0] in root:
+            root.add(node)
+        hop = any(isinstance(_fetch(gm, str(a.target)), torch.fx.GraphModule) for a in node.all_input_nodes
+                  if a.op == "get_attr")
+        if hop or any(t in root for t in _written(node)):
+            feeding, stack = set(), [node]
+            while stack:
+                n = stack.pop()
+                if n not in feeding:
+                    feeding.add(n)
+                    stack.extend(n.all_input_nodes)
+            out.append(_text(gm, feeding))
+    return out
+
+
+def _text(gm: torch.fx.GraphModule, nodes: set[torch.fx.Node] | None = None) -> str:
+    index: dict[torch.fx.Node, str] = {}
+
+    def arg(a: torch.fx.Node) -> str:
+        body = _fetch(gm, str(a.target)) if a.op == "get_attr" else None
+        return f"{{{_text(body)}}}" if isinstance(body, torch.fx.GraphModule) else index[a]
+
+    lines = []
+    for n in gm.graph.nodes:
+        if nodes is None or n in nodes:
+            index[n] = f"%{len(index)}"
+            shown = torch.fx.node.map_arg((n.args, n.kwargs), arg)
+            named = n.op not in ("placeholder", "get_attr") or not isinstance(_fetch(gm, str(n.target)), torch.fx.GraphModule)
+            lines.append(f"{n.op} {n.target if named and n.op != 'placeholder' else ''} {shown}")
+    return "; ".join(lines)
 
 
 # In-place by schema, but they write no value: a model built on ``meta`` traces each tensor its

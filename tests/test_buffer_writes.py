@@ -294,3 +294,31 @@ def test_writes_through_views_out_arguments_and_lists_are_found() -> None:
     plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=1, global_batch=BATCH))
     with pytest.raises(PlanError, match="mesh.dp: the model's forward writes the buffer.s. or parameter.s. ema"):
         validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
+
+
+class RowsSeen(nn.Module):
+    """Counts the rows it has seen: ``self.seen += x.shape[0]``, a number torch.export bakes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return F.mse_loss(self.lin(x), y)
+
+
+def test_a_count_of_the_rows_seen_is_refused_data_parallelism() -> None:
+    """The capture holds ``add_(seen, 8)``, fed by no batch input, so 2cf198b let dp2 through: each rank's
+    graph added its 4 rows and ``pm.state_dict()['seen']`` read 12 after three steps where one
+    process counts 24, silently. The rank's capture is compared with the whole batch's."""
+    torch.manual_seed(0)
+    model = RowsSeen().double()
+    assert [(w.buffer, w.from_rows) for w in find_buffer_writes(captured(model, _batch(0)).gm)] == [("seen", False)]
+    with pytest.raises(Exception, match=r"writes seen \(test_buffer_writes.py:\d+ `self.seen \+= x.shape\[0\]`\) in "
+                                        r"place from a number the batch's size gives"):
+        fairscale.plan(model, _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    assert int(model.seen) == 0
+    assert fairscale.plan(_row_free(), _batch(0), devices=2,
+                          constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}}).mesh.dp == 2  # a step counter keeps dp
