@@ -379,3 +379,47 @@ def test_plain_parent_saves_and_loads_full_keys():
     partial["0.extra"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2.bias"[\s\S]*Unexpected key\(s\) in state_dict: "0.extra"'):
         model.load_state_dict(partial)
+
+
+class _WithScale(nn.Module):
+    """A scalar parameter first in its module (registered before the layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_a_scalar_parameters_optimizer_state_goes_round_and_trains_on(flatten: bool) -> None:
+    """The optimizer state's round trip (gather_full_optim_state_dict, get_shard_from_optim_state_dict)
+    judged a key by the unit's first member: a scalar parameter's exp_avg is 0-dim, so the whole
+    flattened unit's exp_avg came back as that one number, and the next Adam step raised 'output with
+    shape [] doesn't match the broadcast shape [52]' (flatten_parameters=False too, before 35a3a25
+    left world-1 parameters whole)."""
+    torch.manual_seed(0)
+    ref = _WithScale()
+    model = FSDP(copy.deepcopy(ref), flatten_parameters=flatten)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (ref, model)]
+
+    def step(k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    step(0)
+    step(1)
+    full = model.gather_full_optim_state_dict(opts[1])
+    if flatten:  # the scalar's own piece of the flat state (unflattened at world 1: 0.4.13's per-rank list)
+        assert full["state"][0]["exp_avg"].shape == ()
+    opts[1].load_state_dict(model.get_shard_from_optim_state_dict(full))
+    step(2)
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)

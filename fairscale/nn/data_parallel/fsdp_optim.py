@@ -143,7 +143,10 @@ def shard_optim(root: FullyShardedDataParallel, full: dict[str, Any]) -> dict[st
         st: dict[str, Any] = {}
         for key, v0 in states[0].items():
             values = [s[key] for s in states]
-            if isinstance(v0, torch.Tensor) and v0.dim() > 0:
+            # a member's own state: shaped like it (a scalar parameter's 0-dim, first in its unit or not;
+            # gather_optim stores what is not a member's own as a number or a per-rank list)
+            if any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values) or (key != "step" and p.dim() > 0 and all(
+                    isinstance(v, torch.Tensor) and v.dim() == 0 for v in values)):
                 for v, name, (_, shape) in zip(values, names, u.layout.members):
                     if tuple(v.shape) != tuple(shape):
                         raise ValueError(f"get_shard_from_optim_state_dict: state {key!r} of {name!r} has shape "
