@@ -45,6 +45,8 @@ class BufferWrite:
     """The user's line that writes it (``model.py:14 `...```), or '' when not recorded."""
     parameter: bool = False
     """A parameter, not a buffer (a momentum teacher's EMA of its weights, MoCo's and DINO's habit)."""
+    trainable: bool = False
+    """A parameter that needs a gradient (the optimizer trains it, and the forward writes it too)."""
     from_rows: bool = True
     """The value written depends on the batch or on a random draw (an EMA of activations, DINO's
     center); False for a step counter or an EMA of the model's own weights, which every dp rank
@@ -62,6 +64,7 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
     weights) in ``wrap_with_set_grad_enabled``'s body, whose placeholders are the operands that follow it."""
     root: dict[torch.fx.Node, str] = {}  # node -> the buffer or parameter it aliases
     parameters: set[str] = set()
+    trainable: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _fetch(gm, str(node.target))
@@ -69,12 +72,15 @@ def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
                 root[node] = str(node.target)
                 if isinstance(value, nn.Parameter):
                     parameters.add(str(node.target))
+                    if value.requires_grad:
+                        trainable.add(str(node.target))
     out: dict[str, BufferWrite] = {}
     _collect(gm, root, out, "", parameters=parameters, seeds=None)
     if not out:  # the usual case, and the only graph walk then (a 1T model's capture is large)
         return []
     stat_modules = {op.module for op in find_batch_stat_ops(gm)}
-    return [w for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
+    return [dataclasses.replace(w, trainable=_PREFIX + w.buffer in trainable or w.buffer in trainable)
+            for w in out.values() if w.buffer.rpartition(".")[0] not in stat_modules]
 
 
 def written_attrs(gm: torch.fx.GraphModule) -> set[str]:
@@ -158,14 +164,21 @@ def buffer_write_problem(writes: list[BufferWrite], *, dp: int, microbatches: in
     plan field: ``mesh.dp``, else ``schedule.microbatches``)."""
     if not writes or (dp <= 1 and microbatches <= 1):
         return None
-    rowless = not any(w.from_rows for w in writes)
+    rowless = not any(w.from_rows or w.trainable for w in writes)
+    trained = [w.buffer for w in writes if w.trainable]
     if microbatches <= 1 and rowless and not (shards_params and any(w.parameter for w in writes)):
         return None
+    shown = ", ".join(w.describe() for w in writes[:4]) + (f" and {len(writes) - 4} more" if len(writes) > 4 else "")
+    if microbatches <= 1 and trained and not any(w.from_rows for w in writes):
+        return (f"{where or 'mesh.dp'}: the model's forward writes the parameter(s) {', '.join(trained[:4])} in place "
+                f"({shown}), which the optimizer also trains: data parallelism reduces their gradients in buckets of "
+                "views, which a write in forward breaks (each rank would fail at its first step). Use "
+                f"{KEEP_BATCH_WHOLE}, freeze them with requires_grad_(False) if the optimizer need not train them, or "
+                "move the write into the training loop")
     where = where or ("schedule.microbatches" if microbatches > 1 and (rowless or dp <= 1) else
                       "data_parallel.kind" if rowless else "mesh.dp")
     cuts = " and ".join(c for c in (f"dp={dp} ranks" if dp > 1 else "", f"{microbatches} microbatches"
                                     if microbatches > 1 else "") if c)
-    shown = ", ".join(w.describe() for w in writes[:4]) + (f" and {len(writes) - 4} more" if len(writes) > 4 else "")
     what = "buffer(s) or parameter(s)" if any(w.parameter for w in writes) else "buffer(s)"
     return (f"{where}: the model's forward writes the {what} {shown} in place, and a plan with {cuts} runs the "
             "forward on each slice of the batch: the update would run once per slice and microbatch, from that "

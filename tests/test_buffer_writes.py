@@ -322,3 +322,32 @@ def test_a_count_of_the_rows_seen_is_refused_data_parallelism() -> None:
     assert int(model.seen) == 0
     assert fairscale.plan(_row_free(), _batch(0), devices=2,
                           constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}}).mesh.dp == 2  # a step counter keeps dp
+
+
+class ShrinksItsWeight(nn.Module):
+    """Writes a weight the optimizer trains, in forward under no_grad, from no row of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.mul_(0.99)
+        return F.mse_loss(self.lin(x), y)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
+def test_a_trained_parameter_written_in_forward_is_refused_data_parallelism(kind: str) -> None:
+    """2cf198b let dp2 through (no row feeds the write), and every rank failed at its first step:
+    'Output 1 of _Bucket is a view and its base ... has been modified inplace' (ddp, zero1, zero2).
+    A frozen teacher's parameters (requires_grad False) keep dp: test_writes_that_no_row_feeds_..."""
+    torch.manual_seed(0)
+    graph = captured(ShrinksItsWeight().double(), _batch(0))
+    assert [(w.buffer, w.trainable, w.from_rows) for w in find_buffer_writes(graph.gm)] == [("lin.weight", True, False)]
+    plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=1, global_batch=BATCH))
+    plan.data_parallel.kind = kind
+    with pytest.raises(PlanError, match=r"mesh.dp: the model's forward writes the parameter\(s\) lin.weight in place "
+                                        r"\(.*\), which the optimizer also trains"):
+        validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
+    assert not any(w.trainable for w in find_buffer_writes(captured(_row_free(), _batch(0)).gm))
