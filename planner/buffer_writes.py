@@ -25,7 +25,7 @@ import torch.fx
 from torch import nn
 
 from planner.batch_stats import find_batch_stat_ops, source_line
-from planner.graph import META_MODULE
+from planner.graph import META_MODULE, bodies
 from planner.plan import KEEP_BATCH_WHOLE
 
 __all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs", "writes_differ"]
@@ -99,11 +99,18 @@ def _varying(gm: torch.fx.GraphModule, seeds: set[torch.fx.Node] | None) -> set[
     from ``seeds`` (default: every placeholder, the batch's inputs) or from a random draw."""
     out: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        seeded = _draws(node, gm)
         if (node in seeds if seeds is not None else node.op == "placeholder") or seeded \
                 or any(a in out for a in node.all_input_nodes):
             out.add(node)
     return out
+
+
+def _draws(node: torch.fx.Node, owner: torch.fx.GraphModule) -> bool:
+    """Whether ``node`` draws random numbers, itself or in a higher-order op's body (``torch.randn``
+    under ``torch.no_grad()``: export puts it in ``wrap_with_set_grad_enabled``'s body)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or any(
+        _draws(n, body) for body in bodies(node, owner) for n in body.graph.nodes)
 
 
 def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict[str, BufferWrite],

@@ -351,3 +351,30 @@ def test_a_trained_parameter_written_in_forward_is_refused_data_parallelism(kind
                                         r"\(.*\), which the optimizer also trains"):
         validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
     assert not any(w.trainable for w in find_buffer_writes(captured(_row_free(), _batch(0)).gm))
+
+
+class NoisyUnderNoGrad(nn.Module):
+    """Adds noise drawn under ``torch.no_grad()`` to a buffer: export puts the draw in a higher-order op's body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("walk", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            noise = torch.randn(4, dtype=torch.float64)
+        self.walk.add_(noise)
+        return F.mse_loss(self.lin(x), y)
+
+
+def test_a_draw_in_a_higher_order_ops_body_counts_as_varying() -> None:
+    """The write's operand came out of ``wrap_with_set_grad_enabled``, whose body draws; the walk of the
+    outer graph saw no draw and let dp through, where ranks seeded apart (nanoGPT's seed + rank) or
+    drawing after their own slices' dropout masks keep other copies of the buffer."""
+    torch.manual_seed(0)
+    graph = captured(NoisyUnderNoGrad().double(), _batch(0))
+    assert [(w.buffer, w.from_rows) for w in find_buffer_writes(graph.gm)] == [("walk", True)]
+    plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=1, global_batch=BATCH))
+    with pytest.raises(PlanError, match="mesh.dp: the model's forward writes the buffer.s. walk"):
+        validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
