@@ -94,7 +94,20 @@ class _Watch(TorchDispatchMode):
 def watch_eager_writes(model: nn.Module) -> Iterator[None]:
     """Within the block (a torch.fx trace of ``model``), raise :class:`EagerWrite` before any op
     runs that writes in place to a tensor sharing storage with one of ``model``'s parameters or
-    buffers (``p.data.mul_``, ``p.detach().copy_``): such an op is not a Proxy's, so it would run
-    now and never in the graph."""
-    with _Watch(model):
-        yield
+    buffers (``p.data.mul_``, ``p.detach().copy_``), or assigns one's ``.data``: such an op is not a
+    Proxy's, so it would run now and never in the graph."""
+    watch = _Watch(model)
+    base = torch._C.TensorBase.__dict__["data"]
+
+    def assign(t: torch.Tensor, value: torch.Tensor) -> None:  # MoCo's pk.data = pk.data * m + pq.data * (1 - m)
+        owner = watch.owners.get(_storage(t) or 0)
+        if owner is not None:
+            raise EagerWrite(owner, call_site("Tensor.data =", model))
+        base.__set__(t, value)
+
+    torch.Tensor.data = property(base.__get__, assign)  # type: ignore[assignment]
+    try:
+        with watch:
+            yield
+    finally:
+        del torch.Tensor.data

@@ -143,3 +143,34 @@ def test_a_parameter_read_for_its_shape_alone_is_traced_by_fx() -> None:
     with torch.device("meta"):
         model = FirstHidden()
     assert capture(model, (torch.randn(3, 4, device="meta"),)).tracer == "fx"
+
+
+class MoCoAssign(nn.Module):
+    """MoCo's official momentum update: ``param_k.data = param_k.data * m + param_q.data * (1 - m)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.k.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                pk.data = pk.data * 0.9 + pq.data * 0.1  # the line the refusal names
+            t = self.k(x)
+        return (self.q(x) - t).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+def test_an_assignment_to_data_is_refused_and_the_teacher_left_as_it_was(tracer: str) -> None:
+    """Export cannot trace MoCo's update, and the fx fallback ran it while tracing (no op the
+    dispatch watch sees: ``.data =`` swaps the tensor): the user's key encoder moved a step at plan
+    time, and the graph trained with a key encoder that never moved, silently."""
+    model = MoCoAssign()
+    before = [p.detach().clone() for p in model.k.parameters()]
+    with pytest.raises(CaptureError, match=r"writes its parameter k.weight in place where no trace records it, op "
+                                           r"Tensor.data = at module <model top level> \(MoCoAssign\), source "
+                                           r"test_eager_writes.py:\d+"):
+        capture(model, (torch.randn(3, 8),), tracer=tracer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.k.parameters()))
+    assert "data" not in torch.Tensor.__dict__
