@@ -51,6 +51,9 @@ class HostRandom:
     """``numpy.random`` / ``random``: global states that changed."""
     seeded: list[str] = field(default_factory=list)
     """Call sites of draws that followed a seed the forward set (the same numbers at every call)."""
+    rebound: list[str] = field(default_factory=list)
+    """``buffer <name>: <call site>`` where the forward assigned a new tensor to one of the model's
+    buffers (``self.ema = 0.9 * self.ema + ...``): torch.export drops the assignment."""
 
     def describe(self) -> str:
         return self.sites[0] if self.sites else f"op {self.moved[0]}.* (its global state moved; where was not recorded)"
@@ -105,11 +108,19 @@ def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
             setattr(space, name, wrapper)
     writes: list[str] = []  # numbers or strings the watched code set on a module (a seed could come from one)
     module_setattr = nn.Module.__setattr__
-    own = {id(m) for m in model.modules()}
+    paths = {id(m): p for p, m in model.named_modules()}
+    own = set(paths)
+    kept: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}  # real buffers fx's trace rebound to a Proxy
 
     def noting(self: nn.Module, name: str, value: Any) -> None:
         if id(self) in own and isinstance(value, (int, float, str)) and not isinstance(value, bool):
             writes.append(f"{type(self).__name__}.{name}")
+        if id(self) in own and name in self._buffers and isinstance(value, torch.fx.Proxy):
+            kept.setdefault((id(self), name), (self, name, self._buffers[name]))  # fx would leave its Proxy there
+        elif id(self) in own and isinstance(value, torch.Tensor) and name in self._buffers \
+                and value is not self._buffers[name]:  # (self.pe = self.pe.to(x.device) on its device: itself)
+            found.rebound.append(f"buffer {paths[id(self)] + '.' if paths[id(self)] else ''}{name}: "
+                                 f"{call_site(f'{type(self).__name__}.{name} =', model)}")
         module_setattr(self, name, value)
     np_state: Any = np.random.get_state()
     py_state = random.getstate()
@@ -118,6 +129,8 @@ def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
         yield found
     finally:
         nn.Module.__setattr__ = module_setattr  # type: ignore[method-assign]
+        for module, name, tensor in kept.values():
+            module._buffers[name] = tensor
         for space, name, fn in patched:
             setattr(space, name, fn)
         if found.seeded and writes:

@@ -378,3 +378,34 @@ def test_a_draw_in_a_higher_order_ops_body_counts_as_varying() -> None:
     plan = Plan(mesh=Mesh(dp=2), schedule=Schedule(microbatches=1, global_batch=BATCH))
     with pytest.raises(PlanError, match="mesh.dp: the model's forward writes the buffer.s. walk"):
         validate_plan(plan, graph, resolve_cluster(2, "a100-80gb"), devices=2)
+
+
+class RebindsItsBuffer(nn.Module):
+    """Keeps an EMA by assigning a new tensor to its buffer: ``self.ema = 0.9 * self.ema + ...``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("pe", torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.pe = self.pe.to(x.device)  # on its own device: the same tensor, not a new value
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)[:4]
+        return F.mse_loss(self.lin(x * self.pe), y)
+
+
+def test_a_buffer_rebound_in_forward_is_refused_at_capture() -> None:
+    """torch.export drops the assignment (the new value is dead code in its graph): every plan,
+    dp=1 too, trained without ever updating the EMA, and pm.state_dict() had no 'ema', silently.
+    torch.fx had left a Proxy in the user's module as its buffer."""
+    from planner.capture import CaptureError, capture
+
+    torch.manual_seed(0)
+    model = RebindsItsBuffer()
+    with pytest.raises(CaptureError, match=r"assigns a new tensor to its buffer ema: op RebindsItsBuffer.ema = at "
+                                           r"module <model top level> \(RebindsItsBuffer\), source test_buffer_writes"):
+        capture(model, _batch(0))
+    assert type(model.ema) is torch.Tensor and torch.equal(model.ema, torch.zeros(4, dtype=torch.float64))
+    capture(model, _batch(0), tracer="fx")  # (fx's trace keeps no assignment either; its Proxy is not left behind)
+    assert type(model.ema) is torch.Tensor and type(model.pe) is torch.Tensor
