@@ -83,7 +83,7 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
     if (ratio := _count_divisor(value)) is not None:
-        return _divisor_counter(gm, ratio[1], loss=str(ratio[0].target))
+        return _divisor_counter(gm, ratio[1], ratio[2], loss=str(ratio[0].target))
     rows = _rows(gm)
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
@@ -140,14 +140,14 @@ def _same_labels(labels: list[_Labels]) -> bool:
 _FULL_SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
 
 
-def _count_divisor(value: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+def _count_divisor(value: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set[torch.fx.Node]] | None:
     """The sum and the divisor of a sum over the batch divided by a count the batch's rows give, or None:
     ``(terms * loss_mask).sum() / loss_mask.sum()`` (Megatron's loss mask), ESPnet's
     ``ctc_sum / ys_lens.sum()``. A piece divides its own sum by its own count, so the pieces' plain
     mean is wrong whenever their counts differ (a padded batch); weighed by their counts, as a
     token mean's pieces are, they give the batch's loss. The divisor is a 0-dim sum of values
     computed from batch inputs alone; the dividend a 0-dim sum (whether its terms are row by row is
-    the loss check's to prove)."""
+    the loss check's to prove). Returns the sum, the divisor and the divisor's ancestors."""
     if value.op != "call_function" or value.target is not aten.div.Tensor or len(value.args) != 2 or value.kwargs:
         return None
     total, count = value.args
@@ -160,20 +160,44 @@ def _count_divisor(value: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] 
     source = past_value_keeping(count)
     if source.op != "call_function" or source.target not in _FULL_SUM_OPS:
         return None
+    seen = _batch_ancestors(count)  # None: computed from parameters, buffers or a draw, not a count the batch gives
+    if seen is None:
+        return None
+    rows = any(n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() > 0
+               for n in seen)
+    return (total, count, seen) if rows else None
+
+
+def _batch_ancestors(node: torch.fx.Node) -> set[torch.fx.Node] | None:
+    """``node`` and every node it is computed from, or None when any of them is not a batch input or
+    an op (a parameter, a buffer) or draws random numbers (mixup's ``y[randperm]``)."""
     seen: set[torch.fx.Node] = set()
-    stack, rows = [count], False
+    stack = [node]
     while stack:
-        node = stack.pop()
-        if node in seen:
+        n = stack.pop()
+        if n in seen:
             continue
-        seen.add(node)
-        if node.op not in ("placeholder", "call_function") or is_sampler(node):
-            return None  # computed from parameters, buffers or a draw: not a count the batch gives
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            rows = rows or (isinstance(val, torch.Tensor) and val.dim() > 0)
-        stack.extend(node.all_input_nodes)
-    return (total, count) if rows else None
+        seen.add(n)
+        if n.op not in ("placeholder", "call_function") or is_sampler(n):
+            return None
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _copy_nodes(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]
+                ) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node], list[int]]:
+    """A new graph holding ``gm``'s nodes in ``keep`` (in order), the map from them to their copies,
+    and the batch positions of the placeholders kept."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs = []
+    for node in gm.graph.nodes:
+        if node in keep:
+            env[node] = graph.node_copy(node, lambda x: env[x])
+            if node.op == "placeholder":
+                inputs.append(placeholders.index(node))
+    return graph, env, inputs
 
 
 def _zero_dim(node: torch.fx.Node) -> bool:
@@ -181,24 +205,11 @@ def _zero_dim(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
-def _divisor_counter(gm: torch.fx.GraphModule, count: torch.fx.Node, *, loss: str) -> TokenCounter:
-    """A counter graph that computes ``count`` (:func:`_count_divisor`) on a piece, in float64."""
-    seen: set[torch.fx.Node] = set()
-    stack = [count]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs = []
-    for node in gm.graph.nodes:
-        if node in seen:
-            env[node] = graph.node_copy(node, lambda x: env[x])
-            if node.op == "placeholder":
-                inputs.append(placeholders.index(node))
+def _divisor_counter(gm: torch.fx.GraphModule, count: torch.fx.Node, ancestors: set[torch.fx.Node], *,
+                     loss: str) -> TokenCounter:
+    """A counter graph that computes ``count`` (:func:`_count_divisor`, with its ``ancestors``) on a
+    piece, in float64."""
+    graph, env, inputs = _copy_nodes(gm, ancestors)
     graph.output(graph.call_function(aten._to_copy.default, (env[count],), {"dtype": torch.float64}))
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs, ignore_index=-100,
                         loss=loss, exact=True, divides=True)
@@ -298,16 +309,9 @@ def _labels_of(value: torch.fx.Node) -> _Labels | None:
     target = kwargs.get("target")
     if not isinstance(target, torch.fx.Node):
         return None
-    seen: set[torch.fx.Node] = set()
-    stack = [target]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op not in ("placeholder", "call_function") or is_sampler(node):
-            return None  # labels computed from parameters, buffers or a draw (mixup's y[randperm]): not the batch's
-        stack.extend(node.all_input_nodes)
+    seen = _batch_ancestors(target)
+    if seen is None:
+        return None  # labels computed from parameters, buffers or a draw (mixup's y[randperm]): not the batch's
     return target, int(kwargs.get("ignore_index", -100)), seen, weight  # type: ignore[call-overload]
 
 
@@ -315,17 +319,8 @@ def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact:
     """A counter graph: the ops ``labels`` are computed with, then each one's count of labels kept
     (one scalar, or a vector of one count per token mean when there are several): int64, or the
     sum of the kept labels' class weights in float64 where a token mean has them."""
-    seen = set().union(*(ancestors for _, _, ancestors, _ in labels))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    graph = torch.fx.Graph()
+    graph, env, inputs = _copy_nodes(gm, set().union(*(ancestors for _, _, ancestors, _ in labels)))
     root = torch.nn.Module()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs = []
-    for node in gm.graph.nodes:
-        if node in seen:
-            env[node] = graph.node_copy(node, lambda x: env[x])
-            if node.op == "placeholder":
-                inputs.append(placeholders.index(node))
     weighted = any(w is not None for *_, w in labels)
     counts = []
     for i, (t, ignore, _, weight) in enumerate(labels):
