@@ -51,6 +51,7 @@ from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
 from planner.buffer_writes import find_buffer_writes, writes_differ
 from planner.capture import LossModule
+from planner.eager_writes import written_tensors
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE, Plan
 
@@ -415,14 +416,10 @@ class _ParametersKept(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-                key = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
-                if key in self.params and key not in self.saved:
-                    self.saved[key] = self.params[key].detach().clone()
+        for value in written_tensors(func, args, kwargs):
+            key = value.untyped_storage()._cdata
+            if key in self.params and key not in self.saved:
+                self.saved[key] = self.params[key].detach().clone()
         return func(*args, **kwargs)
 
     @torch.no_grad()

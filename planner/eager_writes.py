@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.host_random import call_site
 
-__all__ = ["EagerWrite", "watch_eager_writes"]
+__all__ = ["EagerWrite", "watch_eager_writes", "written_tensors"]
 
 
 class EagerWrite(Exception):
@@ -76,18 +76,23 @@ class _Watch(TorchDispatchMode):
                 owner = self.owners.get(_storage(t) or 0) if isinstance(t, torch.Tensor) and t.requires_grad else None
                 if owner is not None:
                     raise EagerWrite(owner, call_site(f"aten.{func.__name__}", self.model), read=True)
-        if schema is not None and self.owners:
-            values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-            for arg in schema.arguments:
-                value = values.get(arg.name)
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                for t in tree_flatten(value)[0]:
-                    key = _storage(t) if isinstance(t, torch.Tensor) else None
-                    owner = self.owners.get(key) if key is not None else None
-                    if owner is not None:
-                        raise EagerWrite(owner, call_site(f"aten.{func.__name__}", self.model))
+        if self.owners:
+            for t in written_tensors(func, args, kwargs):
+                owner = self.owners.get(_storage(t) or 0)
+                if owner is not None:
+                    raise EagerWrite(owner, call_site(f"aten.{func.__name__}", self.model))
         return func(*args, **kwargs)
+
+
+def written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an ATen op called with ``args`` and ``kwargs`` writes in place, by its schema:
+    ``self`` of ``mul_``, an ``out=`` argument, each tensor of a list (``_foreach_lerp_``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+    return [t for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write
+            for t in tree_flatten(values.get(arg.name))[0] if isinstance(t, torch.Tensor)]
 
 
 @contextlib.contextmanager
