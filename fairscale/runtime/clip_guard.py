@@ -63,21 +63,14 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     given = {id(p) for p in params}
+    pm = _model_owner(given, "clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
+                      "pm.clip_grad_norm_(max_norm) (or pm.train_step(batch, clip_norm=max_norm))")
+    if pm is not None:
+        return pm.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
     for pm in list(_LIVE):
         if pm.retired:
             continue
         own = {id(p) for p in pm.parameters()}
-        model = pm._user_model()
-        if model is not None and given & (users := {id(p) for p in model.parameters()}):
-            trainable = {id(p) for p in model.parameters() if p.requires_grad}
-            if given - users or not trainable <= given:
-                raise RuntimeError(
-                    "torch.nn.utils.clip_grad_norm_ was given some of the parameters of a model passed to "
-                    "fairscale.parallelize" + (" and other tensors" if given - users else "") + ": its training "
-                    "runs on the ParallelModule's slices and shards, and these tensors get no gradients. Clip "
-                    "the whole model with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
-                    "pm.clip_grad_norm_(max_norm) (or pm.train_step(batch, clip_norm=max_norm))")
-            return pm.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
         if not own & given:
             continue
         if own != given:
@@ -95,7 +88,20 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float,
                      foreach: bool | None = None) -> None:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    given = {id(p) for p in params}
+    pm = _model_owner({id(p) for p in params}, "clip_grad_value_", "torch.nn.utils.clip_grad_value_("
+                      "model.parameters(), clip_value) or torch.nn.utils.clip_grad_value_(pm.parameters(), clip_value)")
+    if pm is None:
+        _TORCH_VALUE(params, clip_value, foreach)
+        return
+    mine = [p for p in pm.parameters() if p.grad is not None]  # elementwise: exact on slices and shards
+    if mine:
+        _TORCH_VALUE(mine, clip_value, foreach)
+
+
+def _model_owner(given: set[int], what: str, whole: str) -> Any:
+    """The live ParallelModule whose user's model holds the tensors ``given`` (by id), or None; raises
+    when they are only some of its trainable parameters, or others too (``what``: the torch function
+    called, ``whole``: how to clip the whole model instead)."""
     for pm in list(_LIVE):
         model = None if pm.retired else pm._user_model()
         if model is None or not given & (users := {id(p) for p in model.parameters()}):
@@ -103,13 +109,9 @@ def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_val
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         if given - users or not trainable <= given:
             raise RuntimeError(
-                "torch.nn.utils.clip_grad_value_ was given some of the parameters of a model passed to "
+                f"torch.nn.utils.{what} was given some of the parameters of a model passed to "
                 "fairscale.parallelize" + (" and other tensors" if given - users else "") + ": its training runs "
                 "on the ParallelModule's slices and shards, and these tensors get no gradients. Clip the whole "
-                "model with torch.nn.utils.clip_grad_value_(model.parameters(), clip_value) or "
-                "torch.nn.utils.clip_grad_value_(pm.parameters(), clip_value)")
-        mine = [p for p in pm.parameters() if p.grad is not None]  # elementwise: exact on slices and shards
-        if mine:
-            _TORCH_VALUE(mine, clip_value, foreach)
-        return
-    _TORCH_VALUE(params, clip_value, foreach)
+                f"model with {whole}")
+        return pm
+    return None
