@@ -82,6 +82,19 @@ def test_plans_that_cut_the_batch_are_refused_naming_the_buffers() -> None:
     assert "a plan with 2 microbatches" in text, text
 
 
+def _one_process(model: nn.Module, *, steps: int) -> list[float]:
+    """Train ``model`` in place for ``steps`` SGD steps (lr 0.1) on ``_batch(step)``; its losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(*_batch(step))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def _rank(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], str]:
     pm = fairscale.parallelize(_model(), example_inputs=_batch(0),
                                optimizer=functools.partial(torch.optim.SGD, lr=0.1))
@@ -91,14 +104,7 @@ def _rank(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], 
 
 def test_the_searched_plan_keeps_the_batch_whole_and_trains_exactly() -> None:
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
-    for step in range(2):
-        opt.zero_grad()
-        loss = model(*_batch(step))
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    want = _one_process(model, steps=2)
     losses, state, cut = fairscale.launch(_rank, devices=2, timeout_s=600)[0]
     assert cut == "dp=1 microbatches=1"
     assert losses == pytest.approx(want, rel=1e-12)
@@ -180,14 +186,7 @@ def test_a_buffer_written_under_no_grad_is_updated_on_the_ranks_as_in_one_proces
     and a second module compiled from it in the process started from them)."""
     torch.manual_seed(0)
     model = AuxLossFreeRouter().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
-    for step in range(3):
-        opt.zero_grad()
-        loss = model(*_batch(step))
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    want = _one_process(model, steps=3)
     losses, state, plan, untouched = fairscale.launch(_router_rank, devices=2, timeout_s=600)[0]
     assert untouched
     assert " dp=1 " in plan and plan.endswith(" m=1"), plan
@@ -234,14 +233,7 @@ def test_writes_that_no_row_feeds_keep_data_parallelism_and_train_exactly() -> N
     assert sorted((w.buffer, w.parameter, w.from_rows) for w in writes) == [
         ("calls", False, False), ("teacher.bias", True, False), ("teacher.weight", True, False)]
     model = _row_free()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
-    for step in range(3):
-        opt.zero_grad()
-        loss = model(*_batch(step))
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    want = _one_process(model, steps=3)
     plan = fairscale.plan(_row_free(), _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
     assert plan.data_parallel.kind != "fsdp" and plan.schedule.microbatches == 1, plan
     results = fairscale.launch(_row_free_rank, devices=2, args=(plan,), timeout_s=600)
