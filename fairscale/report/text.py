@@ -9,7 +9,7 @@ from planner.batch_stats import describe_ops, find_batch_stat_ops
 from planner.graph import ModelGraph
 from planner.plan import Plan, Stage
 from planner.schedule_kinds import KINDS
-from planner.selectors import SelectorError, format_layers, parse_selector
+from planner.selectors import SelectorError, format_layers, parse_selector, stage_layers
 
 __all__ = ["render_report"]
 
@@ -79,17 +79,16 @@ def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:
     stages = plan.stages or [Stage(layers="**")]
     rows = [("stage", "pp rank", "layers", "params", "rank memory GiB")]
     placement = _placement(plan, len(stages))
+    held = _held_layers(stages, graph)
     for i, stage in enumerate(stages):
         r = placement[i]
         mem = f"{memory[r]:.3g}" if r < len(memory) else "-"
         rank = str(r)
-        groups = _layer_groups(stage.layers, graph)
+        groups = [(stage.layers, "-")] if held is None or graph is None else _layer_groups(held[i], graph)
         for j, (names, params) in enumerate(groups):
             rows.append((str(i) if j == 0 else "", rank if j == 0 else "", names, params, mem if j == 0 else ""))
-        if graph is not None and len(groups) > 1:
-            total = sum(graph.layer(n).param_count for n in parse_selector(stage.layers).select(
-                [layer.name for layer in graph.layers]))
-            rows.append(("", "", "  total", f"{total:,}", ""))
+        if held is not None and graph is not None and len(groups) > 1:
+            rows.append(("", "", "  total", f"{sum(graph.layer(n).param_count for n in held[i]):,}", ""))
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     out = []
     for r in rows:
@@ -98,14 +97,20 @@ def _stage_table(plan: Plan, graph: ModelGraph | None) -> list[str]:
     return out
 
 
-def _layer_groups(text: str, graph: ModelGraph | None) -> list[tuple[str, str]]:
-    """(names, params) rows for a stage: runs of one repeated block fold into one row."""
+def _held_layers(stages: list[Stage], graph: ModelGraph | None) -> list[list[str]] | None:
+    """Each stage's layers as the passes split them (``planner.selectors.stage_layers``: a layer a
+    stage matches only by a suffix, such as ResNet's ``conv1`` in ``layer3.0.conv1``, is held by the
+    stage that names it whole), or None without a graph or with a selector that does not parse."""
     if graph is None:
-        return [(text, "-")]
+        return None
     try:
-        names = parse_selector(text).select([layer.name for layer in graph.layers])
+        return stage_layers([parse_selector(s.layers) for s in stages], [layer.name for layer in graph.layers])
     except SelectorError:
-        return [(text, "-")]
+        return None
+
+
+def _layer_groups(names: list[str], graph: ModelGraph) -> list[tuple[str, str]]:
+    """(names, params) rows for a stage's layers: runs of one repeated block fold into one row."""
     rows: list[tuple[str, str]] = []
     run: list[str] = []
 
