@@ -31,7 +31,7 @@ gradients are compared too, each as one random projection per parameter tensor (
 not a copy of the gradient), combined with the same weights as the losses, as a whole and tensor by
 tensor: a term that couples the rows with a small weight (a router's load-balancing loss x 0.001)
 moves the loss and the whole gradient less than their tolerance, and its parameters' gradients by
-more (:data:`GRAD_TOL`).
+more (``fairscale.loss_check_runs.GRAD_TOL``).
 """
 
 from __future__ import annotations
@@ -41,17 +41,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from fairscale.loss_check_mode import checking_mode, draws_constant, eval_path
-from fairscale.runtime.modes import attributes_kept
+from fairscale.loss_check_mode import draws_constant, eval_path
+from fairscale.loss_check_runs import GRAD_TOL, batch_rows, gradient_error, param_dtype, run_batches
 from passes.ops.random_ops import random_nodes
 from passes.loss_count import TokenCounter, piece_weights, sum_problem
 from passes.loss_weights import token_counter
 from planner.batch_stats import source_line
 from planner.buffer_writes import find_buffer_writes, writes_differ
-from planner.capture import LossModule
-from planner.eager_writes import written_tensors
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE, Plan
 
@@ -96,7 +93,7 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         return verdicts["scan"]
     if "eval path" not in verdicts:  # where the model parts from its training path in eval mode, if it does
         verdicts["eval path"] = None if any(p.is_meta for p in model.parameters()) else \
-            eval_path(model, _rows(tuple(example_inputs), 0, PROOF_ROWS[0]), loss_fn)
+            eval_path(model, batch_rows(tuple(example_inputs), 0, PROOF_ROWS[0]), loss_fn)
     rows = max(1, min(first.shape[0] // (dp * m), CHECK_ROWS))
     if rows not in verdicts:
         verdicts[rows] = row_problem(model, example_inputs, loss_fn, counter, rows, gm=gm,
@@ -148,8 +145,8 @@ def proven_row_by_row(model: nn.Module, example_inputs: Sequence[Any],
     if not tensors or any(t.shape[0] < large for t in tensors) or any(p.is_meta for p in model.parameters()):
         return False  # (a model on meta is not checked at all: row_problem)
     try:
-        a = rank_capture(model, _rows(batch, 0, small), loss_fn=loss_fn).gm
-        b = rank_capture(model, _rows(batch, 0, large), loss_fn=loss_fn).gm
+        a = rank_capture(model, batch_rows(batch, 0, small), loss_fn=loss_fn).gm
+        b = rank_capture(model, batch_rows(batch, 0, large), loss_fn=loss_fn).gm
     except Exception:  # noqa: BLE001 - what cannot be captured here is left to the eager check
         return False
     counter = token_counter(a)
@@ -175,8 +172,8 @@ def scan_problem(model: nn.Module, example_inputs: Sequence[Any],
     if not tensors or any(t.shape[0] < large for t in tensors) or any(p.is_meta for p in model.parameters()):
         return None
     try:
-        a = rank_capture(model, _rows(batch, 0, small), loss_fn=loss_fn).gm
-        b = rank_capture(model, _rows(batch, 0, large), loss_fn=loss_fn).gm
+        a = rank_capture(model, batch_rows(batch, 0, small), loss_fn=loss_fn).gm
+        b = rank_capture(model, batch_rows(batch, 0, large), loss_fn=loss_fn).gm
     except Exception:  # noqa: BLE001 - what cannot be captured here is left to the eager check
         return None
     found = scans_over_rows(a, b, small, large)
@@ -203,7 +200,7 @@ def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_input
         return None
     rows = first.shape[0] // (dp * m)
     try:
-        counts = counter.count_all([_rows(batch, k * rows, (k + 1) * rows) for k in range(dp * m)])
+        counts = counter.count_all([batch_rows(batch, k * rows, (k + 1) * rows) for k in range(dp * m)])
         piece_weights(counter, [counts[d * m:(d + 1) * m] for d in range(dp)], 0)
     except ValueError as e:
         node = next((n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in counter.loss), None)
@@ -212,13 +209,6 @@ def count_problem(gm: torch.fx.GraphModule, counter: TokenCounter, example_input
     except Exception:  # noqa: BLE001 - labels it cannot count here are counted on the ranks
         return None
     return None
-
-
-GRAD_TOL = 1e-4
-"""How far, relative to its norm, a parameter tensor's gradient may be between the batch and its
-pieces in float32 (:func:`_gradient_error`). Rounding keeps it under 1e-6 on every corpus model;
-a router's load-balancing loss (Hugging Face MoE with output_router_logits=True, coefficient
-0.001) moves the routers' gradients by 1e-3 and more, under the losses' own tolerance of 1e-3."""
 
 
 def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
@@ -244,12 +234,12 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
         lo, weights = _window(counter, batch, rows)
     except ValueError as e:
         return _unchecked(str(e), "give an example batch with labels in every row")
-    whole = _rows(batch, lo, lo + 2 * rows)
-    pieces = [_rows(batch, lo, lo + rows), _rows(batch, lo + rows, lo + 2 * rows)]
+    whole = batch_rows(batch, lo, lo + 2 * rows)
+    pieces = [batch_rows(batch, lo, lo + rows), batch_rows(batch, lo + rows, lo + 2 * rows)]
     mode = "eval mode" if eval_path is None else \
         f"training mode, its random draws constant (its code takes another path in eval mode: {eval_path})"
     try:
-        runs = _runs(model, loss_fn, (whole, *pieces), training=eval_path is not None)
+        runs = run_batches(model, loss_fn, (whole, *pieces), training=eval_path is not None)
     except Exception as e:  # noqa: BLE001 - said in the refusal
         said = (str(e).strip().splitlines() or [""])[0][:300]
         return _unchecked(f"the model raised {type(e).__name__} on rows {lo}-{lo + 2 * rows - 1} of the example "
@@ -258,7 +248,7 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
     if not math.isfinite(got):
         return _unchecked(f"the loss of rows {lo}-{lo + 2 * rows - 1} of the example batch is {got} in {mode}",
                           "give an example batch on which the model's loss is finite")
-    full = torch.finfo(torch.promote_types(torch.float32, _dtype(model))).bits >= 32
+    full = torch.finfo(torch.promote_types(torch.float32, param_dtype(model))).bits >= 32
     tol, grad_tol = (1e-3, GRAD_TOL) if full else (5e-2, 5e-2)
     how = {None: "the mean of the pieces' losses", "mean": "the pieces' losses weighed by their labels",
            "sum": "the sum of the pieces' losses"}[None if counter is None or len(set(weights)) == 1 else counter.kind]
@@ -266,7 +256,7 @@ def row_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callab
     if not abs(got - want) <= tol * max(abs(got), abs(want)) + 1e-6:  # a piece's nan or inf differs too
         found = f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g}, but {how} ({span}) is {want:.6g}"
     else:
-        off = _gradient_error(runs[0][1], [(w, g) for w, (_, g) in zip(weights, runs[1:])])
+        off = gradient_error(runs[0][1], [(w, g) for w, (_, g) in zip(weights, runs[1:])])
         if off is None or off <= grad_tol:
             return None
         found = f"on the example batch, rows {lo}-{lo + 2 * rows - 1} give {got:.6g} and {how} ({span}) {want:.6g}, "
@@ -310,33 +300,10 @@ def _window(counter: TokenCounter | None, batch: tuple[Any, ...], rows: int) -> 
     why = ""
     for lo in range(0, n - 2 * rows + 1, rows):
         try:
-            return lo, _weights(counter, [_rows(batch, lo, lo + rows), _rows(batch, lo + rows, lo + 2 * rows)])
+            return lo, _weights(counter, [batch_rows(batch, lo, lo + rows), batch_rows(batch, lo + rows, lo + 2 * rows)])
         except ValueError as e:
             why = why or str(e)
     raise ValueError(f"no two adjacent {rows}-row pieces of the example batch can be weighed: {why}")
-
-
-def _gradient_error(whole: torch.Tensor | None, pieces: list[tuple[float, torch.Tensor | None]]) -> float | None:
-    """How far the pieces' gradient projections, weighed, are from the whole batch's, relative to
-    the larger, and for each parameter tensor relative to its own gradient's norm (the larger of
-    the two); None when there is no gradient to compare. A gradient is ``[projections, norms,
-    sizes]``, one column per parameter tensor (:func:`_loss`)."""
-    if whole is None or any(g is None for _, g in pieces):
-        return None
-    combined = sum((w * g[0] for w, g in pieces if w and g is not None), torch.zeros_like(whole[0]))
-    if not bool(torch.isfinite(combined).all()) or not bool(torch.isfinite(whole).all()):
-        return math.inf  # a piece's gradient is nan where the batch's is not (or the other way round)
-    scale = max(float(whole[0].norm()), float(combined.norm()))
-    if scale == 0:
-        return None
-    # each tensor against its own norm, floored at its share of the whole gradient's norm by size
-    # (fairscale.numerics.compare's scale): a coupling term with a small coefficient (a router's
-    # load-balancing loss x 0.001) moves the router's gradient by percents and the whole by less
-    # than the tolerance
-    norms, sizes = whole[1], whole[2]
-    share = torch.sqrt(norms.pow(2).sum() * sizes / sizes.sum())
-    each = (whole[0] - combined).abs() / torch.maximum(norms, share).clamp_min(1e-300)
-    return max(float((whole[0] - combined).norm()) / scale, float(each.max()))
 
 
 def _selection_site(gm: torch.fx.GraphModule) -> str:
@@ -378,97 +345,6 @@ def _site(node: torch.fx.Node) -> str:
     line = source_line(node)
     return (f"module {node.meta.get(META_MODULE) or '<model top level>'}, op {node.target}"
             + (f", source {line}" if line else ""))
-
-
-def _runs(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batches: Sequence[tuple[Any, ...]], *,
-          training: bool = False) -> list[tuple[float, torch.Tensor | None]]:
-    """:func:`_loss` of each batch on the user's model, each run from the same weights. A forward may
-    write parameters in place: an eval-mode forward of HF ``RwkvModel`` divides weights and flips
-    ``layers_are_rescaled`` (the next training forward multiplies them back), a momentum teacher
-    takes an EMA step of the student's weights at every call. Planning must leave the model as it
-    was, and each run must start where the first did (the pieces of a batch compared with the whole
-    had seen a teacher one step further each, and a model that is exact under data parallelism was
-    refused as coupling its rows). :class:`_ParametersKept` saves each parameter an op is about to
-    write, once, and puts it back after the run: only the written ones are copied (a copy of every
-    model would double its memory on the planning rank: a 13B model in fp32 on one 80 GB GPU, out
-    of memory where it trained). What the forward rebinds on a module (a flag, a cache) and its
-    buffers are put back by :func:`_loss`."""
-    out = []
-    for batch in batches:
-        kept = _ParametersKept(model)
-        try:
-            with kept:
-                out.append(_loss(model, loss_fn, batch, training))
-        finally:
-            kept.restore()
-    return out
-
-
-class _ParametersKept(TorchDispatchMode):
-    """Saves the value of each of ``model``'s parameters before the first ATen op that writes its
-    storage (``w.div_(2)`` under ``no_grad``, ``w.data.copy_(...)``); :meth:`restore` puts them back."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.params = {p.untyped_storage()._cdata: p for p in model.parameters()}
-        self.saved: dict[int, torch.Tensor] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        for value in written_tensors(func, args, kwargs):
-            key = value.untyped_storage()._cdata
-            if key in self.params and key not in self.saved:
-                self.saved[key] = self.params[key].detach().clone()
-        return func(*args, **kwargs)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for key, value in self.saved.items():
-            self.params[key].copy_(value)
-        self.saved.clear()
-
-
-def _rows(batch: tuple[Any, ...], lo: int, hi: int) -> tuple[Any, ...]:
-    """Rows ``lo:hi`` of every tensor the runtime slices (dim 0 of each tensor with dims)."""
-    return tuple(t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch)
-
-
-def _dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batch: tuple[Any, ...],
-          training: bool = False) -> tuple[float, torch.Tensor | None]:
-    """The loss of ``batch`` and its gradient's projection (one random projection per parameter
-    tensor, from fixed seeds: the same for every batch), in eval mode or in training mode with
-    constant draws (``fairscale.loss_check_mode.checking_mode``), from a fixed random state;
-    the modules' attributes (their training flags, what the forward rebinds: a flag, a cache) and
-    buffers are restored after, so that each of the check's runs starts from the same state (a
-    forward that counts its calls, or keeps an average, would carry one run into the next, and into
-    the user's model), and no ``.grad`` is touched."""
-    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None]
-    params = [p for p in model.parameters() if p.requires_grad]
-    with attributes_kept(model):
-        try:
-            with checking_mode(model, training), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                loss = LossModule(model, loss_fn)(*batch)
-                value = float(loss.detach().double())
-                if not params or not loss.requires_grad:
-                    return value, None
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-        finally:
-            with torch.no_grad():
-                for m, name, b, saved in buffers:
-                    m._buffers[name] = b  # a forward that rebinds the buffer, or writes it in place
-                    b.copy_(saved)
-    projection = [float((g.double() * torch.randn(g.shape, generator=torch.Generator().manual_seed(i),
-                                                  dtype=torch.float64).to(g.device)).sum())
-                  if g is not None else 0.0 for i, g in enumerate(grads)]
-    norms = [float(g.double().norm()) if g is not None else 0.0 for g in grads]
-    return value, torch.tensor([projection, norms, [float(p.numel()) for p in params]], dtype=torch.float64)
 
 
 def _weights(counter: TokenCounter | None, pieces: list[tuple[Any, ...]]) -> list[float]:
