@@ -277,7 +277,8 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
         model: the model, initialized (every rank must hold the same weights, e.g. the same seed
             or a model inherited through fork).
         devices: number of ranks; default the launched world size.
-        example_inputs: one global batch (a tuple); fixes shapes and the default global batch.
+        example_inputs: one global batch (a tuple; a dict by name for a model returning its loss);
+            fixes shapes and the default global batch.
         loss_fn: ``loss_fn(model(batch[0]), *batch[1:])``; without it ``model(*batch)`` returns
             the loss (or an object with ``.loss``).
         plan: a Plan, or the path of a plan file, to use instead of searching. It is validated

@@ -11,11 +11,13 @@ import dataclasses
 import functools
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from fairscale.runtime.batch_form import KeywordBatch, keyword_example
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
 from planner.plan import Plan, PlanError
 
@@ -49,16 +51,15 @@ def check_allocated(model: nn.Module) -> None:
                          "seed=...) replays its construction under that seed), then call parallelize")
 
 
-def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
-    """The example batch as a tuple of positional inputs; a clear error for any other form."""
+def check_example_inputs(example_inputs: Any, model: Any = None, loss_fn: Any = None) -> tuple[Any, ...]:
+    """The example batch as a tuple of positional inputs (a dict of them by name, for a model that
+    returns its loss, as the ``fairscale.runtime.batch_form.KeywordBatch`` of them); a clear error
+    for any other form."""
     if isinstance(example_inputs, torch.Tensor):
         raise TypeError(f"example_inputs must be a tuple of the model's positional inputs, got {_got(example_inputs)}; "
                         "wrap a single input as (x,), or pass (inputs, labels)")
-    if isinstance(example_inputs, dict):
-        keys = ", ".join(map(str, example_inputs))
-        raise TypeError(f"example_inputs is a dict ({keys}); pass the model's inputs as a tuple in the order of "
-                        "its forward's positional parameters, e.g. (input_ids, labels) — keyword inputs are "
-                        "not supported")
+    if isinstance(example_inputs, Mapping) and isinstance(model, nn.Module):
+        example_inputs = keyword_example(model, example_inputs, loss_fn)
     if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
         raise TypeError(f"example_inputs must be a non-empty tuple of the model's positional inputs (one batch), "
                         f"got {_got(example_inputs)}")
@@ -66,7 +67,7 @@ def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
         raise ValueError("example_inputs holds no tensor with a batch dimension; the first dim of each input "
                          "tensor is the batch that data parallelism and microbatches split")
     check_rows_agree(example_inputs)
-    return tuple(example_inputs)
+    return example_inputs if isinstance(example_inputs, KeywordBatch) else tuple(example_inputs)
 
 
 def check_rows_agree(example_inputs: Sequence[Any]) -> None:
@@ -136,7 +137,7 @@ def check_all(model: Any, example_inputs: Any, *, loss_fn: Any = None, optimizer
     """Every check above; returns the example batch as a tuple and the optimizer's spec."""
     check_plan(plan, constraints)
     check_model(model)
-    batch = check_example_inputs(example_inputs)
+    batch = check_example_inputs(example_inputs, model, loss_fn)
     check_loss_fn(loss_fn)
     spec = check_optimizer(optimizer, model)
     check_devices(devices)

@@ -37,7 +37,8 @@ from fairscale.capture_cache import rank_capture, trace_dtype
 from fairscale.eval_mode import eval_modules
 from fairscale.report.text import render_report
 from fairscale.runtime.device import resolve_device, use_device
-from fairscale.runtime.engine import OptimizerSpec, ParallelModule, microbatch_example
+from fairscale.runtime.batch_form import KeywordBatch, microbatch_example
+from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.init import check_replicas
 from fairscale.runtime.mesh import RankMesh
 from fairscale.runtime.model_guard import fairscale_uses_models
@@ -100,7 +101,8 @@ def compile_program(model: nn.Module, plan: Plan, *, example_inputs: Sequence[An
                        model=weakref.ref(model), modes=modes, eval_modules=eval_modules,
                        trainable=trainable_of(model),
                        predicted_memory=dict(predicted or {}),
-                       example_inputs=tuple(example_inputs), loss_fn=loss_fn)
+                       loss_fn=loss_fn, example_inputs=example_inputs if isinstance(example_inputs, KeywordBatch)
+                       else tuple(example_inputs))
 
 
 @fairscale_uses_models

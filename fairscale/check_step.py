@@ -22,7 +22,7 @@ from fairscale import numerics
 from fairscale.build import build_module
 from passes.ops.random_ops import random_nodes
 from fairscale.capture_cache import trace_dtype
-from fairscale.runtime.engine import microbatch_example
+from fairscale.runtime.batch_form import microbatch_example
 from fairscale.runtime.startup import broadcast_from_zero
 from planner.capture import LossModule
 from planner.graph import META_MODULE, META_PARAM, ModelGraph

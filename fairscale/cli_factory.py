@@ -8,11 +8,14 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
+
+from fairscale.runtime.batch_form import keyword_example
 
 __all__ = ["CAPTURE_BATCH", "UsageError", "Loaded", "load_factory", "recorded_factory"]
 
@@ -85,12 +88,14 @@ def _read_result(spec: str, result: Any) -> Loaded:
         raise UsageError(f"FACTORY {spec!r} returned a {type(result).__name__} but no example inputs; {_RETURNS}")
     if isinstance(result, (tuple, list)) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
         inputs = result[1]
-        if isinstance(inputs, dict):
-            raise UsageError(f"FACTORY {spec!r}: example inputs must be a tuple (positional arguments), not a dict")
-        batch = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         loss_fn = result[2] if len(result) == 3 else None
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"FACTORY {spec!r}: the third item must be a loss function, got {type(loss_fn).__name__}")
+        try:  # a dict by name, as fairscale.parallelize takes it (fairscale.runtime.batch_form)
+            batch = keyword_example(result[0], inputs, loss_fn) if isinstance(inputs, Mapping) else \
+                tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        except TypeError as exc:
+            raise UsageError(f"FACTORY {spec!r}: {exc}") from exc
         return Loaded(result[0], batch, loss_fn)
     raise UsageError(f"FACTORY {spec!r} returned {type(result).__name__}; {_RETURNS}")
 

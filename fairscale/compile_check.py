@@ -60,7 +60,7 @@ from torch import nn
 
 from fairscale.capture_cache import batch_key, model_key, rank_capture, trace_dtype
 from fairscale.loss_check import loss_problem
-from fairscale.runtime.engine import microbatch_example
+from fairscale.runtime.batch_form import microbatch_example
 from passes import compile_rank, split_key, split_program
 from passes.program import StagedProgram
 from passes.stage_classes import stage_classes

@@ -36,6 +36,7 @@ import inspect
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -94,8 +95,9 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
 
     Args:
         model: the initialized model, the same on every rank and at every restart (same seed).
-        batches: ``batches(step)`` -> the global batch of that step (a tuple), the same on every
-            rank and every time it is asked for the same step.
+        batches: ``batches(step)`` -> the global batch of that step (a tuple, or a dict of the
+            inputs by name for a model that returns its loss), the same on every rank and every
+            time it is asked for the same step.
         steps: optimizer steps in the whole run (counting those done before a restart).
         loss_fn, optimizer: as :func:`fairscale.parallelize`.
         example_inputs: the batch to capture with (default ``batches(0)``).
@@ -136,7 +138,7 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
                          "`fairscale run --checkpoint-every S`, which gives one)")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (or None: keep every checkpoint), got {keep_last}")
-    example = tuple(example_inputs if example_inputs is not None else batches(0))
+    example = _form(example_inputs if example_inputs is not None else batches(0))
     launched = dist.get_world_size()
     plan, record = _plan_and_record(model, example, loss_fn=loss_fn, global_batch=global_batch,
                                     constraints=constraints, directory=directory, launched=launched)
@@ -154,7 +156,7 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
     with_pm = on_step is not None and _positional(on_step) >= 3
     for step in range(resumed or 0, steps):
         torch.manual_seed(seed + step)
-        losses.append(float(pm.train_step(tuple(batches(step)), clip_norm=clip_norm)))
+        losses.append(float(pm.train_step(_form(batches(step)), clip_norm=clip_norm)))
         done = step + 1
         if directory is not None and ((every and done % every == 0) or done == steps):
             _save(pm, directory, done, losses, plan=plan, keep_last=keep_last)
@@ -190,7 +192,12 @@ def _every(checkpoint_every: int | None) -> int | None:
     return every
 
 
-def _plan_and_record(model: nn.Module, example: tuple[Any, ...], *, loss_fn: Any, global_batch: int | None,
+def _form(batch: Any) -> Any:
+    """A batch as ``parallelize`` and ``train_step`` take it: a dict by name as it is, else a tuple."""
+    return batch if isinstance(batch, Mapping) else tuple(batch)
+
+
+def _plan_and_record(model: nn.Module, example: Any, *, loss_fn: Any, global_batch: int | None,
                      constraints: dict[str, Any] | None, directory: Path | None,
                      launched: int) -> tuple[Plan, dict[str, Any] | None]:
     """Global rank 0 searches a plan for the launched ranks (which may use fewer) and reads the

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fairscale.capture_cache import rank_capture, trace_dtype
-from fairscale.runtime.engine import microbatch_example
+from fairscale.runtime.batch_form import microbatch_example
 from fairscale.runtime.modes import attributes_kept, compiled_modes
 from fairscale.runtime.program import RankProgram
 from passes.eval_mode import eval_difference, eval_graph

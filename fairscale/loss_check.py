@@ -107,7 +107,7 @@ def _write_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Cal
     whole batch's capture computes it otherwise (``planner.buffer_writes.writes_differ``: a count of
     the rows seen, ``self.seen += x.shape[0]``, is a number each capture bakes in)."""
     from fairscale.capture_cache import rank_capture, trace_dtype
-    from fairscale.runtime.engine import microbatch_example
+    from fairscale.runtime.batch_form import microbatch_example
 
     writes = find_buffer_writes(gm)
     if not writes or any(w.from_rows for w in writes) or any(p.is_meta for p in model.parameters()):

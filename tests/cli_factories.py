@@ -35,6 +35,12 @@ def self_loss() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _SelfLoss(), (torch.randn(4, 32), torch.randint(0, 10, (4,)))
 
 
+def self_loss_by_name() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The batch as a Hugging Face collator hands it: a dict of the forward's inputs by name."""
+    torch.manual_seed(0)
+    return _SelfLoss(), {"y": torch.randint(0, 10, (4,)), "x": torch.randn(4, 32)}
+
+
 def module_only() -> nn.Module:
     return nn.Linear(2, 2)
 

@@ -22,7 +22,7 @@ def test_a_bare_tensor_or_a_dict_batch(case) -> None:
     with pytest.raises(TypeError, match=r"example_inputs must be a tuple of the model's positional inputs, got a "
                                         r"Tensor of shape \(4, 8\); wrap a single input as \(x,\)"):
         fairscale.search(case.model, x, devices=2, loss_fn=case.loss_fn)
-    with pytest.raises(TypeError, match=r"example_inputs is a dict \(x, y\); pass the model's inputs as a tuple"):
+    with pytest.raises(TypeError, match=r"example_inputs is a dict \(x, y\) and loss_fn is given: with loss_fn the batch is"):
         fairscale.search(case.model, {"x": x, "y": y}, devices=2, loss_fn=case.loss_fn)
     with pytest.raises(TypeError, match="example_inputs must be a non-empty tuple"):
         fairscale.search(case.model, (), devices=2)

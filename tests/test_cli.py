@@ -85,7 +85,7 @@ def test_the_cli_and_the_api_return_the_same_plan(capsys: pytest.CaptureFixture[
 
 
 def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str]) -> None:
-    for factory in ("cli_factories:mlp_with_loss_fn", "cli_factories:self_loss"):
+    for factory in ("cli_factories:mlp_with_loss_fn", "cli_factories:self_loss", "cli_factories:self_loss_by_name"):
         code, out, err = run(capsys, "plan", factory, "--devices", "2")
         assert code == 0, err
         plan = Plan.from_json(out)
@@ -101,7 +101,7 @@ def test_factories_returning_tuples(capsys: pytest.CaptureFixture[str]) -> None:
     ("no_such_module_xyz:f", "FACTORY 'no_such_module_xyz:f': cannot import no_such_module_xyz: No module named "
                              "'no_such_module_xyz'"),
     ("cli_factories:gtp", "FACTORY 'cli_factories:gtp': cli_factories has no attribute 'gtp' (callables there: "
-                          "gpt, mlp_with_loss_fn, self_loss, module_only, broken, wrong_type)"),
+                          "gpt, mlp_with_loss_fn, self_loss, self_loss_by_name, module_only, broken, wrong_type)"),
     ("cli_factories:NOT_A_FUNCTION", "FACTORY 'cli_factories:NOT_A_FUNCTION': NOT_A_FUNCTION is a int, not a "
                                      "function"),
     ("cli_factories:module_only", "FACTORY 'cli_factories:module_only' returned a Linear but no example inputs; "

@@ -26,7 +26,7 @@ from torch import nn
 
 from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
-from fairscale.runtime.batch_form import check_batch_form
+from fairscale.runtime.batch_form import batch_chunks, positional_batch
 from fairscale.runtime.clip_guard import guard_clip_grad_norm
 from fairscale.runtime.data_parallel import local_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
@@ -55,7 +55,7 @@ from passes.ops.ep_ops import scale_grad
 from passes.ops.flight import RECORDER
 from passes.ops.gauge import UNSHARD as _UNSHARD
 
-__all__ = ["ParallelModule", "OptimizerSpec", "microbatch_example"]
+__all__ = ["ParallelModule", "OptimizerSpec"]
 
 OptimizerSpec = Union[Callable[..., torch.optim.Optimizer], OptimizerGroups]
 """An optimizer class or a ``functools.partial`` of one with its options, e.g.
@@ -77,18 +77,6 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             release_casts(mark)  # a data-parallel bucket's 16-bit copies last one call (passes.ops.dp_ops)
     return run
-
-
-def microbatch_example(batch: Sequence[Any], size: int) -> tuple[Any, ...]:
-    """``batch`` cut or tiled along dim 0 to ``size`` rows: the shape one rank's microbatch has."""
-    out = []
-    for t in batch:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            reps = -(-size // t.shape[0])
-            out.append(t.repeat(reps, *([1] * (t.dim() - 1)))[:size] if reps > 1 else t[:size])
-        else:
-            out.append(t)
-    return tuple(out)
 
 
 class ParallelModule:
@@ -210,7 +198,7 @@ class ParallelModule:
 
     @_on_mesh
     def _step(self, batch: Sequence[Any], *, clip_norm: float | None, measure_memory: bool) -> float:
-        start = self._clock()
+        start, batch = self._clock(), self._batch(batch, "pm.train_step")
         mark = len(RECORDER.timings) if RECORDER.timings is not None else 0
         self.optimizer.zero_grad(set_to_none=True)
         if self._tp_random:  # replicated dropouts draw alike on the tp ranks (runtime.tp_random)
@@ -246,7 +234,8 @@ class ParallelModule:
         if self._evaluator is None:
             self._evaluator = PipelineExecutor(self.program, self.schedule, modules=self._eval_graphs(),
                                                device=self.device)
-        return self._evaluator.eval_step(self._local(batch, "pm.evaluate"), weights=self._weights(batch))
+        batch = self._batch(batch, "pm.evaluate")
+        return self._evaluator.eval_step(self._local(batch), weights=self._weights(batch))
 
     def _eval_graphs(self) -> dict[int, torch.fx.GraphModule]:
         """This rank's stage graphs rewritten to eval mode (``fairscale.eval_mode``), made once."""
@@ -276,7 +265,8 @@ class ParallelModule:
         if counter is None or dp * m == 1:
             return None
         split_microbatches(local_slice(batch, self.mesh.dp_index, dp), m, self.program, self.local_stages)  # shapes first
-        flat = counter.count_all([tuple(part) for d in range(dp) for part in _chunks(local_slice(batch, d, dp), m)])
+        flat = counter.count_all([tuple(part) for d in range(dp)
+                                  for part in batch_chunks(local_slice(batch, d, dp), m)])
         return piece_weights(counter, [flat[d * m:(d + 1) * m] for d in range(dp)], self.mesh.dp_index)
 
     def _clock(self) -> float:
@@ -284,13 +274,17 @@ class ParallelModule:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _local(self, batch: Sequence[Any], call: str = "pm.train_step") -> tuple[Any, ...]:
-        """This rank's dp slice of the global ``batch``, on its device (copied without blocking).
-        The first batch is checked to be the same on every rank (``runtime.batch_check``)."""
-        check_batch_form(batch, call)
+    def _batch(self, batch: Any, call: str, named: dict[str, Any] | None = None) -> tuple[Any, ...]:
+        """The global ``batch`` in the positional form the graphs run (``runtime.batch_form``: a
+        dict by the example's names). The first is checked to be the same on every rank."""
+        batch = positional_batch(batch, call, named, getattr(self.rank_program.example_inputs, "batch_keys", None))
         if not self._batch_checked:
             check_same_batch(batch, device=self.device)
             self._batch_checked = True
+        return batch
+
+    def _local(self, batch: tuple[Any, ...]) -> tuple[Any, ...]:
+        """This rank's dp slice of the global ``batch``, on its device (copied without blocking)."""
         return to_device(local_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
 
     @_on_mesh
@@ -331,7 +325,7 @@ class ParallelModule:
     @_on_mesh
     def __call__(self, *batch: Any, **named: Any) -> torch.Tensor:
         """This rank's loss on its dp slice of the global ``batch``, with autograd (pp = 1 only)."""
-        check_batch_form(batch, "pm(*batch)", named)
+        batch = self._batch(batch, "pm(*batch)", named)
         if self.plan.mesh.pp > 1 or self.plan.schedule.microbatches > 1:
             raise RuntimeError(
                 f"pm(batch) runs plans with pp = 1 and one microbatch; this plan has pp={self.plan.mesh.pp} and "
@@ -351,7 +345,8 @@ class ParallelModule:
         weights = self._weights(batch, microbatches=1)
         if self._tp_random:
             share_random_state(self.device)
-        out = modules[0](*split_microbatches(self._local(batch), 1, self.program, self.local_stages)[0])
+        (micro,) = split_microbatches(self._local(batch), 1, self.program, self.local_stages)
+        out = modules[0](*(micro[i] for i in self.program.stages[0].batch_inputs))  # inputs it reads (not None's)
         loss = out[0] if isinstance(out, (tuple, list)) else out  # a stage graph returns (loss,)
         if self._optimizers[0].info.units:  # a second backward (retain_graph=True) finds them gathered
             regather_on_backward(loss, self._optimizers[0].info.units)
@@ -485,12 +480,3 @@ class ParallelModule:
         (``pm.comm_counter``) was reset."""
         return self.comm_counter.summary()
 
-
-def _chunks(batch: Sequence[Any], m: int) -> list[list[Any]]:
-    """``batch`` cut into ``m`` microbatches along dim 0, as the pipeline cuts it (non-tensors in each)."""
-    parts: list[list[Any]] = [[] for _ in range(m)]
-    for x in batch:
-        pieces = x.chunk(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m
-        for p, piece in zip(parts, pieces):
-            p.append(piece)
-    return parts

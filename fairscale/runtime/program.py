@@ -60,7 +60,8 @@ class RankProgram:
     (``passes.loss_weights``): the step weighs each microbatch by its count; None for other losses."""
     example_inputs: Sequence[Any] = ()
     """The global example batch the plan was compiled from (``fairscale.switch_plan`` compiles
-    another plan from it)."""
+    another plan from it); a ``fairscale.runtime.batch_form.KeywordBatch`` where it was given by
+    name, whose ``batch_keys`` turn later batches into its positional form."""
     loss_fn: Callable[..., Any] | None = None
     """The user's loss function, as ``parallelize`` took it."""
     modes: tuple[bool | None, ...] = ()
