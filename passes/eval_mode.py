@@ -161,16 +161,16 @@ def eval_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return out
 
 
-def _signature(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
+def _signature(gm: torch.fx.GraphModule, kept: set[int]) -> list[tuple[torch.fx.Node, tuple[Any, ...]]]:
     """The graph's computation in order, each node with its call, values named by position (node
-    names differ between captures): what two captures of one model in one mode agree on."""
+    names differ between captures): what two captures of one model in one mode agree on. ``kept``:
+    the ids of the capture's parameters and buffers, whose values are not digested."""
     index: dict[torch.fx.Node, int] = {}
 
     def norm(a: Any) -> Any:
         return torch.fx.node.map_arg(a, lambda n: ("%", index[n]))
 
     out: list[tuple[torch.fx.Node, tuple[Any, ...]]] = []
-    kept = {id(t) for t in (*gm.parameters(), *gm.buffers())}
     for node in gm.graph.nodes:
         if node.target in _LAYOUT_ONLY:  # the value of its input: a kernel's output layout may differ by mode
             index[node] = index[node.args[0]]
@@ -181,6 +181,14 @@ def _signature(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, tuple[Any,
         value = _constant_digest(gm, node, kept) if node.op == "get_attr" else None
         out.append((node, (node.op, str(target), norm(args), norm(kwargs), value)))
     return out
+
+
+def _state_ids(gm: torch.fx.GraphModule) -> set[int]:
+    """The ids of a capture's parameters and buffers, read before :func:`eval_graph` copies it: the
+    copy (``torch.fx.GraphModule``) registers every tensor it reads as a buffer, the constants the
+    trace baked in too, whose values would then go unchecked in the training graph and be compared
+    with a digest in the other (every model with a constant, GPT-2's empty KV cache, was refused)."""
+    return {id(t) for t in (*gm.parameters(), *gm.buffers())}
 
 
 def _constant_digest(gm: torch.fx.GraphModule, node: torch.fx.Node, kept: set[int]) -> tuple[Any, ...] | None:
@@ -223,7 +231,7 @@ def eval_difference(train: torch.fx.GraphModule, evaluated: torch.fx.GraphModule
     """None when ``train`` (a capture in training mode), rewritten by :func:`eval_graph`, computes
     what ``evaluated`` (a capture of the same model in eval mode) does; else where they part: the
     model's Python code takes another path in eval mode (``if self.training: ...``)."""
-    a, b = _signature(eval_graph(train)), _signature(eval_graph(evaluated))
+    a, b = _signature(eval_graph(train), _state_ids(train)), _signature(eval_graph(evaluated), _state_ids(evaluated))
     for (node_a, x), (node_b, y) in zip(a, b):
         if x[:4] == y[:4] and x != y:
             return (f"the tensor {node_a.target} that the trace baked into the graph (numbers the forward computes "

@@ -267,3 +267,36 @@ def test_a_constant_the_trace_baked_in_with_other_values_in_eval_mode_is_a_diffe
     reason = eval_difference(train, capture(model, (x,), annotate=False).gm)
     assert reason is not None and "that the trace baked into the graph" in reason and "other values in eval mode" \
         in reason, reason
+
+
+class _CacheAndDropout(nn.Module):
+    """HF GPT-2 with its default use_cache: each layer's empty KV cache (``torch.tensor([])``) is a
+    constant of the trace, beside a dropout (so the training graph is rewritten, on a copy)."""
+
+    def __init__(self, blocks: bool = False) -> None:
+        super().__init__()
+        self.a, self.drop, self.blocks = nn.Linear(4, 4), nn.Dropout(0.1), blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = torch.cat([torch.tensor([]), x[0]])
+        picked = np.random.RandomState(0).permutation(4) < 2 if self.training and self.blocks else np.ones(4, bool)
+        return (self.drop(self.a(x)) * torch.from_numpy(picked).to(x.dtype)).sum() + cache.sum()
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_constants_are_compared_though_the_training_graph_is_rewritten_on_a_copy(blocks: bool) -> None:
+    """The copy eval_graph makes of a training graph with a dropout registers every tensor it reads
+    as a buffer, the trace's constants too: their values went unchecked there and were compared with
+    a digest in the eval capture, so pm.evaluate of HF GPT-2 (default config) was refused for its
+    empty KV cache, and a constant that does differ (BigBird's random blocks) was caught only by that
+    accident."""
+    model = _CacheAndDropout(blocks)
+    x = torch.randn(3, 4)
+    train = capture(model, (x,), annotate=False).gm
+    assert eval_graph(train) is not train
+    model.eval()
+    reason = eval_difference(train, capture(model, (x,), annotate=False).gm)
+    if blocks:
+        assert reason is not None and "other values in eval mode" in reason, reason
+    else:
+        assert reason is None, reason
