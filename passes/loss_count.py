@@ -7,6 +7,7 @@ piece of every step. A leaf: it imports no pass.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,6 +40,10 @@ class TokenCounter:
     divides: bool = False
     """The loss divides by the count itself (``(l * mask).sum() / mask.sum()``), so a piece that
     counts nothing computes 0 / 0: its loss and gradient are nan, weighed 0 or not."""
+    divisor: torch.fx.GraphModule | None = None
+    """``divisor(count) -> float64 0-dim``: what the loss divides its sum by, for a count, where it is
+    not the count itself (``mask.sum().clamp(min=1)``, ``mask.sum() + 1e-8``); a piece then weighs
+    ``dp * divisor(n_i) / divisor(N)``."""
 
     def __call__(self, batch: Sequence[Any]) -> int | float | tuple[Any, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
@@ -65,6 +70,8 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
             raise ValueError(problem)
         return [float(dp)] * m  # the sum of the pieces: dp averages the ranks' gradients, so each weighs dp
     flat = [n for row in counts for n in row]
+    if counter.divisor is not None:
+        return _divided(counter, counts, dp_index)
     if counter.divides and 0 in flat and any(flat):
         raise ValueError(
             f"the loss divides a sum by a count the batch gives ({counter.loss}), and a piece of this batch's "
@@ -84,6 +91,29 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
             "num_items_in_batch does)")
     total = sum(flat)  # > 0: the counts differ
     return [dp * n / total for n in counts[dp_index]]
+
+
+def _divided(counter: TokenCounter, counts: list[list[Any]], dp_index: int) -> list[float] | None:
+    """Weights ``dp * d(n_i) / d(N)`` of a loss whose sum is divided by ``d(count)``
+    (``TokenCounter.divisor``): each piece's loss is ``S_i / d(n_i)``, so weighed they add up to
+    ``S / d(N)``, the batch's, whatever ``d`` is. None (the plain mean) where the batch's own divisor
+    is 0 or not finite (one process's loss is not finite either)."""
+    assert counter.divisor is not None
+    dp, m = len(counts), len(counts[0])
+    flat = [n for row in counts for n in row]
+    with torch.no_grad():
+        divisors = [float(counter.divisor(torch.tensor(float(n), dtype=torch.float64))) for n in (*flat, sum(flat))]
+    whole = divisors.pop()
+    if whole == 0 or not math.isfinite(whole):
+        return None
+    bad = [d for d in divisors if d == 0 or not math.isfinite(d)]
+    if bad:
+        raise ValueError(
+            f"the loss divides a sum by a function of a count the batch gives ({counter.loss}), and a piece of this "
+            f"batch's {dp * m} (dp={dp} x {m} microbatches) divides by {bad[0]} (counts {flat}): its loss is not "
+            "finite where the whole batch's is. Give every piece rows that count (sort or shuffle the padded rows "
+            "across the batch), or use fewer pieces")
+    return [dp * d / whole for d in divisors[dp_index * m:(dp_index + 1) * m]]
 
 
 def sum_problem(counter: TokenCounter | None, dp: int, m: int) -> str | None:

@@ -26,7 +26,8 @@ batch (a custom ``.sum()`` over the rows is not recognized: the same silent fact
 by the batch's rows on its way to the output (``reduction="batchmean"``, ``loss.sum() / x.size(0)``)
 is a mean over rows: a piece divides by its own rows. A loss divided or multiplied by a 0-dim batch
 input (Hugging Face's ``num_items_in_batch``), which every piece gets whole, is read as the loss it
-scales.
+scales. A sum divided by a count the batch gives (``(l * mask).sum() / mask.sum()``), or by any
+function of one (``.clamp(min=1)``, ``+ 1e-8``), weighs each piece ``dp * d(n_i) / d(N)``.
 
 A token mean INSIDE a larger loss (``ce + 0.01 * aux``, a sum of two token means) cannot be
 reweighted by pieces: the other terms have their own weights. Its counter is returned with
@@ -37,13 +38,15 @@ global batch), before the step computes a gradient. Never silently different.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
 from passes.ops.random_ops import is_sampler
-from planner.graph import past_value_keeping
+from planner.graph import VALUE_KEEPING, past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -82,8 +85,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
-    if (ratio := _count_divisor(value)) is not None:
-        return _divisor_counter(gm, ratio[1], ratio[2], loss=str(ratio[0].target))
+    if (ratio := _count_divisor(_past_constant_factors(value))) is not None:
+        return _divisor_counter(gm, ratio, loss=str(ratio.total.target))
     rows = _rows(gm)
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
@@ -140,32 +143,84 @@ def _same_labels(labels: list[_Labels]) -> bool:
 _FULL_SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
 
 
-def _count_divisor(value: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set[torch.fx.Node]] | None:
-    """The sum and the divisor of a sum over the batch divided by a count the batch's rows give, or None:
+class _Ratio(NamedTuple):
+    """A sum over the batch scaled by a function of a count the batch gives (:func:`_count_divisor`)."""
+
+    total: torch.fx.Node
+    """The 0-dim sum: the loss's terms over the batch."""
+    counted: torch.fx.Node
+    """The 0-dim sum the factor is computed from: additive over the batch's rows."""
+    ancestors: set[torch.fx.Node]
+    """``counted`` and the nodes it is computed from (batch inputs and ops)."""
+    chain: set[torch.fx.Node]
+    """The nodes between ``counted`` and ``factor`` (``factor`` included): ops on the count and constants."""
+    factor: torch.fx.Node
+    """What ``total`` is divided by, or multiplied with (``multiplies``)."""
+    multiplies: bool
+
+
+def _past_constant_factors(value: torch.fx.Node) -> torch.fx.Node:
+    """``value`` past the ops that multiply or divide it by a number, or negate it (``0.5 * loss``,
+    ``loss / 4``): each piece's loss carries the same factor, so the pieces weigh as the loss's own."""
+    while value.op == "call_function" and value.target in _LINEAR and not value.kwargs:
+        nodes = [a for a in value.args if isinstance(a, torch.fx.Node)]
+        numbers = [a for a in value.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if len(nodes) != 1 or len(nodes) + len(numbers) != len(value.args) or value.target in (aten.add.Tensor,
+                                                                                              aten.sub.Tensor):
+            return value
+        if value.target is aten.div.Tensor and value.args[0] is not nodes[0]:
+            return value
+        value = past_value_keeping(nodes[0])
+    return value
+
+
+def _count_divisor(value: torch.fx.Node) -> _Ratio | None:
+    """A sum over the batch divided by a count the batch's rows give, or times a function of one, or None:
     ``(terms * loss_mask).sum() / loss_mask.sum()`` (Megatron's loss mask), ESPnet's
-    ``ctc_sum / ys_lens.sum()``. A piece divides its own sum by its own count, so the pieces' plain
-    mean is wrong whenever their counts differ (a padded batch); weighed by their counts, as a
-    token mean's pieces are, they give the batch's loss. The divisor is a 0-dim sum of values
-    computed from batch inputs alone; the dividend a 0-dim sum (whether its terms are row by row is
-    the loss check's to prove). Returns the sum, the divisor and the divisor's ancestors."""
-    if value.op != "call_function" or value.target is not aten.div.Tensor or len(value.args) != 2 or value.kwargs:
+    ``ctc_sum / ys_lens.sum()``, ``/ mask.sum().clamp(min=1)``, ``/ (mask.sum() + 1e-8)``,
+    ``* mask.sum().reciprocal()``. A piece divides its own sum by its own count, so the pieces' plain
+    mean is wrong whenever their counts differ (a padded batch); weighed by their divisors against the
+    batch's, as a token mean's pieces are by their counts, they give the batch's loss. The count is a
+    0-dim sum of values computed from batch inputs alone, and the factor is computed from that count
+    and constants alone; the dividend is a 0-dim sum (whether its terms are row by row, and the count
+    additive over them, is the loss check's to prove)."""
+    if value.op != "call_function" or value.target not in (aten.div.Tensor, aten.mul.Tensor) \
+            or len(value.args) != 2 or value.kwargs:
         return None
-    total, count = value.args
-    if not isinstance(total, torch.fx.Node) or not isinstance(count, torch.fx.Node):
-        return None
-    total = past_value_keeping(total)
-    summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
-    if not summed or not _zero_dim(total) or not _zero_dim(count):
-        return None
-    source = past_value_keeping(count)
-    if source.op != "call_function" or source.target not in _FULL_SUM_OPS:
-        return None
-    seen = _batch_ancestors(count)  # None: computed from parameters, buffers or a draw, not a count the batch gives
+    a, b = value.args
+    orders = [(a, b)] if value.target is aten.div.Tensor else [(a, b), (b, a)]
+    for total, factor in orders:
+        if not isinstance(total, torch.fx.Node) or not isinstance(factor, torch.fx.Node):
+            continue
+        total = _past_constant_factors(past_value_keeping(total))
+        summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
+        if not summed or not _zero_dim(total) or not _zero_dim(factor):
+            continue
+        found = _count_of(factor)
+        if found is not None:
+            return _Ratio(total, *found, factor, value.target is aten.mul.Tensor)
+    return None
+
+
+def _count_of(factor: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node], set[torch.fx.Node]] | None:
+    """The 0-dim sum over batch inputs ``factor`` is a function of (with constants), its ancestors and
+    the chain of nodes from it to ``factor``; None when ``factor`` reads a parameter, a buffer, a draw,
+    or batch values other than through one such sum."""
+    seen = _batch_ancestors(factor)
     if seen is None:
         return None
-    rows = any(n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() > 0
-               for n in seen)
-    return (total, count, seen) if rows else None
+    for count in seen:
+        if count.op != "call_function" or count.target not in _FULL_SUM_OPS or not _zero_dim(count):
+            continue
+        inner = _batch_ancestors(count)
+        assert inner is not None
+        chain = seen - inner
+        if all(n.op != "placeholder" and all(i in chain or i is count for i in n.all_input_nodes) for n in chain) \
+                and any(
+                n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() > 0
+                for n in inner):
+            return count, inner, chain
+    return None
 
 
 def _batch_ancestors(node: torch.fx.Node) -> set[torch.fx.Node] | None:
@@ -205,14 +260,31 @@ def _zero_dim(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
-def _divisor_counter(gm: torch.fx.GraphModule, count: torch.fx.Node, ancestors: set[torch.fx.Node], *,
-                     loss: str) -> TokenCounter:
-    """A counter graph that computes ``count`` (:func:`_count_divisor`, with its ``ancestors``) on a
-    piece, in float64."""
-    graph, env, inputs = _copy_nodes(gm, ancestors)
-    graph.output(graph.call_function(aten._to_copy.default, (env[count],), {"dtype": torch.float64}))
+def _divisor_counter(gm: torch.fx.GraphModule, ratio: _Ratio, *, loss: str) -> TokenCounter:
+    """A counter graph that computes the count of ``ratio`` (:func:`_count_divisor`) on a piece, in
+    float64, and the graph of the divisor as a function of the count (where it is not the count itself)."""
+    graph, env, inputs = _copy_nodes(gm, ratio.ancestors)
+    graph.output(graph.call_function(aten._to_copy.default, (env[ratio.counted],), {"dtype": torch.float64}))
+    divisor = None
+    if ratio.multiplies or any(n.target not in VALUE_KEEPING for n in ratio.chain):  # not the count itself
+        divisor = _divisor_graph(gm, ratio)
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=inputs, ignore_index=-100,
-                        loss=loss, exact=True, divides=True)
+                        loss=loss, exact=True, divides=True, divisor=divisor)
+
+
+def _divisor_graph(gm: torch.fx.GraphModule, ratio: _Ratio) -> torch.fx.GraphModule:
+    """``divisor(count) -> float64``: what a piece's sum is divided by, for its count (the reciprocal
+    of the factor where the loss multiplies by it)."""
+    graph = torch.fx.Graph()
+    env = {ratio.counted: graph.placeholder("count")}
+    for node in gm.graph.nodes:
+        if node in ratio.chain:
+            env[node] = graph.node_copy(node, lambda x: env[x])
+    out = graph.call_function(aten._to_copy.default, (env[ratio.factor],), {"dtype": torch.float64})
+    if ratio.multiplies:
+        out = graph.call_function(aten.reciprocal.default, (out,))
+    graph.output(out)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 _SCALINGS = {aten.div.Tensor: (0,), aten.mul.Tensor: (0, 1)}
