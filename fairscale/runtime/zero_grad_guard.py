@@ -7,7 +7,8 @@ train slices and shards), so the call cleared nothing the ranks train: in the pl
 added to all earlier ones, and training differed from one process without a word. Once a
 ParallelModule exists, ``nn.Module.zero_grad`` is this module's :func:`zero_grad`:
 
-* on the model a live ParallelModule was built from: torch's method, then
+* on the model a live ParallelModule was built from, or a module holding it (a wrapper with a
+  teacher, an ``nn.ModuleDict`` of models): torch's method, then
   ``pm.optimizer.zero_grad(set_to_none)`` (local: no collective);
 * on a submodule of such a model that holds trainable parameters: raises, saying to clear the
   whole model's (its slices may share flat buffers with other modules' on the ranks);
@@ -45,7 +46,7 @@ def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
         model = None if pm.retired else pm._user_model()
         if model is None:
             continue
-        if self is model:
+        if self is model or any(m is model for m in self.modules()):  # or a module holding it (a wrapper)
             pm.optimizer.zero_grad(set_to_none=set_to_none)
         elif any(self is m for m in model.modules()) and any(p.requires_grad for p in self.parameters()):
             raise RuntimeError(

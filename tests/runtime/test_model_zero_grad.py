@@ -4,7 +4,8 @@ clears gradients after ``optimizer.step()``: it clears the ParallelModule's grad
 The model's own tensors get no gradients once parallelized, so the call had cleared nothing the
 ranks train, and in the plain loop every step's gradients were added to the earlier ones: a tiny
 LM's weights were 2.8e-2 away from one process's after 4 AdamW steps under dp2, silently
-(``fairscale.runtime.zero_grad_guard``). A submodule's ``zero_grad()`` is refused.
+(``fairscale.runtime.zero_grad_guard``). So does ``zero_grad()`` of a module holding the model; a
+submodule's is refused.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ def _trainer_loop(model: nn.Module, call, optimizer: torch.optim.Optimizer) -> N
         model.zero_grad()
 
 
-def _rank(rank: int, world: int) -> dict[str, torch.Tensor] | None:
+def _rank(rank: int, world: int, wrapped: bool = False) -> dict[str, torch.Tensor] | None:
     model = _model()
     pm = fairscale.parallelize(model, example_inputs=_batch(0), plan=Plan(mesh=Mesh(dp=2)),
                                optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9))
-    _trainer_loop(model, pm, pm.optimizer)
+    # a module holding the model (a wrapper beside a teacher) clears its gradients too: it had cleared
+    # nothing the ranks train (weights 0.37 off one process's after 3 steps, silently)
+    _trainer_loop(nn.ModuleDict({"student": model, "teacher": nn.Linear(2, 2)}) if wrapped else model, pm,
+                  pm.optimizer)
     with pytest.raises(RuntimeError, match=r"Sequential.zero_grad\(\) was called on a submodule of a model passed "
                                            r"to fairscale.parallelize"):
         model.block.zero_grad()
@@ -64,8 +68,9 @@ def _rank(rank: int, world: int) -> dict[str, torch.Tensor] | None:
     return state if rank == 0 else None
 
 
-def test_model_zero_grad_clears_the_parallel_modules_gradients() -> None:
-    got = fairscale.launch(_rank, devices=2)[0]
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_model_zero_grad_clears_the_parallel_modules_gradients(wrapped: bool) -> None:
+    got = fairscale.launch(functools.partial(_rank, wrapped=wrapped), devices=2)[0]
     model = _model()
     _trainer_loop(model, model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
     for key, want in model.state_dict().items():
