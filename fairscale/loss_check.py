@@ -51,6 +51,7 @@ from planner.batch_stats import source_line
 from planner.buffer_writes import find_buffer_writes, writes_differ
 from planner.graph import META_MODULE
 from planner.plan import KEEP_BATCH_WHOLE, Plan
+from planner.row_counts import batch_count_problem
 
 __all__ = ["loss_problem", "row_problem", "count_problem", "scan_problem", "proven_row_by_row", "CHECK_ROWS", "PROOF_ROWS"]
 
@@ -91,6 +92,8 @@ def loss_problem(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Calla
         verdicts["scan"] = scan_problem(model, example_inputs, loss_fn)
     if verdicts["scan"] is not None:
         return verdicts["scan"]
+    if counter is None and (problem := batch_count_problem(gm)):  # a count the example batch's pieces share
+        return problem
     if "eval path" not in verdicts:  # where the model parts from its training path in eval mode, if it does
         verdicts["eval path"] = None if any(p.is_meta for p in model.parameters()) else \
             eval_path(model, batch_rows(tuple(example_inputs), 0, PROOF_ROWS[0]), loss_fn)
