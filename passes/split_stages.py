@@ -52,8 +52,9 @@ from passes.tp.functionalize import is_inplace
 from passes.layout import META_LAYOUT, ParamLayout
 from passes.program import StagedProgram, StageGraph, ValueSpec
 from passes.stage_blueprint import Blueprint, blueprint
+from planner.buffer_writes import written_in_place
 from planner.fx_module import graph_module
-from planner.graph import META_LAYER, META_PARAM, ModelGraph, impure
+from planner.graph import META_LAYER, META_MODULE, META_PARAM, ModelGraph, impure
 from planner.modpath import fetch_attr, install_attr
 from planner.plan import Plan, PlanError
 from planner.selectors import parse_selector, stage_layers
@@ -354,10 +355,16 @@ def _build_stage(s: int, bp: Blueprint, pure: dict[torch.fx.Node, bool],
         env[v] = new
         received.append(str(new.target))  # the placeholder's, also where a clone stands for it below
     body = set(bp.body)
-    for v in bp.recv:  # a received activation is a leaf here: autograd refuses in-place ops on it
-        if any(u in body and is_inplace(u.target) and u.args and u.args[0] is v for u in v.users):
+    for v in bp.recv:  # a received activation is a leaf here: autograd refuses in-place ops on it and its views
+        if written_in_place(v, body):
             copied = graph.call_function(torch.ops.aten.clone.default, (env[v],))
             copied.meta = copy.copy(v.meta)
+            user = next(u for u in bp.body if u in v.users)  # the copy is this stage's, not the sender's module
+            for key in (META_MODULE, META_LAYER, "nn_module_stack"):  # (tp rules name modules)
+                if key in user.meta:
+                    copied.meta[key] = user.meta[key]
+                else:
+                    copied.meta.pop(key, None)
             env[v] = copied
     root = nn.Module()
     for node in bp.attrs:

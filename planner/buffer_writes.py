@@ -28,7 +28,8 @@ from planner.batch_stats import find_batch_stat_ops, source_line
 from planner.graph import META_MODULE, bodies
 from planner.plan import KEEP_BATCH_WHOLE
 
-__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs", "writes_differ"]
+__all__ = ["BufferWrite", "find_buffer_writes", "buffer_write_problem", "written_attrs", "writes_differ",
+           "written_in_place"]
 
 _PREFIX = "model."  # the capture's root holds the user's model as ``model`` (planner.capture)
 
@@ -265,6 +266,24 @@ def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
         value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
         out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node))
     return out
+
+
+def written_in_place(node: torch.fx.Node, among: set[torch.fx.Node]) -> bool:
+    """Whether an op of ``among`` writes ``node``'s tensor in place, itself or through a view of it
+    (``h[:, :4] += g``: a slice, then ``add_`` on it; ``h[:, 0] = 0``; a ``view`` then ``mul_``)."""
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in among:
+                continue
+            if n in _written(user):
+                return True
+            if (user.target is operator.getitem or _aliases_first(user.target)) and user.args \
+                    and user.args[0] is n and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return False
 
 
 def _aliases_first(target: object) -> bool:

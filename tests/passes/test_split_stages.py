@@ -292,3 +292,43 @@ def test_a_received_value_written_in_place_is_named_among_the_stages_received_va
                    tensor_parallel=TensorParallel(rules={"fc": "rowwise"}))
     _, rank = compile_rank(graph, tp_plan, stages=[1], dp_index=0, tp_index=0)
     assert len((tp_summary(rank[1]) or {})["received"]) == 2
+
+
+class _SliceWrite(torch.nn.Module):
+    """Two values cross the cut after ``c``; the next stage adds into a slice of one in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.c, self.d = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.c(self.a(x)), self.b(x)
+        h[:, :4] += g[:, :4]
+        return self.d(torch.nn.functional.gelu(h))
+
+
+def test_a_received_value_written_through_a_view_is_copied_first_and_the_copy_is_the_stages() -> None:
+    """``h[:, :4] += g[:, :4]`` on a received ``h`` (a slice, then ``add_`` on it) crashed after launch
+    on stage 1's ranks at the first train_step, 'a view of a leaf Variable that requires grad is being
+    used in an in-place operation': the split copied a received value written in place by its own op
+    only. And the copy carried the sender's module, so the search's pp2 x tp2 plan (rule 'c': rowwise,
+    c in stage 0) was refused for stage 1: "rule 'c' (rowwise) matches module 'c', which has no
+    linear/embedding/expert parameter to shard (first node: clone_default ...)"."""
+    from passes import compile_rank
+    from planner.plan import TensorParallel
+
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 8), torch.tensor([1, 3, 0, 2]))
+    graph = capture(_SliceWrite(), batch, loss_fn=torch.nn.functional.cross_entropy, annotate=False)
+    plan = _plan("a, b, c", "d")
+    program = split_stages_pass(graph.gm, plan, graph=graph)
+    first, second = program.stages
+    sent = first.gm(*[batch[i] for i in first.batch_inputs])
+    received = [v.detach().requires_grad_() for v in sent]  # leaves, as the runtime receives them
+    loss = second.gm(*[batch[i] for i in second.batch_inputs], *received)[0]
+    loss.backward()
+    assert torch.equal(loss, graph.gm(*batch)) and all(v.grad is not None for v in received)
+    tp_plan = Plan(mesh=Mesh(pp=2, tp=2), schedule=Schedule(kind="gpipe", microbatches=1), stages=plan.stages,
+                   tensor_parallel=TensorParallel(rules={"[a,b]": "colwise", "c": "rowwise"}))
+    compile_rank(graph, tp_plan, stages=[1], dp_index=0, tp_index=0)
