@@ -46,6 +46,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
 from passes.ops.random_ops import is_sampler
+import planner.ctc_capture  # noqa: F401 - registers fairscale::ctc_loss_rows
 from planner.graph import VALUE_KEEPING, past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
@@ -60,6 +61,9 @@ _REDUCED = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.def
             aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default, aten.kl_div.default,
             aten.soft_margin_loss.default, aten.multi_margin_loss.default, aten.multilabel_margin_loss.default}
 """Other loss ops with a ``reduction``: their mean is a mean over rows, their sum a sum over the batch."""
+_ROW_LOSSES = {torch.ops.fairscale.ctc_loss_rows.default}
+"""Loss ops that give one term per row (``reduction="none"``): CTC as the capture traces it
+(``planner.ctc_capture``; its ``"sum"`` is their ``.sum()``)."""
 _FULL_SUMS = {aten.sum.default}
 """A sum of every element, at the graph's output, of a loss op's ``reduction="none"`` terms."""
 
@@ -350,6 +354,8 @@ def _kwargs(node: torch.fx.Node) -> dict[str, object]:
 
 def _reduction(node: torch.fx.Node) -> int | None:
     """A loss op's reduction (``_NONE``, ``_MEAN``, ``_SUM``), None for any other node."""
+    if node.op == "call_function" and node.target in _ROW_LOSSES:
+        return _NONE
     if node.op != "call_function" or (node.target not in _TOKEN_MEAN and node.target not in _REDUCED):
         return None
     return int(_kwargs(node).get("reduction", _MEAN))  # type: ignore[call-overload]

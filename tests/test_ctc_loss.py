@@ -79,3 +79,26 @@ def _train(rank: int, world: int) -> RankResult:
 def test_ctc_mean_trains_as_one_process_under_dp2_and_2_microbatches() -> None:
     reference = train_reference(_case, steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     compare_grads(reference, rank_trajectory(fairscale.launch(_train, devices=2)[0]))
+
+
+def test_a_ctc_sum_is_a_sum_over_the_batch() -> None:
+    """``F.ctc_loss(..., reduction="sum")`` was refused for every plan that cuts the batch ("the loss is
+    not computed row by row: ... rows 0-3 give 45.0428, but the mean of the pieces' losses ... is
+    22.5214"), where cross entropy's sum plans: the capture's ``rows.sum()`` of ``fairscale::ctc_loss_rows``
+    is a sum over the batch, and its pieces add up (``passes.loss_weights``)."""
+    from passes.loss_weights import token_counter
+
+    counter = token_counter(capture(_case(reduction="sum").model, _batch(0), annotate=False).gm)
+    assert counter is not None and (counter.kind, counter.exact) == ("sum", True)
+    plan = fairscale.plan(_case(reduction="sum").model, _batch(0), devices=2, constraints=CONSTRAINTS)
+    assert (plan.mesh.dp, plan.schedule.microbatches) == (2, 2)
+
+
+def _train_sum(rank: int, world: int) -> RankResult:
+    return train_on_rank(_case(reduction="sum"), constraints=CONSTRAINTS,
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.01))
+
+
+def test_ctc_sum_trains_as_one_process_under_dp2_and_2_microbatches() -> None:
+    reference = train_reference(lambda: _case(reduction="sum"), steps=3, optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    compare_grads(reference, rank_trajectory(fairscale.launch(_train_sum, devices=2)[0]))
