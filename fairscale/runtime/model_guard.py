@@ -15,7 +15,8 @@ are copied back, the model's forward and ``state_dict()`` (of it or any of its s
 ``model.load_state_dict(full)`` (every key; ``pm.state_dict()`` on rank 0, say) also makes it
 current. fairscale's own uses of the model (a re-capture in ``switch_plan``, the closed loop, a
 second ``parallelize``) are not refused (:func:`fairscale_uses_models`). ``torch.save(model)``
-(pickling the model) raises too. A ``copy.deepcopy`` of the model is not guarded: a copy made while
+(pickling the model) raises too, and so does ``torch.optim.swa_utils.AveragedModel.update_parameters(model)``
+(an EMA or SWA of its weights). A ``copy.deepcopy`` of the model is not guarded: a copy made while
 it is behind holds the stale weights, as the model did when copied.
 """
 
@@ -82,6 +83,7 @@ def guard_model(model: nn.Module | None) -> None:
     """Install the guard on ``model`` and its submodules (idempotent: a model already behind stays so)."""
     if model is None or model in _GUARDED:
         return
+    _guard_averaging()
     state = _State()
     for path, m in model.named_modules(remove_duplicate=True):
         if m in _GUARDED:
@@ -147,6 +149,26 @@ class _ForwardGuard:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "_ForwardGuard":
         return self
+
+
+def _guard_averaging() -> None:
+    """``AveragedModel.update_parameters(model)`` (torch's EMA and SWA) reads the model's tensors
+    without a forward or a state_dict: it had averaged the initial weights at every step, silently."""
+    from torch.optim.swa_utils import AveragedModel
+
+    update = AveragedModel.update_parameters
+    if getattr(update, "_fairscale_guard", False):
+        return
+
+    @functools.wraps(update)
+    def update_parameters(self: AveragedModel, model: nn.Module) -> None:
+        entry = _behind(model)
+        if entry is not None:
+            _refuse(entry, "AveragedModel.update_parameters (an average of its weights)")
+        update(self, model)
+
+    update_parameters._fairscale_guard = True  # type: ignore[attr-defined]
+    AveragedModel.update_parameters = update_parameters  # type: ignore[method-assign]
 
 
 def is_guard(hook: Any) -> bool:
