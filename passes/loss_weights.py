@@ -23,8 +23,9 @@ then ``.sum()``) is the sum of its pieces' losses, not their mean: each piece we
 ``1 / (dp · microbatches)`` of it. Any other loss (no such node, labels that depend on parameters)
 gets ``None`` and the plain mean, which is exact for losses that are means over the rows of the
 batch (a custom ``.sum()`` over the rows is not recognized: the same silent factor). A sum divided
-by the batch's rows on its way to the output (``reduction="batchmean"``, ``loss.sum() / x.size(0)``)
-is a mean over rows: a piece divides by its own rows. A loss divided or multiplied by a 0-dim batch
+by the batch's rows, or by a multiple of them, on its way to the output (``reduction="batchmean"``,
+of token logits flattened too; ``loss.sum() / x.size(0)``) is a mean over rows: a piece divides by
+its own rows. A sum times or over another number (``0.5 * mse_sum``) is a sum. A loss divided or multiplied by a 0-dim batch
 input (Hugging Face's ``num_items_in_batch``), which every piece gets whole, is read as the loss it
 scales. A sum divided by a count the batch gives (``(l * mask).sum() / mask.sum()``), or by any
 function of one (``.clamp(min=1)``, ``+ 1e-8``), weighs each piece ``dp * d(n_i) / d(N)``.
@@ -80,18 +81,19 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     value = past_value_keeping(value)
     while (unscaled := _unscaled(value)) is not None:
         value = unscaled
-    if value.op == "call_function" and value.target in _FULL_SUMS and isinstance(value.args[0], torch.fx.Node) \
-            and _reduction(past_value_keeping(value.args[0])) == _NONE and len(value.args) == 1:
-        return _summed(str(past_value_keeping(value.args[0]).target), exact=True)
-    if _reduction(value) == _SUM:
-        return _summed(str(value.target), exact=True)
+    rows = _rows(gm)
+    total = _past_numbers(value, rows)  # a sum times or over a number is a sum: each piece's scaled alike
+    if total.op == "call_function" and total.target in _FULL_SUMS and isinstance(total.args[0], torch.fx.Node) \
+            and _reduction(past_value_keeping(total.args[0])) == _NONE and len(total.args) == 1:
+        return _summed(str(past_value_keeping(total.args[0]).target), exact=True)
+    if _reduction(total) == _SUM:
+        return _summed(str(total.target), exact=True)
     if value.op == "call_function" and value.target in _TOKEN_MEAN:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
-    if (ratio := _count_divisor(_past_constant_factors(value))) is not None:
+    if (ratio := _count_divisor(_past_numbers(value, None))) is not None:
         return _divisor_counter(gm, ratio, loss=str(ratio.total.target))
-    rows = _rows(gm)
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
         return _summed(", ".join(str(n.target) for n in sums), exact=False)
@@ -163,21 +165,6 @@ class _Ratio(NamedTuple):
     multiplies: bool
 
 
-def _past_constant_factors(value: torch.fx.Node) -> torch.fx.Node:
-    """``value`` past the ops that multiply or divide it by a number, or negate it (``0.5 * loss``,
-    ``loss / 4``): each piece's loss carries the same factor, so the pieces weigh as the loss's own."""
-    while value.op == "call_function" and value.target in _LINEAR and not value.kwargs:
-        nodes = [a for a in value.args if isinstance(a, torch.fx.Node)]
-        numbers = [a for a in value.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        if len(nodes) != 1 or len(nodes) + len(numbers) != len(value.args) or value.target in (aten.add.Tensor,
-                                                                                              aten.sub.Tensor):
-            return value
-        if value.target is aten.div.Tensor and value.args[0] is not nodes[0]:
-            return value
-        value = past_value_keeping(nodes[0])
-    return value
-
-
 def _count_divisor(value: torch.fx.Node) -> _Ratio | None:
     """A sum over the batch divided by a count the batch's rows give, or times a function of one, or None:
     ``(terms * loss_mask).sum() / loss_mask.sum()`` (Megatron's loss mask), ESPnet's
@@ -196,7 +183,7 @@ def _count_divisor(value: torch.fx.Node) -> _Ratio | None:
     for total, factor in orders:
         if not isinstance(total, torch.fx.Node) or not isinstance(factor, torch.fx.Node):
             continue
-        total = _past_constant_factors(past_value_keeping(total))
+        total = _past_numbers(past_value_keeping(total), None)
         summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
         if not summed or not _zero_dim(total) or not _zero_dim(factor):
             continue
@@ -313,6 +300,40 @@ def _unscaled(value: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+_NUMBER_SCALINGS = {aten.mul.Tensor: (0, 1), aten.mul.Scalar: (0,), aten.div.Tensor: (0,), aten.div.Scalar: (0,)}
+"""Ops that scale a loss by a number, and which of their two arguments may be the loss."""
+
+
+def _past_numbers(value: torch.fx.Node, rows: int | None) -> torch.fx.Node:
+    """The loss ``value`` is ``-``, or times or over numbers, of (``0.5 * mse_sum``, ``kl_sum / 7``);
+    ``value`` itself if none: each piece's loss carries the same factor, so the pieces weigh as the
+    loss's own. With ``rows``, a division by a multiple of the graph's rows ends the walk: the capture
+    bakes ``x.size(0)`` in as a number, and such a sum is a mean over rows (:func:`_divided_by_rows`)."""
+    while value.op == "call_function":
+        if value.target is aten.neg.default and isinstance(value.args[0], torch.fx.Node):
+            value = past_value_keeping(value.args[0])
+            continue
+        if value.target not in _NUMBER_SCALINGS or len(value.args) != 2 or value.kwargs:
+            return value
+        for i in _NUMBER_SCALINGS[value.target]:
+            loss, factor = value.args[i], value.args[1 - i]
+            if isinstance(loss, torch.fx.Node) and isinstance(factor, (int, float)) and not isinstance(factor, bool):
+                if value.target in (aten.div.Tensor, aten.div.Scalar) and _multiple_of_rows(factor, rows):
+                    return value
+                value = past_value_keeping(loss)
+                break
+        else:
+            return value
+    return value
+
+
+def _multiple_of_rows(number: object, rows: int | None) -> bool:
+    """Whether ``number`` is a positive multiple of the graph's ``rows``: ``x.size(0)``, or the tokens
+    of ``logits.view(-1, V)`` (``rows x positions``), as the capture bakes them in."""
+    return rows is not None and rows > 0 and isinstance(number, (int, float)) and not isinstance(number, bool) \
+        and number > 0 and number % rows == 0
+
+
 def _rows(gm: torch.fx.GraphModule) -> int | None:
     """The graph's batch rows: dim 0 of its first input with dims (what the runtime cuts)."""
     for node in gm.graph.nodes:
@@ -323,8 +344,9 @@ def _rows(gm: torch.fx.GraphModule) -> int | None:
 
 
 def _divided_by_rows(node: torch.fx.Node, rows: int | None, output: torch.fx.Node) -> bool:
-    """Whether every path from ``node`` to the graph's output passes a division by the graph's
-    rows (``kl_div(reduction="batchmean")``, a VAE's ``(bce_sum + kld_sum) / x.size(0)``): then the
+    """Whether every path from ``node`` to the graph's output passes a division by a multiple of the
+    graph's rows (``kl_div(reduction="batchmean")``, of token logits ``view(-1, V)`` too, a VAE's
+    ``(bce_sum + kld_sum) / x.size(0)``): then the
     sum is a mean over the rows, as a piece computes it on its own rows, not a sum over the batch
     (whether its terms are row by row is the loss check's to prove: ``fairscale.loss_check``)."""
     if rows is None:
@@ -340,7 +362,7 @@ def _divided_by_rows(node: torch.fx.Node, rows: int | None, output: torch.fx.Nod
             if user is output:
                 return False
             if user.target in (aten.div.Tensor, aten.div.Scalar) and user.args[0] is n \
-                    and isinstance(user.args[1], (int, float)) and user.args[1] == rows:
+                    and _multiple_of_rows(user.args[1], rows):
                 continue
             stack.append(user)
     return True

@@ -83,7 +83,9 @@ class _Scaled(nn.Module):
     ("sum / count", "sum", True), ("sum * count", "sum", True), ("count * sum", "sum", True),
     ("mean / count", "mean", True),
     # not a loss scaled by a count every piece gets whole: a sum beside other terms, as before
-    ("count / sum", "sum", False), ("sum / 2", "sum", False),
+    ("count / sum", "sum", False),
+    # a sum over a number that is not a multiple of the rows: a sum, each piece's halved alike
+    ("sum / 2", "sum", True),
     # a sum over the labels kept over their count: a token mean, the pieces weighed by their counts
     ("sum / labels kept", "mean", True),
     # divided by the rows (x.size(0), baked in as a number): a mean over rows, nothing to count
