@@ -118,7 +118,9 @@ def sdpa(rw: Rewriter, node: Node) -> tuple[Node, Any]:
     q, k, v = args_of(node)[:3]
     want = _resolve_partials(rw, node)
     heads = [want.get(t, rw.p(t)) for t in (q, k, v)]
-    if any(h.is_s and h.dim == 1 and h.parts == 1 for h in heads):
+    # dim 1 is the heads' only in [b, h, t, d]: of [b, t, d] (attention without heads) it is the
+    # sequence, which sequence parallelism shards, and each rank would attend to its own keys alone
+    if all(len(rw.shape(t)) == 4 for t in (q, k, v)) and any(h.is_s and h.dim == 1 and h.parts == 1 for h in heads):
         out = S(1)
         for t in (q, k, v):
             want[t] = out

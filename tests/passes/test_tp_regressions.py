@@ -434,3 +434,35 @@ def test_addmm_with_beta_and_alpha_runs_on_whole_operands() -> None:
     'the tensor-parallel pass refused it ... tp rank 0 of 1'. It now runs on whole operands."""
     rules, _, graph = _exact(CenterLoss(), lambda loss, _y: loss, expect={("up", "colwise"), ("down", "rowwise")})
     shard_tensor_parallel_pass(graph.gm, Plan(), tp_index=0, tp_size=1)  # raised
+
+
+class HeadlessAttention(nn.Module):
+    """Attention without heads: ``scaled_dot_product_attention`` on ``[b, t, d]`` (a fuzzer's model)."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+        self.causal = causal
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + F.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h), is_causal=self.causal)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rules", [{"q": "rowwise"}, {"v": "rowwise"}, {"q": "colwise", "k": "colwise", "v": "colwise"}])
+def test_attention_without_heads_under_sequence_parallelism_attends_to_every_key(causal: bool,
+                                                                                  rules: dict[str, str]) -> None:
+    """The sdpa rule read a shard of dim 1 as a shard of the heads, which it is only of
+    ``[b, h, t, d]``: of ``[b, t, d]`` it is the sequence that sequence parallelism shards, and each
+    rank attended to its own half of the keys (tp2 with sp trained 10% off from step 0, silently)."""
+    model, batch = HeadlessAttention(causal).double(), _batch()
+    graph = capture(model, batch, loss_fn=flat_loss)
+    loss, grads = simulate_graph(graph.gm, rules, 2, batch, sequence_parallel=True)
+    ref_loss, ref_grads = reference_graph(graph.gm, batch)
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss), (loss, ref_loss)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
