@@ -167,7 +167,7 @@ def scan_problem(model: nn.Module, example_inputs: Sequence[Any],
     the example batch may not do while later batches do (a padded batch routes its padding to one
     expert). Found on the two captures of :func:`proven_row_by_row`, cached."""
     from fairscale.capture_cache import rank_capture
-    from planner.row_flow import scans_over_rows
+    from planner.row_flow import MOVES, scans_over_rows
 
     batch = tuple(example_inputs)
     tensors = [t for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -180,6 +180,10 @@ def scan_problem(model: nn.Module, example_inputs: Sequence[Any],
     except Exception:  # noqa: BLE001 - what cannot be captured here is left to the eager check
         return None
     found = scans_over_rows(a, b, small, large)
+    if not found and (moved := scans_over_rows(a, b, small, large, ops=MOVES)):
+        return (f"the loss is not computed row by row: {moved[0].target} along a dim that holds the batch's rows, at "
+                f"{_site(moved[0])}, gives each row other rows' values; cut into pieces (dp x microbatches), each piece "
+                f"moves its own rows' values. {_KEEP_WHOLE}, or move values along each row's own dims")
     if not found:
         return None
     return (f"the loss is not computed row by row: a scan along a dim that holds the batch's rows, at "

@@ -40,11 +40,12 @@ import torch.fx
 import operator
 
 from planner.graph import past_value_keeping
-from planner.row_rules import (COMPUTE_RULES, NOOP, POINTWISE, TOKEN_KEY, Reduced, Rows, Rule, State, Unproven, args,
-                               kwargs_of, norm_dim, op_name, pointwise, shape_of)
+from planner.row_rules import (COMPUTE_RULES, NOOP, POINTWISE, TOKEN_KEY, Reduced, Rows, Rule, State, Unproven,
+                               along_dims, args, op_name, pointwise, shape_of)
 from planner.row_shapes import SHAPE_RULES
 
-__all__ = ["Rows", "Reduced", "rows_independent", "row_states", "same_but_rows", "live_nodes", "scans_over_rows"]
+__all__ = ["Rows", "Reduced", "rows_independent", "row_states", "same_but_rows", "live_nodes", "scans_over_rows",
+           "MOVES"]
 
 
 def rows_independent(gm: torch.fx.GraphModule, *, token_mean: bool) -> bool:
@@ -151,32 +152,41 @@ SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 """Prefix scans: element ``i`` of the result depends on every element before it along the dim."""
 
 
-def scans_over_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int, rows_b: int) -> list[torch.fx.Node]:
+MOVES = {"roll", "flip"}
+"""Ops that move each element to another index along their dims: along a dim that holds the
+batch's rows, a row takes other rows' values (a roll of a seq-first tensor's batch dim, a token
+shift over the flattened batch), and a piece of the batch moves its own rows' values otherwise."""
+
+
+def scans_over_rows(a: torch.fx.GraphModule, b: torch.fx.GraphModule, rows_a: int, rows_b: int, *,
+                    ops: set[str] = SCANS) -> list[torch.fx.Node]:
     """The live scans of ``a`` (captured on ``rows_a`` rows; ``b``, the same code on ``rows_b``) along a
     dim whose size grows with the rows: a dim that holds the batch's rows, so that a row's result
     depends on the rows before it. DeepSpeed's and fairseq's MoE gates number every token of the
     batch this way to drop those past an expert's capacity (``torch.cumsum(mask, dim=0)`` over the
     flattened tokens): a piece of the batch numbers its own tokens and keeps others. Whether it
     changes a loss depends on the data (no token is dropped while the experts are balanced, as at
-    initialization), so no run on an example batch can vouch for it. Matched by node name and op."""
+    initialization), so no run on an example batch can vouch for it. Matched by node name and op.
+    ``ops``: :data:`MOVES` finds rolls and flips along such a dim (a hinge loss that is 0 on the rows
+    they move in the example batch hides them from the eager check too)."""
     in_b = {n.name: n for n in live_nodes(b)}
     found = []
     for node in live_nodes(a):
         other = in_b.get(node.name)
-        if node.op != "call_function" or op_name(node) not in SCANS or other is None or other.target != node.target:
+        if node.op != "call_function" or op_name(node) not in ops or other is None or other.target != node.target:
             continue
         x, y = args(node)[0], args(other)[0]
-        dim = args(node)[1] if len(args(node)) > 1 else kwargs_of(node).get("dim")
-        if not isinstance(x, torch.fx.Node) or not isinstance(y, torch.fx.Node) or not isinstance(dim, int):
+        if not isinstance(x, torch.fx.Node) or not isinstance(y, torch.fx.Node):
             continue
         try:
             shape_a, shape_b = shape_of(x), shape_of(y)
+            dims = along_dims(node)
         except KeyError:
             continue
         if len(shape_a) != len(shape_b) or not shape_a:
             continue
-        d = norm_dim(dim, len(shape_a))
-        if shape_a[d] != shape_b[d] and shape_a[d] * rows_b == shape_b[d] * rows_a:
+        dims = set(range(len(shape_a))) if dims is None else dims  # roll without dims: the whole tensor flattened
+        if any(shape_a[d] != shape_b[d] and shape_a[d] * rows_b == shape_b[d] * rows_a for d in dims):
             found.append(node)
     return found
 

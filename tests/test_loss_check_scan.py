@@ -89,3 +89,49 @@ def test_plans_that_cut_the_batch_are_refused_naming_the_scan_though_the_example
 def test_the_search_keeps_a_capacity_routed_batch_whole() -> None:
     plan = fairscale.plan(_model(False), _batch(), devices=2, dtype="fp32")
     assert (plan.mesh.dp, plan.schedule.microbatches) == (1, 1), plan
+
+
+class SeqFirstShift(nn.Module):
+    """A token shift written for a seq-first tensor (``[S, B, D]``): ``torch.roll(h, 1, dims=1)`` rolls
+    the batch's dim, so row i takes row i - 1's values; ``op`` "flip" flips it, "seq" rolls the sequence
+    (row by row). The loss weighs each row (a sample weight, 0 for the rows a collator masks)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.inp, self.head, self.op = nn.Linear(DIM, DIM), nn.Linear(DIM, 1), op
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).transpose(0, 1)                                        # (S, B, D)
+        moved = {"roll": lambda: torch.roll(h, 1, dims=1), "flip": lambda: h.flip(1),
+                 "seq": lambda: torch.roll(h, 1, dims=0)}[self.op]()
+        h = (h + moved).transpose(0, 1)
+        return (weight[:, None] * (self.head(h).squeeze(-1) - target) ** 2).mean()
+
+
+def _weighted_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.ones(8)
+    weight[[0, 2]] = 0.0  # the check's window, rows 0-3: a roll over the batch moves values only into rows 0 and 2
+    return torch.randn(8, SEQ, DIM, generator=g), torch.randn(8, SEQ, generator=g), weight
+
+
+@pytest.mark.parametrize("op", ["roll", "flip"])
+def test_a_roll_or_flip_along_the_batchs_rows_is_refused_though_the_example_batch_hides_it(op: str) -> None:
+    """A fuzzer's model (roll along a seq-first tensor's batch dim, a hinge loss 0 on rows 0 and 2)
+    was planned dp2 x 2 microbatches and trained 3.5% off from step 0, silently: the eager check's
+    four rows of the example batch gave the batch's loss, since only rows its loss ignores took
+    another row's values. Refused for plans that cut the batch, naming the op; the search keeps the
+    batch whole; a roll along the sequence plans data parallel."""
+    batch = _weighted_batch()
+    torch.manual_seed(0)
+    if op == "roll":  # the example batch alone would pass it
+        assert row_problem(SeqFirstShift(op), batch, None, None, 2) is None
+    with pytest.raises(PlanError) as info:
+        fairscale.plan(SeqFirstShift(op), batch, devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    text = str(info.value)
+    assert f"aten.{op}.default along a dim that holds the batch's rows" in text and "test_loss_check_scan.py:" in text, \
+        text
+    assert "keeps the batch whole" in text, text
+    assert fairscale.plan(SeqFirstShift(op), batch, devices=2, dtype="fp32").mesh.dp == 1
+    plan = fairscale.plan(SeqFirstShift("seq"), batch, devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
+    assert plan.mesh.dp == 2
