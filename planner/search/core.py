@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster, default_compute_dtype
 from planner.cost import CostOptions, layer_facts
 from planner.graph import ModelGraph
+from planner.messages import json_path_key
 from planner.plan import DTYPES, Plan, PlanError
 from planner.schedule_kinds import KINDS
 from planner.search.bounds import Totals, bounds, tied_elements
@@ -37,6 +38,7 @@ from planner.search.space import parse_constraints
 from planner.search.tp import default_tp_rules
 from planner.selectors import parse_selector, stage_layers
 from planner.tp_styles import TPRules as DetectedRules
+from planner.validate_fields import check_matches, module_names
 
 __all__ = ["run_search", "make_context", "fixed_cuts", "fixed_recompute", "fixed_selective", "compute_dtype"]
 
@@ -185,6 +187,18 @@ def fixed_selective(ctx: Context, recompute: dict[str, str]) -> frozenset[int]:
     return fixed_recompute(ctx, recompute, "selective")
 
 
+def _check_rule_modules(graph: ModelGraph, rules: dict[str, str] | None) -> None:
+    """A tensor-parallel rule of the constraints that selects no module is refused here, as the plan's
+    validation refuses it (``planner.validate_tp``): the search had kept it, and ``parallelize(plan=...)``
+    of the plan ``fairscale.plan`` returned refused it on every rank."""
+    problems: list[str] = []
+    for key in rules or {}:
+        check_matches(json_path_key("tensor_parallel.rules", key), parse_selector(key), module_names(graph), "module",
+                      problems)
+    if problems:
+        raise PlanError(problems, source="constraints")
+
+
 def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constraints: object = None,
                top_k: int = 3, progress: Progress | None = None, tp_rules: TPRules | None = None,
                options: CostOptions | None = None, dtype: str | None = None,
@@ -196,6 +210,7 @@ def run_search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, constr
         raise PlanError([f"schedule.global_batch: the constraints were made for a global batch of "
                          f"{fixed.global_batch}, but the search is for {global_batch}; drop it or search for "
                          f"{fixed.global_batch}"], source="constraints")
+    _check_rule_modules(graph, fixed.tp_rules)
     fixed.param_dtype = compute_dtype(fixed.param_dtype, dtype, cluster)
     rules = rules_function(graph, fixed.tp_rules if fixed.tp_rules is not None else tp_rules)
     ctx = make_context(graph, cluster, global_batch=global_batch, rules=rules, options=options)

@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import re
 
 import pytest
 
@@ -163,6 +164,11 @@ def test_bad_constraints_are_reported_with_what_is_allowed(small):
         search(small, c, global_batch=8, constraints={"data_parallel": {"kind": "ddp", "offload": True}})
     with pytest.raises(PlanError, match="no configuration satisfies the constraints: dp=4 does not divide"):
         search(small, c, global_batch=6, constraints={"dp": 4})
+    # a rule that selects no module (a typo): the search kept it, and parallelize(plan=) of its plan refused it
+    with pytest.raises(PlanError, match=re.escape('tensor_parallel.rules["layers.*.mlp.up_projj"]: '
+                                                  '"layers.*.mlp.up_projj" matches no module; did you mean')):
+        search(small, c, global_batch=8, constraints={"tp": 2, "tensor_parallel": {"rules": {
+            "layers.*.mlp.up_projj": "colwise", "layers.*.mlp.down_proj": "rowwise"}}})
     # a schedule kind that cannot run the asked microbatches says why (was: "(none enumerated)")
     with pytest.raises(PlanError, match=r"pp=4 dp=1 tp=1, 2 microbatch\(es\): 1f1b with pp\(4\) needs at least 4 "
                                         r"microbatches, got 2.*or kind \"gpipe\""):
