@@ -44,6 +44,7 @@ from fairscale.runtime.device import resolve_device, use_device
 from fairscale.runtime.engine import OptimizerSpec, ParallelModule
 from fairscale.runtime.launch import init_distributed, under_torchrun
 from fairscale.runtime.model_guard import fairscale_uses_models
+from fairscale.runtime.model_owners import check_owned, started_behind
 from fairscale.runtime.reshard import reshard
 from fairscale.runtime.startup import broadcast_from_zero, on_zero
 from passes.tp.patterns import propose_tp_rules
@@ -320,6 +321,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     example_inputs, optimizer = check_all(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, devices=devices,
                                           plan=plan, constraints=constraints)
     check_allocated(model)
+    behind = check_owned(model)  # no trainable weight another module trains; behind a module built from it?
     if not dist.is_initialized() and under_torchrun():  # torchrun initializes nothing; fairscale.train does too
         init_distributed(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), init_method="env://")
     if not dist.is_initialized():
@@ -363,6 +365,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
+    started_behind(pm, behind)  # its calls refuse the old weights, but for pm.load_checkpoint
     steps = steps_requested(calibrate, dict(os.environ))
     if steps:  # the loop re-plans on rank 0 only (ClosedLoop.finish): the capture is made there, when needed
         gb, keep_dtype = pm.global_batch, dtype or in_dtype  # switching keeps the numerics

@@ -25,7 +25,7 @@ import fairscale
 from fairscale.api import captured, parallelize, search
 from fairscale.compile_check import checker_for
 from fairscale.testing.models import build
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, PlanError, Schedule, Stage, TensorParallel
 from planner.selectors import format_layers
@@ -78,6 +78,7 @@ def _train_all(rank: int, world: int, cases: dict[torch.dtype, Any], plans: dict
     out = {}
     for name, plan in plans.items():
         case = cases[torch.float32 if name == FP32 else torch.float64]
+        start_again(case.model)  # each plan from the model's initial weights
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.Adam, lr=LR))
         losses = [pm.train_step(case.make_batch(step, BATCH)) for step in range(STEPS)]

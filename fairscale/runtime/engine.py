@@ -36,6 +36,7 @@ from fairscale.runtime.modes import ModeError, all_eval, mode_change
 from fairscale.runtime.frozen import check_trainable
 from fairscale.runtime.gather import collect_on_rank0, gather_into
 from fairscale.runtime.model_guard import guard_model, mark_stale, using_models
+from fairscale.runtime.model_owners import refuse_behind
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
@@ -70,6 +71,7 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: ParallelModule, *args: Any, **kwargs: Any) -> Any:
         if self.retired:
             raise RuntimeError(self.retired)
+        refuse_behind(self, method.__name__)  # built from a model behind another module (runtime.model_owners)
         mark = cast_mark()
         try:
             with self.mesh.groups.active(), using_models():

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StaleModelError", "guard_model", "is_guard", "mark_stale", "mark_current", "fairscale_uses_models",
+__all__ = ["StaleModelError", "guard_model", "is_guard", "mark_stale", "mark_current", "behind_since", "fairscale_uses_models",
            "using_models", "fairscale_inside",
            "refuse_stale_state_dict"]
 
@@ -106,6 +106,12 @@ def mark_current(model: nn.Module | None) -> None:
     entry = _GUARDED.get(model) if model is not None else None
     if entry is not None:
         entry[0].behind = ""
+
+
+def behind_since(module: nn.Module) -> str:
+    """What moved the ranks past ``module``'s weights ("" when current or never parallelized)."""
+    entry = _GUARDED.get(module)
+    return entry[0].behind if entry is not None else ""
 
 
 def _behind(module: nn.Module) -> tuple[_State, str] | None:

@@ -61,7 +61,7 @@ from fairscale import numerics
 from fairscale.check_step import reference_step
 from fairscale.testing.corpus import CorpusModel, models
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, grad_comparison, train_reference
+from fairscale.testing.reference import Trajectory, grad_comparison, train_reference, start_again
 from planner.capture import CaptureError
 from planner.plan import Plan, PlanError
 
@@ -188,6 +188,7 @@ def _rank(rank: int, world: int, jobs: list[_Job], scratch: str, say: Callable[[
     for job in jobs:
         start = time.perf_counter()
         case = job.case
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, GLOBAL_BATCH), loss_fn=case.loss_fn,
                                    plan=job.plan, optimizer=functools.partial(torch.optim.SGD, lr=LR))
         losses, grads = [], {}

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterable
 import torch
 
 from fairscale import numerics
+from fairscale.runtime.model_guard import mark_current
 from fairscale.testing.models import Case
 from planner.capture import LossModule
 
-__all__ = ["Trajectory", "RankResult", "train_reference", "train_on_rank", "rank_trajectory", "compare", "compare_grads",
+__all__ = ["Trajectory", "RankResult", "start_again", "train_reference", "train_on_rank", "rank_trajectory", "compare", "compare_grads",
            "grad_comparison"]
 
 
@@ -41,6 +42,14 @@ class Trajectory:
     loss_dtype: torch.dtype | None = None
     """The dtype the loss was computed in (a float64 model may compute it in float32, as
     ``lm_loss`` does); it sets the losses' tolerance in :func:`compare_grads`."""
+
+
+def start_again(model: torch.nn.Module) -> None:
+    """Let ``model`` be parallelized again from the weights it was built with, as a test comparing
+    plans from one start wants: its own tensors still hold them (each ParallelModule trained copies),
+    and a module built from a model behind another's ranks refuses to train
+    (``fairscale.runtime.model_owners``)."""
+    mark_current(model)
 
 
 def make_optimizer(params, lr: float = 1e-2) -> torch.optim.Optimizer:

@@ -37,6 +37,7 @@ from fairscale.api import captured
 from fairscale.testing.models import build_llama
 from planner.cost_memory import saved_param_elements
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
+from fairscale.testing.reference import start_again
 
 BATCH, SEQ = 8, 64
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -66,6 +67,7 @@ def _rank(rank: int, world: int, names: tuple[str, ...]) -> dict[str, Any]:
     for name, plan in _plans().items():
         if name not in names:
             continue
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
         pm.train_step(batch, measure_memory=True)
         report = pm.memory_report()
@@ -173,6 +175,7 @@ def _fsdp_rank(rank: int, world: int, names: tuple[str, ...]) -> dict[str, tuple
         plan = Plan(mesh=Mesh(pp=1, dp=2), schedule=Schedule(kind="1f1b", microbatches=1, global_batch=BATCH),
                     data_parallel=DataParallel(kind="fsdp", param_dtype="bf16", reduce_dtype=reduce, units=units,
                                                reshard_after_forward=reshard, prefetch=prefetch))
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
         pm.train_step(batch, measure_memory=True)
         report = pm.memory_report()

@@ -32,7 +32,7 @@ from device_guard import DeviceGuard
 from fairscale.api import captured, parallelize
 from fairscale.compile_check import checker_for
 from fairscale.testing.models import Case, build
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from passes.tp.patterns import propose_tp_rules
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
 from planner.selectors import format_layers
@@ -115,6 +115,7 @@ def _run(rank: int, world: int, cases: dict[str, Case], plans: dict[str, tuple[s
         batches = [case.make_batch(step, BATCH) for step in range(STEPS)]
         guard = DeviceGuard()
         with guard:
+            start_again(case.model)  # each plan from the model's initial weights
             pm = parallelize(case.model, example_inputs=batches[0], loss_fn=case.loss_fn, plan=plan,
                              optimizer=functools.partial(torch.optim.Adam, lr=LR))
             losses = [pm.train_step(batches[0])]

@@ -28,7 +28,7 @@ from fairscale.api import captured, parallelize
 from fairscale.compile_check import checker_for
 from fairscale.runtime.optim import DataParallelOptimizer, reduce_grad_norm
 from fairscale.testing.models import build
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from passes.ops import comm
 from passes.ops.groups import PROCESS
 from passes.layout import META_LAYOUT, TensorShard
@@ -153,6 +153,7 @@ def _parts_with_ep_axis(rank: int) -> dict[str, dict[tuple[str, ...], float]]:
 def _train_all(rank: int, world: int, family: str, case: Any, plans: dict[str, Plan]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, plan in plans.items():
+        start_again(case.model)  # each plan from the model's initial weights
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.SGD, lr=LR, momentum=MOMENTUM))
         traj = Trajectory()

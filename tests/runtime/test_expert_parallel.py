@@ -29,7 +29,7 @@ import fairscale
 from fairscale.api import captured, parallelize
 from fairscale.compile_check import checker_for
 from fairscale.testing.models import Case, build
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from passes.ops import comm
 from passes.ep.shard_experts import ExpertParallelError, shard_experts_pass
 from passes.layout import META_LAYOUT
@@ -84,6 +84,7 @@ def _plan(graph: Any, config: tuple) -> Plan:
 def _train_all(rank: int, world: int, case: Case, plans: dict[str, Plan]) -> dict[str, Any]:
     out = {}
     for name, plan in plans.items():
+        start_again(case.model)  # each plan from the model's initial weights
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.Adam, lr=LR))
         comm.COUNTER.reset()

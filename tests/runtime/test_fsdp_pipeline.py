@@ -36,7 +36,7 @@ import fairscale
 from fairscale.api import parallelize
 from fairscale.compile_check import checker_for
 from fairscale.testing.models import Case
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from passes.dp.info import dp_info
 from passes.ops.dp_ops import FSDPUnit, fsdp_unshard
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage
@@ -109,6 +109,7 @@ def _train_all(rank: int, world: int, cases: dict[str, Case], plans: dict[str, P
     out: dict[str, Any] = {}
     for name, plan in plans.items():
         case = cases[plan_model(name)]
+        start_again(case.model)  # each plan from the model's initial weights
         pm = parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=plan,
                          optimizer=functools.partial(torch.optim.Adam, lr=LR))
         losses, after_step, after_eval = [], [], []

@@ -34,6 +34,7 @@ from fairscale.testing.models import build
 from passes import compile_rank
 from planner.capture import capture
 from planner.plan import DataParallel, Mesh, Plan, Schedule, Stage, TensorParallel
+from fairscale.testing.reference import start_again
 
 MiB = 2**20
 TP_RULES = {"layers.*.attn.[q_proj,k_proj,v_proj]": "colwise", "layers.*.attn.o_proj": "rowwise",
@@ -89,6 +90,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     for name, plan in PLANS.items():
         gc.collect()
         before = {id(t): weakref.ref(t) for t in _real_tensors()}  # what the process held already (inherited from the test process)
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
         pm.train_step(batch, measure_memory=True)
         report = pm.memory_report()

@@ -13,7 +13,7 @@ import torch
 import fairscale
 from fairscale.testing.models import build
 from fairscale.testing.plans import even_plan
-from fairscale.testing.reference import Trajectory, compare, train_reference
+from fairscale.testing.reference import Trajectory, compare, train_reference, start_again
 from planner.plan import Plan
 
 BATCH, WORLD = 8, 4
@@ -68,6 +68,7 @@ def _train(rank: int, world: int, plans: list[Plan], steps: int) -> list[tuple[T
     case = _shared()
     out = []
     for plan in plans:
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                    plan=plan, optimizer=_optimizer(case.model.parameters()))
         sched = _scheduler(pm.optimizer)

@@ -18,6 +18,7 @@ import fairscale
 from fairscale.testing.models import build
 from fairscale.testing.plans import even_plan
 from planner.capture import LossModule
+from fairscale.testing.reference import start_again
 
 BATCH = 8
 
@@ -41,6 +42,7 @@ def _twice(rank: int, world: int, plans: dict) -> dict:
     case = _shared()
     out = {}
     for name, plan in plans.items():
+        start_again(case.model)  # each plan from the model's initial weights
         pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                    plan=plan, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
         loss = pm(*case.make_batch(0, BATCH))
