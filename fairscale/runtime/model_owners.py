@@ -1,4 +1,4 @@
-"""What ``fairscale.parallelize`` refuses to start from: a model behind its ranks.
+"""What ``fairscale.parallelize`` refuses to start from: a model behind its ranks, or weights another module trains.
 
 Each ParallelModule trains its own copy of its model's weights on its ranks, from the values the
 model holds when ``parallelize`` reads them; the model keeps those values
@@ -11,10 +11,17 @@ the steps already taken lost, silently.
 first call (:func:`refuse_behind`: ``train_step``, ``pm(*batch)``, ``evaluate``, ``state_dict``,
 ...), before any weight moves, unless ``pm.load_checkpoint`` comes first (a run resumed under
 another plan in the same process starts from the checkpoint's weights).
+
+Two models sharing trainable parameters, each parallelized (a GAN's discriminator loss
+``D(real), D(G(z).detach())`` and generator loss ``D(G(z))``, each a module holding both nets), had
+each module train its own copy of the shared weights, so the discriminator the generator trained
+against never moved, silently: :func:`check_owned` refuses such a model at ``parallelize``, before
+anything is captured, while the other module is open.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -22,14 +29,43 @@ from torch import nn
 
 from fairscale.runtime.model_guard import StaleModelError, behind_since
 
-__all__ = ["check_owned", "started_behind", "refuse_behind"]
+__all__ = ["SharedWeightsError", "own", "check_owned", "started_behind", "refuse_behind"]
 
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _BEHIND: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 _CALLS = {"_step": "pm.train_step", "__call__": "pm(*batch)"}
 
 
+class SharedWeightsError(RuntimeError):
+    """A model given to ``fairscale.parallelize`` shares trainable weights with another live ParallelModule's."""
+
+
+def own(pm: Any) -> None:
+    """``pm`` trains copies of its model's weights until it is retired or collected."""
+    _LIVE.add(pm)
+
+
 def check_owned(model: nn.Module) -> str:
-    """Why ``model`` is behind a ParallelModule's ranks ("" when it is not)."""
+    """Raise if ``model`` shares a trainable parameter with the model of another live
+    ParallelModule; return why it is behind a ParallelModule's ranks ("" when it is not)."""
+    gc.collect()  # a module the script dropped (del pm) holds nothing
+    mine = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    for pm in list(_LIVE):
+        other = None if pm.retired else pm._user_model()
+        if other is None or other is model:  # the same model again: behind (below) once its module trained
+            continue
+        compiled = dict(pm.rank_program.trainable)
+        shared = [mine[id(p)] for name, p in other.named_parameters(remove_duplicate=False)
+                  if id(p) in mine and (p.requires_grad or compiled.get(name, False))]
+        if shared:
+            listed = ", ".join(dict.fromkeys(shared[:4])) + (" ..." if len(shared) > 4 else "")
+            raise SharedWeightsError(
+                f"fairscale.parallelize: the {type(model).__name__} given shares trainable parameters ({listed}) with "
+                f"the {type(other).__name__} of a ParallelModule that is still open; each ParallelModule trains its "
+                "own copy of its model's weights on its ranks, so what one trains never reaches the other (a GAN's "
+                "generator loss would run against a discriminator that never moves). Parallelize one model whose "
+                "forward computes the loss over all of them, or close the other module first (pm.close(), every "
+                "rank); parameters frozen (requires_grad=False) in both may be shared")
     for path, module in model.named_modules():
         why = behind_since(module)
         if why:

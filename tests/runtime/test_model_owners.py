@@ -1,10 +1,13 @@
-"""A model parallelized again after a ParallelModule built from it trained (``fairscale.runtime.model_owners``).
+"""A model parallelized again, or sharing trainable weights with another ParallelModule's model
+(``fairscale.runtime.model_owners``).
 
 Each ParallelModule trains copies of its model's weights; the model keeps the values it had. A
 script that parallelized its model again after training (another plan mid-script, after
 ``pm.close()``, or once the first module was collected) trained the new module from the initial
-weights, the steps taken lost, silently (1.4014 against 1.3990 at step 2 on 2 ranks). It is refused
-at the new module's first call, unless ``pm.load_checkpoint`` replaces the weights first.
+weights, the steps taken lost; a GAN whose discriminator and generator losses are each a module
+holding both nets trained the generator against a discriminator that never moved (0.605 against
+0.617 at step 0 on 2 ranks), both silently. The second is refused at ``parallelize``; the first at
+the new module's first call, unless ``pm.load_checkpoint`` replaces the weights first.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 
 import fairscale
 from fairscale.runtime.model_guard import StaleModelError
+from fairscale.runtime.model_owners import SharedWeightsError
 from planner.plan import Mesh, Plan, Schedule
 
 BATCH, STEPS = 8, 4
@@ -50,6 +54,17 @@ def _one_process() -> list[float]:
     return out
 
 
+class _Pair(nn.Module):
+    """A GAN's loss over both nets (the discriminator's, or the generator's through it)."""
+
+    def __init__(self, g: nn.Module, d: nn.Module) -> None:
+        super().__init__()
+        self.g, self.d = g, d
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.d(self.g(z)).square().mean()
+
+
 def _parallelize(model: nn.Module) -> fairscale.ParallelModule:
     return fairscale.parallelize(model, example_inputs=_batch(0), loss_fn=F.cross_entropy, plan=DP2, optimizer=SGD)
 
@@ -76,6 +91,18 @@ def _again(how: str, path: str) -> list[float] | str:
 def _rank(rank: int, world: int, path: str) -> dict[str, object]:
     out: dict[str, object] = {how: _again(how, os.path.join(path, how)) for how in
                               ("gather", "checkpoint", "live", "close")}
+    g, d = nn.Linear(4, 8), nn.Linear(8, 1)
+    pairs = [_Pair(g, d), _Pair(g, d)]  # the script holds its models
+    first = fairscale.parallelize(pairs[0], example_inputs=(torch.randn(BATCH, 4),), plan=DP2, optimizer=SGD)
+    with pytest.raises(SharedWeightsError) as refused:
+        fairscale.parallelize(pairs[1], example_inputs=(torch.randn(BATCH, 4),), plan=DP2, optimizer=SGD)
+    out["shared"] = str(refused.value)
+    first.close()  # closed: its weights may be given to another module
+    g.requires_grad_(False)
+    pairs += [_Pair(g, d), _Pair(g, nn.Linear(8, 1))]  # g frozen in both, each its own d
+    second = fairscale.parallelize(pairs[2], example_inputs=(torch.randn(BATCH, 4),), plan=DP2, optimizer=SGD)
+    third = fairscale.parallelize(pairs[3], example_inputs=(torch.randn(BATCH, 4),), plan=DP2, optimizer=SGD)
+    out["frozen shared"] = (second.train_step((torch.randn(BATCH, 4),)), third.train_step((torch.randn(BATCH, 4),)))
     return out
 
 
@@ -102,3 +129,12 @@ def test_a_module_built_from_a_model_behind_refuses_to_train(runs, how) -> None:
                                    "weights that are not the trained ones (the model (Sequential) was behind since "
                                    "an optimizer step of its ParallelModule)")
         assert "pm.gather_into(model)" in out[how] and "pm.load_checkpoint(dir)" in out[how]
+
+
+def test_trainable_weights_shared_with_an_open_module_are_refused(runs) -> None:
+    for out in runs:
+        assert out["shared"].startswith("fairscale.parallelize: the _Pair given shares trainable parameters (g.weight, "
+                                        "g.bias, d.weight, d.bias) with the _Pair of a ParallelModule that is still "
+                                        "open")
+        assert "pm.close()" in out["shared"]
+        assert all(isinstance(x, float) for x in out["frozen shared"])
