@@ -19,6 +19,7 @@ from torch import nn
 
 from fairscale.runtime.batch_form import KeywordBatch, keyword_example
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_groups
+from fairscale.runtime.user_optimizer import refuse_schedulers
 from planner.plan import Plan, PlanError
 
 __all__ = ["check_all", "check_model", "check_allocated", "check_example_inputs", "check_loss_fn", "check_optimizer",
@@ -104,6 +105,7 @@ def check_optimizer(optimizer: Any, model: nn.Module | None = None) -> Any:
         if model is None:
             raise TypeError("an optimizer instance is read against the model it was built over; pass the class "
                             "or functools.partial of one here")
+        refuse_schedulers(optimizer)
         groups = optimizer_groups(optimizer, model)
         return dataclasses.replace(groups, source=weakref.ref(optimizer))  # build_module disowns it
     func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer

@@ -12,6 +12,9 @@ model's own tensors, which get no gradients once parallelized, so a loop that we
 trained nothing (every loss the same), or, stepping ``pm.optimizer`` with the scheduler still on
 the instance, trained at the starting learning rate, without a word. Now:
 
+* a learning-rate scheduler built on the instance before ``parallelize`` is refused there, before
+  anything runs (:func:`refuse_schedulers`): it had been refused only at the first step after it
+  moved the rate (a ``StepLR(step_size=100)`` at step 100, mid-run);
 * the instance's ``step()`` and ``zero_grad()`` raise, saying to use ``pm.optimizer``
   (:func:`disown`);
 * ``pm.optimizer.step()`` raises, before it steps, when an option of the instance's groups (a
@@ -24,13 +27,14 @@ the instance, trained at the starting learning rate, without a word. Now:
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["UserOptimizerError", "disown", "watch", "guard_new_optimizers"]
+__all__ = ["UserOptimizerError", "disown", "watch", "guard_new_optimizers", "refuse_schedulers", "schedulers_of"]
 
 _USE = ("set options on pm.optimizer.param_groups, attach learning-rate schedulers to pm.optimizer, and "
         "call pm.optimizer.step() / pm.optimizer.zero_grad() (or pm.train_step(batch))")
@@ -57,6 +61,32 @@ def disown(optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_pre_hook(refuse_step)
         optimizer.zero_grad = refuse_zero_grad  # type: ignore[method-assign]
         optimizer._fairscale_disowned = True  # type: ignore[attr-defined]
+
+
+def refuse_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if a learning-rate scheduler (any ``torch.optim.lr_scheduler`` class, or one of their
+    subclasses) holds ``optimizer``, the instance given to ``parallelize``."""
+    held = schedulers_of(optimizer)
+    if held:
+        name, kind = type(optimizer).__name__, type(held[0]).__name__
+        raise UserOptimizerError(
+            f"optimizer: a learning-rate scheduler ({kind}) was built on this {name} before fairscale.parallelize, "
+            f"which trains with pm.optimizer, built from the {name}'s groups and options: the scheduler would set the "
+            f"rate of an optimizer that trains nothing. Build the scheduler after the call, on pm.optimizer: "
+            f"pm = fairscale.parallelize(model, ..., optimizer={name.lower()}); scheduler = {kind}(pm.optimizer, ...)")
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The learning-rate schedulers alive that hold ``optimizer`` (those a script dropped are collected first)."""
+    gc.collect()
+    refs = gc.get_referrers(optimizer)
+    held = [o for o in refs if isinstance(o, _SCHEDULERS)]
+    held += [o for d in refs if isinstance(d, dict) for o in gc.get_referrers(d)
+             if isinstance(o, _SCHEDULERS) and getattr(o, "__dict__", None) is d]
+    return list({id(o): o for o in held if o.optimizer is optimizer}.values())
+
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def watch(stepped: torch.optim.Optimizer, source: Callable[[], torch.optim.Optimizer | None],

@@ -5,9 +5,10 @@ which get no gradients once parallelized. A Hugging Face-style loop that went on
 (``optimizer.step(); scheduler.step(); optimizer.zero_grad()``) trained nothing, every loss the
 same, and a scheduler left on the instance while ``pm.optimizer`` stepped trained at the starting
 learning rate, both without a word. Now the instance's ``step``/``zero_grad`` raise, and
-``pm.optimizer.step()`` raises before stepping when the instance's options changed. An optimizer
-built over the model after ``parallelize`` (accelerate's order) raises at a step that would train
-nothing.
+``pm.optimizer.step()`` raises before stepping when the instance's options changed. A scheduler
+built on the instance before ``parallelize`` is refused there (it had been refused only at the first
+step after it moved the rate: a ``StepLR(step_size=100)`` at step 100). An optimizer built over the
+model after ``parallelize`` (accelerate's order) raises at a step that would train nothing.
 """
 
 from __future__ import annotations
@@ -24,22 +25,28 @@ from refusals import BATCH, DP2, refused
 def _parallelized(warmup: bool):
     case = build("mlp")
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4) if warmup else None
     pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn,
                                plan=DP2, optimizer=opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4) if warmup else None
     return case, opt, sched, pm
 
 
 def _rank(rank: int, world: int) -> dict[str, object]:
     out: dict[str, object] = {}
-    case, opt, sched, pm = _parallelized(warmup=True)  # a warmup scheduler built before parallelize
+    case = build("mlp")
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    for kind in (torch.optim.lr_scheduler.StepLR, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        sched = kind(opt, 100) if kind is torch.optim.lr_scheduler.StepLR else kind(opt)
+        out[f"{kind.__name__} built before"] = refused(lambda: fairscale.parallelize(
+            case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=DP2, optimizer=opt))
+        del sched
+
+    case, opt, sched, pm = _parallelized(warmup=True)  # a warmup scheduler built on the instance afterwards
     batch = case.make_batch(1, BATCH)
-    pm.train_step(batch)  # nothing changed on the instance yet: trains
     pm(*batch).backward()
     out["opt.step()"] = refused(opt.step)
     out["opt.zero_grad()"] = refused(opt.zero_grad)
-    sched.step()  # the scheduler drives the instance, which trains nothing
-    out["scheduler on the instance"] = refused(pm.optimizer.step)
+    out["scheduler on the instance"] = refused(pm.optimizer.step)  # it drives the instance, which trains nothing
 
     case, opt, _, pm = _parallelized(warmup=False)
     opt.param_groups[0]["weight_decay"] = 0.5  # set by hand on the wrong optimizer
@@ -81,11 +88,20 @@ def test_stepping_the_instance_given_to_parallelize_isrefused(runs) -> None:
 def test_a_changed_option_on_the_instance_is_refused_before_pm_optimizer_steps(runs) -> None:
     for out in runs:
         text = out["scheduler on the instance"]
-        assert text.startswith("UserOptimizerError: param_groups[0] of the AdamW given to fairscale.parallelize has "
-                               "'lr' = 0.005, where fairscale.parallelize read 0.0025: "), text
+        assert text.startswith("UserOptimizerError: param_groups[0] of the AdamW given to fairscale.parallelize "
+                               "gained 'initial_lr' = 0.01 (a learning-rate scheduler attached to it?): "), text
         assert "attach learning-rate schedulers to pm.optimizer" in text, text
         text = out["hand-set option"]
         assert "has 'weight_decay' = 0.5, where fairscale.parallelize read 0.01" in text, text
+
+
+@pytest.mark.parametrize("kind", ["StepLR", "ReduceLROnPlateau"])
+def test_a_scheduler_built_on_the_instance_before_parallelize_is_refused_there(runs, kind) -> None:
+    for out in runs:
+        text = out[f"{kind} built before"]
+        assert text.startswith(f"UserOptimizerError: optimizer: a learning-rate scheduler ({kind}) was built on this "
+                               "AdamW before fairscale.parallelize, "), text
+        assert f"scheduler = {kind}(pm.optimizer, ...)" in text, text
 
 
 def test_an_optimizer_built_over_the_model_afterwards_is_refused_where_it_would_train_nothing(runs) -> None:
