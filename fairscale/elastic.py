@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.api import parallelize, search
+from fairscale.elastic_schedule import SCHEDULER, refuse_unkept_schedulers, resume_scheduler, save_scheduler
+from fairscale.elastic_schedule import step_scheduler
 from fairscale.elastic_world import regroup
 from fairscale.runtime.engine import OptimizerSpec
 from fairscale.runtime.launch import init_distributed, under_torchrun
@@ -90,7 +92,8 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
           optimizer: OptimizerSpec | None = None, global_batch: int | None = None,
           constraints: dict[str, Any] | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
           checkpoint_every: int | None = None, keep_last: int | None = 2, seed: int = 0,
-          clip_norm: float | None = None, on_step: Callable[[int, float], None] | None = None) -> ElasticResult:
+          clip_norm: float | None = None, on_step: Callable[[int, float], None] | None = None,
+          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> ElasticResult:
     """Plan for the launched ranks, resume from the last checkpoint, train to ``steps``. Every rank calls it.
 
     Args:
@@ -116,6 +119,11 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
             :class:`~fairscale.runtime.engine.ParallelModule`: to evaluate mid-run, call
             ``pm.evaluate(batch)``, or ``pm.gather_into(model)`` (every rank) before running ``model``,
             which is behind its ranks until then.
+        lr_scheduler: ``lr_scheduler(optimizer)`` -> a ``torch.optim.lr_scheduler`` scheduler, built on
+            ``pm.optimizer`` and stepped after every optimizer step (``ReduceLROnPlateau`` with the
+            step's loss); checkpoints keep its state, so a resumed run follows the schedule exactly.
+            A scheduler attached to ``pm.optimizer`` otherwise (in ``on_step``) is refused after the
+            first step when checkpoints are written: they could not keep it.
 
     Returns:
         :class:`ElasticResult`; on a rank the plan leaves idle, ``idle=True`` and no losses. On every
@@ -148,20 +156,25 @@ def train(model: nn.Module, batches: Callable[[int], Sequence[Any]], *, steps: i
                      global_batch=global_batch)
     losses: list[float] = []
     resumed: int | None = None
+    sched = lr_scheduler(pm.optimizer) if lr_scheduler is not None else None  # before the checkpoint's rates
     if record is not None:
         assert directory is not None  # a record is only read from a directory
         pm.load_checkpoint(str(directory / record["checkpoint"]))
+        resume_scheduler(sched, record.get(SCHEDULER), directory / record["checkpoint"])
         resumed = int(record["step"])
         losses = [float(x) for x in record["losses"]][:resumed]
     with_pm = on_step is not None and _positional(on_step) >= 3
     for step in range(resumed or 0, steps):
         torch.manual_seed(seed + step)
         losses.append(float(pm.train_step(_form(batches(step)), clip_norm=clip_norm)))
+        step_scheduler(sched, losses[-1])
         done = step + 1
         if directory is not None and ((every and done % every == 0) or done == steps):
-            _save(pm, directory, done, losses, plan=plan, keep_last=keep_last)
+            _save(pm, directory, done, losses, plan=plan, keep_last=keep_last, sched=sched)
         if on_step is not None:
             on_step(step, losses[-1], pm) if with_pm else on_step(step, losses[-1])
+        if directory is not None and step == (resumed or 0):
+            refuse_unkept_schedulers(pm.optimizer, sched)
     pm.gather_into(model)  # the caller's model holds the trained weights (fairscale.runtime.model_guard)
     return ElasticResult(losses=losses, plan=plan, launched=launched, resumed_from=resumed)
 
@@ -231,14 +244,16 @@ def _read_record(directory: Path | None, fingerprint: str | None) -> dict[str, A
     return record
 
 
-def _save(pm: Any, directory: Path, done: int, losses: list[float], *, plan: Plan, keep_last: int | None) -> None:
+def _save(pm: Any, directory: Path, done: int, losses: list[float], *, plan: Plan, keep_last: int | None,
+          sched: Any = None) -> None:
     """Checkpoint after ``done`` steps (collective), then point the record at it and prune (rank 0)."""
     name = f"step-{done:06d}"
     pm.save_checkpoint(str(directory / name))
     if dist.get_rank() != 0:
         return
     record = {"step": done, "checkpoint": name, "losses": losses, "fingerprint": plan.model.fingerprint,
-              "devices": plan.mesh.size, "plan": json.loads(plan.to_json())}
+              "devices": plan.mesh.size, "plan": json.loads(plan.to_json()),
+              SCHEDULER: save_scheduler(sched, directory / name)}
     tmp = directory / (RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, directory / RECORD)  # atomic: the record always names a complete checkpoint
