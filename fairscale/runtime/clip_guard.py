@@ -35,6 +35,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
+from fairscale.runtime.grad_none_guard import guard_grad_none
 from fairscale.runtime.model_owners import own
 from fairscale.runtime.scaler_guard import guard_grad_scaler
 from fairscale.runtime.user_optimizer import guard_new_optimizers
@@ -54,6 +55,7 @@ def guard_clip_grad_norm(pm: Any) -> None:
     guard_grad_scaler(pm)  # torch.amp.GradScaler(...).unscale_(pm.optimizer) too (fairscale.runtime.scaler_guard)
     guard_zero_grad(pm)  # and model.zero_grad() clears pm's gradients (fairscale.runtime.zero_grad_guard)
     guard_new_optimizers(pm)  # and an optimizer built over the model afterwards refuses to step
+    guard_grad_none(pm)  # and p.grad = None on every model parameter clears pm's (runtime.grad_none_guard)
     own(pm)  # and a later parallelize of a model sharing its trainable weights is refused (runtime.model_owners)
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad_value_ = clip_grad_value_

@@ -35,6 +35,7 @@ from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
 from fairscale.runtime.modes import ModeError, all_eval, mode_change
 from fairscale.runtime.frozen import check_trainable
 from fairscale.runtime.gather import collect_on_rank0, gather_into
+from fairscale.runtime.grad_none_guard import watch_cleared
 from fairscale.runtime.model_guard import guard_model, mark_stale, using_models
 from fairscale.runtime.model_owners import refuse_behind
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
@@ -355,6 +356,7 @@ class ParallelModule:
         # A token mean over dp slices that count different labels: this rank's gradient weighs
         # dp * n_r / N (the average over dp is then the batch's token mean); the value stays this
         # rank's own mean, as torch DDP's would.
+        watch_cleared(self, loss)  # p.grad = None on the model's parameters clears pm's (runtime.grad_none_guard)
         return loss if weights is None else scale_grad(loss, weights[0])
 
     def parameters(self) -> Iterator[nn.Parameter]:
