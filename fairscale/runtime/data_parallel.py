@@ -29,6 +29,23 @@ def local_slice(batch: Sequence[Any], index: int, count: int) -> tuple[Any, ...]
     return tuple(out)
 
 
+def rank_slice(batch: Sequence[Any], index: int, count: int) -> tuple[Any, ...]:
+    """:func:`local_slice` of the batch a ParallelModule runs, refusing inputs that want a gradient
+    where the batch is cut: each dp rank's loss is its own slice's mean, so the gradient reaching an
+    input (a gradient penalty's ``x.requires_grad_()``, or a tensor computed by trainable modules
+    outside the model) would be this rank's rows only, ``count`` times one process's, silently."""
+    if count > 1 and torch.is_grad_enabled():
+        wanting = [i for i, t in enumerate(batch) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanting:
+            raise ValueError(
+                f"batch input {wanting[0]} requires a gradient, but this plan cuts the batch over {count} data-parallel "
+                "ranks, each computing the mean loss of its own rows: the gradient reaching that input (torch.autograd"
+                ".grad(loss, x), a gradient penalty, or the modules outside the model that computed it) would hold "
+                f"this rank's rows only, {count} times one process's. Compute what needs it inside the model's "
+                "forward, pass the input detached (x.detach()), or use a plan with mesh.dp = 1")
+    return local_slice(batch, index, count)
+
+
 def memory_bytes(gm: torch.fx.GraphModule, optimizer: DataParallelOptimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds for parameters (incl. fp32 master shards and gathered FSDP buffers
     still allocated), gradients, and per-element optimizer states (scalar step counters excluded)."""

@@ -28,7 +28,7 @@ from fairscale.runtime import engine_checkpoint
 from fairscale.runtime.batch_check import check_same_batch
 from fairscale.runtime.batch_form import batch_chunks, positional_batch
 from fairscale.runtime.clip_guard import guard_clip_grad_norm
-from fairscale.runtime.data_parallel import local_slice
+from fairscale.runtime.data_parallel import local_slice, rank_slice
 from fairscale.runtime.device import enable_tf32, to_device, use_device
 from fairscale.runtime.memory_report import ActivationMeter, MemoryReport, measure_memory, step_peaks
 from fairscale.runtime.mesh import RankMesh, build_mesh, release_mesh
@@ -288,7 +288,7 @@ class ParallelModule:
 
     def _local(self, batch: tuple[Any, ...]) -> tuple[Any, ...]:
         """This rank's dp slice of the global ``batch``, on its device (copied without blocking)."""
-        return to_device(local_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
+        return to_device(rank_slice(batch, self.mesh.dp_index, self.mesh.dp), self.device)
 
     @_on_mesh
     @torch.no_grad()

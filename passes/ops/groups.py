@@ -27,6 +27,8 @@ import functools
 import weakref
 from typing import Any, Callable, Iterator
 
+import torch
+
 __all__ = ["AxisGroups", "PROCESS", "current", "group_function"]
 
 
@@ -124,6 +126,13 @@ def group_function(cls: type) -> type:
 
     @functools.wraps(backward)
     def backward_under_forward_groups(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():  # create_graph=True: the collectives' backward is not differentiable
+            raise RuntimeError(
+                f"a gradient of a gradient (create_graph=True: torch.autograd.grad(loss, params, create_graph=True) "
+                f"for a gradient penalty, or a Hessian-vector product) reached {cls.__name__}, a collective of a "
+                "ParallelModule's rank graph, whose backward is not differentiable: the second-order term would be "
+                "lost, silently. Gradients of gradients are not supported under plans with collectives (dp, tp or "
+                "ep > 1): drop the term, or train the model with a plan on one device")
         with ctx.fs_groups.active():
             return backward(ctx, *grads)
 
