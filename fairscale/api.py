@@ -365,7 +365,7 @@ def parallelize(model: nn.Module, devices: int | None = None, *, example_inputs:
     pm = build_module(model, chosen, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                       device=rank_device, tf32=tf32, predicted=predicted)
     pm.check_report = report
-    started_behind(pm, behind)  # its calls refuse the old weights, but for pm.load_checkpoint
+    started_behind(pm, model, behind)  # its calls refuse the old weights, but for pm.load_checkpoint
     steps = steps_requested(calibrate, dict(os.environ))
     if steps:  # the loop re-plans on rank 0 only (ClosedLoop.finish): the capture is made there, when needed
         gb, keep_dtype = pm.global_batch, dtype or in_dtype  # switching keeps the numerics

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from fairscale.runtime.model_guard import StaleModelError, behind_since
+from fairscale.runtime.model_guard import StaleModelError, behind_since, fairscale_inside
 
 __all__ = ["SharedWeightsError", "own", "check_owned", "started_behind", "refuse_behind"]
 
@@ -73,25 +73,51 @@ def check_owned(model: nn.Module) -> str:
     return ""
 
 
-def started_behind(pm: Any, why: str) -> None:
-    """``pm`` was built from a model behind another module's ranks (:func:`check_owned`'s ``why``)."""
+def started_behind(pm: Any, model: nn.Module, why: str) -> None:
+    """``pm`` was built from ``model``, which was behind another module's ranks (:func:`check_owned`'s
+    ``why``, "" if not); a ``model.load_state_dict`` while ``model`` is current is noted too."""
     if why:
-        _BEHIND[pm] = why
+        _BEHIND[pm] = (
+            f"this ParallelModule was built by fairscale.parallelize from weights that are not the trained ones "
+            f"({why}): the model keeps the weights it had when the earlier ParallelModule was built from it, so this "
+            "module would go on from there, the steps taken lost. Call pm.gather_into(model) on every rank (with the "
+            "earlier module) before parallelizing the model again, change a running module's plan with "
+            "fairscale.switch_plan(pm, plan), or resume this one with pm.load_checkpoint(dir); after pm.close(), load "
+            "the weights to start from with model.load_state_dict(...) before fairscale.parallelize")
+    model.register_load_state_dict_pre_hook(_LoadWatch(pm))
+
+
+class _LoadWatch:
+    """A load_state_dict pre-hook noting a load into the model while it is current: ``pm`` would
+    never train the loaded weights. Pickled (``torch.save(model)``), it does nothing."""
+
+    def __init__(self, pm: Any) -> None:
+        self.owner = weakref.ref(pm) if pm is not None else None
+
+    def __call__(self, module: nn.Module, *_: Any) -> None:
+        held = self.owner() if self.owner is not None else None
+        if held is None or held.retired or fairscale_inside() or behind_since(module):
+            return  # behind: a load of the ranks' weights (pm.state_dict() on rank 0) makes it current
+        _BEHIND[held] = (
+            f"model.load_state_dict(...) loaded weights into the {type(module).__name__} after fairscale.parallelize "
+            "built this ParallelModule from it, whose ranks train their own copy of the weights it had then: the "
+            "loaded weights would never be trained. Load them before fairscale.parallelize, or into this module with "
+            "pm.load_checkpoint(dir)")
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _LoadWatch, (None,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_LoadWatch":
+        return self
 
 
 def refuse_behind(pm: Any, call: str) -> None:
-    """Raise if ``pm`` holds the old weights of a model that was behind when it was built, unless
-    ``call`` is ``load_checkpoint``, which replaces them (``memory_report`` reads none)."""
+    """Raise if ``pm`` holds other weights than its model's (:func:`started_behind`), unless ``call``
+    is ``load_checkpoint``, which replaces them (``memory_report`` reads none)."""
     why = _BEHIND.get(pm)
     if not why or call == "memory_report":
         return
     if call == "load_checkpoint":
         del _BEHIND[pm]
         return
-    raise StaleModelError(
-        f"{_CALLS.get(call, f'pm.{call}')}: this ParallelModule was built by fairscale.parallelize from weights that are not the "
-        f"trained ones ({why}): the model keeps the weights it had when the earlier ParallelModule was built from "
-        "it, so this module would go on from there, the steps taken lost. Call pm.gather_into(model) on every rank "
-        "(with the earlier module) before parallelizing the model again, change a running module's plan with "
-        "fairscale.switch_plan(pm, plan), or resume this one with pm.load_checkpoint(dir); after pm.close(), load "
-        "the weights to start from with model.load_state_dict(...) before fairscale.parallelize")
+    raise StaleModelError(f"{_CALLS.get(call, f'pm.{call}')}: {why}")

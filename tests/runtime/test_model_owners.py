@@ -88,9 +88,29 @@ def _again(how: str, path: str) -> list[float] | str:
         return str(exc)
 
 
+def refused_text(fn) -> str:
+    try:
+        fn()
+    except StaleModelError as exc:
+        return str(exc)
+    return "(not refused)"
+
+
 def _rank(rank: int, world: int, path: str) -> dict[str, object]:
     out: dict[str, object] = {how: _again(how, os.path.join(path, how)) for how in
                               ("gather", "checkpoint", "live", "close")}
+    model = _net()
+    pm = _parallelize(model)
+    pretrained = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).state_dict()
+    model.load_state_dict(pretrained)  # after parallelize: pm would train the weights it copied
+    out["loaded after"] = refused_text(lambda: pm.train_step(_batch(0)))
+    model = _net()
+    pm = _parallelize(model)
+    pm.train_step(_batch(0))
+    full = pm.state_dict()
+    if rank == 0:
+        model.load_state_dict(full)  # the ranks' weights, the model behind: current again
+    out["loaded behind"] = refused_text(lambda: pm.train_step(_batch(1)))
     g, d = nn.Linear(4, 8), nn.Linear(8, 1)
     pairs = [_Pair(g, d), _Pair(g, d)]  # the script holds its models
     first = fairscale.parallelize(pairs[0], example_inputs=(torch.randn(BATCH, 4),), plan=DP2, optimizer=SGD)
@@ -129,6 +149,15 @@ def test_a_module_built_from_a_model_behind_refuses_to_train(runs, how) -> None:
                                    "weights that are not the trained ones (the model (Sequential) was behind since "
                                    "an optimizer step of its ParallelModule)")
         assert "pm.gather_into(model)" in out[how] and "pm.load_checkpoint(dir)" in out[how]
+
+
+def test_weights_loaded_into_the_model_after_parallelize_are_refused(runs) -> None:
+    """They had been ignored: the module trained the weights it had copied (pretrained weights loaded
+    after the call, silently never used)."""
+    for out in runs:
+        assert out["loaded after"].startswith("pm.train_step: model.load_state_dict(...) loaded weights into the "
+                                              "Sequential after fairscale.parallelize built this ParallelModule"), out
+        assert out["loaded behind"] == "(not refused)"  # pm.state_dict() loaded on rank 0 while behind
 
 
 def test_trainable_weights_shared_with_an_open_module_are_refused(runs) -> None:
