@@ -37,7 +37,7 @@ from fairscale.runtime.frozen import check_trainable
 from fairscale.runtime.gather import collect_on_rank0, gather_into
 from fairscale.runtime.grad_none_guard import watch_cleared
 from fairscale.runtime.model_guard import guard_model, mark_stale, using_models
-from fairscale.runtime.model_owners import refuse_behind
+from fairscale.runtime.model_owners import NotCopied, refuse_behind
 from fairscale.runtime.optim_groups import OptimizerGroups, optimizer_parts
 from fairscale.runtime.optim import DataParallelOptimizer, clip_coefficient, merge_grad_norm_parts, reduce_grad_norm
 from fairscale.runtime.pipeline import PipelineExecutor
@@ -82,7 +82,7 @@ def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class ParallelModule:
+class ParallelModule(NotCopied):
     """This rank's part of a model trained under ``plan``. Build it with ``fairscale.parallelize``.
 
     Two ways to train:

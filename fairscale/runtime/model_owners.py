@@ -29,7 +29,7 @@ from torch import nn
 
 from fairscale.runtime.model_guard import StaleModelError, behind_since, fairscale_inside
 
-__all__ = ["SharedWeightsError", "own", "check_owned", "started_behind", "refuse_behind"]
+__all__ = ["SharedWeightsError", "NotCopied", "own", "check_owned", "started_behind", "refuse_behind"]
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _BEHIND: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -38,6 +38,29 @@ _CALLS = {"_step": "pm.train_step", "__call__": "pm(*batch)"}
 
 class SharedWeightsError(RuntimeError):
     """A model given to ``fairscale.parallelize`` shares trainable weights with another live ParallelModule's."""
+
+
+class NotCopied:
+    """A ParallelModule is neither copied nor pickled: ``copy.deepcopy(pm)`` had made a module whose
+    first call failed inside its optimizer (``'StageOptimizers' object has no attribute '_groups'``),
+    and ``torch.save(pm)`` failed on a weak reference; each now says what to do instead."""
+
+    def _refuse(self, what: str) -> None:
+        raise TypeError(
+            f"{what} of a ParallelModule: it is this rank's part of a model trained on all ranks (its slices, shards, "
+            "optimizer state and process groups), which a copy could not share. Save it with pm.save_checkpoint(dir) "
+            "(every rank; any plan resumes it) or pm.state_dict() (the full state dict, on rank 0); for a second "
+            "model (an EMA or a teacher), copy the model before fairscale.parallelize, or pm.gather_into(model) and "
+            "copy that, and parallelize the copy")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self._refuse("copy.deepcopy")
+
+    def __copy__(self) -> Any:
+        self._refuse("copy.copy")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._refuse("pickling (torch.save)")
 
 
 def own(pm: Any) -> None:

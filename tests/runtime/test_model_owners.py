@@ -13,6 +13,7 @@ the new module's first call, unless ``pm.load_checkpoint`` replaces the weights 
 from __future__ import annotations
 
 import functools
+import re
 import os
 import tempfile
 
@@ -167,3 +168,18 @@ def test_trainable_weights_shared_with_an_open_module_are_refused(runs) -> None:
                                         "open")
         assert "pm.close()" in out["shared"]
         assert all(isinstance(x, float) for x in out["frozen shared"])
+
+
+def test_a_parallel_module_is_neither_copied_nor_pickled() -> None:
+    """``copy.deepcopy(pm)`` had made a module whose first call failed inside its optimizer
+    ('StageOptimizers' object has no attribute '_groups'); ``torch.save(pm)`` failed on a weak reference."""
+    import copy
+    import io
+
+    from fairscale.runtime.engine import ParallelModule
+
+    pm = ParallelModule.__new__(ParallelModule)  # the refusal reads nothing of the module
+    for what, call in (("copy.deepcopy", copy.deepcopy), ("copy.copy", copy.copy),
+                       ("pickling (torch.save)", lambda m: torch.save(m, io.BytesIO()))):
+        with pytest.raises(TypeError, match=rf"^{re.escape(what)} of a ParallelModule: .* pm.save_checkpoint\(dir\)"):
+            call(pm)
