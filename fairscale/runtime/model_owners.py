@@ -86,9 +86,10 @@ def check_owned(model: nn.Module) -> str:
                 f"fairscale.parallelize: the {type(model).__name__} given shares trainable parameters ({listed}) with "
                 f"the {type(other).__name__} of a ParallelModule that is still open; each ParallelModule trains its "
                 "own copy of its model's weights on its ranks, so what one trains never reaches the other (a GAN's "
-                "generator loss would run against a discriminator that never moves). Parallelize one model whose "
-                "forward computes the loss over all of them, or close the other module first (pm.close(), every "
-                "rank); parameters frozen (requires_grad=False) in both may be shared")
+                "generator loss would run against a discriminator that never moves; two losses stepped in turn over "
+                "the same weights cannot be split over two modules). Parallelize one model whose forward computes "
+                "the loss over all of them, or close the other module first (pm.close(), every rank); parameters "
+                "frozen (requires_grad=False) in both may be shared")
     for path, module in model.named_modules():
         why = behind_since(module)
         if why:
