@@ -45,6 +45,7 @@ from fairscale.runtime.pipeline_io import split_microbatches
 from fairscale.runtime.program import RankProgram
 from fairscale.runtime.stage_optimizers import StageOptimizers, optimizer_origin
 from fairscale.runtime.tp_random import draws_random, share_random_state
+from fairscale.runtime.user_optimizer import note_gradients
 from fairscale.runtime.watchdog import collective_call
 from fairscale.runtime.state import full_grads as _full_grads
 from fairscale.runtime.state_hooks import apply_state_dict_hooks
@@ -149,6 +150,7 @@ class ParallelModule(NotCopied):
         self._batch_checked = False
         self._user_model = program.model  # for its state-dict hooks; the user holds the model
         guard_model(program.model())  # refuses its use while the ranks hold newer weights
+        note_gradients(self, program.model())  # a backward's before the call: not the model trained afterwards
         user = program.model
         self.optimizer.register_step_post_hook(lambda *_: mark_stale(user(), "an optimizer step of its ParallelModule"))
         self._peaks: dict[str, float | None] = {}

@@ -22,7 +22,9 @@ the instance, trained at the starting learning rate, without a word. Now:
   group, the option and both values (:func:`watch`);
 * an optimizer built over the model's tensors after ``parallelize`` (accelerate's order: the model
   prepared first, then ``AdamW(model.parameters())``) raises at a ``step()`` that would do nothing,
-  none of them holding a gradient, every loss the same (:func:`guard_new_optimizers`).
+  none of them holding a gradient, every loss the same (:func:`guard_new_optimizers`); a gradient
+  left from a backward run before ``parallelize`` does not count (:func:`note_gradients`): its first
+  step had applied it to the unused model and the refusal came only at the second.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["UserOptimizerError", "disown", "watch", "guard_new_optimizers", "refuse_schedulers", "schedulers_of"]
+__all__ = ["UserOptimizerError", "disown", "watch", "guard_new_optimizers", "note_gradients", "refuse_schedulers", "schedulers_of"]
 
 _USE = ("set options on pm.optimizer.param_groups, attach learning-rate schedulers to pm.optimizer, and "
         "call pm.optimizer.step() / pm.optimizer.zero_grad() (or pm.train_step(batch))")
@@ -125,6 +127,23 @@ def _same(a: Any, b: Any) -> bool:
 
 _LIVE: "weakref.WeakKeyDictionary[Any, frozenset[int]]" = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
+_BEFORE: "weakref.WeakKeyDictionary[Any, dict[int, weakref.ref[torch.Tensor]]]" = weakref.WeakKeyDictionary()
+"""pm -> the gradients its model's parameters held when it was built (a backward run before the
+call): they are not the script training the model itself."""
+
+
+def note_gradients(pm: Any, model: torch.nn.Module | None) -> None:
+    """Remember the gradients ``model``'s parameters hold as ``pm`` is built (:func:`guard_new_optimizers`)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+    _BEFORE[pm] = {id(g): weakref.ref(g) for g in grads}
+
+
+def _fresh(pm: Any, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` came after ``pm`` was built (not one the model held before)."""
+    if grad is None:
+        return False
+    before = _BEFORE.get(pm, {}).get(id(grad))
+    return before is None or before() is not grad
 
 
 def guard_new_optimizers(pm: Any) -> None:
@@ -144,8 +163,8 @@ def _refuse_models_tensors(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not ids:
             ids = _LIVE[pm] = frozenset(id(p) for p in model.parameters())
         held = [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
-        if not held or any(p.grad is not None for p in held):
-            continue  # a gradient: the script trains the model itself, in one process (after pm.gather_into)
+        if not held or any(_fresh(pm, p.grad) for p in held):
+            continue  # a new gradient: the script trains the model itself, in one process (after pm.gather_into)
         names = [n for n, p in model.named_parameters() if any(p is q for q in held)]
         name = type(optimizer).__name__
         raise UserOptimizerError(

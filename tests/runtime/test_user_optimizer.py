@@ -68,6 +68,16 @@ def _rank(rank: int, world: int) -> dict[str, object]:
     pm.gather_into(case.model)  # then one process trains the model itself: its tensors have gradients
     case.loss_fn(case.model(case.make_batch(1, BATCH)[0]), *case.make_batch(1, BATCH)[1:]).backward()
     late.step()
+
+    # the same, on a model that ran a backward before the call (a sanity check of the loss)
+    case = build("mlp")
+    case.loss_fn(case.model(case.make_batch(0, BATCH)[0]), *case.make_batch(0, BATCH)[1:]).backward()
+    pm = fairscale.parallelize(case.model, example_inputs=case.make_batch(0, BATCH), loss_fn=case.loss_fn, plan=DP2)
+    late = torch.optim.SGD(case.model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in case.model.parameters()]
+    pm(*case.make_batch(1, BATCH)).backward()
+    out["optimizer built afterwards, old gradients"] = refused(late.step)
+    out["model untouched"] = all(torch.equal(a, p) for a, p in zip(before, case.model.parameters()))
     return out
 
 
@@ -111,6 +121,15 @@ def test_an_optimizer_built_over_the_model_afterwards_is_refused_where_it_would_
         assert text.startswith("UserOptimizerError: this AdamW holds 8 parameter(s) of the MLPNet passed to "
                                "fairscale.parallelize (e.g. "), text
         assert "so its step() would train nothing: build the AdamW over the model before the call and pass it" in text
+
+
+def test_gradients_from_before_the_call_do_not_let_a_later_optimizer_step(runs) -> None:
+    """Its first step had applied the backward's gradients from before parallelize to the unused
+    model, and the refusal came only at the second (after launch)."""
+    for out in runs:
+        text = out["optimizer built afterwards, old gradients"]
+        assert text.startswith("UserOptimizerError: this SGD holds 8 parameter(s) of the MLPNet"), text
+        assert out["model untouched"]
 
 
 def test_schedulers_on_pm_optimizer_still_drive_training(runs) -> None:
