@@ -36,7 +36,9 @@ class TokenCounter:
     kind: str = "mean"
     """``mean``: the loss averages over the labels it counts (pieces weigh by their counts);
     ``sum``: it adds over the batch's rows (every piece weighs ``dp``; nothing to count);
-    ``opaque``: a token mean whose class weights the model computes (no piece weights known)."""
+    ``opaque``: a token mean whose class weights the model computes (no piece weights known);
+    ``uncounted``: a token mean whose labels the forward computes from a random draw (or the model's
+    weights) and may hold ``ignore_index``: no piece's count is known before the step."""
     divides: bool = False
     """The loss divides by the count itself (``(l * mask).sum() / mask.sum()``), so a piece that
     counts nothing computes 0 / 0: its loss and gradient are nan, weighed 0 or not."""
@@ -44,6 +46,8 @@ class TokenCounter:
     """``divisor(count) -> float64 0-dim``: what the loss divides its sum by, for a count, where it is
     not the count itself (``mask.sum().clamp(min=1)``, ``mask.sum() + 1e-8``); a piece then weighs
     ``dp * divisor(n_i) / divisor(N)``."""
+    why: str = ""
+    """For ``uncounted``: what the labels are computed from, with its op and source line."""
 
     def __call__(self, batch: Sequence[Any]) -> int | float | tuple[Any, ...]:
         """The count (a tuple of counts, one per token mean, when the loss holds several)."""
@@ -64,7 +68,7 @@ def piece_weights(counter: TokenCounter, counts: list[list[Any]], dp_index: int)
     Raises when the token mean is part of a larger loss (``counter.exact`` False) and the pieces
     differ, or a sum is part of one and there are pieces: no weights make that exact."""
     dp, m = len(counts), len(counts[0])
-    if counter.kind in ("sum", "opaque"):
+    if counter.kind in ("sum", "opaque", "uncounted"):
         problem = sum_problem(counter, dp, m)
         if problem:
             raise ValueError(problem)
@@ -122,6 +126,15 @@ def sum_problem(counter: TokenCounter | None, dp: int, m: int) -> str | None:
     batch: the compile check refuses such a plan), or None."""
     if counter is None or counter.kind == "mean" or counter.exact or dp * m == 1:
         return None
+    if counter.kind == "uncounted":
+        return (f"the loss is a token mean ({counter.loss}) over labels computed in the forward from {counter.why}, "
+                f"which may hold its ignore_index: the step is cut into {dp * m} pieces (dp={dp} x {m} microbatches), "
+                "each the mean over the labels it keeps, and how many each keeps is known only once its forward "
+                "has drawn them, so the pieces cannot be weighed as the batch's token mean weighs them (their plain "
+                "mean weighs a label of a piece that keeps few more than one of a piece that keeps many). Make the "
+                "mask in the data pipeline and pass the labels with the batch (each piece's labels are then "
+                "counted), divide a sum of the terms by a count passed with the batch (as Hugging Face's "
+                "num_items_in_batch), or train on one piece (dp=1, one microbatch)")
     if counter.kind == "opaque":
         return (f"the loss is a class-weighted mean ({counter.loss}): the step is cut into {dp * m} pieces "
                 f"(dp={dp} x {m} microbatches), whose weights in the batch's loss are the sums of their labels' "

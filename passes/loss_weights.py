@@ -48,7 +48,8 @@ from torch.fx.operator_schemas import normalize_function
 from passes.loss_count import TokenCounter
 from passes.ops.random_ops import is_sampler
 import planner.ctc_capture  # noqa: F401 - registers fairscale::ctc_loss_rows
-from planner.graph import VALUE_KEEPING, past_value_keeping
+from planner.batch_stats import source_line
+from planner.graph import VALUE_KEEPING, bodies, past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -102,6 +103,11 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     if opaque:  # class weights computed in the model: the pieces' weights cannot be counted
         return _summed(", ".join(f"{n.target} with computed class weights" for n in opaque), exact=False,
                        kind="opaque")
+    uncounted = [(n, why) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
+                 and _reduction(n) == _MEAN and (why := _uncounted(n)) is not None]
+    if uncounted:  # labels a piece keeps, drawn in the forward (MaskGIT's mask): not countable before the step
+        return _summed(", ".join(str(n.target) for n, _ in uncounted), exact=False, kind="uncounted",
+                       why=uncounted[0][1])
     inner = [(n, found) for n in gm.graph.nodes if n.op == "call_function" and n.target in _TOKEN_MEAN
              for found in [_labels_of(n)] if found is not None]
     if not inner:
@@ -383,13 +389,13 @@ def _reduction(node: torch.fx.Node) -> int | None:
     return int(_kwargs(node).get("reduction", _MEAN))  # type: ignore[call-overload]
 
 
-def _summed(loss: str, *, exact: bool, kind: str = "sum") -> TokenCounter:
+def _summed(loss: str, *, exact: bool, kind: str = "sum", why: str = "") -> TokenCounter:
     """The record of a loss that adds over the batch's rows (each piece weighs ``dp``), or
     (``opaque``) one whose pieces' weights cannot be known: nothing to count."""
     graph = torch.fx.Graph()
     graph.output(graph.call_function(aten.scalar_tensor.default, (1,), {"dtype": torch.int64}))
     return TokenCounter(gm=torch.fx.GraphModule(torch.nn.Module(), graph), batch_inputs=[], ignore_index=-100,
-                        loss=loss, exact=exact, kind=kind)
+                        loss=loss, exact=exact, kind=kind, why=why)
 
 
 _Labels = tuple[torch.fx.Node, int, set[torch.fx.Node], torch.fx.Node | None]
@@ -413,6 +419,66 @@ def _labels_of(value: torch.fx.Node) -> _Labels | None:
     if seen is None:
         return None  # labels computed from parameters, buffers or a draw (mixup's y[randperm]): not the batch's
     return target, int(kwargs.get("ignore_index", -100)), seen, weight  # type: ignore[call-overload]
+
+
+def _uncounted(value: torch.fx.Node) -> str | None:
+    """What the labels of the mean token loss ``value`` are computed from (a random draw, the model's
+    parameters or buffers, with its op and line) when no piece can count them (:func:`_labels_of` is
+    None) and they may hold its ``ignore_index`` (a literal of that value feeds them: MaskGIT's
+    ``torch.where(mask, ids, ignore_index)`` over a mask drawn in forward); else None: labels that
+    never hold it (a teacher's ``argmax``) count every token in every piece, and the plain mean is exact."""
+    kwargs = _kwargs(value)
+    target = kwargs.get("target")
+    weight = kwargs.get("weight")
+    if not isinstance(target, torch.fx.Node) or _labels_of(value) is not None \
+            or (weight is not None and not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr")):
+        return None  # (counted, or class weights the model computes: kind "opaque")
+    ignore = int(kwargs.get("ignore_index", -100))  # type: ignore[call-overload]
+    nodes = _all_ancestors(target)
+    if not any(_gives(n, ignore) for n in nodes):
+        return None
+    source = next((n for n in nodes if is_sampler(n)), None)
+    what = "a random draw"
+    if source is None:
+        source = next((n for n in nodes if n.op == "get_attr" and not _is_body(n)), None)
+        what = "the model's parameters or buffers"
+    if source is None:
+        return None
+    line = source_line(source)
+    return f"{what} (op {source.target}" + (f", source {line}" if line else "") + ")"
+
+
+def _all_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node`` and every node it is computed from, with the nodes of the higher-order ops' bodies
+    among them (a mask drawn inside ``with torch.no_grad():``)."""
+    seen: dict[torch.fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+        stack.extend(inner for body in bodies(n) for inner in body.graph.nodes)
+    return list(seen)
+
+
+def _is_body(node: torch.fx.Node) -> bool:
+    """Whether the get_attr ``node`` fetches a higher-order op's body (a GraphModule), not a tensor."""
+    obj: object = node.graph.owning_module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, torch.fx.GraphModule)
+
+
+def _gives(node: torch.fx.Node, ignore: int) -> bool:
+    """Whether ``node`` takes the number ``ignore`` as an argument (a fill value, a ``where`` branch)."""
+    if node.op != "call_function":
+        return False
+    found: list[bool] = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: found.append(
+        isinstance(a, (int, float)) and not isinstance(a, bool) and a == ignore))
+    return any(found)
 
 
 def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact: bool) -> TokenCounter:
