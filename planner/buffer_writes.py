@@ -52,9 +52,13 @@ class BufferWrite:
     """The value written depends on the batch or on a random draw (an EMA of activations, DINO's
     center); False for a step counter or an EMA of the model's own weights, which every dp rank
     computes alike from its replica."""
+    op: str = ""
+    """The in-place op that writes it (``aten.mul_.Tensor``), '' when not recorded."""
 
     def describe(self) -> str:
-        return f"{self.buffer}{' (' + self.source + ')' if self.source else ''}"
+        """``vq.embed (model.py:31 `...`) at module vq, op aten.copy_.default``: what a refusal names."""
+        site = f" at module {self.module or '<model top level>'}" + (f", op {self.op}" if self.op else "")
+        return f"{self.buffer}{' (' + self.source + ')' if self.source else ''}{site}"
 
 
 def find_buffer_writes(gm: torch.fx.GraphModule) -> list[BufferWrite]:
@@ -157,7 +161,8 @@ def _collect(gm: torch.fx.GraphModule, root: dict[torch.fx.Node, str], out: dict
             from_rows = any(varies(a) for a in node.all_input_nodes if a not in targets)
             if name not in out:
                 out[name] = BufferWrite(buffer=name, module=str(node.meta.get(META_MODULE, "")) or module,
-                                        source=source_line(node), parameter=buffer in parameters, from_rows=from_rows)
+                                        source=source_line(node), parameter=buffer in parameters, from_rows=from_rows,
+                                        op=str(node.target))
             elif from_rows and not out[name].from_rows:
                 out[name] = dataclasses.replace(out[name], from_rows=True)
 

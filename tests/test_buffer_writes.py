@@ -77,6 +77,10 @@ def test_plans_that_cut_the_batch_are_refused_naming_the_buffers() -> None:
     assert "mesh.dp: the model's forward writes the buffer(s) calls (test_buffer_writes.py:" in text, text
     assert "a plan with dp=2 ranks runs the forward on each slice of the batch" in text, text
     assert "Use mesh.dp 1 and schedule.microbatches 1" in text, text
+    # module and op of each write, as every refusal names them (a VQ-VAE's EMA codebook had its lines alone)
+    assert "`self.calls += 1`) at module <model top level>, op aten.add_.Tensor, ema (" in text, text
+    assert "`self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))`) at module <model top level>, op aten.mul_.Tensor" \
+        in text, text
     text = _refusal(dp=1, microbatches=2)
     assert "schedule.microbatches: the model's forward writes the buffer(s) calls" in text, text
     assert "a plan with 2 microbatches" in text, text
@@ -308,8 +312,9 @@ def test_a_count_of_the_rows_seen_is_refused_data_parallelism() -> None:
     torch.manual_seed(0)
     model = RowsSeen().double()
     assert [(w.buffer, w.from_rows) for w in find_buffer_writes(captured(model, _batch(0)).gm)] == [("seen", False)]
-    with pytest.raises(Exception, match=r"writes seen \(test_buffer_writes.py:\d+ `self.seen \+= x.shape\[0\]`\) in "
-                                        r"place from a number the batch's size gives"):
+    with pytest.raises(Exception, match=r"writes seen \(test_buffer_writes.py:\d+ `self.seen \+= x.shape\[0\]`\) at "
+                                        r"module <model top level>, op aten.add_.Tensor in place from a number the "
+                                        r"batch's size gives"):
         fairscale.plan(model, _batch(0), devices=2, constraints={"mesh": {"pp": 1, "dp": 2, "tp": 1}})
     assert int(model.seen) == 0
     assert fairscale.plan(_row_free(), _batch(0), devices=2,
