@@ -237,15 +237,16 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
                 eager = write
             except Exception as exc:  # noqa: BLE001 - collected and re-raised with guidance below
                 failures.append(Failure(f"torch.{used}", exc))
-    if gm is None:
-        raise _eager_write_error(model, eager, failures) if eager is not None else _capture_error(model, failures)
-    if drawn.rebound:
+    if drawn.rebound:  # first: where export then failed (a new nn.Parameter), its error is this one's effect
         raise CaptureError(
             f"could not capture {type(model).__name__}: its forward assigns a new tensor to its "
-            f"{drawn.rebound[0]}. A trace does not record the assignment (torch.export drops it), so training "
-            "would never update the buffer where one process does at every call. What to do: write it in place, "
-            "`self.ema.copy_(0.9 * self.ema + 0.1 * m)` or `self.ema.mul_(0.9).add_(0.1 * m)`, which the trace "
-            "records (under torch.no_grad() where the value needs no gradient)")
+            f"{drawn.rebound[0]}. A trace does not record the assignment (torch.export drops it, or fails on a "
+            "new nn.Parameter), so training would never update the tensor where one process does at every call. "
+            "What to do: write it in place, `self.ema.copy_(0.9 * self.ema + 0.1 * m)` or "
+            "`self.ema.mul_(0.9).add_(0.1 * m)`, which the trace records (under torch.no_grad() where the value "
+            "needs no gradient)")
+    if gm is None:
+        raise _eager_write_error(model, eager, failures) if eager is not None else _capture_error(model, failures)
     if drawn.sites or drawn.moved:
         raise CaptureError(
             f"could not capture {type(model).__name__}: it draws random numbers outside torch while it runs, "

@@ -53,7 +53,9 @@ class HostRandom:
     """Call sites of draws that followed a seed the forward set (the same numbers at every call)."""
     rebound: list[str] = field(default_factory=list)
     """``buffer <name>: <call site>`` where the forward assigned a new tensor to one of the model's
-    buffers (``self.ema = 0.9 * self.ema + ...``): torch.export drops the assignment."""
+    buffers (``self.ema = 0.9 * self.ema + ...``): torch.export drops the assignment; ``parameter
+    <name>: ...`` for a new ``nn.Parameter`` in a parameter's place (a VQ-VAE's EMA codebook,
+    ``self._ema_w = nn.Parameter(...)``), which torch.export fails on."""
 
     def describe(self) -> str:
         return self.sites[0] if self.sites else f"op {self.moved[0]}.* (its global state moved; where was not recorded)"
@@ -117,9 +119,11 @@ def watch_host_random(model: nn.Module) -> Iterator[HostRandom]:
             writes.append(f"{type(self).__name__}.{name}")
         if id(self) in own and name in self._buffers and isinstance(value, torch.fx.Proxy):
             kept.setdefault((id(self), name), (self, name, self._buffers[name]))  # fx would leave its Proxy there
-        elif id(self) in own and isinstance(value, torch.Tensor) and name in self._buffers \
-                and value is not self._buffers[name]:  # (self.pe = self.pe.to(x.device) on its device: itself)
-            found.rebound.append(f"buffer {paths[id(self)] + '.' if paths[id(self)] else ''}{name}: "
+        elif id(self) in own and isinstance(value, torch.Tensor) and (
+                (name in self._buffers and value is not self._buffers[name])  # (self.pe = self.pe.to(x.device): itself)
+                or (name in self._parameters and value is not self._parameters[name])):  # a new nn.Parameter
+            kind = "buffer" if name in self._buffers else "parameter"
+            found.rebound.append(f"{kind} {paths[id(self)] + '.' if paths[id(self)] else ''}{name}: "
                                  f"{call_site(f'{type(self).__name__}.{name} =', model)}")
         module_setattr(self, name, value)
     np_state: Any = np.random.get_state()
