@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.annotate import AnnotateError, annotate_graph
+from planner.autograd_functions import backward_problem, watch_functions
 from planner.capture_errors import describe_capture_failure
 from planner.ctc_capture import traceable_ctc_loss
 from planner.eager_writes import EagerWrite, watch_eager_writes
@@ -217,7 +218,8 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
     gm: torch.fx.GraphModule | None = None
     eager: EagerWrite | None = None
     used = order[0]
-    with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters, traceable_ctc_loss():
+    with watch_host_random(model) as drawn, watch_mode_setters(model) as mode_setters, traceable_ctc_loss(), \
+            watch_functions(model) as functions:
         for used in order:
             try:
                 with _quiet():  # a failure is reported below, from the user's line, not logged by FakeTensor
@@ -247,6 +249,8 @@ def _capture(model: nn.Module, batch: tuple[Any, ...], *, loss_fn: Callable[...,
             "needs no gradient)")
     if gm is None:
         raise _eager_write_error(model, eager, failures) if eager is not None else _capture_error(model, failures)
+    if functions and (problem := backward_problem(functions, type(model).__name__)):
+        raise CaptureError(problem)  # a backward the trace would drop (a straight-through estimator)
     if drawn.sites or drawn.moved:
         raise CaptureError(
             f"could not capture {type(model).__name__}: it draws random numbers outside torch while it runs, "
