@@ -37,6 +37,8 @@ _SKIP += tuple(os.path.join(_ROOT, package) + os.sep for package in ("planner", 
 # contextlib and functools are single files in the standard library's folder, which also holds
 # site-packages where Python is installed without a virtual environment: skip the files, not the folder
 _SKIP += tuple(m.__file__ or "<none>" for m in (contextlib, functools))
+_MODELS = os.path.join(_ROOT, "fairscale", "testing") + os.sep
+"""The project's own model code (the corpus's styles, the test models): a call site, not a frame to skip."""
 
 
 @dataclass
@@ -69,7 +71,7 @@ def call_site(name: str, model: nn.Module) -> str:
     line, module = "", ""
     while frame is not None:
         path = frame.f_code.co_filename
-        if not line and not path.startswith(_SKIP + ("<",)):
+        if not line and (not path.startswith(_SKIP + ("<",)) or path.startswith(_MODELS)):
             line = f"{os.path.basename(path)}:{frame.f_lineno}"
         owner = frame.f_locals.get("self")
         if line and isinstance(owner, nn.Module) and id(owner) in paths:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairscale.testing import corpus_styles_gen as gen
 from fairscale.testing import corpus_styles_gpt as gpt
 from fairscale.testing import corpus_styles_llama as llama
 from fairscale.testing import corpus_styles_nets as nets
@@ -34,6 +35,12 @@ def _images(classes: int, size: int = 16) -> Batch:
         return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
 
     return make
+
+
+def _reconstruct(step: int, batch: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(7600 + step)
+    x = torch.randn(batch, 3, 16, 16, generator=g)
+    return x, x.clone()
 
 
 def _masks(classes: int, size: int = 16) -> Batch:
@@ -164,6 +171,17 @@ def _entries() -> list[CorpusModel]:
         CorpusModel(name="unet", build=_case("unet", nets.UNetMini, _masks(4), ce),
                     origin="U-Net (milesial Pytorch-UNet style)",
                     features="torch.cat skips, ConvTranspose2d, GroupNorm, in-place ReLU, per-pixel loss"),
+        CorpusModel(name="vqvae-ema", build=_case("vqvae-ema", gen.VQVAEEMA, _reconstruct, gen.vq_loss),
+                    origin="VQ-VAE with an EMA codebook (VQ-VAE-2 implementations)",
+                    features="argmin codebook lookup, one_hot, straight-through z + (zq - z).detach(), buffers "
+                             "written in place under torch.no_grad() in forward"),
+        CorpusModel(name="vqvae-zalando", build=_case("vqvae-zalando", gen.ZalandoVQVAE, _reconstruct, gen.vq_loss),
+                    origin="zalandoresearch/pytorch-vq-vae VectorQuantizerEMA",
+                    features="a buffer and new nn.Parameters bound in forward (refused at capture)"),
+        CorpusModel(name="fsq-ste", build=_case("fsq-ste", gen.STEQuantizer, _reconstruct, gen.vq_loss),
+                    origin="finite scalar quantization with a straight-through autograd.Function",
+                    features="custom autograd.Function whose backward is not its forward's gradient (refused at "
+                             "capture)"),
     ]
 
 

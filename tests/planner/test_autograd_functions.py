@@ -93,6 +93,18 @@ def test_a_straight_through_function_is_refused_at_capture() -> None:
     assert torch.autograd.Function.__dict__["apply"] is _APPLY  # the watch put torch's own back
 
 
+def test_a_function_in_the_projects_own_model_code_is_checked() -> None:
+    """The corpus's finite scalar quantizer (its Function lives under fairscale/testing) trained dp4 with
+    round's zero gradient (gradients 45% off) while the check passed over the project's own modules."""
+    from fairscale.testing.corpus_styles_gen import STEQuantizer
+
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match=r"autograd.Function RoundSTE \(op RoundSTE.apply at module vq \(FSQ\), "
+                                           r"source corpus_styles_gen.py:\d+\)"):
+        capture(STEQuantizer(), (torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16)),
+                loss_fn=lambda out, x: F.mse_loss(out[1], x))
+
+
 @pytest.mark.parametrize("kind", ["gelu", "scale", "checkpoint"])
 def test_a_function_whose_backward_is_its_forwards_gradient_captures(kind: str) -> None:
     torch.manual_seed(0)
