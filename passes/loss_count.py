@@ -127,10 +127,10 @@ def sum_problem(counter: TokenCounter | None, dp: int, m: int) -> str | None:
     if counter is None or counter.kind == "mean" or counter.exact or dp * m == 1:
         return None
     if counter.kind == "uncounted":
-        return (f"the loss is a token mean ({counter.loss}) over labels computed in the forward from {counter.why}, "
-                f"which may hold its ignore_index: the step is cut into {dp * m} pieces (dp={dp} x {m} microbatches), "
-                "each the mean over the labels it keeps, and how many each keeps is known only once its forward "
-                "has drawn them, so the pieces cannot be weighed as the batch's token mean weighs them (their plain "
+        return (f"the loss is a mean ({counter.loss}) over the labels or positions its forward keeps, which it "
+                f"computes from {counter.why}: the step is cut into {dp * m} pieces (dp={dp} x {m} microbatches), "
+                "each the mean over what it keeps, and how many each keeps is known only once its forward "
+                "has drawn them, so the pieces cannot be weighed as the batch's mean weighs them (their plain "
                 "mean weighs a label of a piece that keeps few more than one of a piece that keeps many). Make the "
                 "mask in the data pipeline and pass the labels with the batch (each piece's labels are then "
                 "counted), divide a sum of the terms by a count passed with the batch (as Hugging Face's "

@@ -39,7 +39,7 @@ global batch), before the step computes a gradient. Never silently different.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.fx
@@ -95,6 +95,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
             return _build(gm, [found], loss=str(value.target), exact=True)
     if (ratio := _count_divisor(_past_numbers(value, None))) is not None:
         return _divisor_counter(gm, ratio, loss=str(ratio.total.target))
+    if (why := _drawn_divisor(value)) is not None:  # (ce * mask).sum() / mask.sum(), the mask drawn in forward
+        return _summed("a sum over its count", exact=False, kind="uncounted", why=why)
     sums = [n for n in gm.graph.nodes if _reduction(n) == _SUM and not _divided_by_rows(n, rows, out)]
     if sums:
         return _summed(", ".join(str(n.target) for n in sums), exact=False)
@@ -218,6 +220,63 @@ def _count_of(factor: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node],
                 for n in inner):
             return count, inner, chain
     return None
+
+
+def _drawn_divisor(value: torch.fx.Node) -> str | None:
+    """The draw a sum over the batch divided by a count (:func:`_count_divisor`'s form) takes its
+    count from (MaskGIT's masked mean, ``(ce * mask).sum() / mask.sum()`` over a mask drawn in
+    forward), with its op and line, or None: no piece's count is known before its forward draws it."""
+    if value.op != "call_function" or value.target is not aten.div.Tensor or len(value.args) != 2 or value.kwargs:
+        return None
+    total, count = value.args
+    if not isinstance(total, torch.fx.Node) or not isinstance(count, torch.fx.Node):
+        return None
+    total, source = past_value_keeping(total), past_value_keeping(count)
+    summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
+    if not summed or not _zero_dim(total) or not _zero_dim(count) or source.op != "call_function" \
+            or source.target not in _FULL_SUM_OPS:
+        return None
+    draw = next((n for n in _all_ancestors(count) if is_sampler(n)), None)
+    if draw is None or not _varies_with_draws(count, lambda v: v):
+        return None  # (ViTMAE's mask: the draw orders each row's patches, every row keeps as many)
+    line = source_line(draw)
+    return f"a random draw (op {draw.target}" + (f", source {line}" if line else "") + ")"
+
+
+def _varies_with_draws(node: torch.fx.Node, count: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``count(value of node)`` differs between a few seeds of the draws it is computed from,
+    the batch inputs held fixed (made up from their shapes): a mask drawn with a number of positions
+    drawn per row (MaskGIT's cosine schedule) does, a permutation of a fixed mask (ViTMAE's) does not.
+    True where it cannot be computed so (refused: no piece's count known)."""
+    gm = node.graph.owning_module
+    if gm is None:
+        return True
+    keep = set(_all_ancestors(node))
+    runner = torch.fx.Interpreter(gm)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n in keep:
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                return True
+            shape = [int(d) for d in val.shape]
+            inputs[n] = torch.randn(shape, generator=gen, dtype=val.dtype) if val.is_floating_point() else \
+                torch.ones(shape, dtype=val.dtype) if val.dtype is torch.bool else \
+                torch.randint(1, 8, shape, generator=gen, dtype=val.dtype)  # (no label 0 or -100 to ignore)
+    seen: set[float] = set()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for seed in range(4):
+                torch.manual_seed(seed)
+                runner.env = dict(inputs)
+                for n in gm.graph.nodes:
+                    if n in keep and n.op != "placeholder":
+                        runner.env[n] = runner.run_node(n)
+                seen.add(float(count(runner.env[node])))
+    except Exception:  # noqa: BLE001 - not computable on made-up inputs: taken as varying
+        return True
+    return len(seen) > 1
 
 
 def _batch_ancestors(node: torch.fx.Node) -> set[torch.fx.Node] | None:
@@ -439,6 +498,8 @@ def _uncounted(value: torch.fx.Node) -> str | None:
         return None
     source = next((n for n in nodes if is_sampler(n)), None)
     what = "a random draw"
+    if source is not None and not _varies_with_draws(target, lambda v: (v != ignore).sum()):
+        return None  # every draw keeps as many labels (a fixed number per row): the plain mean is exact
     if source is None:
         source = next((n for n in nodes if n.op == "get_attr" and not _is_body(n)), None)
         what = "the model's parameters or buffers"
