@@ -39,17 +39,19 @@ global batch), before the step computes a gradient. Never silently different.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
+from passes.loss_graph import (all_ancestors, batch_ancestors, copy_nodes, graph_rows, multiple_of_rows, past_numbers,
+                                varies_with_draws, zero_dim)
 from passes.ops.random_ops import is_sampler
 import planner.ctc_capture  # noqa: F401 - registers fairscale::ctc_loss_rows
 from planner.batch_stats import source_line
-from planner.graph import VALUE_KEEPING, bodies, past_value_keeping
+from planner.graph import VALUE_KEEPING, past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -82,8 +84,8 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
     value = past_value_keeping(value)
     while (unscaled := _unscaled(value)) is not None:
         value = unscaled
-    rows = _rows(gm)
-    total = _past_numbers(value, rows)  # a sum times or over a number is a sum: each piece's scaled alike
+    rows = graph_rows(gm)
+    total = past_numbers(value, rows)  # a sum times or over a number is a sum: each piece's scaled alike
     if total.op == "call_function" and total.target in _FULL_SUMS and isinstance(total.args[0], torch.fx.Node) \
             and _reduction(past_value_keeping(total.args[0])) == _NONE and len(total.args) == 1:
         return _summed(str(past_value_keeping(total.args[0]).target), exact=True)
@@ -93,7 +95,7 @@ def token_counter(gm: torch.fx.GraphModule) -> TokenCounter | None:
         found = _labels_of(value)
         if found is not None:
             return _build(gm, [found], loss=str(value.target), exact=True)
-    if (ratio := _count_divisor(_past_numbers(value, None))) is not None:
+    if (ratio := _count_divisor(past_numbers(value, None))) is not None:
         return _divisor_counter(gm, ratio, loss=str(ratio.total.target))
     if (why := _drawn_divisor(value)) is not None:  # (ce * mask).sum() / mask.sum(), the mask drawn in forward
         return _summed("a sum over its count", exact=False, kind="uncounted", why=why)
@@ -191,9 +193,9 @@ def _count_divisor(value: torch.fx.Node) -> _Ratio | None:
     for total, factor in orders:
         if not isinstance(total, torch.fx.Node) or not isinstance(factor, torch.fx.Node):
             continue
-        total = _past_numbers(past_value_keeping(total), None)
+        total = past_numbers(past_value_keeping(total), None)
         summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
-        if not summed or not _zero_dim(total) or not _zero_dim(factor):
+        if not summed or not zero_dim(total) or not zero_dim(factor):
             continue
         found = _count_of(factor)
         if found is not None:
@@ -205,13 +207,13 @@ def _count_of(factor: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node],
     """The 0-dim sum over batch inputs ``factor`` is a function of (with constants), its ancestors and
     the chain of nodes from it to ``factor``; None when ``factor`` reads a parameter, a buffer, a draw,
     or batch values other than through one such sum."""
-    seen = _batch_ancestors(factor)
+    seen = batch_ancestors(factor)
     if seen is None:
         return None
     for count in seen:
-        if count.op != "call_function" or count.target not in _FULL_SUM_OPS or not _zero_dim(count):
+        if count.op != "call_function" or count.target not in _FULL_SUM_OPS or not zero_dim(count):
             continue
-        inner = _batch_ancestors(count)
+        inner = batch_ancestors(count)
         assert inner is not None
         chain = seen - inner
         if all(n.op != "placeholder" and all(i in chain or i is count for i in n.all_input_nodes) for n in chain) \
@@ -233,93 +235,20 @@ def _drawn_divisor(value: torch.fx.Node) -> str | None:
         return None
     total, source = past_value_keeping(total), past_value_keeping(count)
     summed = (total.op == "call_function" and total.target in _FULL_SUM_OPS) or _reduction(total) == _SUM
-    if not summed or not _zero_dim(total) or not _zero_dim(count) or source.op != "call_function" \
+    if not summed or not zero_dim(total) or not zero_dim(count) or source.op != "call_function" \
             or source.target not in _FULL_SUM_OPS:
         return None
-    draw = next((n for n in _all_ancestors(count) if is_sampler(n)), None)
-    if draw is None or not _varies_with_draws(count, lambda v: v):
+    draw = next((n for n in all_ancestors(count) if is_sampler(n)), None)
+    if draw is None or not varies_with_draws(count, lambda v: v):
         return None  # (ViTMAE's mask: the draw orders each row's patches, every row keeps as many)
     line = source_line(draw)
     return f"a random draw (op {draw.target}" + (f", source {line}" if line else "") + ")"
 
 
-def _varies_with_draws(node: torch.fx.Node, count: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether ``count(value of node)`` differs between a few seeds of the draws it is computed from,
-    the batch inputs held fixed (made up from their shapes): a mask drawn with a number of positions
-    drawn per row (MaskGIT's cosine schedule) does, a permutation of a fixed mask (ViTMAE's) does not.
-    True where it cannot be computed so (refused: no piece's count known)."""
-    gm = node.graph.owning_module
-    if gm is None:
-        return True
-    keep = set(_all_ancestors(node))
-    runner = torch.fx.Interpreter(gm)
-    gen = torch.Generator().manual_seed(0)
-    inputs = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and n in keep:
-            val = n.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                return True
-            shape = [int(d) for d in val.shape]
-            inputs[n] = torch.randn(shape, generator=gen, dtype=val.dtype) if val.is_floating_point() else \
-                torch.ones(shape, dtype=val.dtype) if val.dtype is torch.bool else \
-                torch.randint(1, 8, shape, generator=gen, dtype=val.dtype)  # (no label 0 or -100 to ignore)
-    seen: set[float] = set()
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for seed in range(4):
-                torch.manual_seed(seed)
-                runner.env = dict(inputs)
-                for n in gm.graph.nodes:
-                    if n in keep and n.op != "placeholder":
-                        runner.env[n] = runner.run_node(n)
-                seen.add(float(count(runner.env[node])))
-    except Exception:  # noqa: BLE001 - not computable on made-up inputs: taken as varying
-        return True
-    return len(seen) > 1
-
-
-def _batch_ancestors(node: torch.fx.Node) -> set[torch.fx.Node] | None:
-    """``node`` and every node it is computed from, or None when any of them is not a batch input or
-    an op (a parameter, a buffer) or draws random numbers (mixup's ``y[randperm]``)."""
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op not in ("placeholder", "call_function") or is_sampler(n):
-            return None
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _copy_nodes(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]
-                ) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node], list[int]]:
-    """A new graph holding ``gm``'s nodes in ``keep`` (in order), the map from them to their copies,
-    and the batch positions of the placeholders kept."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs = []
-    for node in gm.graph.nodes:
-        if node in keep:
-            env[node] = graph.node_copy(node, lambda x: env[x])
-            if node.op == "placeholder":
-                inputs.append(placeholders.index(node))
-    return graph, env, inputs
-
-
-def _zero_dim(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dim() == 0
-
-
 def _divisor_counter(gm: torch.fx.GraphModule, ratio: _Ratio, *, loss: str) -> TokenCounter:
     """A counter graph that computes the count of ``ratio`` (:func:`_count_divisor`) on a piece, in
     float64, and the graph of the divisor as a function of the count (where it is not the count itself)."""
-    graph, env, inputs = _copy_nodes(gm, ratio.ancestors)
+    graph, env, inputs = copy_nodes(gm, ratio.ancestors)
     graph.output(graph.call_function(aten._to_copy.default, (env[ratio.counted],), {"dtype": torch.float64}))
     divisor = None
     if ratio.multiplies or any(n.target not in VALUE_KEEPING for n in ratio.chain):  # not the count itself
@@ -365,49 +294,6 @@ def _unscaled(value: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-_NUMBER_SCALINGS = {aten.mul.Tensor: (0, 1), aten.mul.Scalar: (0,), aten.div.Tensor: (0,), aten.div.Scalar: (0,)}
-"""Ops that scale a loss by a number, and which of their two arguments may be the loss."""
-
-
-def _past_numbers(value: torch.fx.Node, rows: int | None) -> torch.fx.Node:
-    """The loss ``value`` is ``-``, or times or over numbers, of (``0.5 * mse_sum``, ``kl_sum / 7``);
-    ``value`` itself if none: each piece's loss carries the same factor, so the pieces weigh as the
-    loss's own. With ``rows``, a division by a multiple of the graph's rows ends the walk: the capture
-    bakes ``x.size(0)`` in as a number, and such a sum is a mean over rows (:func:`_divided_by_rows`)."""
-    while value.op == "call_function":
-        if value.target is aten.neg.default and isinstance(value.args[0], torch.fx.Node):
-            value = past_value_keeping(value.args[0])
-            continue
-        if value.target not in _NUMBER_SCALINGS or len(value.args) != 2 or value.kwargs:
-            return value
-        for i in _NUMBER_SCALINGS[value.target]:
-            loss, factor = value.args[i], value.args[1 - i]
-            if isinstance(loss, torch.fx.Node) and isinstance(factor, (int, float)) and not isinstance(factor, bool):
-                if value.target in (aten.div.Tensor, aten.div.Scalar) and _multiple_of_rows(factor, rows):
-                    return value
-                value = past_value_keeping(loss)
-                break
-        else:
-            return value
-    return value
-
-
-def _multiple_of_rows(number: object, rows: int | None) -> bool:
-    """Whether ``number`` is a positive multiple of the graph's ``rows``: ``x.size(0)``, or the tokens
-    of ``logits.view(-1, V)`` (``rows x positions``), as the capture bakes them in."""
-    return rows is not None and rows > 0 and isinstance(number, (int, float)) and not isinstance(number, bool) \
-        and number > 0 and number % rows == 0
-
-
-def _rows(gm: torch.fx.GraphModule) -> int | None:
-    """The graph's batch rows: dim 0 of its first input with dims (what the runtime cuts)."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
-            return int(val.shape[0]) if isinstance(val.shape[0], int) else None
-    return None
-
-
 def _divided_by_rows(node: torch.fx.Node, rows: int | None, output: torch.fx.Node) -> bool:
     """Whether every path from ``node`` to the graph's output passes a division by a multiple of the
     graph's rows (``kl_div(reduction="batchmean")``, of token logits ``view(-1, V)`` too, a VAE's
@@ -427,7 +313,7 @@ def _divided_by_rows(node: torch.fx.Node, rows: int | None, output: torch.fx.Nod
             if user is output:
                 return False
             if user.target in (aten.div.Tensor, aten.div.Scalar) and user.args[0] is n \
-                    and _multiple_of_rows(user.args[1], rows):
+                    and multiple_of_rows(user.args[1], rows):
                 continue
             stack.append(user)
     return True
@@ -474,7 +360,7 @@ def _labels_of(value: torch.fx.Node) -> _Labels | None:
     target = kwargs.get("target")
     if not isinstance(target, torch.fx.Node):
         return None
-    seen = _batch_ancestors(target)
+    seen = batch_ancestors(target)
     if seen is None:
         return None  # labels computed from parameters, buffers or a draw (mixup's y[randperm]): not the batch's
     return target, int(kwargs.get("ignore_index", -100)), seen, weight  # type: ignore[call-overload]
@@ -493,12 +379,12 @@ def _uncounted(value: torch.fx.Node) -> str | None:
             or (weight is not None and not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr")):
         return None  # (counted, or class weights the model computes: kind "opaque")
     ignore = int(kwargs.get("ignore_index", -100))  # type: ignore[call-overload]
-    nodes = _all_ancestors(target)
+    nodes = all_ancestors(target)
     if not any(_gives(n, ignore) for n in nodes):
         return None
     source = next((n for n in nodes if is_sampler(n)), None)
     what = "a random draw"
-    if source is not None and not _varies_with_draws(target, lambda v: (v != ignore).sum()):
+    if source is not None and not varies_with_draws(target, lambda v: (v != ignore).sum()):
         return None  # every draw keeps as many labels (a fixed number per row): the plain mean is exact
     if source is None:
         source = next((n for n in nodes if n.op == "get_attr" and not _is_body(n)), None)
@@ -507,21 +393,6 @@ def _uncounted(value: torch.fx.Node) -> str | None:
         return None
     line = source_line(source)
     return f"{what} (op {source.target}" + (f", source {line}" if line else "") + ")"
-
-
-def _all_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """``node`` and every node it is computed from, with the nodes of the higher-order ops' bodies
-    among them (a mask drawn inside ``with torch.no_grad():``)."""
-    seen: dict[torch.fx.Node, None] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen[n] = None
-        stack.extend(n.all_input_nodes)
-        stack.extend(inner for body in bodies(n) for inner in body.graph.nodes)
-    return list(seen)
 
 
 def _is_body(node: torch.fx.Node) -> bool:
@@ -546,7 +417,7 @@ def _build(gm: torch.fx.GraphModule, labels: list[_Labels], *, loss: str, exact:
     """A counter graph: the ops ``labels`` are computed with, then each one's count of labels kept
     (one scalar, or a vector of one count per token mean when there are several): int64, or the
     sum of the kept labels' class weights in float64 where a token mean has them."""
-    graph, env, inputs = _copy_nodes(gm, set().union(*(ancestors for _, _, ancestors, _ in labels)))
+    graph, env, inputs = copy_nodes(gm, set().union(*(ancestors for _, _, ancestors, _ in labels)))
     root = torch.nn.Module()
     weighted = any(w is not None for *_, w in labels)
     counts = []
