@@ -105,8 +105,11 @@ def _divided(counter: TokenCounter, counts: list[list[Any]], dp_index: int) -> l
     assert counter.divisor is not None
     dp, m = len(counts), len(counts[0])
     flat = [n for row in counts for n in row]
+    count = next(n for n in counter.divisor.graph.nodes if n.op == "placeholder").meta.get("val")
+    device = count.device if isinstance(count, torch.Tensor) else torch.device("cpu")  # the graph's constants'
     with torch.no_grad():
-        divisors = [float(counter.divisor(torch.tensor(float(n), dtype=torch.float64))) for n in (*flat, sum(flat))]
+        divisors = [float(counter.divisor(torch.tensor(float(n), dtype=torch.float64, device=device)))
+                    for n in (*flat, sum(flat))]
     whole = divisors.pop()
     if whole == 0 or not math.isfinite(whole):
         return None

@@ -81,17 +81,19 @@ def varies_with_draws(node: torch.fx.Node, count: Callable[[torch.Tensor], torch
         return True
     keep = set(all_ancestors(node))
     runner = torch.fx.Interpreter(gm)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # lint: cpu -- made-up inputs, seeded, then moved
     inputs = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n in keep:
             val = n.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 return True
-            shape = [int(d) for d in val.shape]
-            inputs[n] = torch.randn(shape, generator=gen, dtype=val.dtype) if val.is_floating_point() else \
-                torch.ones(shape, dtype=val.dtype) if val.dtype is torch.bool else \
-                torch.randint(1, 8, shape, generator=gen, dtype=val.dtype)  # (no label 0 or -100 to ignore)
+            shape, host = [int(d) for d in val.shape], torch.device("cpu")
+            # lint: cpu -- made up on the host from a seeded generator, then put where the capture's values are
+            made = torch.randn(shape, generator=gen, dtype=val.dtype, device=host) if val.is_floating_point() else \
+                torch.ones(shape, dtype=val.dtype, device=host) if val.dtype is torch.bool else \
+                torch.randint(1, 8, shape, generator=gen, dtype=val.dtype, device=host)  # (no label 0 or -100)
+            inputs[n] = made.to(val.device)
     seen: set[float] = set()
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():

@@ -262,6 +262,7 @@ def _divisor_graph(gm: torch.fx.GraphModule, ratio: _Ratio) -> torch.fx.GraphMod
     of the factor where the loss multiplies by it)."""
     graph = torch.fx.Graph()
     env = {ratio.counted: graph.placeholder("count")}
+    env[ratio.counted].meta["val"] = ratio.counted.meta.get("val")  # its device: where the count is made
     for node in gm.graph.nodes:
         if node in ratio.chain:
             env[node] = graph.node_copy(node, lambda x: env[x])

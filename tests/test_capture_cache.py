@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fairscale
+from fairscale.testing.reference import start_again
 import fairscale.capture_cache as cache
 from fairscale.capture_cache import model_state, rank_capture
 from fairscale.compile_check import checker_for
@@ -133,6 +134,7 @@ def test_the_compile_check_and_the_ranks_share_one_capture() -> None:
         # the model is now guarded (and behind its ranks): a second plan of it, as the corpus's
         # ranks make, still finds the capture (the guard's hook changes no graph)
         del pm
+        start_again(case.model)  # from the initial weights, as the corpus does (else it refuses to train)
         again = fairscale.parallelize(case.model, example_inputs=batch, loss_fn=case.loss_fn, plan=plan)
         assert again.train_step(batch) == loss
         return loss
