@@ -71,8 +71,32 @@ def own(pm: Any) -> None:
 def check_owned(model: nn.Module) -> str:
     """Raise if ``model`` shares a trainable parameter with the model of another live
     ParallelModule; return why it is behind a ParallelModule's ranks ("" when it is not)."""
-    gc.collect()  # a module the script dropped (del pm) holds nothing
     mine = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    found = _shared(model, mine)
+    if found is not None:  # a module the script dropped (del pm) but a cycle keeps holds nothing: collect first
+        gc.collect()  # (only here: a full collection in every rank forked from a large process is slow)
+        found = _shared(model, mine)
+    if found is not None:
+        other, shared = found
+        listed = ", ".join(dict.fromkeys(shared[:4])) + (" ..." if len(shared) > 4 else "")
+        raise SharedWeightsError(
+            f"fairscale.parallelize: the {type(model).__name__} given shares trainable parameters ({listed}) with "
+            f"the {type(other).__name__} of a ParallelModule that is still open; each ParallelModule trains its "
+            "own copy of its model's weights on its ranks, so what one trains never reaches the other (a GAN's "
+            "generator loss would run against a discriminator that never moves; two losses stepped in turn over "
+            "the same weights cannot be split over two modules). Parallelize one model whose forward computes "
+            "the loss over all of them, or close the other module first (pm.close(), every rank); parameters "
+            "frozen (requires_grad=False) in both may be shared")
+    for path, module in model.named_modules():
+        why = behind_since(module)
+        if why:
+            return f"{f'its submodule {path}' if path else 'the model'} ({type(module).__name__}) was behind since {why}"
+    return ""
+
+
+def _shared(model: nn.Module, mine: dict[int, str]) -> tuple[nn.Module, list[str]] | None:
+    """The model of a live ParallelModule (not ``model`` itself) that shares a trainable parameter with
+    ``model`` (``mine``: its parameters' ids and names), and the names of those; None if none does."""
     for pm in list(_LIVE):
         other = None if pm.retired else pm._user_model()
         if other is None or other is model:  # the same model again: behind (below) once its module trained
@@ -81,20 +105,8 @@ def check_owned(model: nn.Module) -> str:
         shared = [mine[id(p)] for name, p in other.named_parameters(remove_duplicate=False)
                   if id(p) in mine and (p.requires_grad or compiled.get(name, False))]
         if shared:
-            listed = ", ".join(dict.fromkeys(shared[:4])) + (" ..." if len(shared) > 4 else "")
-            raise SharedWeightsError(
-                f"fairscale.parallelize: the {type(model).__name__} given shares trainable parameters ({listed}) with "
-                f"the {type(other).__name__} of a ParallelModule that is still open; each ParallelModule trains its "
-                "own copy of its model's weights on its ranks, so what one trains never reaches the other (a GAN's "
-                "generator loss would run against a discriminator that never moves; two losses stepped in turn over "
-                "the same weights cannot be split over two modules). Parallelize one model whose forward computes "
-                "the loss over all of them, or close the other module first (pm.close(), every rank); parameters "
-                "frozen (requires_grad=False) in both may be shared")
-    for path, module in model.named_modules():
-        why = behind_since(module)
-        if why:
-            return f"{f'its submodule {path}' if path else 'the model'} ({type(module).__name__}) was behind since {why}"
-    return ""
+            return other, shared
+    return None
 
 
 def started_behind(pm: Any, model: nn.Module, why: str) -> None:

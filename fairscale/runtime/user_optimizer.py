@@ -79,8 +79,16 @@ def refuse_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
 
 def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The learning-rate schedulers alive that hold ``optimizer`` (those a script dropped are collected first)."""
-    gc.collect()
+    """The learning-rate schedulers alive that hold ``optimizer`` (those a script dropped are collected
+    first, where any is found: a full collection in a large process is slow)."""
+    held = _holding(optimizer)
+    if held:
+        gc.collect()
+        held = _holding(optimizer)
+    return held
+
+
+def _holding(optimizer: torch.optim.Optimizer) -> list[Any]:
     refs = gc.get_referrers(optimizer)
     held = [o for o in refs if isinstance(o, _SCHEDULERS)]
     held += [o for d in refs if isinstance(d, dict) for o in gc.get_referrers(d)
