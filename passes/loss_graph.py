@@ -11,27 +11,12 @@ import torch
 import torch.fx
 
 from passes.ops.random_ops import is_sampler
-from planner.graph import bodies, past_value_keeping
+from planner.graph import ancestors, past_value_keeping
 
-__all__ = ["all_ancestors", "batch_ancestors", "copy_nodes", "zero_dim", "varies_with_draws", "NUMBER_SCALINGS",
+__all__ = ["batch_ancestors", "copy_nodes", "zero_dim", "varies_with_draws", "NUMBER_SCALINGS",
            "past_numbers", "multiple_of_rows", "graph_rows"]
 
 aten = torch.ops.aten
-
-
-def all_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """``node`` and every node it is computed from, with the nodes of the higher-order ops' bodies
-    among them (a mask drawn inside ``with torch.no_grad():``)."""
-    seen: dict[torch.fx.Node, None] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen[n] = None
-        stack.extend(n.all_input_nodes)
-        stack.extend(inner for body in bodies(n) for inner in body.graph.nodes)
-    return list(seen)
 
 
 def batch_ancestors(node: torch.fx.Node) -> set[torch.fx.Node] | None:
@@ -79,7 +64,7 @@ def varies_with_draws(node: torch.fx.Node, count: Callable[[torch.Tensor], torch
     gm = node.graph.owning_module
     if gm is None:
         return True
-    keep = set(all_ancestors(node))
+    keep = set(ancestors(node, into_bodies=True))
     runner = torch.fx.Interpreter(gm)
     gen = torch.Generator(device="cpu").manual_seed(0)  # lint: cpu -- made-up inputs, seeded, then moved
     inputs = {}

@@ -46,12 +46,12 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from passes.loss_count import TokenCounter
-from passes.loss_graph import (all_ancestors, batch_ancestors, copy_nodes, graph_rows, multiple_of_rows, past_numbers,
+from passes.loss_graph import (batch_ancestors, copy_nodes, graph_rows, multiple_of_rows, past_numbers,
                                 varies_with_draws, zero_dim)
 from passes.ops.random_ops import is_sampler
 import planner.ctc_capture  # noqa: F401 - registers fairscale::ctc_loss_rows
 from planner.batch_stats import source_line
-from planner.graph import VALUE_KEEPING, past_value_keeping
+from planner.graph import VALUE_KEEPING, ancestors, past_value_keeping
 
 __all__ = ["TokenCounter", "token_counter"]
 
@@ -238,7 +238,7 @@ def _drawn_divisor(value: torch.fx.Node) -> str | None:
     if not summed or not zero_dim(total) or not zero_dim(count) or source.op != "call_function" \
             or source.target not in _FULL_SUM_OPS:
         return None
-    draw = next((n for n in all_ancestors(count) if is_sampler(n)), None)
+    draw = next((n for n in ancestors(count, into_bodies=True) if is_sampler(n)), None)
     if draw is None or not varies_with_draws(count, lambda v: v):
         return None  # (ViTMAE's mask: the draw orders each row's patches, every row keeps as many)
     line = source_line(draw)
@@ -380,7 +380,7 @@ def _uncounted(value: torch.fx.Node) -> str | None:
             or (weight is not None and not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr")):
         return None  # (counted, or class weights the model computes: kind "opaque")
     ignore = int(kwargs.get("ignore_index", -100))  # type: ignore[call-overload]
-    nodes = all_ancestors(target)
+    nodes = ancestors(target, into_bodies=True)
     if not any(_gives(n, ignore) for n in nodes):
         return None
     source = next((n for n in nodes if is_sampler(n)), None)

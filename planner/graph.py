@@ -93,6 +93,23 @@ def bodies(node: torch.fx.Node, owner: Any = None) -> list[torch.fx.GraphModule]
     return found
 
 
+def ancestors(node: torch.fx.Node, *, into_bodies: bool = False) -> list[torch.fx.Node]:
+    """``node`` and every node it is computed from, in the order a depth-first walk meets them; with
+    ``into_bodies``, the nodes of the higher-order ops' bodies among them too (a mask drawn inside
+    ``with torch.no_grad():``)."""
+    seen: dict[torch.fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+        if into_bodies:
+            stack.extend(inner for body in bodies(n) for inner in body.graph.nodes)
+    return list(seen)
+
+
 def impure(node: torch.fx.Node, owner: Any = None) -> bool:
     """Whether dead-code elimination must keep ``node`` though nothing reads it: ``Node.is_impure``
     (in-place and random ops), or a higher-order op whose body holds such a node. Export puts a

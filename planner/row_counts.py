@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.operator_schemas import normalize_function
 
 from planner.batch_stats import source_line
-from planner.graph import META_MODULE
+from planner.graph import META_MODULE, ancestors
 from planner.plan import KEEP_BATCH_WHOLE
 
 __all__ = ["batch_counts", "batch_count_problem"]
@@ -40,7 +40,7 @@ def batch_counts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes of ``gm`` the loss reads that are counts of the batch's values (module docstring),
     in graph order."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    read = _ancestors(out)
+    read = set(ancestors(out))
     batch_only: dict[torch.fx.Node, bool] = {}
     found = []
     for node in gm.graph.nodes:
@@ -100,17 +100,6 @@ def _selection(node: torch.fx.Node) -> torch.fx.Node:
 def _data_sized(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and bool(free_unbacked_symbols(val.shape))
-
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _constant(node: torch.fx.Node, batch_only: dict[torch.fx.Node, bool]) -> bool:

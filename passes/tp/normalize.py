@@ -34,7 +34,7 @@ from torch.fx import Node
 from passes.graph_utils import per_graph
 from passes.split_stages import META_STAGE, META_STAGES
 from planner.fx_module import graph_module
-from planner.graph import META_LAYER, META_MODULE, META_PARAM
+from planner.graph import META_LAYER, META_MODULE, META_PARAM, ancestors
 
 __all__ = ["needs_normalizing", "to_aten"]
 
@@ -224,13 +224,7 @@ def _template(gm: torch.fx.GraphModule | None) -> _Template | None:
         (result,) = srcs
     if not isinstance(result, Node) or any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
-    needed: set[Node] = set()
-    stack = [result]
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
+    needed = set(ancestors(result))
     body = [n for n in gm.graph.nodes if n in needed and n.op != "placeholder"]
     return _Template(placeholders=placeholders, body=body, result=result)
 
